@@ -1,0 +1,40 @@
+# threed: `make demo` and `make test` set everything up themselves (a venv in .venv, once).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# DeepSpeed JIT-compiles a CPU comm op on first use; keep its build cache out of the repo.
+export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/threed/torch_extensions
+export OMP_NUM_THREADS ?= 1
+export TOKENIZERS_PARALLELISM := false
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+.PHONY: venv demo test test-slow test-slurm bench convert export clean
+
+venv: $(STAMP)
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	# torch first, pinned: it takes the CPU wheel on disk instead of pulling a multi-GB CUDA build.
+	$(VENV)/bin/pip install -q torch==2.13.0
+	$(VENV)/bin/pip install -q --no-build-isolation -e '.[test]' || $(VENV)/bin/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	bash tools/demo.sh
+
+test: $(STAMP)
+	$(PY) -m pytest -x -q --durations=15 tests
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow tests
+
+test-slurm: $(STAMP)
+	$(PY) -m pytest -q -m 'slurm and slow' tests
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_model.py
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,248 @@
+"""Typed, validated configuration for a 3D-parallel Llama run.
+
+One `RunConfig` holds everything; `RunConfig.validate(world_size)` checks the parallel and batch arithmetic with
+messages that name the numbers and the fix; `deepspeed_config()` derives the DeepSpeed JSON (nothing else in the
+repo writes it).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run. The message names the numbers and how to fix them."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1 frequency-dependent RoPE scaling (HF `rope_type: llama3`)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    ffn_hidden_size: int
+    max_position_embeddings: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    rope_scaling: Optional[RopeScaling] = None
+    # The embedding and LM head are padded to a multiple of this times TP so every TP rank holds an equal slice
+    # (Megatron's --make-vocab-size-divisible-by). The LM head masks padded logits to -inf, so the loss and its
+    # gradients are exactly those of the unpadded (HF) model.
+    make_vocab_size_divisible_by: int = 128
+    init_std: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def padded_vocab_size(self, tp: int) -> int:
+        multiple = self.make_vocab_size_divisible_by * tp
+        return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+    def num_params(self) -> int:
+        """Parameter count of the unpadded model (untied embeddings, no biases)."""
+        h, f, v, d = self.hidden_size, self.ffn_hidden_size, self.vocab_size, self.head_dim
+        attn = h * (self.num_heads * d) + 2 * h * (self.num_kv_heads * d) + (self.num_heads * d) * h
+        block = attn + 3 * h * f + 2 * h
+        return self.num_layers * block + 2 * v * h + h
+
+    def validate(self) -> None:
+        if self.hidden_size % self.num_heads:
+            raise ConfigError(
+                f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}; "
+                f"pick a hidden size that is a multiple of the head count"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads} (GQA groups "
+                f"must be equal); use a kv head count that divides {self.num_heads}"
+            )
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Degrees of parallelism. dp is derived from the world size: dp = world / (tp * pp)."""
+
+    tp: int = 1
+    pp: int = 1
+
+    def dp(self, world_size: int) -> int:
+        return world_size // (self.tp * self.pp)
+
+    def validate(self, model: ModelConfig, world_size: int) -> None:
+        tp, pp = self.tp, self.pp
+        if tp < 1 or pp < 1:
+            raise ConfigError(f"tp={tp} and pp={pp} must both be >= 1")
+        if world_size % (tp * pp):
+            raise ConfigError(
+                f"world size {world_size} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}; "
+                f"world = tp x pp x dp, so launch a multiple of {tp * pp} ranks or change tp/pp"
+            )
+        for what, n in (("num_heads", model.num_heads), ("num_kv_heads", model.num_kv_heads)):
+            if n % tp:
+                raise ConfigError(
+                    f"tp={tp} does not divide {what}={n}; every TP rank must hold whole heads. "
+                    f"Use a tp that divides {n}"
+                )
+        padded = model.padded_vocab_size(tp)
+        if padded % tp:
+            raise ConfigError(f"tp={tp} does not divide the padded vocab {padded}; fix make_vocab_size_divisible_by")
+        if pp > model.num_layers:
+            raise ConfigError(
+                f"pp={pp} is larger than num_layers={model.num_layers}: a pipeline stage would hold no "
+                f"transformer block. Use pp <= {model.num_layers}"
+            )
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    micro_batch_size: int = 1
+    grad_accum_steps: Optional[int] = None  # derived from global_batch_size when None
+    global_batch_size: Optional[int] = None  # derived as micro * gas * dp when None
+    seq_length: int = 128
+    steps: int = 10
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    warmup_steps: int = 0
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+    dtype: Literal["bf16", "fp32"] = "bf16"
+    grad_accum_dtype: Literal["fp32"] = "fp32"  # bf16 accumulation drifts under PP x GAS (DeepSpeed #1800)
+    seed: int = 1234
+    log_interval: int = 1
+    activation_checkpointing: bool = False
+    partition_method: str = "type:LlamaBlock"
+    zero_stage: int = 1
+
+    def resolve_batch(self, dp: int) -> tuple[int, int, int]:
+        """(micro, gas, global) with global = micro * gas * dp, checked, where dp is the data-parallel size."""
+        micro, gas, glob = self.micro_batch_size, self.grad_accum_steps, self.global_batch_size
+        if micro < 1:
+            raise ConfigError(f"micro_batch_size must be >= 1, got {micro}")
+        if gas is None and glob is None:
+            gas = 1
+        if gas is None:
+            assert glob is not None
+            if glob % (micro * dp):
+                raise ConfigError(
+                    f"global_batch_size {glob} is not divisible by micro_batch_size x dp = {micro} x {dp} = "
+                    f"{micro * dp}; use a global batch that is a multiple of {micro * dp}"
+                )
+            gas = glob // (micro * dp)
+        expected = micro * gas * dp
+        if glob is not None and glob != expected:
+            raise ConfigError(
+                f"train_batch_size must equal micro x gas x dp = {micro} x {gas} x {dp} = {expected}, got "
+                f"global_batch_size {glob}. dp is world / (tp x pp), not the world size; drop one of "
+                f"grad_accum_steps / global_batch_size or make them agree"
+            )
+        if gas < 1:
+            raise ConfigError(f"grad_accum_steps must be >= 1, got {gas}")
+        return micro, gas, expected
+
+    def validate(self, model: ModelConfig) -> None:
+        if self.seq_length > model.max_position_embeddings:
+            raise ConfigError(
+                f"seq_length {self.seq_length} exceeds max_position_embeddings "
+                f"{model.max_position_embeddings} of {model.name}; use seq_length <= "
+                f"{model.max_position_embeddings}"
+            )
+        if self.dtype not in ("bf16", "fp32"):
+            raise ConfigError(f"dtype must be 'bf16' or 'fp32', got {self.dtype!r}")
+        if self.grad_accum_dtype != "fp32":
+            raise ConfigError(
+                f"grad_accum_dtype must be 'fp32' (got {self.grad_accum_dtype!r}): bf16 gradient accumulation "
+                f"across micro-batches and pipeline stages loses precision and diverges"
+            )
+        if self.zero_stage not in (0, 1):
+            raise ConfigError(
+                f"zero_stage {self.zero_stage} is not allowed: DeepSpeed pipelines support ZeRO 0 or 1 only"
+            )
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: Optional[str] = field(default=None, metadata={"flag": "data"})  # token file from `threed tokenize`
+    tokenizer: Optional[str] = None  # sentencepiece .model, recorded in checkpoints for export
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    save: Optional[str] = None
+    save_interval: int = 0  # 0: only at the end
+    load: Optional[str] = None  # full resume (weights, optimizer, scheduler, step); must exist
+    init_from: Optional[str] = None  # weights only, e.g. a converted HF checkpoint; must exist
+    auto_resume: bool = True  # resume from `save` when it already holds a checkpoint (preemption / requeue)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: ModelConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def validate(self, world_size: int) -> None:
+        self.model.validate()
+        self.parallel.validate(self.model, world_size)
+        self.train.validate(self.model)
+        self.train.resolve_batch(self.parallel.dp(world_size))
+        if self.checkpoint.load and self.checkpoint.init_from:
+            raise ConfigError("give either load (full resume) or init_from (weights only), not both")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "RunConfig":
+        m = dict(d["model"])
+        if m.get("rope_scaling"):
+            m["rope_scaling"] = RopeScaling(**m["rope_scaling"])
+        return RunConfig(
+            model=ModelConfig(**m),
+            parallel=ParallelConfig(**d.get("parallel", {})),
+            train=TrainConfig(**d.get("train", {})),
+            data=DataConfig(**d.get("data", {})),
+            checkpoint=CheckpointConfig(**d.get("checkpoint", {})),
+        )
+
+
+def deepspeed_config(cfg: RunConfig, world_size: int) -> dict[str, Any]:
+    """The one place that writes DeepSpeed's config. The optimizer and LR schedule are client objects
+    (see `threed.optim`), so they are not in here."""
+    micro, gas, glob = cfg.train.resolve_batch(cfg.parallel.dp(world_size))
+    ds: dict[str, Any] = {
+        "train_batch_size": glob,
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": cfg.train.grad_clip,
+        "zero_optimization": {"stage": cfg.train.zero_stage},
+        # A torch AdamW under ZeRO-1 is exact (elementwise on flat partitions) and matches a plain torch run.
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,  # we log ourselves, with tokens/s and MFU
+        "wall_clock_breakdown": False,
+        "pipeline": {"activation_checkpoint_interval": 1 if cfg.train.activation_checkpointing else 0},
+    }
+    if cfg.train.dtype == "bf16":
+        ds["bf16"] = {"enabled": True}
+        # fp32 gradient accumulation selects DeepSpeed's BF16_Optimizer (fp32 master weights and grads).
+        ds["data_types"] = {"grad_accum_dtype": cfg.train.grad_accum_dtype}
+    return ds

@@ -1,0 +1,1 @@
+"""HF <-> threed checkpoint conversion."""

@@ -1,0 +1,109 @@
+"""Process groups: the one place that picks the device and backend, and that ties DeepSpeed's grid to
+megatron-core's parallel state.
+
+Both libraries build their own process groups. They must agree rank for rank (a TP all-reduce inside a megatron
+layer and DeepSpeed's gradient all-reduce over DP must see the same partners), so `check_groups_agree` compares
+them on every rank at start-up.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Runtime:
+    device: torch.device
+    backend: str
+    rank: int
+    world_size: int
+    local_rank: int
+
+
+def device_and_backend() -> tuple[torch.device, str]:
+    """nccl + cuda where a GPU is visible, gloo + cpu otherwise. Nothing else in the repo picks either."""
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank), "nccl"
+    return torch.device("cpu"), "gloo"
+
+
+def init_distributed() -> Runtime:
+    """Initialise torch.distributed through DeepSpeed (env:// from torchrun or our own launcher).
+
+    A single process without torchrun's environment becomes a world of one, so `python -m threed.train`
+    runs as is.
+    """
+    import deepspeed
+
+    device, backend = device_and_backend()
+    if not dist.is_initialized():
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    return Runtime(device=device, backend=backend, rank=dist.get_rank(), world_size=dist.get_world_size(),
+                   local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_megatron_parallel_state(tp: int, pp: int) -> None:
+    """megatron-core's groups, in its default order tp-cp-ep-dp-pp: tp fastest, then dp, then pp, which is
+    the rank order of DeepSpeed's PipeModelDataParallelTopology (axes pipe, data, model)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+
+
+class GroupMismatch(RuntimeError):
+    pass
+
+
+def check_groups_agree(grid) -> dict[str, list[int]]:
+    """Assert megatron-core's TP/DP/PP groups equal DeepSpeed's grid groups on this rank. Returns the groups."""
+    from megatron.core import parallel_state as ps
+
+    ours = {
+        "tp": dist.get_process_group_ranks(ps.get_tensor_model_parallel_group()),
+        "dp": dist.get_process_group_ranks(ps.get_data_parallel_group()),
+        "pp": dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group()),
+    }
+    topo = grid._topo
+    rank = dist.get_rank()
+    theirs = {
+        "tp": _axis_group(topo, "model", rank),
+        "dp": _axis_group(topo, "data", rank),
+        "pp": _axis_group(topo, "pipe", rank),
+    }
+    ranks_ok = (ps.get_tensor_model_parallel_rank() == grid.get_slice_parallel_rank()
+                and ps.get_pipeline_model_parallel_rank() == grid.get_stage_id()
+                and ps.get_data_parallel_rank() == grid.get_data_parallel_rank())
+    if {k: sorted(v) for k, v in ours.items()} != {k: sorted(v) for k, v in theirs.items()} or not ranks_ok:
+        raise GroupMismatch(
+            f"rank {rank}: megatron-core groups {ours} differ from DeepSpeed's grid {theirs}. Both must order "
+            f"ranks tp fastest, then dp, then pp (megatron order 'tp-cp-ep-dp-pp', DeepSpeed "
+            f"PipeModelDataParallelTopology)"
+        )
+    return ours
+
+
+def _axis_group(topo, axis: str, rank: int) -> list[int]:
+    for group in topo.get_axis_comm_lists(axis):
+        if rank in group:
+            return list(group)
+    return [rank]  # axis of size 1: DeepSpeed lists no groups

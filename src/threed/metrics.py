@@ -1,0 +1,42 @@
+"""Throughput accounting: tokens/s, model TFLOPs per device, MFU."""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from threed.config import ModelConfig
+
+# Dense bf16 peak TFLOPs per device (no sparsity), by substring of torch.cuda.get_device_name().
+_PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
+
+
+def flops_per_token(model: ModelConfig, seq_length: int) -> float:
+    """Training FLOPs per token (forward + backward, no recompute): 6 x matmul params + attention scores.
+
+    Matmul params exclude the input embedding (a lookup) but include the LM head; the attention term is
+    6 * layers * seq * hidden * 2 (QK^T and AV, full square as in the PaLM / Megatron MFU convention)."""
+    matmul_params = model.num_params() - model.vocab_size * model.hidden_size
+    return 6.0 * matmul_params + 12.0 * model.num_layers * seq_length * model.hidden_size
+
+
+def peak_tflops_per_device() -> Optional[float]:
+    """THREED_PEAK_TFLOPS overrides; otherwise known GPUs; None on CPU (MFU is then not reported)."""
+    if os.environ.get("THREED_PEAK_TFLOPS"):
+        return float(os.environ["THREED_PEAK_TFLOPS"])
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        for key, peak in _PEAK_BF16_TFLOPS.items():
+            if key in name:
+                return peak
+    return None
+
+
+def throughput(model: ModelConfig, seq_length: int, global_batch: int, step_seconds: float,
+               world_size: int) -> dict[str, Optional[float]]:
+    tokens_per_s = global_batch * seq_length / step_seconds
+    tflops = flops_per_token(model, seq_length) * tokens_per_s / world_size / 1e12
+    peak = peak_tflops_per_device()
+    return {"tokens_per_s": tokens_per_s, "tflops_per_device": tflops,
+            "mfu": tflops / peak if peak else None}

@@ -1,0 +1,134 @@
+"""The Llama layers as pipeline-stage modules: embedding, transformer block, final norm, LM head, and the loss.
+
+Tensor parallelism is megatron-core's: the block is its `TransformerLayer` built from local (non-TE) layers, with
+our SDPA core attention and our RoPE angles plugged in. Between pipeline stages one tensor travels: hidden states
+`[s, b, h]`. Positions (RoPE) are rebuilt on each stage from the sequence length; the causal mask is implicit.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                           vocab_parallel_cross_entropy)
+from megatron.core.tensor_parallel.utils import VocabUtility
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+
+from threed.config import ModelConfig
+from threed.model.attention import SDPACoreAttention
+from threed.model.rope import RotaryAngles
+
+
+def megatron_config(model: ModelConfig, tp: int, initialize: bool = True) -> TransformerConfig:
+    """megatron-core's TransformerConfig for one Llama block.
+
+    pipeline_model_parallel_size stays 1: DeepSpeed owns the pipeline, so megatron must not offset layer numbers
+    or assert its own layer split. Parameters are created in fp32 on CPU from one master weight
+    (`use_cpu_initialization`), so a model initialises identically at any TP size; DeepSpeed then casts and
+    moves it. `initialize=False` skips the random init when a checkpoint will overwrite every weight.
+    """
+    return TransformerConfig(
+        num_layers=model.num_layers, hidden_size=model.hidden_size, num_attention_heads=model.num_heads,
+        num_query_groups=model.num_kv_heads, ffn_hidden_size=model.ffn_hidden_size, kv_channels=model.head_dim,
+        normalization="RMSNorm", layernorm_epsilon=model.rms_norm_eps, add_bias_linear=False,
+        gated_linear_unit=True, activation_func=F.silu, bias_activation_fusion=False, hidden_dropout=0.0,
+        attention_dropout=0.0, apply_rope_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
+        persist_layer_norm=False, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
+        params_dtype=torch.float32, use_cpu_initialization=True, perform_initialization=initialize,
+        gradient_accumulation_fusion=False, sequence_parallel=False, init_method_std=model.init_std,
+    )
+
+
+LLAMA_BLOCK_SUBMODULES = TransformerLayerSubmodules(
+    input_layernorm=WrappedTorchNorm,
+    self_attention=ModuleSpec(
+        module=SelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear, core_attention=SDPACoreAttention,
+                                           linear_proj=RowParallelLinear, q_layernorm=IdentityOp,
+                                           k_layernorm=IdentityOp),
+    ),
+    self_attn_bda=get_bias_dropout_add,
+    pre_mlp_layernorm=WrappedTorchNorm,
+    mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                        linear_fc2=RowParallelLinear)),
+    mlp_bda=get_bias_dropout_add,
+)
+
+
+class EmbeddingPipe(torch.nn.Module):
+    """First stage: token ids `[b, s]` -> hidden `[s, b, h]` (megatron's sequence-first layout)."""
+
+    def __init__(self, model: ModelConfig, mcore: TransformerConfig):
+        super().__init__()
+        self.word_embeddings = VocabParallelEmbedding(
+            model.padded_vocab_size(mcore.tensor_model_parallel_size), model.hidden_size,
+            init_method=mcore.init_method, config=mcore)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.word_embeddings(tokens).transpose(0, 1).contiguous()
+
+
+class LlamaBlock(TransformerLayer):
+    """megatron-core's TransformerLayer taking and returning one tensor, with RoPE angles built per stage."""
+
+    def __init__(self, model: ModelConfig, mcore: TransformerConfig, layer_number: int):
+        super().__init__(config=mcore, submodules=LLAMA_BLOCK_SUBMODULES, layer_number=layer_number)
+        self.rotary = RotaryAngles(model)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        angles = self.rotary(hidden.shape[0], hidden.device)
+        out, _ = super().forward(hidden, attention_mask=None, rotary_pos_emb=angles)
+        return out
+
+
+class FinalNormPipe(torch.nn.Module):
+    def __init__(self, model: ModelConfig, mcore: TransformerConfig):
+        super().__init__()
+        self.norm = WrappedTorchNorm(config=mcore, hidden_size=model.hidden_size, eps=model.rms_norm_eps)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.norm(hidden)
+
+
+class LMHeadPipe(torch.nn.Module):
+    """Column-parallel LM head: `[s, b, h]` -> vocab-parallel logits `[s, b, padded_vocab / tp]`.
+
+    Logits of padding rows are set to -inf, so they take no probability mass: the loss and gradients equal the
+    unpadded model's, whatever values the padding rows hold.
+    """
+
+    def __init__(self, model: ModelConfig, mcore: TransformerConfig):
+        super().__init__()
+        tp = mcore.tensor_model_parallel_size
+        self.lm_head = ColumnParallelLinear(model.hidden_size, model.padded_vocab_size(tp), config=mcore,
+                                            init_method=mcore.init_method, bias=False, gather_output=False)
+        from megatron.core import parallel_state
+
+        per_rank = model.padded_vocab_size(tp) // tp
+        start, _ = VocabUtility.vocab_range_from_per_partition_vocab_size(
+            per_rank, parallel_state.get_tensor_model_parallel_rank(), tp)
+        self.first_padded_column = max(0, min(per_rank, model.vocab_size - start))
+        self.columns = per_rank
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits, _ = self.lm_head(hidden)
+        if self.first_padded_column < self.columns:
+            pad = torch.zeros(self.columns, dtype=torch.bool, device=logits.device)
+            pad[self.first_padded_column:] = True
+            logits = logits.masked_fill(pad, float("-inf"))
+        return logits
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy from vocab-parallel logits `[s, b, v/tp]` and labels `[b, s]`, in fp32,
+    without gathering the vocab."""
+    losses = vocab_parallel_cross_entropy(logits.float(), labels.transpose(0, 1).contiguous())
+    return losses.mean()

@@ -1,0 +1,65 @@
+"""How the Llama is parallelised: its layers as DeepSpeed `LayerSpec`s in a `PipelineModule` over a
+(pipe, data, model) topology, with megatron-core TP inside each layer.
+
+`pipeline_layers(model)` is the single source of the layer list. The converter derives checkpoint file indices
+(`layer_XX-model_YY-model_states.pt`) from it, so the two can never disagree.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from deepspeed.pipe import LayerSpec, PipelineModule
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+from threed.config import ModelConfig, RunConfig
+
+LayerKind = Literal["embedding", "block", "final_norm", "lm_head"]
+
+
+@dataclass(frozen=True)
+class PipelineLayer:
+    index: int  # position in the PipelineModule's layer list == DeepSpeed checkpoint file index
+    kind: LayerKind
+    block: int = -1  # transformer block number (0-based) for kind == "block"
+
+
+def pipeline_layers(model: ModelConfig) -> list[PipelineLayer]:
+    kinds: list[tuple[LayerKind, int]] = [("embedding", -1)]
+    kinds += [("block", i) for i in range(model.num_layers)]
+    kinds += [("final_norm", -1), ("lm_head", -1)]
+    return [PipelineLayer(index=i, kind=k, block=b) for i, (k, b) in enumerate(kinds)]
+
+
+def make_topology(tp: int, pp: int, dp: int) -> PipeModelDataParallelTopology:
+    # Axes (pipe, data, model): model (tp) varies fastest, then data, then pipe == megatron-core's order.
+    return PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
+
+
+def build_pipeline_module(cfg: RunConfig, world_size: int, initialize: bool = True) -> PipelineModule:
+    """Each rank instantiates only the LayerSpecs of its own stage."""
+    from threed.model.layers import (EmbeddingPipe, FinalNormPipe, LlamaBlock, LMHeadPipe, causal_lm_loss,
+                                     megatron_config)
+
+    mcore = megatron_config(cfg.model, cfg.parallel.tp, initialize=initialize)
+    specs: list[LayerSpec] = []
+    for layer in pipeline_layers(cfg.model):
+        if layer.kind == "embedding":
+            specs.append(LayerSpec(EmbeddingPipe, cfg.model, mcore))
+        elif layer.kind == "block":
+            specs.append(LayerSpec(LlamaBlock, cfg.model, mcore, layer.block + 1))
+        elif layer.kind == "final_norm":
+            specs.append(LayerSpec(FinalNormPipe, cfg.model, mcore))
+        else:
+            specs.append(LayerSpec(LMHeadPipe, cfg.model, mcore))
+    topology = make_topology(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp(world_size))
+    return PipelineModule(
+        layers=specs,
+        loss_fn=causal_lm_loss,
+        topology=topology,
+        partition_method=cfg.train.partition_method,
+        activation_checkpoint_interval=1 if cfg.train.activation_checkpointing else 0,
+        # Explicit, because DeepSpeed otherwise guesses from class names (it looks for "ParallelTransformerLayerPipe").
+        checkpointable_layers=["LlamaBlock"],
+        base_seed=cfg.train.seed,
+    )
