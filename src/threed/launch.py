@@ -1,0 +1,25 @@
+"""Start N local ranks with torchrun (what `threed verify` and the tests use). Under Slurm the slurm/ scripts
+start torchrun themselves; this is for a single machine."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Optional, Sequence
+
+
+def torchrun_command(nproc: int, module: str, args: Sequence[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "-m", module, *args]
+
+
+def run_ranks(nproc: int, module: str, args: Sequence[str], env: Optional[dict[str, str]] = None,
+              timeout: Optional[float] = None, capture: bool = True) -> subprocess.CompletedProcess:
+    """Run `python -m module args` on `nproc` local ranks; raises CalledProcessError with the output tail."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
+    proc = subprocess.run(torchrun_command(nproc, module, args), env=full_env, timeout=timeout, text=True,
+                          stdout=subprocess.PIPE if capture else None, stderr=subprocess.STDOUT if capture else None)
+    if proc.returncode != 0:
+        tail = (proc.stdout or "")[-6000:]
+        raise subprocess.CalledProcessError(proc.returncode, proc.args, output=tail)
+    return proc
