@@ -9,8 +9,10 @@ from typing import Optional, Sequence
 
 
 def torchrun_command(nproc: int, module: str, args: Sequence[str]) -> list[str]:
+    """`module` is a dotted module name, or a path to a script (ending in .py)."""
+    target = [module] if module.endswith(".py") else ["-m", module]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", module, *args]
+            *target, *args]
 
 
 def run_ranks(nproc: int, module: str, args: Sequence[str], env: Optional[dict[str, str]] = None,

@@ -1,0 +1,147 @@
+"""Multi-rank test scenarios, run under torchrun by the tests (one launch does several checks, since a launch
+costs ~15 s of start-up on 2 cores). Each writes its results under --out; the pytest side compares them with
+HuggingFace references computed in its own process.
+
+    python -m torch.distributed.run --nproc-per-node 4 tests/dist_worker.py parity --out /tmp/x
+    python -m torch.distributed.run --nproc-per-node 8 tests/dist_worker.py train --out /tmp/x --data tokens.bin
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from helpers import hf_model, model_config
+from threed.config import CheckpointConfig, DataConfig, ParallelConfig, RunConfig, TrainConfig
+from threed.convert.mapping import layer_from_hf
+from threed.data import TokenDataset, micro_batches
+from threed.distributed import GroupMismatch, check_groups_agree, init_distributed
+from threed.engine import build_engine
+from threed.logits import pipeline_logits
+from threed.pipeline import pipeline_layers
+
+PARITY_TOKENS = dict(batch=2, seq=32, seed=1)
+
+
+def local_layers(engine):
+    mod = engine.module
+    return zip(range(mod._local_start, mod._local_stop), mod.forward_funcs)
+
+
+def load_hf_weights(engine, cfg: RunConfig, hf_state: dict) -> None:
+    """Each rank copies its own layers' TP shards of the HF weights, then refreshes the optimizer's fp32 masters."""
+    from megatron.core import parallel_state as ps
+
+    layers = pipeline_layers(cfg.model)
+    for idx, module in local_layers(engine):
+        shards = layer_from_hf(cfg.model, layers[idx], hf_state, cfg.parallel.tp)
+        module.load_state_dict(shards[ps.get_tensor_model_parallel_rank()], strict=True)
+    engine.optimizer.refresh_fp32_params()
+
+
+def weights(engine) -> dict[str, torch.Tensor]:
+    return {f"{idx}.{k}": v.detach().clone() for idx, m in local_layers(engine) for k, v in m.state_dict().items()}
+
+
+def parity(args) -> None:
+    rt = init_distributed()
+    gen = torch.Generator().manual_seed(PARITY_TOKENS["seed"])
+    for name in ("gqa31", "mha2"):
+        hf_state = hf_model(name).state_dict()
+        mc = model_config(name)
+        tokens = torch.randint(0, mc.vocab_size, (PARITY_TOKENS["batch"], PARITY_TOKENS["seq"]), generator=gen)
+        for tp, pp in ((1, 1), (2, 1), (1, 2), (2, 2)):
+            cfg = RunConfig(model=mc, parallel=ParallelConfig(tp=tp, pp=pp),
+                            train=TrainConfig(dtype="fp32", seq_length=PARITY_TOKENS["seq"],
+                                              micro_batch_size=PARITY_TOKENS["batch"], grad_accum_steps=1))
+            engine = build_engine(cfg, rt).engine
+            load_hf_weights(engine, cfg, hf_state)
+            logits = pipeline_logits(engine, tokens, mc.vocab_size)
+            if logits is not None and engine.grid.get_slice_parallel_rank() == 0 and \
+                    engine.grid.get_data_parallel_rank() == 0:
+                torch.save({"tokens": tokens, "logits": logits}, Path(args.out) / f"{name}_tp{tp}_pp{pp}.pt")
+            dist.barrier()
+
+
+def run_steps(engine, cfg: RunConfig, ds: TokenDataset, start: int, stop: int) -> tuple[list[float], list[float]]:
+    dp, dp_rank = engine.grid.get_data_parallel_world_size(), engine.grid.get_data_parallel_rank()
+    micro, gas, _ = cfg.train.resolve_batch(dp)
+    reads = engine.is_first_stage() or engine.is_last_stage()
+    it = micro_batches(ds, micro, gas, dp, dp_rank, start, cfg.train.seed) if reads else None
+    losses, norms = [], []
+    for _ in range(start, stop):
+        losses.append(engine.train_batch(data_iter=it).item())
+        norms.append(float(engine.get_global_grad_norm()))
+    return losses, norms
+
+
+def train(args) -> None:
+    rt = init_distributed()
+    out = Path(args.out)
+    mc = model_config("gqa31")
+    hf_state = hf_model("gqa31").state_dict()
+    base = RunConfig(model=mc, parallel=ParallelConfig(tp=2, pp=2),
+                     train=TrainConfig(dtype="fp32", micro_batch_size=2, grad_accum_steps=2, seq_length=32, steps=5,
+                                       lr=1e-3, min_lr=1e-4, warmup_steps=2, grad_clip=0.5),
+                     data=DataConfig(path=args.data))
+    results: dict = {}
+
+    # 1. fp32 parity run, with a checkpoint after step 3.
+    ckpt = str(out / "ckpt")
+    cfg = dataclasses.replace(base, checkpoint=CheckpointConfig(save=ckpt, auto_resume=False))
+    ds = TokenDataset(args.data, cfg.train.seq_length)
+    engine = build_engine(cfg, rt).engine
+    results["groups"] = check_groups_agree(engine.grid)
+    load_hf_weights(engine, cfg, hf_state)
+    l1, n1 = run_steps(engine, cfg, ds, 0, 3)
+    engine.save_checkpoint(ckpt)
+    saved = weights(engine)
+    l2, n2 = run_steps(engine, cfg, ds, 3, 5)
+    results["fp32"] = {"losses": l1 + l2, "grad_norms": n1 + n2}
+
+    # 2. Resume from the checkpoint: bit-identical weights, the same next losses.
+    cfg_resume = dataclasses.replace(base, checkpoint=CheckpointConfig(load=ckpt))
+    built = build_engine(cfg_resume, rt)
+    loaded = weights(built.engine)
+    results["resume"] = {
+        "step": built.engine.global_steps,
+        "weights_equal": all(torch.equal(saved[k], loaded[k]) for k in saved) and saved.keys() == loaded.keys(),
+        "losses": run_steps(built.engine, cfg_resume, ds, 3, 5)[0],
+    }
+
+    # 3. bf16 (micro 2 x gas 2, fp32 grad accumulation) against fp32 on learnable data.
+    learn = TokenDataset(args.learnable, base.train.seq_length)
+    for dtype in ("bf16", "fp32"):
+        cfg_d = dataclasses.replace(base, train=dataclasses.replace(base.train, dtype=dtype, steps=args.bf16_steps,
+                                                                    lr=3e-3, min_lr=3e-4, warmup_steps=3))
+        eng = build_engine(cfg_d, rt).engine
+        load_hf_weights(eng, cfg_d, hf_state)
+        results[f"learn_{dtype}"] = {"losses": run_steps(eng, cfg_d, learn, 0, args.bf16_steps)[0],
+                                     "optimizer": type(eng.optimizer).__name__}
+
+    # 4. The start-up check must catch a grid whose rank order differs from megatron-core's.
+    from deepspeed.runtime.pipe.topology import PipelineParallelGrid, ProcessTopology
+
+    wrong = PipelineParallelGrid(topology=ProcessTopology(axes=["data", "pipe", "model"], dims=[2, 2, 2]))
+    try:
+        check_groups_agree(wrong)
+        results["mismatch_detected"] = False
+    except GroupMismatch:
+        results["mismatch_detected"] = True
+
+    (out / f"train_rank{rt.rank}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("scenario", choices=["parity", "train"])
+    p.add_argument("--out", required=True)
+    p.add_argument("--data")
+    p.add_argument("--learnable")
+    p.add_argument("--bf16-steps", type=int, default=20)
+    a = p.parse_args()
+    {"parity": parity, "train": train}[a.scenario](a)

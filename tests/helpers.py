@@ -1,0 +1,60 @@
+"""Shared test helpers: tiny random HF Llamas built locally, synthetic token files, rank launching."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from threed.config import ModelConfig
+from threed.data import META_SUFFIX
+from threed.presets import from_hf_config
+
+TESTS = Path(__file__).resolve().parent
+LLAMA31_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 16}
+
+# name -> LlamaConfig kwargs. Vocab 200 with padding multiple 16 pads to 208/224/256 at tp 1/2/4: padding is real.
+HF_CONFIGS: dict[str, dict[str, Any]] = {
+    # GQA (4 query heads / 2 KV heads) with Llama 3.1 rope scaling, short original context so scaling matters.
+    "gqa31": dict(vocab_size=200, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=176, rope_theta=500000.0, max_position_embeddings=128,
+                  rms_norm_eps=1e-5, rope_scaling=LLAMA31_SCALING),
+    # Llama-2-like multi-head attention, default RoPE.
+    "mha2": dict(vocab_size=200, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=4, intermediate_size=160, rope_theta=10000.0, max_position_embeddings=128,
+                 rms_norm_eps=1e-6),
+}
+
+
+def hf_model(name: str, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(**HF_CONFIGS[name], tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def model_config(name: str) -> ModelConfig:
+    hf = hf_model(name).config.to_dict()
+    return dataclasses.replace(from_hf_config(hf, name=name), make_vocab_size_divisible_by=16)
+
+
+def write_tokens(path: Path, tokens: np.ndarray, vocab_size: int) -> str:
+    tokens.astype(np.uint16).tofile(path)
+    Path(str(path) + META_SUFFIX).write_text(json.dumps(
+        {"dtype": "uint16", "num_tokens": int(tokens.size), "tokenizer": None, "vocab_size": vocab_size}))
+    return str(path)
+
+
+def learnable_tokens(n: int, vocab: int, seed: int = 0) -> np.ndarray:
+    """A noisy deterministic pattern (next = a*prev + b mod V, with 10% random tokens): loss falls fast."""
+    rng = np.random.default_rng(seed)
+    out = np.empty(n, dtype=np.int64)
+    out[0] = 1
+    for i in range(1, n):
+        out[i] = rng.integers(vocab) if rng.random() < 0.1 else (out[i - 1] * 7 + 3) % vocab
+    return out
