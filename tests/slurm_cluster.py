@@ -1,25 +1,28 @@
 """A real, throw-away Slurm cluster on this machine, for tests that ``sbatch`` our scripts.
 
 ``LocalSlurm(num_nodes, cpus_per_node, workdir)`` writes its own ``slurm.conf`` into ``workdir`` and points
-``SLURM_CONF`` at it (Debian's Slurm 22.05 daemons and clients honour it, and slurmd passes it on to jobs), so
-``/etc/slurm`` is never touched.  It starts munged (only if none answers), slurmctld and one ``slurmd -N nodeK``
-per simulated node on unused ports, adds ``127.0.0.1 node1 .. nodeN`` to ``/etc/hosts`` for names that are
-missing, and waits until ``sinfo`` shows every node idle.  On exit it cancels its jobs, runs ``scontrol
-shutdown``, kills what is left of the daemons it started (by the pids read from its pid files), stops munged
-only if it started it, and removes exactly the ``/etc/hosts`` line it added.  It never signals a process it did
-not start.  While it is open ``os.environ["SLURM_CONF"]`` points at it, so plain ``sbatch``/``squeue`` calls
-from the test process go to this cluster.
+``SLURM_CONF`` at it (Debian's Slurm 22.05 daemons and clients honour it, and slurmd hands it on to jobs, even
+with ``--export=NONE``), so ``/etc/slurm`` is never touched.  It runs a private munged (own key and socket in
+``workdir``, ``AuthInfo=socket=...``), slurmctld and one ``slurmd -N nodeK`` per simulated node on unused
+ports, adds its own ``127.0.0.1 node1 .. nodeN`` line to ``/etc/hosts`` and waits until ``sinfo`` shows every
+node idle.  On exit it cancels its jobs, runs ``scontrol shutdown``, kills what is left of the daemons it
+started (pids read from the pid files they wrote), and removes exactly the ``/etc/hosts`` line it added.  It
+never signals a process it did not start, and several instances (or pytest sessions) can run side by side.
+While it is open ``os.environ["SLURM_CONF"]`` points at it, so plain ``sbatch``/``squeue`` calls from the
+test process go to this cluster.
 
-Conf choices that matter: ``SlurmdParameters=config_overrides`` (nodes may claim more CPUs than the machine has,
-so 4 ranks per "node" fit on 2 cores), ``MinJobAge=600`` (finished jobs stay visible to ``scontrol``; there is
-no accounting), ``AuthInfo=cred_expire=10`` (a requeued job waits cred_expire+1 s before it may start again;
-the default is 120 s) and ``bf_interval=1`` (it then starts within a second).  Needs root (``ensure_slurm_installed``
-installs ``slurm-wlm`` and ``munge`` with apt-get); the ``local_slurm_factory`` fixture skips otherwise.
+Conf choices that matter: ``SlurmdParameters=config_overrides`` (nodes may claim more CPUs than the machine
+has, so 4 ranks per "node" fit on 2 cores), ``MinJobAge=600`` (finished jobs stay visible to ``scontrol``;
+there is no accounting), ``AuthInfo=cred_expire=10`` (a requeued job is held cred_expire+1 s before it may
+start again; the default is 120 s) and ``sched_interval=2`` (it then starts within ~2 s, not 60).
+Needs root; ``ensure_slurm_installed`` apt-get installs ``slurm-wlm`` and ``munge``, and the
+``local_slurm_factory`` fixture skips with its reason when it cannot.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import re
 import shutil
@@ -34,8 +37,7 @@ from typing import Any
 import pytest
 
 HOSTS = Path("/etc/hosts")
-MUNGE_KEY = Path("/etc/munge/munge.key")
-MUNGE_PID = Path("/run/munge/munged.pid")
+HOSTS_LOCK = Path("/run/threed-local-slurm-hosts.lock")
 TERMINAL_STATES = frozenset(
     "COMPLETED FAILED TIMEOUT CANCELLED NODE_FAIL PREEMPTED OUT_OF_MEMORY BOOT_FAIL DEADLINE".split()
 )
@@ -66,22 +68,24 @@ def ensure_slurm_installed() -> str | None:
 
 
 def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
         for s in socks:
             s.bind(("127.0.0.1", 0))
         return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+
+
+def _stat(pid: int) -> list[str]:
+    """/proc/PID/stat fields after the command name ([state, ppid, ...]); [] once the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
 
 
 def _alive(pid: int) -> bool:
-    """True while pid runs; a zombie (unreaped daemon, e.g. under a non-reaping init) counts as gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
+    """A zombie (a daemon nobody reaps, e.g. under a container's init) counts as gone."""
+    return _stat(pid)[:1] not in ([], ["Z"])
 
 
 def _terminate(pids: list[int], grace_s: float) -> None:
@@ -100,6 +104,21 @@ def _terminate(pids: list[int], grace_s: float) -> None:
         wait(5)
 
 
+def _our_leftovers(conf: Path) -> list[int]:
+    """Processes started under this cluster (slurmstepd, job tasks that escaped): SLURM_CONF names our conf."""
+    own, pid, mine = set(), os.getpid(), f"SLURM_CONF={conf}".encode()
+    while pid > 1 and pid not in own:  # never this process or its ancestors
+        own.add(pid)
+        pid = int((_stat(pid) + ["0", "0"])[1])
+    found = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) not in own:
+            with contextlib.suppress(OSError):
+                if mine in (d / "environ").read_bytes().split(b"\0"):
+                    found.append(int(d.name))
+    return found
+
+
 def _tail(path: Path, n: int = 15) -> str:
     try:
         return f"--- {path.name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-n:])
@@ -111,12 +130,14 @@ class LocalSlurm:
     """A Slurm controller plus ``num_nodes`` slurmd daemons named node1..nodeN, all on 127.0.0.1."""
 
     def __init__(self, num_nodes: int, cpus_per_node: int, workdir: Path, *, real_memory_mb: int = 5000,
-                 extra_conf: str = "", start_timeout_s: float = 60.0) -> None:
+                 cred_expire_s: int = 10, extra_conf: str = "", start_timeout_s: float = 60.0) -> None:
         self.num_nodes, self.cpus_per_node = num_nodes, cpus_per_node
         self.workdir = Path(workdir).resolve()
         self.conf = self.workdir / "slurm.conf"
+        self.munge_socket = self.workdir / "munge.sock"
         self.nodes = [f"node{i}" for i in range(1, num_nodes + 1)]
-        self.real_memory_mb, self.extra_conf, self.start_timeout_s = real_memory_mb, extra_conf, start_timeout_s
+        self.real_memory_mb, self.cred_expire_s = real_memory_mb, cred_expire_s
+        self.extra_conf, self.start_timeout_s = extra_conf, start_timeout_s
         self._pids: list[int] = []
         self._munged_pid: int | None = None
         self._hosts_line: str | None = None
@@ -146,10 +167,10 @@ class LocalSlurm:
         w = self.workdir
         lines = [
             "ClusterName=threedtest", f"SlurmctldHost={host}(127.0.0.1)", f"SlurmctldPort={ports[0]}",
-            "AuthType=auth/munge", "AuthInfo=cred_expire=10", "ProctrackType=proctrack/linuxproc",
-            "TaskPlugin=task/none", "MpiDefault=none", "ReturnToService=2", "SlurmUser=root",
-            "SlurmdParameters=config_overrides", "MinJobAge=600",
-            "SchedulerType=sched/backfill", "SchedulerParameters=bf_interval=1",
+            "AuthType=auth/munge", f"AuthInfo=socket={self.munge_socket},cred_expire={self.cred_expire_s}",
+            "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "MpiDefault=none", "SlurmUser=root",
+            "ReturnToService=2", "SlurmdParameters=config_overrides", "MinJobAge=600",
+            "SchedulerType=sched/backfill", "SchedulerParameters=bf_interval=1,sched_interval=2",
             "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core",
             f"StateSaveLocation={w}/state", f"SlurmctldPidFile={w}/slurmctld.pid",
             f"SlurmctldLogFile={w}/slurmctld.log", f"SlurmdPidFile={w}/slurmd-%n.pid",
@@ -171,24 +192,14 @@ class LocalSlurm:
         self._write_conf()
         self._old_conf_env = os.environ.get("SLURM_CONF")
         os.environ["SLURM_CONF"] = str(self.conf)
+        self._edit_hosts(add=True)
         self._start_munge()
-        self._add_hosts()
-        env = self.env()
-        daemons = [("slurmctld", [_which("slurmctld") or "slurmctld"])]
-        daemons += [(f"slurmd-{n}", [_which("slurmd") or "slurmd", "-N", n]) for n in self.nodes]
-        for name, cmd in daemons:
-            subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=30)
-            pid_file = self.workdir / f"{name}.pid"
-            for _ in range(100):  # the daemon writes its pid file right after it forks
-                if pid_file.exists() and pid_file.read_text().strip():
-                    break
-                time.sleep(0.05)
-            else:
-                raise RuntimeError(f"{name} wrote no pid file\n{self.log_tails()}")
-            self._pids.append(int(pid_file.read_text().split()[0]))
+        self._pids.append(self._launch("slurmctld", [_which("slurmctld") or "slurmctld"]))
+        for n in self.nodes:
+            self._pids.append(self._launch(f"slurmd-{n}", [_which("slurmd") or "slurmd", "-N", n]))
         deadline, states = time.monotonic() + self.start_timeout_s, ""
         while time.monotonic() < deadline:
-            out = self._run("sinfo", "-h", "-N", "-o", "%N %t", check=False)
+            out = self.run("sinfo", "-h", "-N", "-o", "%N %t", check=False)
             states = out.stdout.strip()
             idle = {line.split()[0] for line in states.splitlines() if line.split()[1:] == ["idle"]}
             if idle == set(self.nodes):
@@ -197,60 +208,65 @@ class LocalSlurm:
         raise RuntimeError(f"nodes not idle after {self.start_timeout_s}s: {states!r}\n{self.log_tails()}")
 
     def _start_munge(self) -> None:
-        if subprocess.run("munge -n | unmunge", shell=True, capture_output=True).returncode == 0:
-            return  # someone else's munged answers; use it, never stop it
-        if not MUNGE_KEY.exists():
-            subprocess.run(["mungekey", "-c"], check=True, capture_output=True)
-        shutil.chown(MUNGE_KEY, "munge", "munge")
-        MUNGE_KEY.chmod(0o400)
-        for d in (MUNGE_PID.parent, Path("/var/lib/munge"), Path("/var/log/munge")):
-            d.mkdir(parents=True, exist_ok=True)
-            shutil.chown(d, "munge", "munge")
-        MUNGE_PID.unlink(missing_ok=True)
-        subprocess.run(["runuser", "-u", "munge", "--", _which("munged") or "munged", "--force"],
-                       check=True, capture_output=True, timeout=30)
-        for _ in range(100):
-            if MUNGE_PID.exists() and MUNGE_PID.read_text().strip():
-                self._munged_pid = int(MUNGE_PID.read_text().split()[0])
-                return
-            time.sleep(0.05)
-        raise RuntimeError("munged started but wrote no pid file")
+        w = self.workdir
+        if len(str(self.munge_socket)) > 100:
+            raise RuntimeError(f"workdir path too long for a unix socket: {w}")
+        subprocess.run([_which("mungekey") or "mungekey", "-c", "-f", "-k", str(w / "munge.key")],
+                       check=True, capture_output=True)
+        self._munged_pid = self._launch("munged", [
+            _which("munged") or "munged", "--force", f"--socket={self.munge_socket}", f"--key-file={w}/munge.key",
+            f"--pid-file={w}/munged.pid", f"--log-file={w}/munged.log", f"--seed-file={w}/munged.seed"])
 
-    def _add_hosts(self) -> None:
-        text = HOSTS.read_text()
-        known = {name for line in text.splitlines() for name in line.split("#")[0].split()[1:]}
-        missing = [n for n in self.nodes if n not in known]
-        if missing:
-            self._hosts_line = f"127.0.0.1 {' '.join(missing)}  # threed LocalSlurm {self.workdir}"
-            HOSTS.write_text(text + ("" if text.endswith("\n") or not text else "\n") + self._hosts_line + "\n")
+    def _launch(self, name: str, cmd: list[str]) -> int:
+        """Start a self-daemonizing daemon; return the pid from the pid file it writes (workdir/NAME.pid)."""
+        out = subprocess.run(cmd, env=self.env(), capture_output=True, text=True, timeout=30)
+        if out.returncode != 0:
+            raise RuntimeError(f"{name} failed to start ({out.returncode}): {out.stderr}\n{self.log_tails()}")
+        for _ in range(100):  # it writes its pid file right after it forks
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                return int((self.workdir / f"{name}.pid").read_text().split()[0])
+            time.sleep(0.05)
+        raise RuntimeError(f"{name} wrote no pid file\n{self.log_tails()}")
+
+    def _edit_hosts(self, add: bool) -> None:
+        """Append or remove our own line, under a lock shared with other instances (duplicates are harmless)."""
+        with open(HOSTS_LOCK, "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            text = HOSTS.read_text()
+            if add:
+                self._hosts_line = f"127.0.0.1 {' '.join(self.nodes)}  # threed LocalSlurm {self.workdir}"
+                HOSTS.write_text(text + ("\n" if text and not text.endswith("\n") else "") + self._hosts_line + "\n")
+            else:
+                lines = text.splitlines(keepends=True)
+                HOSTS.write_text("".join(ln for ln in lines if ln.rstrip("\n") != self._hosts_line))
+                self._hosts_line = None
 
     def stop(self) -> None:
         """Idempotent teardown; every step runs even if an earlier one fails."""
         with contextlib.suppress(Exception):
             if self._pids and _alive(self._pids[0]):
-                jobs = self._run("squeue", "-h", "-o", "%i", check=False).stdout.split()
+                jobs = self.run("squeue", "-h", "-o", "%i", check=False).stdout.split()
                 if jobs:
-                    self._run("scancel", *jobs, check=False)
+                    self.run("scancel", *jobs, check=False)
                     deadline = time.monotonic() + 15
-                    while time.monotonic() < deadline and self._run("squeue", "-h", check=False).stdout.strip():
+                    while self.run("squeue", "-h", check=False).stdout.strip() and time.monotonic() < deadline:
                         time.sleep(0.3)
-                self._run("scontrol", "shutdown", check=False)
+                self.run("scontrol", "shutdown", check=False)
         _terminate(self._pids, grace_s=10)  # slurmctld/slurmd exit by themselves after `scontrol shutdown`
+        _terminate(_our_leftovers(self.conf), grace_s=0)
         _terminate([self._munged_pid] if self._munged_pid else [], grace_s=0)
         self._pids, self._munged_pid = [], None
         if self._hosts_line is not None:
             with contextlib.suppress(OSError):
-                lines = HOSTS.read_text().splitlines(keepends=True)
-                HOSTS.write_text("".join(ln for ln in lines if ln.rstrip("\n") != self._hosts_line))
-            self._hosts_line = None
+                self._edit_hosts(add=False)
         if os.environ.get("SLURM_CONF") == str(self.conf):
-            if self._old_conf_env is None:
-                os.environ.pop("SLURM_CONF", None)
-            else:
+            os.environ.pop("SLURM_CONF")
+            if self._old_conf_env is not None:
                 os.environ["SLURM_CONF"] = self._old_conf_env
 
     # ---------------------------------------------------------------- jobs
-    def _run(self, *cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    def run(self, *cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """Run a Slurm client command (scontrol, squeue, scancel, ...) against this cluster; text output."""
         return subprocess.run(cmd, env=self.env(), check=check, capture_output=True, text=True, timeout=60)
 
     def sbatch(self, script: Path, *args: object, env: Mapping[str, str] | None = None,
@@ -264,7 +280,7 @@ class LocalSlurm:
 
     def job_info(self, job_id: int) -> dict[str, str]:
         """``scontrol show job -o`` as a dict (values may contain spaces, e.g. Reason)."""
-        line = self._run("scontrol", "show", "job", "-o", str(job_id)).stdout.strip()
+        line = self.run("scontrol", "show", "job", "-o", str(job_id)).stdout.strip()
         return dict(re.findall(r"(\S+?)=(.*?)(?= [A-Za-z][\w/:]*=|$)", line))
 
     def wait(self, job_id: int, timeout_s: float = 120.0) -> str:
@@ -279,7 +295,7 @@ class LocalSlurm:
 
     def log_tails(self, n: int = 15) -> str:
         return "\n".join(_tail(self.workdir / f, n) for f in
-                         ["slurmctld.log", *(f"slurmd-{node}.log" for node in self.nodes)])
+                         ["munged.log", "slurmctld.log", *(f"slurmd-{node}.log" for node in self.nodes)])
 
 
 @pytest.fixture

@@ -29,7 +29,8 @@ def test_two_nodes_srun_and_hostnames(local_slurm_factory, tmp_path: Path) -> No
     script = _script(tmp_path / "job.sh", f"""
         #SBATCH --nodes=2 --ntasks-per-node=1
         #SBATCH --output={out}
-        srun bash -c 'echo TASK $SLURM_PROCID $SLURMD_NODENAME $(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1)'
+        srun bash -c 'echo TASK $SLURM_PROCID $SLURMD_NODENAME \
+            $(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1)'
         echo HOSTS $(getent hosts node1)
     """)
     job = slurm.sbatch(script)
@@ -96,7 +97,7 @@ def test_requeue_restarts_with_restart_count(local_slurm_factory, tmp_path: Path
     while not (out.exists() and "RUN 0" in out.read_text()):
         assert time.monotonic() < deadline, slurm.job_info(job)
         time.sleep(0.2)
-    slurm._run("scontrol", "requeue", str(job))
+    slurm.run("scontrol", "requeue", str(job))
     t0 = time.monotonic()
     assert slurm.wait(job, timeout_s=120) == "COMPLETED", out.read_text()
     print(f"requeue -> COMPLETED in {time.monotonic() - t0:.1f}s")
