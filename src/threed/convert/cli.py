@@ -1,0 +1,130 @@
+"""`threed convert | export | reshard | verify | make-tiny-hf` (registered into `threed.cli` by `register`).
+
+    threed convert --hf Meta-Llama-3-8B --tp 2 --pp 2 --out ckpt/l3-8b      # HF -> DeepSpeed pipeline ckpt
+    threed train --model ckpt/l3-8b --init-from ckpt/l3-8b --tp 2 --pp 2 --data tokens.bin --save run
+    threed export --ckpt run --out run-hf                                   # any ckpt -> HF directory
+    threed reshard --ckpt ckpt/l3-8b --tp 4 --pp 1 --out ckpt/l3-8b-tp4      # change tp / pp
+    threed verify --hf Meta-Llama-3-8B --ckpt ckpt/l3-8b                    # logits parity, exit 1 if off
+
+Each command prints one line per failure naming the file / tensor and exits 2; verify exits 1 above --tol.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable
+
+from threed.config import ConfigError
+
+
+def _guard(name: str, fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Bad input becomes one clear line and exit status 2 (the output directory was never created)."""
+    def run(ns: argparse.Namespace) -> int:
+        try:
+            return fn(ns)
+        except (ConfigError, FileNotFoundError) as e:
+            print(f"threed {name}: error: {e}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print(f"threed {name}: interrupted; no output was left behind", file=sys.stderr)
+            return 130
+    return run
+
+
+def _convert(ns: argparse.Namespace) -> int:
+    from threed.convert.convert import convert
+    from threed.convert.io_utils import parse_dtype
+
+    convert(ns.hf, ns.out, ns.tp, ns.pp, dtype=parse_dtype(ns.dtype),
+            make_vocab_size_divisible_by=ns.make_vocab_size_divisible_by, workers=ns.workers, force=ns.force,
+            show_progress=not ns.quiet)
+    return 0
+
+
+def _export(ns: argparse.Namespace) -> int:
+    from threed.convert.export import export
+    from threed.convert.hf_writer import parse_size
+    from threed.convert.io_utils import parse_dtype
+
+    export(ns.ckpt, ns.out, dtype=parse_dtype(ns.dtype), max_shard_bytes=parse_size(ns.max_shard_size),
+           tokenizer=ns.tokenizer, force=ns.force, show_progress=not ns.quiet)
+    return 0
+
+
+def _reshard(ns: argparse.Namespace) -> int:
+    from threed.convert.io_utils import parse_dtype
+    from threed.convert.reshard import reshard
+
+    reshard(ns.ckpt, ns.out, ns.tp, ns.pp, dtype=parse_dtype(ns.dtype), force=ns.force, show_progress=not ns.quiet)
+    return 0
+
+
+def _verify(ns: argparse.Namespace) -> int:
+    from threed.convert.verify import verify
+
+    result = verify(ns.hf, ns.ckpt, tol=ns.tol, seq_length=ns.seq_length, batch=ns.batch, seed=ns.seed, pp=ns.pp)
+    print(result.line())
+    return 0 if result.ok else 1
+
+
+def _make_tiny(ns: argparse.Namespace) -> int:
+    from threed.convert.tiny import make_tiny_hf
+
+    print(make_tiny_hf(ns.out, like=ns.like, vocab_size=ns.vocab_size, seed=ns.seed, dtype=ns.dtype,
+                       tokenizer=ns.tokenizer, force=ns.force))
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    def common(p: argparse.ArgumentParser, dtype_help: str) -> None:
+        p.add_argument("--force", action="store_true", help="replace --out if it exists")
+        p.add_argument("--quiet", action="store_true", help="no progress bar or summary line")
+        p.add_argument("--dtype", default="keep", choices=["keep", "bf16", "fp32", "fp16"], help=dtype_help)
+
+    p = sub.add_parser("convert", help="HF Llama directory -> DeepSpeed pipeline checkpoint for tp x pp")
+    p.add_argument("--hf", required=True, help="HF model dir (config.json + safetensors or pytorch_model*.bin)")
+    p.add_argument("--tp", type=int, required=True)
+    p.add_argument("--pp", type=int, required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the vocab to a multiple of this x tp (Megatron's default 128)")
+    p.add_argument("--workers", type=int, default=1, help="writer processes (each holds one layer)")
+    common(p, "dtype of the layer files (default: the source's)")
+    p.set_defaults(run=_guard("convert", _convert))
+
+    p = sub.add_parser("export", help="DeepSpeed pipeline checkpoint -> HF Llama directory")
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--max-shard-size", default="5GB")
+    p.add_argument("--tokenizer", default=None, help="HF tokenizer dir or sentencepiece .model (default: the "
+                                                     "run's, or the converted source's)")
+    common(p, "dtype of the safetensors (default: the checkpoint's)")
+    p.set_defaults(run=_guard("export", _export))
+
+    p = sub.add_parser("reshard", help="change the tp / pp of a checkpoint (weights only)")
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--tp", type=int, required=True)
+    p.add_argument("--pp", type=int, required=True)
+    p.add_argument("--out", required=True)
+    common(p, "dtype of the new layer files (default: unchanged)")
+    p.set_defaults(run=_guard("reshard", _reshard))
+
+    p = sub.add_parser("verify", help="HF vs checkpoint logits on CPU; exit 1 above the tolerance")
+    p.add_argument("--hf", required=True)
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--tol", type=float, default=1e-5, help="max relative logits difference (fp32)")
+    p.add_argument("--pp", type=int, default=None, help="pipeline stages to load at (default: as written)")
+    p.add_argument("--seq-length", type=int, default=32)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(run=_guard("verify", _verify))
+
+    p = sub.add_parser("make-tiny-hf", help="save a small random HF Llama locally (demo, tests)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--like", default="tiny", help="preset whose shape to use (default tiny)")
+    p.add_argument("--vocab-size", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", default=None, help="sentencepiece .model to save with it")
+    p.add_argument("--dtype", default="fp32", choices=["bf16", "fp32", "fp16"])
+    p.add_argument("--force", action="store_true")
+    p.set_defaults(run=_guard("make-tiny-hf", _make_tiny))

@@ -1,0 +1,106 @@
+"""DeepSpeed pipeline checkpoint (converted or trained, any tp/pp, bf16 or fp32) -> HF Llama directory.
+
+    threed export --ckpt runs/demo/ckpt --out runs/demo/hf [--dtype bf16] [--max-shard-size 5GB]
+    python -c "from transformers import AutoModelForCausalLM as A; A.from_pretrained('runs/demo/hf')"
+
+The weights are those of the layer files (what the model runs with; after bf16 training these are bf16 and the
+fp32 master copy stays in the optimizer files). Padded vocab rows are dropped. Tokenizer files come from
+--tokenizer, else the run's sentencepiece model, else the HF files a converted checkpoint carried along.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from threed.convert.convert import layer_hf_names
+from threed.convert.ds_checkpoint import HF_EXTRA_DIR, Checkpoint, open_checkpoint
+from threed.convert.hf_source import TOKENIZER_FILES
+from threed.convert.hf_writer import (Planned, ShardedSafetensorsWriter, copy_tokenizer_files, plan_shards,
+                                      write_config, write_sentencepiece_tokenizer)
+from threed.convert.io_utils import ConvertError, atomic_output_dir, check_free_space, human, progress
+from threed.convert.mapping import hf_names, hf_shapes, layer_to_hf
+
+
+def _plan(ck: Checkpoint, dtype: Optional[torch.dtype]) -> list[Planned]:
+    """Every HF tensor in write order with its dtype: reading each layer file's header (memory-mapped, no
+    data) also checks names and shapes of the whole checkpoint before anything is written."""
+    planned = []
+    for layer in ck.layers:
+        shards = ck.load_layer(layer)
+        shapes = hf_shapes(ck.model, layer)
+        for ours, names in hf_names(layer).items():
+            for n in names:
+                planned.append(Planned(n, dtype or shards[0][ours].dtype, shapes[n]))
+        del shards
+    return planned
+
+
+def _extra_dirs(ck: Checkpoint) -> list[Path]:
+    """Where HF side files (tokenizer, config.json of the original) may be: this checkpoint's hf/, or that of
+    the checkpoint it was initialised or resumed from."""
+    dirs = [ck.path / HF_EXTRA_DIR]
+    for key in ("init_from", "load"):
+        src = ck.run.get("checkpoint", {}).get(key)
+        if src:
+            dirs.append(Path(src) / HF_EXTRA_DIR)
+    return [d for d in dirs if d.is_dir()]
+
+
+def _tokenizer(ck: Checkpoint, tokenizer: Optional[str], out: Path) -> list[str]:
+    if tokenizer:
+        t = Path(tokenizer)
+        if t.is_dir():
+            return copy_tokenizer_files([t / f for f in TOKENIZER_FILES], out)
+        if t.is_file() and t.suffix == ".model":
+            return write_sentencepiece_tokenizer(t, out)
+        raise ConvertError(f"--tokenizer {t}: pass an HF tokenizer directory or a sentencepiece .model file")
+    run_tok = ck.run.get("data", {}).get("tokenizer")
+    if run_tok and Path(run_tok).is_file():
+        return write_sentencepiece_tokenizer(Path(run_tok), out)
+    for d in _extra_dirs(ck):
+        copied = copy_tokenizer_files([d / f for f in TOKENIZER_FILES], out)
+        if copied:
+            return copied
+    return []
+
+
+def export(ckpt: str | os.PathLike, out: str | os.PathLike, dtype: Optional[torch.dtype] = None,
+           max_shard_bytes: int = 5 * 10**9, tokenizer: Optional[str] = None, force: bool = False,
+           show_progress: bool = True) -> dict[str, Any]:
+    t0 = time.time()
+    if Path(out).exists() and not force:
+        raise ConvertError(f"{Path(out).absolute()} already exists; choose a new --out or pass --force")
+    ck = open_checkpoint(ckpt)
+    planned = _plan(ck, dtype)
+    total = sum(t.nbytes for t in planned)
+    Path(out).absolute().parent.mkdir(parents=True, exist_ok=True)
+    check_free_space(Path(out).absolute().parent, total)
+    with atomic_output_dir(out, force) as tmp:
+        writer = ShardedSafetensorsWriter(tmp, plan_shards(planned, max_shard_bytes))
+        with progress(sum(ck.nbytes(l.index) for l in ck.layers), "export", show_progress) as bar:
+            for layer in ck.layers:
+                hf = layer_to_hf(ck.model, layer, ck.load_layer(layer))
+                for name in layer_hf_names(layer):
+                    writer.write(name, hf[name])
+                del hf
+                bar.update(ck.nbytes(layer.index))
+        writer.close()
+        source_config = None
+        for d in _extra_dirs(ck):
+            if (d / "config.json").is_file():
+                source_config = json.loads((d / "config.json").read_text())
+                break
+        out_dtype = planned[0].dtype if len({t.dtype for t in planned}) == 1 else torch.float32
+        write_config(tmp, ck.model, out_dtype, source_config)
+        tok_files = _tokenizer(ck, tokenizer, tmp)
+    if show_progress:
+        print(f"threed export: {ckpt} (tp={ck.tp}, {ck.tag}) -> {out}: {len(writer.file_names)} safetensors "
+              f"shard(s), {human(total)}, vocab {ck.model.vocab_size}, tokenizer: "
+              f"{', '.join(tok_files) or 'none known (pass --tokenizer)'}; {time.time() - t0:.1f} s")
+    return {"files": writer.file_names, "bytes": total, "tokenizer_files": tok_files, "tp": ck.tp}
+

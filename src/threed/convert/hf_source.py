@@ -1,0 +1,233 @@
+"""Lazy reading of an HF Llama directory: sharded or single safetensors, or old `pytorch_model*.bin` files.
+
+    src = HFSource("Meta-Llama-3-8B")          # reads headers only: names, dtypes, shapes, offsets
+    src.check(model_cfg)                       # missing / unexpected / wrong-shaped tensors, named
+    q = src.read("model.layers.0.self_attn.q_proj.weight")   # one tensor, read now
+
+Safetensors are read with our own ~40-line header parser and a positioned read straight into the tensor's
+memory: one copy from the page cache, no memory map that would keep the whole shard resident (and counted in
+RSS), and a truncated or corrupt file is detected from its header before any tensor is converted.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Optional
+
+import torch
+
+from threed.config import ModelConfig
+from threed.convert.io_utils import ConvertError
+from threed.convert.mapping import hf_shapes
+from threed.pipeline import pipeline_layers
+
+ST_DTYPES: dict[str, torch.dtype] = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+                                     "F64": torch.float64}
+# Buffers some HF versions saved; they are recomputed from the config, so they are skipped, not converted.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "added_tokens.json", "chat_template.jinja", "generation_config.json")
+_MAX_READ = 1 << 30  # Linux reads at most ~2 GiB per call; read big tensors in 1 GiB pieces
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int = 0  # absolute byte offset in a safetensors file
+    nbytes: int = 0
+
+
+def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
+    """Parse and check one safetensors header against the file's size (truncation, bad offsets, bad JSON)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ConvertError(f"{path} is truncated ({size} bytes): not a safetensors file")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8 or n > 100_000_000:
+            raise ConvertError(f"{path} is truncated or corrupt: its header claims {n} bytes, the file has {size}")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConvertError(f"{path} has a corrupt safetensors header ({e}); re-download the file") from None
+    data_start, data_size = 8 + n, size - 8 - n
+    out: dict[str, TensorInfo] = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = meta["dtype"], tuple(int(s) for s in meta["shape"]), meta["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise ConvertError(f"{path}: corrupt header entry for {name}: {meta!r}") from None
+        if dtype not in ST_DTYPES:
+            raise ConvertError(f"{path}: {name} has dtype {dtype}; only float tensors (F32/BF16/F16) convert")
+        numel = 1
+        for s in shape:
+            numel *= s
+        if end - begin != numel * ST_DTYPES[dtype].itemsize or begin < 0:
+            raise ConvertError(f"{path}: corrupt header: {name} {dtype}{list(shape)} spans bytes {begin}..{end}")
+        if end > data_size:
+            raise ConvertError(f"{path} is truncated: {name} ends at byte {end} of the data, the file holds "
+                               f"{data_size}; re-download or re-copy it")
+        out[name] = TensorInfo(name, path, ST_DTYPES[dtype], shape, data_start + begin, end - begin)
+    return out
+
+
+def read_tensor(info: TensorInfo) -> torch.Tensor:
+    """One safetensors tensor, read with positioned reads into freshly allocated memory."""
+    buf = torch.empty(info.nbytes, dtype=torch.uint8)
+    view = memoryview(buf.numpy())
+    fd = os.open(info.file, os.O_RDONLY)
+    try:
+        done = 0
+        while done < info.nbytes:
+            n = os.preadv(fd, [view[done:done + _MAX_READ]], info.offset + done)
+            if n <= 0:
+                raise ConvertError(f"{info.file} ended while reading {info.name}: the file is truncated")
+            done += n
+    finally:
+        os.close(fd)
+    return buf.view(info.dtype).reshape(info.shape)
+
+
+class HFSource:
+    """The tensors of an HF model directory, indexed from headers; tensor data is read on demand."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise ConvertError(f"--hf {self.path} is not a directory: pass an HF model directory "
+                               f"(config.json + *.safetensors or pytorch_model*.bin)")
+        self.format, files = self._find_files()
+        self.files = files
+        self.tensors: dict[str, TensorInfo] = {}
+        self._bin_cache: tuple[Optional[Path], dict[str, torch.Tensor]] = (None, {})
+        for f in files:
+            infos = read_safetensors_header(f) if self.format == "safetensors" else self._bin_infos(f)
+            for name, info in infos.items():
+                if name in self.tensors:
+                    raise ConvertError(f"{name} is stored twice: in {self.tensors[name].file.name} and {f.name}")
+                self.tensors[name] = info
+        self._check_index()
+
+    # ------------------------------------------------------------------------------------------- discovery
+    def _find_files(self) -> tuple[str, list[Path]]:
+        p = self.path
+        for fmt, index, single, pattern in (("safetensors", "model.safetensors.index.json", "model.safetensors",
+                                             "*.safetensors"),
+                                            ("bin", "pytorch_model.bin.index.json", "pytorch_model.bin",
+                                             "pytorch_model*.bin")):
+            if (p / index).is_file():
+                self.index = self._read_index(p / index)
+                files = sorted({p / f for f in self.index.values()})
+                missing = [f.name for f in files if not f.is_file()]
+                if missing:
+                    raise ConvertError(f"{index} names files that are not in {p}: {', '.join(missing)}")
+                return fmt, files
+            found = [p / single] if (p / single).is_file() else sorted(p.glob(pattern))
+            if found:
+                self.index = {}
+                return fmt, found
+        if list(p.glob("consolidated.*.pth")):
+            raise ConvertError(f"{p} holds Meta's original consolidated.*.pth weights; convert them to HF format "
+                               f"first (transformers' convert_llama_weights_to_hf.py), which also permutes q/k")
+        raise ConvertError(f"{p} holds no model.safetensors[.index.json] and no pytorch_model*.bin")
+
+    @staticmethod
+    def _read_index(path: Path) -> dict[str, str]:
+        try:
+            return dict(json.loads(path.read_text())["weight_map"])
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
+            raise ConvertError(f"{path} is not a valid index (needs a weight_map): {e}") from None
+
+    def _check_index(self) -> None:
+        for name, fname in self.index.items():
+            info = self.tensors.get(name)
+            if info is None or info.file.name != fname:
+                raise ConvertError(f"the index maps {name} to {fname}, but {fname} does not hold it: the "
+                                   f"download is incomplete or the index is stale")
+
+    def _load_bin(self, path: Path) -> dict[str, torch.Tensor]:
+        """A torch .bin file, memory-mapped when it is in the zip format (pickle parsed, data left on disk)."""
+        if self._bin_cache[0] == path:
+            return self._bin_cache[1]
+        self._bin_cache = (None, {})  # drop the previous file's mapping first: one shard resident at a time
+        try:
+            sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise ConvertError(f"cannot read {path}: {e.__class__.__name__}: {str(e)[:300]} (the file is "
+                                   f"truncated or corrupt)") from None
+            sd = self._load_bin_plain(path)  # legacy (pre-zip) format: cannot be mapped, read whole
+        except Exception as e:  # pickle/zip errors of many kinds: a truncated or corrupt file
+            raise ConvertError(f"cannot read {path}: {e.__class__.__name__}: {str(e)[:300]} (the file is "
+                               f"truncated or corrupt)") from None
+        if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+            raise ConvertError(f"{path} is not a state dict of tensors")
+        self._bin_cache = (path, sd)
+        return sd
+
+    @staticmethod
+    def _load_bin_plain(path: Path) -> dict[str, torch.Tensor]:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise ConvertError(f"cannot read {path}: {e.__class__.__name__}: {str(e)[:300]}") from None
+
+    def _bin_infos(self, path: Path) -> dict[str, TensorInfo]:
+        sd = self._load_bin(path)
+        for name, t in sd.items():
+            if not t.is_floating_point():
+                raise ConvertError(f"{path}: {name} has dtype {t.dtype}; only float tensors convert")
+        return {n: TensorInfo(n, path, t.dtype, tuple(t.shape), 0, t.numel() * t.element_size())
+                for n, t in sd.items()}
+
+    # ------------------------------------------------------------------------------------------------ access
+    def nbytes(self, names: Iterable[str]) -> int:
+        return sum(self.tensors[n].nbytes for n in names)
+
+    def read(self, name: str) -> torch.Tensor:
+        info = self.tensors[name]
+        if self.format == "safetensors":
+            return read_tensor(info)
+        return self._load_bin(info.file)[name]
+
+    def read_many(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        return {n: self.read(n) for n in names}
+
+    def close(self) -> None:
+        self._bin_cache = (None, {})
+
+    # ------------------------------------------------------------------------------------------- validation
+    def check(self, cfg: ModelConfig) -> None:
+        """Every tensor the config implies is present with the right shape, and nothing else is."""
+        expected: dict[str, tuple[int, ...]] = {}
+        for layer in pipeline_layers(cfg):
+            expected.update(hf_shapes(cfg, layer))
+        present = {n for n in self.tensors if not n.endswith(IGNORED_SUFFIXES)}
+        problems = []
+        missing = sorted(set(expected) - present)
+        if missing:
+            problems.append(f"{len(missing)} missing: {_names(missing)}")
+        unexpected = sorted(present - set(expected))
+        if unexpected:
+            problems.append(f"{len(unexpected)} unexpected: {_names(unexpected)}")
+        wrong = [f"{n} is {list(self.tensors[n].shape)}, expected {list(s)}" for n, s in expected.items()
+                 if n in self.tensors and self.tensors[n].shape != s]
+        if wrong:
+            problems.append(f"{len(wrong)} wrong-shaped: {_names(wrong)}")
+        if problems:
+            raise ConvertError(f"{self.path} does not match its config.json ({cfg.num_layers} layers, hidden "
+                               f"{cfg.hidden_size}, vocab {cfg.vocab_size}): " + "; ".join(problems))
+
+
+def _names(items: list[str], limit: int = 8) -> str:
+    more = f" ... and {len(items) - limit} more" if len(items) > limit else ""
+    return ", ".join(items[:limit]) + more

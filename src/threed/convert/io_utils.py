@@ -1,0 +1,94 @@
+"""Shared plumbing for the converters: the error type, atomic output directories, dtype names, progress bars.
+
+    with atomic_output_dir("ckpt/llama3-8b-tp8", force=False) as tmp:
+        ...write everything under tmp...      # renamed to ckpt/llama3-8b-tp8 only when the block succeeds
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+
+from threed.config import ConfigError
+
+
+class ConvertError(ConfigError):
+    """A bad source, checkpoint or output path. The message names the file / tensor and the fix."""
+
+
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_dtype(name: Optional[str]) -> Optional[torch.dtype]:
+    """'keep' / None -> None (keep each tensor's own dtype); 'bf16' / 'fp32' / 'fp16' -> the torch dtype."""
+    if name in (None, "keep"):
+        return None
+    if name not in DTYPES:
+        raise ConvertError(f"unknown dtype {name!r}: use one of keep, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {v: k for k, v in DTYPES.items()}.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def compact(t: torch.Tensor) -> torch.Tensor:
+    """A tensor that owns exactly its bytes. torch.save writes a view's whole storage, so a row-chunk of the
+    unsharded weight would otherwise put the full tensor into every TP rank's file."""
+    t = t.contiguous()
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size() or t.storage_offset() != 0:
+        t = t.clone()
+    return t
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError
+
+
+def progress(total: int, desc: str, enabled: bool = True):
+    """A bytes progress bar (tqdm: bytes/s, unit-scaled) on stderr."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=not enabled,
+                file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
+
+
+def check_free_space(parent: Path, needed: int) -> None:
+    free = shutil.disk_usage(parent).free
+    if needed > free:
+        raise ConvertError(f"{parent} has {human(free)} free, the output needs about {human(needed)}")
+
+
+@contextlib.contextmanager
+def atomic_output_dir(out: str | os.PathLike, force: bool = False) -> Iterator[Path]:
+    """Yield a fresh temporary directory beside `out`; rename it to `out` when the block succeeds, delete it
+    when the block fails. A crash, a bad tensor or Ctrl-C never leaves a half-written `out` that a later
+    `threed train --init-from` could mistake for a checkpoint."""
+    out = Path(out).absolute()
+    if out.exists() and not force:
+        raise ConvertError(f"{out} already exists; choose a new --out or pass --force to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    if out.exists():  # only with force: move the old one aside first, so a failure here loses nothing
+        os.replace(out, old)
+    os.replace(tmp, out)
+    if old.exists():
+        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()

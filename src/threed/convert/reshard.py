@@ -1,0 +1,66 @@
+"""Change the tp / pp of a DeepSpeed pipeline checkpoint, one layer at a time, bit-exact.
+
+    threed reshard --ckpt ckpt/llama3-70b-tp8pp4 --tp 4 --pp 8 --out ckpt/llama3-70b-tp4pp8
+
+Each layer's TP shards are merged to the HF tensors and re-split (the same pure functions as convert/export,
+so a round trip is the identity). The output holds weights only (tag global_step0): train from it with
+--init-from. Vocab padding rows are re-created as zeros for the new tp (their values never reach a logit).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from threed.config import ParallelConfig
+from threed.convert.convert import convert_layer, save_layer
+from threed.convert.ds_checkpoint import HF_EXTRA_DIR, TAG, model_to_dict, open_checkpoint, write_metadata
+from threed.convert.io_utils import ConvertError, atomic_output_dir, check_free_space, human, progress
+from threed.convert.mapping import layer_to_hf
+
+
+def reshard(ckpt: str | os.PathLike, out: str | os.PathLike, tp: int, pp: int,
+            dtype: Optional[torch.dtype] = None, force: bool = False, show_progress: bool = True) -> dict[str, Any]:
+    t0 = time.time()
+    if Path(out).exists() and not force:
+        raise ConvertError(f"{Path(out).absolute()} already exists; choose a new --out or pass --force")
+    ck = open_checkpoint(ckpt)
+    cfg = ck.model
+    ParallelConfig(tp=tp, pp=pp).validate(cfg, tp * pp)
+    total = sum(ck.nbytes(l.index) for l in ck.layers)
+    Path(out).absolute().parent.mkdir(parents=True, exist_ok=True)
+    check_free_space(Path(out).absolute().parent, total)
+    with atomic_output_dir(out, force) as tmp:
+        step_dir = tmp / TAG
+        step_dir.mkdir()
+        dtypes: set[str] = set()
+        with progress(total, "reshard", show_progress) as bar:
+            for layer in ck.layers:
+                hf = layer_to_hf(cfg, layer, ck.load_layer(layer))
+                dtypes.update(str(t.dtype).replace("torch.", "") for t in hf.values())
+                save_layer(step_dir, layer, convert_layer(cfg, layer, hf, tp, dtype))
+                del hf
+                bar.update(ck.nbytes(layer.index))
+        for d in (ck.path / HF_EXTRA_DIR,):
+            if d.is_dir():
+                shutil.copytree(d, tmp / HF_EXTRA_DIR)
+        manifest = {
+            "format": "threed-deepspeed-pipeline", "version": 1, "created_by": "threed reshard",
+            "model": model_to_dict(cfg), "tp": tp, "pp": pp, "vocab_size": cfg.vocab_size,
+            "padded_vocab_size": cfg.padded_vocab_size(tp),
+            "make_vocab_size_divisible_by": cfg.make_vocab_size_divisible_by,
+            "dtype": str(dtype).replace("torch.", "") if dtype else "/".join(sorted(dtypes)), "tag": TAG,
+            "num_pipeline_layers": len(ck.layers),
+            "source": {"path": str(ck.path.absolute()), "format": "deepspeed", "tp": ck.tp, "pp": ck.pp,
+                       "tag": ck.tag, "bytes": total},
+            "seconds": round(time.time() - t0, 2),
+        }
+        write_metadata(tmp, cfg, tp, pp, manifest)
+    if show_progress:
+        print(f"threed reshard: {ckpt} (tp={ck.tp} pp={ck.pp}, {ck.tag}) -> {out} (tp={tp} pp={pp}), "
+              f"{human(total)}, {time.time() - t0:.1f} s")
+    return manifest

@@ -1,0 +1,90 @@
+"""Logits parity between an HF Llama and a DeepSpeed pipeline checkpoint, on CPU.
+
+    threed verify --hf Meta-Llama-3-8B --ckpt ckpt/llama3-8b-tp2pp2 [--tol 1e-5] [--pp 1]
+
+Starts tp x pp local ranks (torchrun) that build the engine and load the checkpoint exactly as
+`threed train --init-from` does, runs the same random tokens through HF's model in this process (fp32), and
+prints the max absolute and relative difference. Exit status 1 above --tol (relative). The layer files do not
+depend on pp, so --pp may differ from the pp the checkpoint was written at.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from threed.convert.ds_checkpoint import open_checkpoint
+from threed.convert.io_utils import ConvertError
+
+
+@dataclass
+class VerifyResult:
+    max_abs: float
+    max_rel: float
+    tol: float
+    tp: int
+    pp: int
+
+    @property
+    def ok(self) -> bool:
+        return self.max_rel <= self.tol
+
+    def line(self) -> str:
+        verdict = "OK" if self.ok else "FAIL"
+        return (f"threed verify: tp={self.tp} pp={self.pp}: max abs logits diff {self.max_abs:.3e}, max rel "
+                f"{self.max_rel:.3e} (tolerance {self.tol:.1e}) {verdict}")
+
+
+def checkpoint_logits(ckpt: str | os.PathLike, tokens: torch.Tensor, pp: Optional[int] = None,
+                      timeout: Optional[float] = 900) -> tuple[torch.Tensor, int, int]:
+    """fp32 logits [b, s, vocab] of a checkpoint, computed by its own tp x pp ranks."""
+    from threed.launch import run_ranks
+
+    ck = open_checkpoint(ckpt)
+    pp = pp or ck.pp
+    with tempfile.TemporaryDirectory(prefix="threed-verify-") as d:
+        torch.save(tokens, Path(d) / "tokens.pt")
+        try:
+            run_ranks(ck.tp * pp, "threed.convert.verify_worker",
+                      ["--ckpt", str(Path(ckpt).absolute()), "--tp", str(ck.tp), "--pp", str(pp),
+                       "--tokens", str(Path(d) / "tokens.pt"), "--out", str(Path(d) / "logits.pt")],
+                      timeout=timeout)
+        except Exception as e:  # RanksFailed / CalledProcessError carry the ranks' output tail
+            raise ConvertError(f"the {ck.tp * pp} verify ranks failed: {getattr(e, 'output', None) or e}") from None
+        return torch.load(Path(d) / "logits.pt")["logits"], ck.tp, pp
+
+
+def hf_logits(hf_dir: str | os.PathLike, tokens: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(tokens).logits.float()
+
+
+def compare(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    if got.shape != ref.shape:
+        raise ConvertError(f"logits shapes differ: checkpoint {list(got.shape)}, HF {list(ref.shape)} (another "
+                           f"vocab size?)")
+    max_abs = (got - ref).abs().max().item()
+    return max_abs, max_abs / max(ref.abs().max().item(), 1e-30)
+
+
+def verify(hf_dir: str | os.PathLike, ckpt: str | os.PathLike, tol: float = 1e-5, seq_length: int = 32,
+           batch: int = 2, seed: int = 0, pp: Optional[int] = None) -> VerifyResult:
+    ck = open_checkpoint(ckpt)
+    from threed.presets import from_hf_config
+
+    hf_cfg = from_hf_config(hf_dir)
+    if hf_cfg.vocab_size != ck.model.vocab_size or hf_cfg.num_layers != ck.model.num_layers:
+        raise ConvertError(f"{hf_dir} (vocab {hf_cfg.vocab_size}, {hf_cfg.num_layers} layers) is not the model "
+                           f"in {ckpt} (vocab {ck.model.vocab_size}, {ck.model.num_layers} layers)")
+    seq = min(seq_length, ck.model.max_position_embeddings)
+    tokens = torch.randint(0, ck.model.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
+    got, tp, pp_used = checkpoint_logits(ckpt, tokens, pp)
+    max_abs, max_rel = compare(got, hf_logits(hf_dir, tokens))
+    return VerifyResult(max_abs, max_rel, tol, tp, pp_used)
