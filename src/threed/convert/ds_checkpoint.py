@@ -144,8 +144,8 @@ class Checkpoint:
             try:
                 sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             except Exception as e:
-                raise ConvertError(f"cannot read {path}: {e.__class__.__name__}: {str(e)[:300]} (truncated or "
-                                   f"corrupt)") from None
+                msg = str(e).split(". ")[0][:300]
+                raise ConvertError(f"cannot read {path}: {e.__class__.__name__}: {msg} (truncated or corrupt)") from None
             tensors = {k: v for k, v in sd.items() if not k.endswith("._extra_state")}
             if set(tensors) != set(expected[rank]):
                 raise ConvertError(f"{path} holds {sorted(tensors)}, expected {sorted(expected[rank])} for "
@@ -215,3 +215,9 @@ def check_loadable(path: str | os.PathLike, model: ModelConfig, tp: int, pp: int
     if not weights_only and ck.tag == TAG and (Path(path) / MANIFEST).is_file():
         raise ConvertError(f"{path} is a converted checkpoint (weights only, no optimizer state): use it with "
                            f"--init-from, not --load or --save")
+
+
+def checkpoint_files(cfg: ModelConfig, tp: int, pp: int) -> list[str]:
+    """Every file `threed convert` writes under the tag directory, in write order (layer files, then mp_rank)."""
+    names = [layer_file(l.index, r) for l in pipeline_layers(cfg) for r in range(tp)]
+    return names + [mp_rank_file(s, r, tp) for s in range(pp) for r in range(tp)]

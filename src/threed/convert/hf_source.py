@@ -163,12 +163,12 @@ class HFSource:
             sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except RuntimeError as e:
             if "mmap" not in str(e):
-                raise ConvertError(f"cannot read {path}: {e.__class__.__name__}: {str(e)[:300]} (the file is "
-                                   f"truncated or corrupt)") from None
+                raise ConvertError(f"cannot read {path}: {_first_sentence(e)} (the file is truncated or "
+                                   f"corrupt)") from None
             sd = self._load_bin_plain(path)  # legacy (pre-zip) format: cannot be mapped, read whole
         except Exception as e:  # pickle/zip errors of many kinds: a truncated or corrupt file
-            raise ConvertError(f"cannot read {path}: {e.__class__.__name__}: {str(e)[:300]} (the file is "
-                               f"truncated or corrupt)") from None
+            raise ConvertError(f"cannot read {path}: {_first_sentence(e)} (the file is truncated or "
+                               f"corrupt)") from None
         if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
             raise ConvertError(f"{path} is not a state dict of tensors")
         self._bin_cache = (path, sd)
@@ -179,7 +179,7 @@ class HFSource:
         try:
             return torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:
-            raise ConvertError(f"cannot read {path}: {e.__class__.__name__}: {str(e)[:300]}") from None
+            raise ConvertError(f"cannot read {path}: {_first_sentence(e)}") from None
 
     def _bin_infos(self, path: Path) -> dict[str, TensorInfo]:
         sd = self._load_bin(path)
@@ -226,6 +226,10 @@ class HFSource:
         if problems:
             raise ConvertError(f"{self.path} does not match its config.json ({cfg.num_layers} layers, hidden "
                                f"{cfg.hidden_size}, vocab {cfg.vocab_size}): " + "; ".join(problems))
+
+
+def _first_sentence(e: BaseException) -> str:
+    return f"{e.__class__.__name__}: {str(e).split('. ')[0][:300]}"
 
 
 def _names(items: list[str], limit: int = 8) -> str:
