@@ -50,11 +50,11 @@ def write_tokens(path: Path, tokens: np.ndarray, vocab_size: int) -> str:
     return str(path)
 
 
-def learnable_tokens(n: int, vocab: int, seed: int = 0) -> np.ndarray:
-    """A noisy deterministic pattern (next = a*prev + b mod V, with 10% random tokens): loss falls fast."""
+def learnable_tokens(n: int, alphabet: int = 16, seed: int = 0) -> np.ndarray:
+    """A noisy bigram pattern over a few token ids (next = 7*prev + 3 mod alphabet, 10% random): loss falls fast."""
     rng = np.random.default_rng(seed)
     out = np.empty(n, dtype=np.int64)
     out[0] = 1
     for i in range(1, n):
-        out[i] = rng.integers(vocab) if rng.random() < 0.1 else (out[i - 1] * 7 + 3) % vocab
+        out[i] = rng.integers(alphabet) if rng.random() < 0.1 else (out[i - 1] * 7 + 3) % alphabet
     return out

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                            vocab_parallel_cross_entropy)
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.tensor_parallel.utils import VocabUtility
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
@@ -63,6 +64,20 @@ LLAMA_BLOCK_SUBMODULES = TransformerLayerSubmodules(
 )
 
 
+def mark_tensor_parallel(module: torch.nn.Module) -> None:
+    """Tag megatron's TP weights with `tensor_model_parallel` even when their random init was skipped.
+
+    megatron-core 0.16.1 sets the tag only inside its init functions, so with `perform_initialization=False`
+    (loading a checkpoint) the tag is missing and DeepSpeed's gradient norm counts TP shards of rank 0 only:
+    wrong clipping after every resume. Found by tests/test_training.py::test_resume_is_bit_exact.
+    """
+    for sub in module.modules():
+        dim = {ColumnParallelLinear: 0, VocabParallelEmbedding: 0, RowParallelLinear: 1}.get(type(sub))
+        weight = getattr(sub, "weight", None)
+        if dim is not None and weight is not None and not getattr(weight, "tensor_model_parallel", False):
+            set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=1)
+
+
 class EmbeddingPipe(torch.nn.Module):
     """First stage: token ids `[b, s]` -> hidden `[s, b, h]` (megatron's sequence-first layout)."""
 
@@ -71,6 +86,7 @@ class EmbeddingPipe(torch.nn.Module):
         self.word_embeddings = VocabParallelEmbedding(
             model.padded_vocab_size(mcore.tensor_model_parallel_size), model.hidden_size,
             init_method=mcore.init_method, config=mcore)
+        mark_tensor_parallel(self)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.word_embeddings(tokens).transpose(0, 1).contiguous()
@@ -81,6 +97,7 @@ class LlamaBlock(TransformerLayer):
 
     def __init__(self, model: ModelConfig, mcore: TransformerConfig, layer_number: int):
         super().__init__(config=mcore, submodules=LLAMA_BLOCK_SUBMODULES, layer_number=layer_number)
+        mark_tensor_parallel(self)
         self.rotary = RotaryAngles(model)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
@@ -110,6 +127,7 @@ class LMHeadPipe(torch.nn.Module):
         tp = mcore.tensor_model_parallel_size
         self.lm_head = ColumnParallelLinear(model.hidden_size, model.padded_vocab_size(tp), config=mcore,
                                             init_method=mcore.init_method, bias=False, gather_output=False)
+        mark_tensor_parallel(self)
         from megatron.core import parallel_state
 
         per_rank = model.padded_vocab_size(tp) // tp

@@ -1,0 +1,109 @@
+"""8-rank (tp=2, pp=2, dp=2) training against a single-process HuggingFace reference, bf16 against fp32,
+checkpoint save/resume, and the start-up group check. One launch of 8 gloo ranks runs them all."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import TESTS, hf_model, learnable_tokens, model_config, write_tokens
+from threed.config import RunConfig, TrainConfig
+from threed.data import TokenDataset, micro_batches
+from threed.engine import lr_lambda
+from threed.launch import run_ranks
+
+FP32_TOL = 1e-5
+BF16_REL_TOL = 0.05  # bf16 activations/weights (fp32 master + accumulation) stay within 5% of the fp32 loss
+BF16_STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("train")
+    rng = np.random.default_rng(0)
+    data = write_tokens(out / "random.bin", rng.integers(0, 200, 5000), 200)
+    learn = write_tokens(out / "learn.bin", learnable_tokens(40000), 200)
+    run_ranks(8, str(TESTS / "dist_worker.py"),
+              ["train", "--out", str(out), "--data", data, "--learnable", learn, "--bf16-steps", str(BF16_STEPS)],
+              timeout=1200)
+    ranks = [json.loads((out / f"train_rank{r}.json").read_text()) for r in range(8)]
+    return {"ranks": ranks, "data": data}
+
+
+def reference_run(data: str, steps: int = 5):
+    """The same model and global batch (8 sequences) trained in one process with plain torch."""
+    model = hf_model("gqa31").train()
+    mc = model_config("gqa31")
+    train = TrainConfig(dtype="fp32", micro_batch_size=2, grad_accum_steps=2, seq_length=32, steps=steps, lr=1e-3,
+                        min_lr=1e-4, warmup_steps=2, grad_clip=0.5)
+    decay = [p for p in model.parameters() if p.ndim > 1]
+    no_decay = [p for p in model.parameters() if p.ndim <= 1]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": train.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=train.lr,
+                            betas=(train.beta1, train.beta2), eps=train.adam_eps)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(RunConfig(model=mc, train=train)))
+    # dp=1 with gas = 2 x 2 reads exactly the 8 samples the 8-rank run reads per step.
+    batches = micro_batches(TokenDataset(data, 32), 2, 4, 1, 0, 0, train.seed)
+    losses, norms = [], []
+    for _ in range(steps):
+        pairs = [next(batches) for _ in range(4)]
+        inputs = torch.cat([p[0] for p in pairs])
+        labels = torch.cat([p[1] for p in pairs])
+        logits = model(inputs).logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip).item())
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+    return losses, norms
+
+
+def test_fp32_3d_training_matches_single_process_hf(run):
+    ref_losses, ref_norms = reference_run(run["data"])
+    got = run["ranks"][0]["fp32"]
+    print("3D losses", got["losses"], "\nref losses", ref_losses)
+    print("3D norms ", got["grad_norms"], "\nref norms ", ref_norms)
+    assert max(ref_norms) > 0.5, "clipping must be active in this test (grad_clip=0.5)"
+    for step, (a, b) in enumerate(zip(got["losses"], ref_losses)):
+        assert abs(a - b) <= FP32_TOL * abs(b), f"step {step + 1}: loss {a} vs reference {b}"
+    for step, (a, b) in enumerate(zip(got["grad_norms"], ref_norms)):
+        assert abs(a - b) <= FP32_TOL * abs(b), f"step {step + 1}: grad norm {a} vs reference {b}"
+
+
+def test_every_rank_agrees_on_loss(run):
+    losses = {tuple(r["fp32"]["losses"]) for r in run["ranks"]}
+    assert len(losses) == 1, "the loss is broadcast to every stage and replica"
+
+
+def test_bf16_micro_gt1_gas_gt1_trains_close_to_fp32(run):
+    r = run["ranks"][0]
+    bf16, fp32 = r["learn_bf16"]["losses"], r["learn_fp32"]["losses"]
+    print("bf16", bf16, "\nfp32", fp32)
+    assert r["learn_bf16"]["optimizer"] == "BF16_Optimizer", "fp32 grad accumulation selects BF16_Optimizer"
+    assert all(np.isfinite(bf16))
+    assert bf16[-1] < bf16[0] - 1.0, "bf16 loss must fall"
+    rel = max(abs(a - b) / b for a, b in zip(bf16, fp32))
+    assert rel < BF16_REL_TOL, f"bf16 drifts {rel:.3f} from fp32 (tolerance {BF16_REL_TOL})"
+
+
+def test_resume_is_bit_exact(run):
+    for r in run["ranks"]:
+        assert r["resume"]["step"] == 3
+        assert r["resume"]["weights_equal"]
+        assert r["resume"]["losses"] == r["fp32"]["losses"][3:]
+        # The gradient norm too: it catches TP weights that lost megatron's `tensor_model_parallel` tag.
+        assert r["resume"]["grad_norms"] == r["fp32"]["grad_norms"][3:]
+
+
+def test_megatron_groups_equal_deepspeed_grid(run):
+    for rank, r in enumerate(run["ranks"]):
+        tp_first = rank - rank % 2
+        assert r["groups"]["tp"] == [tp_first, tp_first + 1]
+        assert r["groups"]["pp"] == [rank % 4, rank % 4 + 4]
+        assert r["groups"]["dp"] == [rank - (rank % 4 // 2) * 2, rank - (rank % 4 // 2) * 2 + 2]
+        assert r["mismatch_detected"], f"rank {rank}: a grid in another rank order was not rejected"
