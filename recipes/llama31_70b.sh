@@ -1,0 +1,35 @@
+# Llama 3.1 70B (70.55B params): TP=8 x PP=4 on 4 nodes x 8 GPUs (80 GB), bf16, ZeRO-1.
+#
+# Layout   TP x PP = 8 x 4 = 32 GPUs hold one model replica; DP = WORLD / 32 grows with the nodes.
+# Batch    at 4 nodes x 8 GPUs: DP = 32 / (8 x 4) = 1, GAS = GLOBAL / (MICRO x DP) = 512 / (1 x 1) = 512,
+#          train_batch_size = MICRO x GAS x DP = 1 x 512 x 1 = 512 sequences x 8192 = 4.19M tokens per step.
+#          At 8 nodes DP = 2 and GAS = 256: the same batch. GLOBAL must stay a multiple of MICRO x DP.
+# Memory   per GPU at 4 nodes (DP=1), heaviest pipeline stage, activation checkpointing on:
+#          ~57 GB/GPU = weights 4.5 + grads 13.6 + optimizer 27.3 + activations 11.5
+#          (2.27B params on the heaviest GPU; plus CUDA/NCCL overhead)
+#          At DP=2 the ZeRO-1 optimizer shard halves: ~43 GB/GPU. (python recipes/memory.py explains the model.)
+# Data     DATA must be tokenized with the Llama 3 tokenizer (128256 pieces) in `threed tokenize`'s format.
+# Weights  random init; INIT_FROM=<`threed convert` output of HF Llama-3.1-70B> starts from the HF weights.
+#          A requeued or resubmitted job resumes from SAVE/latest instead (weights, optimizer, step, data order).
+# Run      sbatch slurm/llama70b_tp8_pp4.sh
+# Override any line from the environment (VAR=value sbatch ...; an empty value clears it): see recipes/launch.sh.
+MODEL=${MODEL-llama3.1-70b}
+TP=${TP-8}
+PP=${PP-4}
+MICRO=${MICRO-1}
+GAS=${GAS-}
+GLOBAL=${GLOBAL-512}
+SEQ=${SEQ-8192}
+LR=${LR-1.5e-4}
+MIN_LR=${MIN_LR-1.5e-5}
+WARMUP=${WARMUP-200}
+STEPS=${STEPS-5000}
+DTYPE=${DTYPE-bf16}
+ACT_CKPT=${ACT_CKPT-true}
+DATA=${DATA-data/llama3/tokens.bin}
+TOKENIZER=${TOKENIZER-checkpoints/hf/Llama-3.1-70B/original/tokenizer.model}
+INIT_FROM=${INIT_FROM-}
+LOAD=${LOAD-}
+SAVE=${SAVE-checkpoints/llama31_70b}
+SAVE_INTERVAL=${SAVE_INTERVAL-100}
+LOG_INTERVAL=${LOG_INTERVAL-1}

@@ -1,0 +1,29 @@
+# Tiny Llama (hidden 64, 4 layers, 4 heads / 2 KV heads, vocab 512) for CPU: the demo and the tests.
+#
+# Layout   TP=2 x PP=2 = 4 ranks per model replica; DP = WORLD / 4.
+# Batch    at 1 node x 8 ranks: DP = 8 / (2 x 2) = 2, train_batch_size = MICRO x GAS x DP = 4 x 4 x 2 = 32
+#          sequences x 128 tokens = 4096 tokens per step. 2 nodes x 4 ranks is the same world (DP=2).
+# Memory   ~0.5 GB of host memory per rank, almost all of it imports (torch, DeepSpeed, megatron-core).
+# Data     `bash tools/demo.sh` (or `threed demo-text`, `threed tokenizer`, `threed tokenize`) makes runs/demo/.
+# Run      recipes/launch.sh recipes/tiny.sh
+#          sbatch --nodes=2 --gres=none slurm/train.sh recipes/tiny.sh   (with GPUS_PER_NODE=4 in the environment)
+MODEL=${MODEL-tiny}
+TP=${TP-2}
+PP=${PP-2}
+MICRO=${MICRO-4}
+GAS=${GAS-4}
+GLOBAL=${GLOBAL-}
+SEQ=${SEQ-128}
+LR=${LR-3e-3}
+MIN_LR=${MIN_LR-3e-4}
+WARMUP=${WARMUP-5}
+STEPS=${STEPS-150}
+DTYPE=${DTYPE-bf16}
+ACT_CKPT=${ACT_CKPT-false}
+DATA=${DATA-runs/demo/tokens.bin}
+TOKENIZER=${TOKENIZER-runs/demo/tok.model}
+INIT_FROM=${INIT_FROM-}
+LOAD=${LOAD-}
+SAVE=${SAVE-runs/demo/ckpt}
+SAVE_INTERVAL=${SAVE_INTERVAL-0}
+LOG_INTERVAL=${LOG_INTERVAL-1}

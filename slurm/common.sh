@@ -1,0 +1,114 @@
+# The body of every slurm/*.sh batch script; they set RECIPE and source this file with the extra `threed train`
+# flags in "$@". Not submitted by itself.
+#
+# - One srun task per node runs recipes/launch.sh, which starts torchrun for that node's GPUs (not the
+#   deepspeed launcher: it needs passwordless ssh between nodes and fails under Slurm, DeepSpeed #2025).
+# - MASTER_ADDR is the job's first node; torchrun's c10d rendezvous runs there on MASTER_PORT (derived from the
+#   job id, so two jobs sharing a node do not collide); node rank = SLURM_PROCID.
+# - The batch shell checks the recipe's arithmetic first (launch.sh dry run), so a bad layout fails in seconds
+#   with the numbers, before any node starts.
+# - Preemption: --signal=B:USR1@N sends USR1 to this shell N seconds before the time limit; the trap below
+#   writes $SAVE/STOP, every rank saves a checkpoint at the next step boundary and exits 0, and the job requeues
+#   itself (--requeue). The next run resumes from $SAVE/latest (`threed train` resumes from --save by itself).
+#   scancel/TERM also writes STOP (best effort: Slurm kills after KillWait), but does not requeue.
+# - Logs: slurm/logs/<job name>-<job id>/ holds start<R>-node<N>.log (R counts requeues), train.log (a link to
+#   the node log of global rank 0, which logs the training), launch.txt (the numbers and the command of every
+#   start) and batch.out (this shell's output, a link to --output).
+#
+# Environment: GPUS_PER_NODE (default 8), DEVICE (auto|cpu|cuda), LOG_DIR, MASTER_PORT, any recipe variable
+# (MODEL, TP, PP, MICRO, GAS, GLOBAL, SEQ, STEPS, DATA, SAVE, ...), NCCL_* (defaults below).
+
+set -euo pipefail
+
+fail() {
+    echo "threed slurm: error: $*" >&2
+    exit 2
+}
+
+[ -n "${SLURM_JOB_ID:-}" ] || fail "run this with sbatch (SLURM_JOB_ID is not set)"
+[ -n "${RECIPE:-}" ] || fail "no recipe: the batch script sets RECIPE"
+cd "$ROOT"
+[ -f "$RECIPE" ] || fail "recipe $RECIPE not found under $ROOT"
+
+export NNODES=$SLURM_NNODES
+export GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+export MASTER_ADDR
+export MASTER_PORT=${MASTER_PORT:-$((15000 + SLURM_JOB_ID % 15000))}
+export RDZV_ID=${RDZV_ID:-$SLURM_JOB_ID}
+
+# NCCL: a failed or stuck collective raises (instead of hanging until the time limit), so the rank exits non-zero
+# and srun --kill-on-bad-exit ends the job. Megatron wants one CUDA connection per device so that TP
+# communication and compute keep their order. Set NCCL_SOCKET_IFNAME / NCCL_IB_HCA here if your cluster needs them.
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
+
+export LOG_DIR=${LOG_DIR:-$ROOT/slurm/logs/$SLURM_JOB_NAME-$SLURM_JOB_ID}
+mkdir -p "$LOG_DIR"
+batch_out=$(scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null | grep -o 'StdOut=[^ ]*' | cut -d= -f2- || true)
+[ -z "$batch_out" ] || ln -sfn "$batch_out" "$LOG_DIR/batch.out"
+
+RESTART=${SLURM_RESTART_COUNT:-0}
+echo "threed slurm: job $SLURM_JOB_ID ($SLURM_JOB_NAME) start $RESTART at $(date '+%F %T') on $SLURM_JOB_NODELIST;" \
+     "recipe $RECIPE; master $MASTER_ADDR:$MASTER_PORT; logs in $LOG_DIR (training log: train.log)"
+
+# The recipe's SAVE and STEPS as the nodes will see them (same environment, same recipe).
+SAVE_DIR=$(source "$RECIPE" && echo "${SAVE:-}")
+STEPS_WANTED=$(source "$RECIPE" && echo "${STEPS:-}")
+if [ -z "$SAVE_DIR" ]; then
+    echo "threed slurm: warning: SAVE is empty: a preemption warning cannot save, and a requeue starts over"
+else
+    mkdir -p "$SAVE_DIR"
+    rm -f "$SAVE_DIR/STOP"  # left by the run that was preempted
+fi
+
+stop_signal=""
+request_stop() {
+    stop_signal=$1
+    echo "threed slurm: SIG$1 at $(date '+%F %T'): asking every rank to save a checkpoint and exit"
+    [ -z "$SAVE_DIR" ] || touch "$SAVE_DIR/STOP"
+}
+trap 'request_stop USR1' USR1
+trap 'request_stop TERM' TERM
+
+# The numbers, once, before any node starts: exits 2 with the message when the layout does not divide.
+echo "--- start $RESTART, $(date '+%F %T')" >>"$LOG_DIR/launch.txt"
+THREED_DRY_RUN=1 bash recipes/launch.sh "$RECIPE" "$@" | tee -a "$LOG_DIR/launch.txt"
+
+# One task per node; its CPUs are all of the node's (srun does not inherit sbatch's --cpus-per-task since 22.05).
+srun --nodes="$SLURM_NNODES" --ntasks-per-node=1 --cpus-per-task="${SLURM_CPUS_ON_NODE:-1}" \
+    --kill-on-bad-exit=1 --wait=60 --output="$LOG_DIR/start$RESTART-node%n.log" \
+    bash recipes/launch.sh "$RECIPE" "$@" &
+srun_pid=$!
+
+# c10d numbers the nodes in its own order, so global rank 0 (the one that logs) can be on any node: point
+# train.log at the node log that has its first line.
+link_train_log() {
+    local f
+    f=$(grep -l '^threed: world' "$LOG_DIR"/start"$RESTART"-node*.log 2>/dev/null | head -n 1) || true
+    [ -n "$f" ] && ln -sfn "$(basename "$f")" "$LOG_DIR/train.log"
+}
+(while ! link_train_log; do sleep 2; done) &
+watch_pid=$!
+# A trapped signal interrupts `wait`; keep waiting until srun itself has exited.
+while :; do
+    if wait "$srun_pid"; then rc=0; else rc=$?; fi
+    kill -0 "$srun_pid" 2>/dev/null || break
+done
+if ((rc > 128)); then  # the signal may have come just as srun exited: ask bash for srun's own status
+    if wait "$srun_pid" 2>/dev/null; then rc=0; else r=$?; [ "$r" = 127 ] || rc=$r; fi
+fi
+trap - USR1 TERM
+kill "$watch_pid" 2>/dev/null || true
+link_train_log || true
+[ -z "$SAVE_DIR" ] || rm -f "$SAVE_DIR/STOP"
+
+saved=$(sed -n 's/^global_step//p' "$SAVE_DIR/latest" 2>/dev/null || true)
+echo "threed slurm: srun exited $rc at $(date '+%F %T'); latest checkpoint: step ${saved:-none} of $STEPS_WANTED"
+if [ "$stop_signal" = USR1 ] && [ "$rc" = 0 ] && [ -n "$saved" ] && [ "$saved" -lt "$STEPS_WANTED" ]; then
+    echo "threed slurm: requeueing job $SLURM_JOB_ID; it resumes from step $saved"
+    scontrol requeue "$SLURM_JOB_ID" || fail "scontrol requeue failed; resubmit the same script to resume"
+fi
+exit "$rc"

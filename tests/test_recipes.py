@@ -1,0 +1,203 @@
+"""Recipes and the shared launcher: the shell's batch arithmetic (DP = WORLD / (TP x PP), train_batch_size =
+MICRO x GAS x DP), its error messages, the numbers in each recipe's header, and that the Python config accepts
+the command the launcher builds. Dry runs only (THREED_DRY_RUN=1): nothing is started."""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from threed.cli import parse_run_config
+from threed.config import deepspeed_config
+
+REPO = Path(__file__).resolve().parents[1]
+LAUNCH = REPO / "recipes" / "launch.sh"
+MODEL_RECIPES = ["llama2_7b", "llama2_13b", "llama2_70b", "llama3_8b", "llama3_70b", "llama31_8b", "llama31_70b",
+                 "llama31_405b"]
+RECIPE_VARS = ["MODEL", "TP", "PP", "MICRO", "GAS", "GLOBAL", "SEQ", "LR", "MIN_LR", "WARMUP", "STEPS", "DTYPE",
+               "ACT_CKPT", "DATA", "TOKENIZER", "INIT_FROM", "LOAD", "SAVE", "SAVE_INTERVAL", "LOG_INTERVAL"]
+SLURM_SCRIPTS = {"llama70b_tp8_pp4.sh": ("llama31_70b", 4), "llama8b_tp2_pp2.sh": ("llama31_8b", 1),
+                 "llama405b_tp8_pp16.sh": ("llama31_405b", 32)}
+
+
+def launch(recipe: str, env: dict[str, str], *args: str, dry: bool = True) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    for var in RECIPE_VARS + ["NNODES", "GPUS_PER_NODE", "NODE_RANK", "MASTER_ADDR", "THREED_ARGS"]:
+        base.pop(var, None)
+    full = {**base, **({"THREED_DRY_RUN": "1"} if dry else {}), **env}
+    return subprocess.run(["bash", str(LAUNCH), str(REPO / "recipes" / f"{recipe}.sh"), *args], env=full,
+                          capture_output=True, text=True, timeout=60, cwd=REPO)
+
+
+def dry_numbers(out: str) -> dict[str, int]:
+    return {k: int(v) for k, v in re.findall(r"^(DP|GAS|TRAIN_BATCH_SIZE)=(\d+)$", out, re.M)}
+
+
+def train_argv(out: str) -> list[str]:
+    command = shlex.split(re.search(r"^command: (.*)$", out, re.M)[1])
+    return command[command.index("train") + 1:]
+
+
+def python_train_batch(out: str, world: int) -> int:
+    """The Python side's own check of the same command: RunConfig.validate and DeepSpeed's train_batch_size."""
+    cfg = parse_run_config(train_argv(out))
+    cfg.validate(world)
+    return deepspeed_config(cfg, world)["train_batch_size"]
+
+
+# (nodes, gpus per node, TP, PP, MICRO, GAS, GLOBAL) -> (DP, GAS, train_batch_size)
+GOOD = [
+    ((4, 8, 8, 4, 1, "", "512"), (1, 512, 512)),  # the 70B layout
+    ((8, 8, 8, 4, 1, "", "512"), (2, 256, 512)),  # DP grows with the nodes, GAS shrinks
+    ((32, 8, 8, 16, 1, "", "1024"), (2, 512, 1024)),  # the 405B layout
+    ((1, 8, 2, 2, 4, "4", ""), (2, 4, 32)),  # the tiny recipe on one node
+    ((2, 4, 2, 2, 4, "4", ""), (2, 4, 32)),  # ... and on 2 nodes x 4: same world, same batch
+    ((1, 8, 1, 1, 2, "3", ""), (8, 3, 48)),  # pure DP: DP = WORLD
+    ((2, 8, 4, 2, 2, "8", "32"), (2, 8, 32)),  # GAS and GLOBAL both given and consistent
+    ((1, 8, 2, 1, 1, "", ""), (4, 1, 4)),  # neither: GAS = 1
+    ((3, 8, 8, 1, 2, "", "24"), (3, 4, 24)),  # 3 nodes
+]
+BAD = [
+    ((3, 8, 8, 4, 1, "", "512"), ["WORLD = NNODES x GPUS_PER_NODE = 3 x 8 = 24", "TP x PP = 8 x 4 = 32",
+                                  "multiple of 32 GPUs"]),
+    ((1, 6, 2, 2, 1, "1", ""), ["= 1 x 6 = 6 ranks is not divisible by", "TP x PP = 2 x 2 = 4"]),
+    ((4, 8, 8, 4, 3, "", "512"), ["GLOBAL=512 is not divisible by MICRO x DP = 3 x 1 = 3", "multiple of 3"]),
+    ((8, 8, 8, 4, 1, "", "511"), ["GLOBAL=511 is not divisible by MICRO x DP = 1 x 2 = 2", "DP = 64 / (8 x 4) = 2"]),
+    ((1, 8, 2, 2, 4, "4", "64"), ["GAS=4 and GLOBAL=64 disagree", "MICRO x GAS x DP = 4 x 4 x 2 = 32, not 64",
+                                  "GAS= GLOBAL=64, which gives GAS=8"]),
+    ((1, 8, 0, 2, 4, "4", ""), ["TP must be a positive integer, got '0'"]),
+    ((1, 8, 2, 2, "x", "4", ""), ["MICRO must be a positive integer, got 'x'"]),
+]
+
+
+def _env(nodes, gpus, tp, pp, micro, gas, glob) -> dict[str, str]:
+    # llama3.1-70b has 64 heads / 8 KV heads, so the Python side accepts every TP in the table.
+    return {"NNODES": str(nodes), "GPUS_PER_NODE": str(gpus), "TP": str(tp), "PP": str(pp), "MICRO": str(micro),
+            "GAS": gas, "GLOBAL": glob, "MODEL": "llama3.1-70b", "SEQ": "128"}
+
+
+@pytest.mark.parametrize("layout,expected", GOOD, ids=[str(g[0]) for g in GOOD])
+def test_launcher_batch_arithmetic(layout, expected) -> None:
+    out = launch("tiny", _env(*layout))
+    assert out.returncode == 0, out.stderr
+    dp, gas, batch = expected
+    assert dry_numbers(out.stdout) == {"DP": dp, "GAS": gas, "TRAIN_BATCH_SIZE": batch}, out.stdout
+    nodes, gpus, tp, pp, micro = layout[:5]
+    assert f"tp {tp} x pp {pp} x dp {dp}; train_batch_size {batch} = micro {micro} x gas {gas} x dp {dp}" in out.stdout
+    argv = train_argv(out.stdout)
+    assert argv[argv.index("--grad-accum-steps") + 1] == str(gas)
+    assert argv[argv.index("--global-batch-size") + 1] == str(batch)
+    assert python_train_batch(out.stdout, nodes * gpus) == batch
+    torchrun = shlex.split(re.search(r"^command: (.*)$", out.stdout, re.M)[1])
+    assert f"--nproc-per-node={gpus}" in torchrun and f"--nnodes={nodes}" in torchrun
+    assert ("--standalone" in torchrun) == (nodes == 1)
+    if nodes > 1:
+        assert "--rdzv-backend=c10d" in torchrun
+
+
+@pytest.mark.parametrize("layout,messages", BAD, ids=[str(b[0]) for b in BAD])
+def test_launcher_rejects_inconsistent_layouts(layout, messages) -> None:
+    out = launch("tiny", _env(*layout))
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "command:" not in out.stdout
+    err = " ".join(out.stderr.split())
+    for m in messages:
+        assert m in err, err
+
+
+def test_python_config_rejects_what_the_shell_would() -> None:
+    """The same inconsistency handed straight to `threed train` fails in the Python config too."""
+    from threed.config import ConfigError
+
+    cfg = parse_run_config(["--model", "tiny", "--tp", "2", "--pp", "2", "--micro-batch-size", "4",
+                            "--grad-accum-steps", "4", "--global-batch-size", "64"])
+    with pytest.raises(ConfigError, match=r"micro x gas x dp = 4 x 4 x 2 = 32"):
+        cfg.validate(8)
+    with pytest.raises(ConfigError, match="not divisible by tp\\*pp"):
+        cfg.validate(6)
+
+
+def test_extra_flags_pass_through() -> None:
+    out = launch("tiny", {"THREED_ARGS": "--seed 7"}, "--log-interval", "5")
+    assert out.returncode == 0, out.stderr
+    argv = train_argv(out.stdout)
+    assert argv[-4:] == ["--seed", "7", "--log-interval", "5"]
+    assert parse_run_config(argv).train.log_interval == 5
+
+
+def test_missing_data_fails_before_starting() -> None:
+    out = launch("tiny", {"DATA": "/nonexistent/tokens.bin", "GPUS_PER_NODE": "8"}, dry=False)
+    assert out.returncode == 2 and "DATA=/nonexistent/tokens.bin not found" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("name", MODEL_RECIPES + ["tiny"])
+def test_recipe_is_only_overridable_variables(name: str) -> None:
+    text = (REPO / "recipes" / f"{name}.sh").read_text()
+    code = [line for line in text.splitlines() if line.strip() and not line.startswith("#")]
+    names = []
+    for line in code:
+        m = re.fullmatch(r"([A-Z_]+)=\$\{(\w+)-([^}]*)\}", line)
+        assert m and m[1] == m[2], f"{name}: not a VAR=${{VAR-default}} line: {line!r}"
+        names.append(m[1])
+    assert names == RECIPE_VARS
+    assert text.startswith("# "), "a header comment comes first"
+
+
+def _header_layout(text: str) -> tuple[int, int, int, int, int]:
+    m = re.search(r"at (\d+) nodes? x 8 GPUs: DP = (\d+) / \(\d+ x \d+\) = (\d+), GAS = .* = (\d+),\n"
+                  r"#\s+train_batch_size = MICRO x GAS x DP = \d+ x \d+ x \d+ = (\d+) sequences", text)
+    assert m, "header must spell out the batch arithmetic"
+    return tuple(int(g) for g in m.groups())  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("name", MODEL_RECIPES)
+def test_recipe_header_matches_launcher_and_python(name: str) -> None:
+    text = (REPO / "recipes" / f"{name}.sh").read_text()
+    nodes, world, dp, gas, batch = _header_layout(text)
+    assert world == nodes * 8
+    out = launch(name, {"NNODES": str(nodes), "GPUS_PER_NODE": "8"})
+    assert out.returncode == 0, out.stderr
+    assert dry_numbers(out.stdout) == {"DP": dp, "GAS": gas, "TRAIN_BATCH_SIZE": batch}
+    assert python_train_batch(out.stdout, world) == batch  # heads divide TP, seq fits, batch agrees
+    # The header's memory figure is the estimator's at that layout.
+    header_mem = re.search(r"^#\s+(~\d+ GB/GPU = [^\n]*)$", text, re.M)[1]
+    launcher_mem = re.search(r"^memory: (.*)$", out.stdout, re.M)[1]
+    assert launcher_mem.startswith(header_mem), (header_mem, launcher_mem)
+    gb = int(re.match(r"~(\d+) GB", header_mem)[1])
+    assert gb <= 72, f"{name}: {gb} GB per GPU leaves too little room on an 80 GB GPU"
+    run = re.search(r"^# Run\s+sbatch (?:--nodes=\d+ )?(\S+)", text, re.M)[1]
+    assert (REPO / run).is_file()
+
+
+def test_model_override_scales_the_70b_recipe_down() -> None:
+    env = {"NNODES": "4", "GPUS_PER_NODE": "8", "MODEL": "tiny-tp8", "SEQ": "64", "GLOBAL": "8"}
+    out = launch("llama31_70b", env)
+    assert out.returncode == 0, out.stderr
+    assert dry_numbers(out.stdout) == {"DP": 1, "GAS": 8, "TRAIN_BATCH_SIZE": 8}
+    cfg = parse_run_config(train_argv(out.stdout))
+    assert (cfg.model.name, cfg.parallel.tp, cfg.parallel.pp, cfg.train.seq_length) == ("tiny-tp8", 8, 4, 64)
+    cfg.validate(32)
+
+
+@pytest.mark.parametrize("script", sorted(SLURM_SCRIPTS))
+def test_slurm_scripts_match_their_recipes(script: str) -> None:
+    recipe, nodes = SLURM_SCRIPTS[script]
+    text = (REPO / "slurm" / script).read_text()
+    directives = dict(re.findall(r"^#SBATCH --([\w-]+)(?:=(\S*))?$", text, re.M))
+    assert directives["nodes"] == str(nodes) and directives["ntasks-per-node"] == "1"
+    assert directives["gres"] == "gpu:8" and "requeue" in directives
+    assert re.fullmatch(r"B:USR1@\d+", directives["signal"])
+    assert f"RECIPE=${{RECIPE:-recipes/{recipe}.sh}}" in text
+    header_nodes = _header_layout((REPO / "recipes" / f"{recipe}.sh").read_text())[0]
+    assert header_nodes == nodes
+
+
+def test_shell_syntax() -> None:
+    files = [LAUNCH, *(REPO / "slurm").glob("*.sh"), *(REPO / "recipes").glob("*.sh")]
+    for f in files:
+        out = subprocess.run(["bash", "-n", str(f)], capture_output=True, text=True)
+        assert out.returncode == 0, f"{f}: {out.stderr}"
