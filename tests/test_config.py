@@ -1,0 +1,147 @@
+"""Config validation (each invalid combination fails with a message naming the numbers), presets with the
+published hyperparameters, HF config.json round trip, the DeepSpeed config, CLI flags and checkpoint layouts."""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from threed.cli import parse_run_config
+from threed.config import (CheckpointConfig, ConfigError, ParallelConfig, RunConfig, TrainConfig,
+                           deepspeed_config)
+from threed.engine import check_layout
+from threed.presets import PRESETS, from_hf_config, to_hf_config
+
+LLAMA2_70B = PRESETS["llama2-70b"]
+
+
+def run(tp=1, pp=1, model=LLAMA2_70B, **train) -> RunConfig:
+    return RunConfig(model=model, parallel=ParallelConfig(tp=tp, pp=pp), train=TrainConfig(**train))
+
+
+@pytest.mark.parametrize("cfg,world,pattern", [
+    (run(tp=3), 3, r"tp=3 does not divide num_heads=64"),
+    (run(tp=16), 16, r"tp=16 does not divide num_kv_heads=8"),
+    (run(pp=81), 81, r"pp=81 is larger than num_layers=80"),
+    (run(tp=8, pp=4), 48, r"world size 48 is not divisible by tp\*pp = 8\*4 = 32"),
+    (run(tp=8, pp=4, micro_batch_size=1, grad_accum_steps=8, global_batch_size=256), 64,
+     r"micro x gas x dp = 1 x 8 x 2 = 16, got global_batch_size 256\. dp is world / \(tp x pp\)"),
+    (run(micro_batch_size=3, global_batch_size=16), 1, r"global_batch_size 16 is not divisible by .* 3 x 1"),
+    (run(seq_length=8192), 1, r"seq_length 8192 exceeds max_position_embeddings 4096"),
+    (run(grad_accum_dtype="bf16"), 1, r"grad_accum_dtype must be 'fp32'"),
+    (run(zero_stage=2), 1, r"ZeRO 0 or 1 only"),
+    (run(dtype="fp16"), 1, r"dtype must be 'bf16' or 'fp32'"),
+])
+def test_invalid_configs_name_the_numbers(cfg, world, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        cfg.validate(world)
+
+
+def test_batch_uses_dp_not_world():
+    cfg = run(tp=8, pp=4, micro_batch_size=1, grad_accum_steps=16)
+    cfg.validate(128)  # 4 nodes x ... : dp = 128 / 32 = 4
+    ds = deepspeed_config(cfg, 128)
+    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == \
+        (64, 1, 16)
+    derived = run(tp=8, pp=4, micro_batch_size=2, global_batch_size=512)
+    assert derived.train.resolve_batch(derived.parallel.dp(256)) == (2, 32, 512)
+
+
+def test_deepspeed_config_bf16_uses_fp32_accumulation_and_zero1():
+    ds = deepspeed_config(run(dtype="bf16"), 1)
+    assert ds["bf16"] == {"enabled": True} and ds["data_types"] == {"grad_accum_dtype": "fp32"}
+    assert ds["zero_optimization"]["stage"] == 1
+    assert "bf16" not in deepspeed_config(run(dtype="fp32"), 1)
+
+
+@pytest.mark.parametrize("name,hidden,layers,heads,kv,ffn,vocab,theta,max_pos,scaled,billions", [
+    ("llama2-7b", 4096, 32, 32, 32, 11008, 32000, 1e4, 4096, False, 6.74),
+    ("llama2-13b", 5120, 40, 40, 40, 13824, 32000, 1e4, 4096, False, 13.02),
+    ("llama2-70b", 8192, 80, 64, 8, 28672, 32000, 1e4, 4096, False, 68.98),
+    ("llama3-8b", 4096, 32, 32, 8, 14336, 128256, 5e5, 8192, False, 8.03),
+    ("llama3-70b", 8192, 80, 64, 8, 28672, 128256, 5e5, 8192, False, 70.55),
+    ("llama3.1-8b", 4096, 32, 32, 8, 14336, 128256, 5e5, 131072, True, 8.03),
+    ("llama3.1-70b", 8192, 80, 64, 8, 28672, 128256, 5e5, 131072, True, 70.55),
+    ("llama3.1-405b", 16384, 126, 128, 8, 53248, 128256, 5e5, 131072, True, 405.85),
+])
+def test_presets_are_the_published_models(name, hidden, layers, heads, kv, ffn, vocab, theta, max_pos, scaled,
+                                          billions):
+    m = PRESETS[name]
+    assert (m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.ffn_hidden_size, m.vocab_size) == \
+        (hidden, layers, heads, kv, ffn, vocab)
+    assert (m.rope_theta, m.max_position_embeddings, m.rms_norm_eps) == (theta, max_pos, 1e-5)
+    assert (m.rope_scaling is not None) == scaled
+    if scaled:
+        s = m.rope_scaling
+        assert (s.factor, s.low_freq_factor, s.high_freq_factor, s.original_max_position_embeddings) == \
+            (8.0, 1.0, 4.0, 8192)
+    assert m.num_params() / 1e9 == pytest.approx(billions, abs=0.01)
+
+
+@pytest.mark.parametrize("name", ["llama2-70b", "llama3.1-405b", "tiny"])
+def test_hf_config_round_trip(name):
+    m = PRESETS[name]
+    back = from_hf_config(to_hf_config(m), name=name)
+    assert back == dataclasses.replace(m, make_vocab_size_divisible_by=back.make_vocab_size_divisible_by)
+
+
+def test_transformers_v4_config_layout():
+    hf = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "num_hidden_layers": 32,
+          "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
+          "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+          "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 8192, "rope_type": "llama3"}}
+    assert from_hf_config(hf) == dataclasses.replace(PRESETS["llama3.1-8b"], name="hf")
+    with pytest.raises(ConfigError, match="tie_word_embeddings"):
+        from_hf_config({**hf, "tie_word_embeddings": True})
+
+
+def test_padded_vocab():
+    assert LLAMA2_70B.padded_vocab_size(8) == 32768
+    assert PRESETS["llama3-8b"].padded_vocab_size(8) == 129024
+    assert PRESETS["llama3-8b"].padded_vocab_size(1) == 128256
+
+
+def test_cli_flags_come_from_the_dataclasses():
+    cfg = parse_run_config(["--model", "tiny", "--tp", "2", "--pp", "2", "--micro-batch-size", "4",
+                            "--global-batch-size", "64", "--data", "x.bin", "--dtype", "fp32",
+                            "--activation-checkpointing", "true", "--save", "ck"])
+    assert cfg.parallel == ParallelConfig(tp=2, pp=2)
+    assert (cfg.train.micro_batch_size, cfg.train.global_batch_size, cfg.train.dtype) == (4, 64, "fp32")
+    assert cfg.train.activation_checkpointing and cfg.data.path == "x.bin" and cfg.checkpoint.save == "ck"
+    assert cfg.model == PRESETS["tiny"]
+
+
+def _fake_checkpoint(root, tp, pp, dp):
+    step = root / "global_step7"
+    step.mkdir(parents=True)
+    (root / "latest").write_text("global_step7")
+    for t in range(tp):
+        (step / f"layer_00-model_{t:02d}-model_states.pt").touch()
+    for r in range(tp * pp):
+        (step / f"mp_rank_{r:02d}_model_states.pt").touch()
+        for d in range(dp):
+            (step / f"bf16_zero_pp_rank_{d}_mp_rank_{r:02d}_optim_states.pt").touch()
+    return str(root)
+
+
+def test_checkpoint_layout_mismatch_is_refused(tmp_path):
+    ck = _fake_checkpoint(tmp_path / "ck", tp=2, pp=2, dp=2)
+    check_layout(ck, run(tp=2, pp=2, model=PRESETS["tiny"]), 8, full_resume=True)
+    with pytest.raises(ConfigError, match=re.escape("written at tp=2, pp=2; this run has tp=1, pp=2")):
+        check_layout(ck, run(tp=1, pp=2, model=PRESETS["tiny"]), 4, full_resume=False)
+    with pytest.raises(ConfigError, match="holds 8 optimizer shards; resuming at tp=2 x pp=2 x dp=1 needs 4"):
+        check_layout(ck, run(tp=2, pp=2, model=PRESETS["tiny"]), 4, full_resume=True)
+    check_layout(ck, run(tp=2, pp=2, model=PRESETS["tiny"]), 4, full_resume=False)  # weights only: any dp
+
+
+def test_missing_checkpoint_fails_before_building(tmp_path):
+    from threed.distributed import Runtime
+    from threed.engine import build_engine
+    import torch
+
+    cfg = dataclasses.replace(run(model=PRESETS["tiny"]), checkpoint=CheckpointConfig(init_from=str(tmp_path)))
+    rt = Runtime(device=torch.device("cpu"), backend="gloo", rank=0, world_size=1, local_rank=0)
+    with pytest.raises(ConfigError, match="holds no DeepSpeed checkpoint"):
+        build_engine(cfg, rt)
