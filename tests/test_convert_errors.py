@@ -154,15 +154,17 @@ def test_bad_checkpoints(good_ckpt, tmp_path, capsys):
     assert_failed_cleanly(rc, capsys, "layer_00-model_01-model_states.pt holds ['input_layernorm.weight'", out)
 
 
-def test_layout_mismatch_is_named_before_deepspeed_loads(good_ckpt):
+def test_layout_or_model_mismatch_is_named_before_deepspeed_loads(good_ckpt):
+    import dataclasses
+
     model = read_model_config(good_ckpt)
     check_loadable(good_ckpt, model, tp=2, pp=2)
-    check_loadable(good_ckpt, model, tp=2, pp=4)  # weights only: layer files are indexed globally, any pp loads
-    with pytest.raises(Exception, match=r"written at tp=2 pp=2; this run has tp=4 pp=2. Reshard it: threed reshard"):
-        check_loadable(good_ckpt, model, tp=4, pp=2)
+    for tp, pp in ((4, 2), (2, 1)):
+        with pytest.raises(Exception, match=rf"written at tp=2 pp=2; this run has tp={tp} pp={pp}. Reshard it: "
+                                            rf"threed reshard --ckpt {good_ckpt} --tp {tp} --pp {pp}"):
+            check_loadable(good_ckpt, model, tp=tp, pp=pp)
     with pytest.raises(Exception, match="converted checkpoint"):
         check_loadable(good_ckpt, model, tp=2, pp=2, weights_only=False)
-    import dataclasses
     with pytest.raises(Exception, match="make_vocab_size_divisible_by 128 != 16"):
         check_loadable(good_ckpt, dataclasses.replace(model, make_vocab_size_divisible_by=16), tp=2, pp=2)
 
@@ -170,7 +172,7 @@ def test_layout_mismatch_is_named_before_deepspeed_loads(good_ckpt):
 def test_verify_exit_status_follows_tolerance(good, good_ckpt, monkeypatch, capsys):
     import threed.convert.verify as verify
 
-    def fake_logits(ckpt, tokens, pp=None, timeout=None):  # the multi-rank path is tested in test_convert_parity
+    def fake_logits(ckpt, tokens, timeout=None):  # the multi-rank path is tested in test_convert_parity
         logits = verify.hf_logits(good, tokens)
         return logits * (1 + 1e-3), 2, 2
 

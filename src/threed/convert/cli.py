@@ -62,7 +62,7 @@ def _reshard(ns: argparse.Namespace) -> int:
 def _verify(ns: argparse.Namespace) -> int:
     from threed.convert.verify import verify
 
-    result = verify(ns.hf, ns.ckpt, tol=ns.tol, seq_length=ns.seq_length, batch=ns.batch, seed=ns.seed, pp=ns.pp)
+    result = verify(ns.hf, ns.ckpt, tol=ns.tol, seq_length=ns.seq_length, batch=ns.batch, seed=ns.seed)
     print(result.line())
     return 0 if result.ok else 1
 
@@ -113,7 +113,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hf", required=True)
     p.add_argument("--ckpt", required=True)
     p.add_argument("--tol", type=float, default=1e-5, help="max relative logits difference (fp32)")
-    p.add_argument("--pp", type=int, default=None, help="pipeline stages to load at (default: as written)")
     p.add_argument("--seq-length", type=int, default=32)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)

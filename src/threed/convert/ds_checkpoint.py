@@ -7,9 +7,9 @@
     <dir>/threed_convert.json  the converter's manifest (source, dtype, true and padded vocab)
 
 `idx` is the position in `threed.pipeline.pipeline_layers`, so layer files do not depend on pp or on the
-partition method; `engine.load_checkpoint(dir, load_module_only=True)` then loads them at any pp, but only at the
-TP size they were written for (`check_loadable` says so before DeepSpeed fails deep inside its Megatron
-merge/split code).
+partition method (which stage owns a layer is decided at load time). DeepSpeed loads them only at the TP size
+they were written for: at another it merges/splits them with GPT-2 Megatron name rules and fails deep inside;
+`check_loadable` (and threed.engine's own layout check) refuse that up front, naming `threed reshard`.
 """
 from __future__ import annotations
 
@@ -198,18 +198,17 @@ _IGNORED_FIELDS = {"name", "init_std"}  # do not change the weights' layout
 
 
 def check_loadable(path: str | os.PathLike, model: ModelConfig, tp: int, pp: int, weights_only: bool = True) -> None:
-    """Raise a ConvertError (a ConfigError) unless DeepSpeed can load `path` into a tp x pp run of `model`.
+    """Raise a ConvertError (a ConfigError) unless `path` holds `model` written at tp x pp.
 
-    Call before `engine.load_checkpoint`: at another TP size DeepSpeed would try to merge/split the layer files
-    with its GPT-2 name rules and fail with an unrelated assertion or a size mismatch. pp may differ when only
-    weights are loaded (layer files are indexed globally); a full resume also needs the optimizer's pp."""
+    threed.engine checks the tp / pp layout itself; this also compares the model config, which DeepSpeed would
+    otherwise report as a size mismatch deep inside load_state_dict (e.g. another vocab padding multiple)."""
     ck = open_checkpoint(path)
     diffs = [f"{f.name} {getattr(ck.model, f.name)} != {getattr(model, f.name)}" for f in fields(ModelConfig)
              if f.name not in _IGNORED_FIELDS and getattr(ck.model, f.name) != getattr(model, f.name)]
     if diffs:
-        raise ConvertError(f"checkpoint {path} is for another model ({'; '.join(diffs)}); pass --model {path} "
-                           f"to train the model it holds")
-    if ck.tp != tp or (not weights_only and ck.pp != pp):
+        raise ConvertError(f"checkpoint {path} holds another model than this run's ({'; '.join(diffs)}); pass "
+                           f"--model {path} to train the model it holds")
+    if (ck.tp, ck.pp) != (tp, pp):
         raise ConvertError(f"checkpoint {path} was written at tp={ck.tp} pp={ck.pp}; this run has tp={tp} "
                            f"pp={pp}. Reshard it: threed reshard --ckpt {path} --tp {tp} --pp {pp} --out NEW_DIR")
     if not weights_only and ck.tag == TAG and (Path(path) / MANIFEST).is_file():

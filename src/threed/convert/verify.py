@@ -1,11 +1,11 @@
 """Logits parity between an HF Llama and a DeepSpeed pipeline checkpoint, on CPU.
 
-    threed verify --hf Meta-Llama-3-8B --ckpt ckpt/llama3-8b-tp2pp2 [--tol 1e-5] [--pp 1]
+    threed verify --hf Meta-Llama-3-8B --ckpt ckpt/llama3-8b-tp2pp2 [--tol 1e-5]
 
-Starts tp x pp local ranks (torchrun) that build the engine and load the checkpoint exactly as
-`threed train --init-from` does, runs the same random tokens through HF's model in this process (fp32), and
-prints the max absolute and relative difference. Exit status 1 above --tol (relative). The layer files do not
-depend on pp, so --pp may differ from the pp the checkpoint was written at.
+Starts the checkpoint's tp x pp local ranks (torchrun) that build the engine and load the checkpoint exactly
+as `threed train --init-from` does, runs the same random tokens through HF's model in this process (fp32), and
+prints the max absolute and relative difference. Exit status 1 above --tol (relative). HF's model is loaded
+whole in this process: verify is a check for models that fit in RAM (or for a tiny copy of a recipe).
 """
 from __future__ import annotations
 
@@ -39,13 +39,13 @@ class VerifyResult:
                 f"{self.max_rel:.3e} (tolerance {self.tol:.1e}) {verdict}")
 
 
-def checkpoint_logits(ckpt: str | os.PathLike, tokens: torch.Tensor, pp: Optional[int] = None,
+def checkpoint_logits(ckpt: str | os.PathLike, tokens: torch.Tensor,
                       timeout: Optional[float] = 900) -> tuple[torch.Tensor, int, int]:
     """fp32 logits [b, s, vocab] of a checkpoint, computed by its own tp x pp ranks."""
     from threed.launch import run_ranks
 
     ck = open_checkpoint(ckpt)
-    pp = pp or ck.pp
+    pp = ck.pp
     with tempfile.TemporaryDirectory(prefix="threed-verify-") as d:
         torch.save(tokens, Path(d) / "tokens.pt")
         try:
@@ -75,7 +75,7 @@ def compare(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
 
 
 def verify(hf_dir: str | os.PathLike, ckpt: str | os.PathLike, tol: float = 1e-5, seq_length: int = 32,
-           batch: int = 2, seed: int = 0, pp: Optional[int] = None) -> VerifyResult:
+           batch: int = 2, seed: int = 0) -> VerifyResult:
     ck = open_checkpoint(ckpt)
     from threed.presets import from_hf_config
 
@@ -85,6 +85,6 @@ def verify(hf_dir: str | os.PathLike, ckpt: str | os.PathLike, tol: float = 1e-5
                            f"in {ckpt} (vocab {ck.model.vocab_size}, {ck.model.num_layers} layers)")
     seq = min(seq_length, ck.model.max_position_embeddings)
     tokens = torch.randint(0, ck.model.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
-    got, tp, pp_used = checkpoint_logits(ckpt, tokens, pp)
+    got, tp, pp = checkpoint_logits(ckpt, tokens)
     max_abs, max_rel = compare(got, hf_logits(hf_dir, tokens))
-    return VerifyResult(max_abs, max_rel, tol, tp, pp_used)
+    return VerifyResult(max_abs, max_rel, tol, tp, pp)
