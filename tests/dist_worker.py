@@ -126,7 +126,13 @@ def train(args) -> None:
         results[f"learn_{dtype}"] = {"losses": run_steps(eng, cfg_d, learn, 0, args.bf16_steps)[0],
                                      "optimizer": type(eng.optimizer).__name__}
 
-    # 4. The start-up check must catch a grid whose rank order differs from megatron-core's.
+    # 4. Activation checkpointing (recompute each block in backward) changes memory, not numbers.
+    cfg_ac = dataclasses.replace(base, train=dataclasses.replace(base.train, activation_checkpointing=True))
+    eng = build_engine(cfg_ac, rt).engine
+    load_hf_weights(eng, cfg_ac, hf_state)
+    results["activation_checkpointing"] = dict(zip(("losses", "grad_norms"), run_steps(eng, cfg_ac, ds, 0, 2)))
+
+    # 5. The start-up check must catch a grid whose rank order differs from megatron-core's.
     from deepspeed.runtime.pipe.topology import PipelineParallelGrid, ProcessTopology
 
     wrong = PipelineParallelGrid(topology=ProcessTopology(axes=["data", "pipe", "model"], dims=[2, 2, 2]))

@@ -100,6 +100,12 @@ def test_resume_is_bit_exact(run):
         assert r["resume"]["grad_norms"] == r["fp32"]["grad_norms"][3:]
 
 
+def test_activation_checkpointing_gives_the_same_numbers(run):
+    r = run["ranks"][0]
+    assert r["activation_checkpointing"]["losses"] == pytest.approx(r["fp32"]["losses"][:2], rel=1e-6)
+    assert r["activation_checkpointing"]["grad_norms"] == pytest.approx(r["fp32"]["grad_norms"][:2], rel=1e-6)
+
+
 def test_megatron_groups_equal_deepspeed_grid(run):
     for rank, r in enumerate(run["ranks"]):
         tp_first = rank - rank % 2

@@ -239,7 +239,6 @@ def deepspeed_config(cfg: RunConfig, world_size: int) -> dict[str, Any]:
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,  # we log ourselves, with tokens/s and MFU
         "wall_clock_breakdown": False,
-        "pipeline": {"activation_checkpoint_interval": 1 if cfg.train.activation_checkpointing else 0},
     }
     if cfg.train.dtype == "bf16":
         ds["bf16"] = {"enabled": True}
