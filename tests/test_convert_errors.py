@@ -113,19 +113,19 @@ def test_failure_while_writing_leaves_nothing(good, tmp_path, capsys, monkeypatc
     import threed.convert.convert as conv
 
     calls = []
-    real = conv.save_layer
+    real = conv.save_rank
 
-    def failing(step_dir, layer, shards):
+    def failing(step_dir, layer, rank, sd):
         calls.append(layer.index)
-        if len(calls) == 3:
+        if len(calls) == 5:
             raise OSError(28, "No space left on device")
-        return real(step_dir, layer, shards)
+        return real(step_dir, layer, rank, sd)
 
-    monkeypatch.setattr(conv, "save_layer", failing)
+    monkeypatch.setattr(conv, "save_rank", failing)
     out = tmp_path / "out"
     with pytest.raises(OSError):
         main(["convert", "--hf", str(good), "--tp", "2", "--pp", "2", "--out", str(out), "--quiet"])
-    assert calls == [0, 1, 2] and list(tmp_path.iterdir()) == []
+    assert calls == [0, 0, 1, 1, 2] and list(tmp_path.iterdir()) == []
 
 
 def test_bad_parallel_layout(good, tmp_path, capsys):

@@ -15,6 +15,7 @@ from threed.config import ModelConfig, ParallelConfig
 from threed.convert.convert import convert_stream
 from threed.convert.ds_checkpoint import EXTRA_STATE, checkpoint_files, layer_file
 from threed.convert.mapping import hf_names, hf_shapes
+from threed.convert.plan import DictReader
 from threed.pipeline import pipeline_layers
 from threed.presets import PRESETS
 
@@ -35,9 +36,9 @@ def expected(cfg: ModelConfig, kind: str, tp: int) -> dict[str, tuple[int, ...]]
     }[kind]
 
 
-def meta_reader(cfg: ModelConfig):
-    shapes = {n: s for layer in pipeline_layers(cfg) for n, s in hf_shapes(cfg, layer).items()}
-    return lambda names: {n: torch.empty(shapes[n], dtype=torch.bfloat16, device="meta") for n in names}
+def meta_reader(cfg: ModelConfig) -> DictReader:
+    return DictReader({n: torch.empty(s, dtype=torch.bfloat16, device="meta")
+                       for layer in pipeline_layers(cfg) for n, s in hf_shapes(cfg, layer).items()})
 
 
 @pytest.mark.parametrize("preset,tp,pp", [("llama2-70b", 8, 4), ("llama3-70b", 8, 4), ("llama3.1-405b", 8, 8),
@@ -48,17 +49,15 @@ def test_meta_conversion_at_real_shapes(preset, tp, pp):
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     written: list[str] = []
     n_params = 0
-    for layer, shards in convert_stream(meta_reader(cfg), cfg, tp):
+    for layer, rank, sd in convert_stream(meta_reader(cfg), cfg, tp, device="meta"):
         want = expected(cfg, layer.kind, tp)
-        assert len(shards) == tp
-        for rank, sd in enumerate(shards):
-            tensors = {k: v for k, v in sd.items() if v is not None}
-            assert {k: tuple(v.shape) for k, v in tensors.items()} == want, (layer, rank)
-            assert all(v.is_meta and v.dtype == torch.bfloat16 for v in tensors.values())
-            assert sorted(k for k, v in sd.items() if v is None) == sorted(f"{m}._extra_state"
-                                                                          for m in EXTRA_STATE[layer.kind])
-            written.append(layer_file(layer.index, rank))
-            n_params += sum(v.numel() for k, v in tensors.items() if "norm" not in k or rank == 0)
+        tensors = {k: v for k, v in sd.items() if v is not None}
+        assert {k: tuple(v.shape) for k, v in tensors.items()} == want, (layer, rank)
+        assert all(v.is_meta and v.dtype == torch.bfloat16 for v in tensors.values())
+        assert sorted(k for k, v in sd.items() if v is None) == sorted(f"{m}._extra_state"
+                                                                      for m in EXTRA_STATE[layer.kind])
+        written.append(layer_file(layer.index, rank))
+        n_params += sum(v.numel() for k, v in tensors.items() if "norm" not in k or rank == 0)
     # No magic offsets: layer files are numbered 0 .. L+2 straight from the pipeline's layer list.
     assert written == checkpoint_files(cfg, tp, pp)[:len(written)]
     assert written[0] == "layer_00-model_00-model_states.pt"

@@ -3,12 +3,13 @@
     threed convert --hf Meta-Llama-3-70B --tp 8 --pp 4 --out ckpt/llama3-70b-tp8pp4 [--workers 2] [--dtype bf16]
     threed train --model ckpt/llama3-70b-tp8pp4 --init-from ckpt/llama3-70b-tp8pp4 --tp 8 --pp 4 ...
 
-Peak memory is one pipeline layer's tensors (read, fused, sharded, saved, freed), never the model. Nothing is
-written before the whole source has been checked against its config.json, and the output appears under its
-name only when complete (see io_utils.atomic_output_dir).
+Peak memory is one TP rank's shard of one pipeline layer (read slice by slice straight into place, saved,
+freed; see threed.convert.plan), never the model. Nothing is written before the whole source has been checked
+against its config.json, and the output appears under its name only when complete (io_utils.atomic_output_dir).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -16,7 +17,8 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from collections import OrderedDict
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -24,43 +26,53 @@ from threed.config import ModelConfig, ParallelConfig
 from threed.convert.ds_checkpoint import (HF_EXTRA_DIR, TAG, layer_file, model_to_dict, with_extra_state,
                                           write_metadata)
 from threed.convert.hf_source import TOKENIZER_FILES, HFSource
-from threed.convert.io_utils import (ConvertError, atomic_output_dir, check_free_space, compact, dtype_name,
-                                     human, progress)
-from threed.convert.mapping import hf_names, layer_from_hf
+from threed.convert.io_utils import ConvertError, atomic_output_dir, check_free_space, dtype_name, human, progress
+from threed.convert.mapping import hf_names
+from threed.convert.plan import PartReader, materialize, rank_plan
 from threed.pipeline import PipelineLayer, pipeline_layers
 
-LayerShards = list[dict[str, Any]]
+StateDict = OrderedDict[str, Any]
 
 
 def layer_hf_names(layer: PipelineLayer) -> list[str]:
     return [n for names in hf_names(layer).values() for n in names]
 
 
-def convert_layer(cfg: ModelConfig, layer: PipelineLayer, hf: dict[str, torch.Tensor], tp: int,
-                  dtype: Optional[torch.dtype] = None) -> LayerShards:
-    """One layer's HF tensors -> the state dict DeepSpeed loads on each TP rank (compact, with extra state)."""
-    if dtype is not None:
-        hf = {k: v.to(dtype) for k, v in hf.items()}
-    shards = layer_from_hf(cfg, layer, hf, tp)
-    return [with_extra_state(layer, {k: compact(v) for k, v in sd.items()}) for sd in shards]
+def convert_rank(cfg: ModelConfig, layer: PipelineLayer, reader: PartReader, tp: int, rank: int,
+                 dtype: Optional[torch.dtype] = None, device: str = "cpu") -> StateDict:
+    """The state dict DeepSpeed loads for `layer` on TP rank `rank` (== mapping.layer_from_hf(...)[rank]),
+    read slice by slice from `reader`, plus the `_extra_state` entries megatron's strict load expects."""
+    specs = rank_plan(cfg, layer, tp, rank)
+    return with_extra_state(layer, {s.name: materialize(s, reader, dtype, device) for s in specs})
 
 
-def convert_stream(read: Callable[[list[str]], dict[str, torch.Tensor]], cfg: ModelConfig, tp: int,
-                   dtype: Optional[torch.dtype] = None,
-                   layers: Optional[list[PipelineLayer]] = None) -> Iterator[tuple[PipelineLayer, LayerShards]]:
-    """Yield (layer, per-TP-rank state dicts) for each pipeline layer; `read` fetches a list of HF tensors.
-    With a `read` that returns meta tensors this is the whole conversion at real shapes with no memory."""
+def convert_stream(reader: PartReader, cfg: ModelConfig, tp: int, dtype: Optional[torch.dtype] = None,
+                   layers: Optional[list[PipelineLayer]] = None, device: str = "cpu"
+                   ) -> Iterator[tuple[PipelineLayer, int, StateDict]]:
+    """Yield (layer, TP rank, state dict) for every output file, one at a time. With device="meta" and a
+    reader over meta tensors this is the whole conversion at real shapes with no memory
+    (tests/test_convert_meta.py)."""
     for layer in layers if layers is not None else pipeline_layers(cfg):
-        yield layer, convert_layer(cfg, layer, read(layer_hf_names(layer)), tp, dtype)
+        for rank in range(tp):
+            yield layer, rank, convert_rank(cfg, layer, reader, tp, rank, dtype, device)
 
 
-def save_layer(step_dir: Path, layer: PipelineLayer, shards: LayerShards) -> int:
-    written = 0
-    for rank, sd in enumerate(shards):
-        path = step_dir / layer_file(layer.index, rank)
+@contextlib.contextmanager
+def _no_crc32() -> Iterator[None]:
+    """torch.save's zip CRC32 costs CPU time (~4 GB/s on one core) and torch.load does not verify it."""
+    before = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(before)
+
+
+def save_rank(step_dir: Path, layer: PipelineLayer, rank: int, sd: StateDict) -> int:
+    path = step_dir / layer_file(layer.index, rank)
+    with _no_crc32():
         torch.save(sd, path)
-        written += path.stat().st_size
-    return written
+    return path.stat().st_size
 
 
 # ---------------------------------------------------------------------------------------- writer processes
@@ -78,8 +90,8 @@ def _worker_init(hf_dir: str, cfg_json: str, tp: int, dtype: Optional[str], step
 def _worker_layer(index: int) -> int:
     w = _WORKER
     layer = pipeline_layers(w["cfg"])[index]
-    shards = convert_layer(w["cfg"], layer, w["source"].read_many(layer_hf_names(layer)), w["tp"], w["dtype"])
-    save_layer(w["step_dir"], layer, shards)
+    for rank in range(w["tp"]):
+        save_rank(w["step_dir"], layer, rank, convert_rank(w["cfg"], layer, w["source"], w["tp"], rank, w["dtype"]))
     return index
 
 
@@ -129,10 +141,11 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, tp: int, pp: int,
             if workers > 1:
                 _run_workers(source, cfg, tp, dtype, step_dir, workers, bar)
             else:
-                for layer, shards in convert_stream(source.read_many, cfg, tp, dtype, layers):
-                    save_layer(step_dir, layer, shards)
-                    bar.update(source.nbytes(layer_hf_names(layer)))
-                    del shards  # free this layer before reading the next
+                for layer, rank, sd in convert_stream(source, cfg, tp, dtype, layers):
+                    save_rank(step_dir, layer, rank, sd)
+                    del sd  # one rank's shard of one layer in memory at a time
+                    if rank == tp - 1:
+                        bar.update(source.nbytes(layer_hf_names(layer)))
         source.close()
         extra = tmp / HF_EXTRA_DIR
         extra.mkdir()

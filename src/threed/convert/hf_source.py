@@ -2,9 +2,9 @@
 
     src = HFSource("Meta-Llama-3-8B")          # reads headers only: names, dtypes, shapes, offsets
     src.check(model_cfg)                       # missing / unexpected / wrong-shaped tensors, named
-    q = src.read("model.layers.0.self_attn.q_proj.weight")   # one tensor, read now
+    src.read_into(Piece(name, dim, start, length), out)   # a slice, read now (threed.convert.plan)
 
-Safetensors are read with our own ~40-line header parser and a positioned read straight into the tensor's
+Safetensors are read with our own header parser and positioned reads straight into the output tensor's
 memory: one copy from the page cache, no memory map that would keep the whole shard resident (and counted in
 RSS), and a truncated or corrupt file is detected from its header before any tensor is converted.
 """
@@ -22,6 +22,7 @@ import torch
 from threed.config import ModelConfig
 from threed.convert.io_utils import ConvertError
 from threed.convert.mapping import hf_shapes
+from threed.convert.plan import Piece
 from threed.pipeline import pipeline_layers
 
 ST_DTYPES: dict[str, torch.dtype] = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
@@ -80,21 +81,30 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
     return out
 
 
-def read_tensor(info: TensorInfo) -> torch.Tensor:
-    """One safetensors tensor, read with positioned reads into freshly allocated memory."""
-    buf = torch.empty(info.nbytes, dtype=torch.uint8)
-    view = memoryview(buf.numpy())
-    fd = os.open(info.file, os.O_RDONLY)
-    try:
-        done = 0
-        while done < info.nbytes:
-            n = os.preadv(fd, [view[done:done + _MAX_READ]], info.offset + done)
-            if n <= 0:
-                raise ConvertError(f"{info.file} ended while reading {info.name}: the file is truncated")
-            done += n
-    finally:
-        os.close(fd)
-    return buf.view(info.dtype).reshape(info.shape)
+def read_into(fd: int, info: TensorInfo, piece: Piece, out: torch.Tensor) -> None:
+    """Positioned reads of a row range (one read) or a column range (one read per row) of a safetensors
+    tensor straight into `out`, a contiguous tensor of the same dtype."""
+    if out.dtype != info.dtype or not out.is_contiguous():
+        raise ValueError(f"internal: read_into {info.name} needs a contiguous {info.dtype} output")
+    view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+    row_bytes = info.nbytes // info.shape[0] if info.shape else info.nbytes
+    if piece.dim == 0:
+        _pread(fd, view, info.offset + piece.start * row_bytes, info)
+        return
+    item = info.dtype.itemsize
+    size = piece.length * item
+    base = info.offset + piece.start * item
+    for i in range(info.shape[0]):
+        _pread(fd, view[i * size:(i + 1) * size], base + i * row_bytes, info)
+
+
+def _pread(fd: int, view: memoryview, offset: int, info: TensorInfo) -> None:
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:done + _MAX_READ]], offset + done)
+        if n <= 0:
+            raise ConvertError(f"{info.file} ended while reading {info.name}: the file is truncated")
+        done += n
 
 
 class HFSource:
@@ -109,6 +119,7 @@ class HFSource:
         self.files = files
         self.tensors: dict[str, TensorInfo] = {}
         self._bin_cache: tuple[Optional[Path], dict[str, torch.Tensor]] = (None, {})
+        self._fds: dict[Path, int] = {}
         for f in files:
             infos = read_safetensors_header(f) if self.format == "safetensors" else self._bin_infos(f)
             for name, info in infos.items():
@@ -193,17 +204,33 @@ class HFSource:
     def nbytes(self, names: Iterable[str]) -> int:
         return sum(self.tensors[n].nbytes for n in names)
 
+    def dtype(self, name: str) -> torch.dtype:
+        return self.tensors[name].dtype
+
+    def read_into(self, piece: Piece, out: torch.Tensor) -> None:
+        """Fill `out` with a slice of an HF tensor (the PartReader protocol of threed.convert.plan)."""
+        info = self.tensors[piece.hf_name]
+        if self.format != "safetensors":
+            out.copy_(self._load_bin(info.file)[piece.hf_name].narrow(piece.dim, piece.start, piece.length))
+            return
+        if info.file not in self._fds:
+            self._fds[info.file] = os.open(info.file, os.O_RDONLY)
+        read_into(self._fds[info.file], info, piece, out)
+
     def read(self, name: str) -> torch.Tensor:
         info = self.tensors[name]
-        if self.format == "safetensors":
-            return read_tensor(info)
-        return self._load_bin(info.file)[name]
+        out = torch.empty(info.shape, dtype=info.dtype)
+        self.read_into(Piece(name, 0, 0, info.shape[0] if info.shape else 1), out)
+        return out
 
     def read_many(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         return {n: self.read(n) for n in names}
 
     def close(self) -> None:
         self._bin_cache = (None, {})
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
 
     # ------------------------------------------------------------------------------------------- validation
     def check(self, cfg: ModelConfig) -> None:

@@ -37,15 +37,6 @@ def dtype_name(dtype: torch.dtype) -> str:
     return {v: k for k, v in DTYPES.items()}.get(dtype, str(dtype).replace("torch.", ""))
 
 
-def compact(t: torch.Tensor) -> torch.Tensor:
-    """A tensor that owns exactly its bytes. torch.save writes a view's whole storage, so a row-chunk of the
-    unsharded weight would otherwise put the full tensor into every TP rank's file."""
-    t = t.contiguous()
-    if t.untyped_storage().nbytes() != t.numel() * t.element_size() or t.storage_offset() != 0:
-        t = t.clone()
-    return t
-
-
 def human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":

@@ -17,10 +17,11 @@ from typing import Any, Optional
 import torch
 
 from threed.config import ParallelConfig
-from threed.convert.convert import convert_layer, save_layer
+from threed.convert.convert import convert_rank, save_rank
 from threed.convert.ds_checkpoint import HF_EXTRA_DIR, TAG, model_to_dict, open_checkpoint, write_metadata
 from threed.convert.io_utils import ConvertError, atomic_output_dir, check_free_space, human, progress
 from threed.convert.mapping import layer_to_hf
+from threed.convert.plan import DictReader
 
 
 def reshard(ckpt: str | os.PathLike, out: str | os.PathLike, tp: int, pp: int,
@@ -42,8 +43,10 @@ def reshard(ckpt: str | os.PathLike, out: str | os.PathLike, tp: int, pp: int,
             for layer in ck.layers:
                 hf = layer_to_hf(cfg, layer, ck.load_layer(layer))
                 dtypes.update(str(t.dtype).replace("torch.", "") for t in hf.values())
-                save_layer(step_dir, layer, convert_layer(cfg, layer, hf, tp, dtype))
-                del hf
+                reader = DictReader(hf)
+                for rank in range(tp):
+                    save_rank(step_dir, layer, rank, convert_rank(cfg, layer, reader, tp, rank, dtype))
+                del hf, reader
                 bar.update(ck.nbytes(layer.index))
         for d in (ck.path / HF_EXTRA_DIR,):
             if d.is_dir():

@@ -1,0 +1,127 @@
+"""Converter benchmark: a synthetic HF Llama of a few GB (random bf16 weights, real Llama 3 8B layer shapes,
+sharded safetensors + index), converted to tp=8 pp=4; compared with `cp -r` of the same bytes.
+
+    .venv/bin/python benchmarks/bench_convert.py                   # 4 layers of Llama-3-8B shape: 3.9 GB
+    .venv/bin/python benchmarks/bench_convert.py --layers 8 --workers 1,2 --workdir /tmp/threed-bench
+
+Prints two ratios: convert wall time / `cp -r` wall time, and the converter's peak RSS / checkpoint size. The
+page cache is dropped before each timed command when this process may (root), so both read from disk; each
+command's time includes `sync`, so both pay for their writes. The convert time includes Python start-up and
+imports (about 2 s here), as a user sees it.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_source(out: Path, layers: int, shard_gb: float) -> int:
+    """Write the synthetic model with the converter's own streaming writer (one tensor in memory at a time)."""
+    from threed.convert.hf_writer import Planned, ShardedSafetensorsWriter, plan_shards
+    from threed.convert.mapping import hf_names, hf_shapes
+    from threed.pipeline import pipeline_layers
+    from threed.presets import PRESETS, to_hf_config
+
+    cfg = dataclasses.replace(PRESETS["llama3-8b"], num_layers=layers, name="synthetic-llama3-8b-shapes")
+    out.mkdir(parents=True)
+    planned = [Planned(n, torch.bfloat16, hf_shapes(cfg, layer)[n])
+               for layer in pipeline_layers(cfg) for names in hf_names(layer).values() for n in names]
+    writer = ShardedSafetensorsWriter(out, plan_shards(planned, int(shard_gb * 1e9)))
+    gen = torch.Generator().manual_seed(0)
+    for t in planned:
+        writer.write(t.name, (torch.randn(t.shape, generator=gen) * 0.02).to(torch.bfloat16))
+    writer.close()
+    hf = to_hf_config(cfg)
+    hf["dtype"] = "bfloat16"
+    (out / "config.json").write_text(json.dumps(hf, indent=2))
+    return sum(t.nbytes for t in planned)
+
+
+def drop_caches() -> bool:
+    subprocess.run(["sync"], check=True)
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def timed(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, int]:
+    """Wall seconds (command + sync) and peak RSS in bytes of the command's largest process (GNU time)."""
+    t0 = time.perf_counter()
+    proc = subprocess.run(["/usr/bin/time", "-f", "MAXRSS_KB=%M", *cmd], env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    subprocess.run(["sync"], check=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        sys.exit(f"{cmd} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    rss_kb = int([l for l in proc.stderr.splitlines() if l.startswith("MAXRSS_KB=")][-1].split("=")[1])
+    return wall, rss_kb * 1024
+
+
+def du(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=4, help="transformer blocks (pp=4 needs >= 4)")
+    p.add_argument("--tp", type=int, default=8)
+    p.add_argument("--pp", type=int, default=4)
+    p.add_argument("--workers", default="1", help="comma-separated writer-process counts to time")
+    p.add_argument("--shard-gb", type=float, default=1.0, help="safetensors shard size of the synthetic source")
+    p.add_argument("--workdir", default="/tmp/threed-bench-convert")
+    p.add_argument("--keep", action="store_true", help="keep the synthetic model and outputs")
+    args = p.parse_args()
+
+    work = Path(args.workdir)
+    src = work / "hf"
+    if not (src / "model.safetensors.index.json").is_file():
+        shutil.rmtree(work, ignore_errors=True)
+        t0 = time.time()
+        size = make_source(src, args.layers, args.shard_gb)
+        print(f"synthetic source: {src}, {size / 1e9:.2f} GB in {len(list(src.glob('*.safetensors')))} shards "
+              f"({time.time() - t0:.0f} s to generate)")
+    src_bytes = du(src)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    cold = drop_caches()
+    shutil.rmtree(work / "cp", ignore_errors=True)
+    cp_wall, _ = timed(["cp", "-r", str(src), str(work / "cp")])
+    shutil.rmtree(work / "cp")
+    _, import_rss = timed([sys.executable, "-c", "import threed.convert.convert, threed.presets"], env)
+    print(f"cp -r: {cp_wall:.2f} s for {src_bytes / 1e9:.2f} GB ({src_bytes / cp_wall / 1e9:.2f} GB/s); page cache "
+          f"{'dropped' if cold else 'NOT dropped (not root): warm-cache figures'} before each timed command")
+    for workers in [int(w) for w in args.workers.split(",")]:
+        out = work / f"ckpt-w{workers}"
+        shutil.rmtree(out, ignore_errors=True)
+        drop_caches()
+        wall, rss = timed([sys.executable, "-m", "threed.cli", "convert", "--hf", str(src), "--tp", str(args.tp),
+                           "--pp", str(args.pp), "--out", str(out), "--workers", str(workers), "--quiet"], env)
+        ckpt = du(out)
+        inner = json.loads((out / "threed_convert.json").read_text())["seconds"]
+        print(f"convert tp={args.tp} pp={args.pp} workers={workers}: {wall:.2f} s wall ({inner:.2f} s after "
+              f"start-up), checkpoint {ckpt / 1e9:.2f} GB, peak RSS {rss / 1e9:.2f} GB (bare imports "
+              f"{import_rss / 1e9:.2f} GB)")
+        print(f"  RATIO convert/cp = {wall / cp_wall:.2f}x   RATIO peak RSS/checkpoint = {rss / ckpt:.3f}x"
+              f"   (largest process; with workers > 1 each worker peaks about as high)")
+        if not args.keep:
+            shutil.rmtree(out)
+    if not args.keep:
+        shutil.rmtree(work)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

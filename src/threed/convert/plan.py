@@ -1,0 +1,126 @@
+"""Which bytes of which HF tensors make one TP rank's state dict: the converter's streaming form of
+`mapping.layer_from_hf`, equal to it bit for bit (tests/test_convert_plan.py checks every kind at every tp).
+
+    for spec in rank_plan(cfg, layer, tp, rank):          # pure: names, shapes, source slices
+        out[spec.name] = materialize(spec, reader, dtype)   # reader: HF files (positioned reads) or a dict
+
+`layer_from_hf` builds every rank's shards from whole tensors (fused QKV, padded vocab: a few copies of the
+layer). Here each rank's tensor is allocated once and filled straight from the source slices it is made of: a
+row range (vocab, column, each KV group's q / k / v rows, gate and up halves) is one contiguous read, a column
+range (row-parallel o_proj / down_proj) one read per row. So memory holds one rank's shard of one layer, and
+every byte is copied once, from the page cache into the tensor that torch.save writes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+import torch
+
+from threed.config import ModelConfig
+from threed.convert.mapping import TEMPLATES, hf_names, hf_shapes
+from threed.pipeline import PipelineLayer
+
+
+@dataclass(frozen=True)
+class Piece:
+    """HF tensor `hf_name`, indices [start, start + length) along `dim`, placed at output rows [dst, ...)
+    (dim 0), or as the whole output (dim 1: a column block of a row-parallel weight)."""
+
+    hf_name: str
+    dim: int
+    start: int
+    length: int
+    dst: int = 0
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    name: str  # our state-dict key
+    shape: tuple[int, ...]
+    pieces: tuple[Piece, ...]  # output rows no piece covers are zeros (vocab padding)
+    source: str = ""  # the HF tensor whose dtype the output takes (a padding-only shard has no pieces)
+
+
+class PartReader(Protocol):
+    def dtype(self, name: str) -> torch.dtype: ...
+
+    def read_into(self, piece: Piece, out: torch.Tensor) -> None: ...
+
+
+class DictReader:
+    """A PartReader over in-memory (or meta, or memory-mapped) HF tensors."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.tensors[name].dtype
+
+    def read_into(self, piece: Piece, out: torch.Tensor) -> None:
+        out.copy_(self.tensors[piece.hf_name].narrow(piece.dim, piece.start, piece.length))
+
+
+def _rows(n: int, tp: int, rank: int) -> tuple[int, int]:
+    """torch.chunk's split of n rows into tp pieces (tp divides n for every validated layout)."""
+    size = -(-n // tp)
+    start = min(rank * size, n)
+    return start, min(size, n - start)
+
+
+def rank_plan(cfg: ModelConfig, layer: PipelineLayer, tp: int, rank: int) -> list[ShardSpec]:
+    shapes = hf_shapes(cfg, layer)
+    specs = []
+    for ours, (kind, _) in TEMPLATES[layer.kind].items():
+        names = hf_names(layer)[ours]
+        shape = shapes[names[0]]
+        if kind == "replicated":
+            specs.append(ShardSpec(ours, shape, (Piece(names[0], 0, 0, shape[0]),), names[0]))
+        elif kind == "vocab":
+            per_rank = cfg.padded_vocab_size(tp) // tp
+            start = rank * per_rank
+            real = max(0, min(per_rank, shape[0] - start))  # rows past the true vocab stay zero (padding)
+            pieces = (Piece(names[0], 0, start, real),) if real else ()
+            specs.append(ShardSpec(ours, (per_rank, shape[1]), pieces, names[0]))
+        elif kind == "column":
+            start, n = _rows(shape[0], tp, rank)
+            specs.append(ShardSpec(ours, (n, shape[1]), (Piece(names[0], 0, start, n),), names[0]))
+        elif kind == "row":
+            start, n = _rows(shape[1], tp, rank)
+            specs.append(ShardSpec(ours, (shape[0], n), (Piece(names[0], 1, start, n),), names[0]))
+        elif kind == "gate_up":
+            start, n = _rows(shape[0], tp, rank)
+            specs.append(ShardSpec(ours, (2 * n, shape[1]), (Piece(names[0], 0, start, n),
+                                                               Piece(names[1], 0, start, n, dst=n)), names[0]))
+        elif kind == "qkv":
+            specs.append(_qkv_spec(cfg, ours, names, tp, rank))
+        else:
+            raise ValueError(f"unknown shard kind {kind!r}")
+    return specs
+
+
+def _qkv_spec(cfg: ModelConfig, ours: str, names: tuple[str, ...], tp: int, rank: int) -> ShardSpec:
+    """Megatron's grouped layout: for each KV group of this rank, [its q heads | its k head | its v head]."""
+    d, h = cfg.head_dim, cfg.hidden_size
+    groups = cfg.num_kv_heads // tp
+    q_rows = cfg.num_heads // cfg.num_kv_heads * d
+    block = q_rows + 2 * d
+    q, k, v = names
+    pieces = []
+    for j in range(groups):
+        g = rank * groups + j
+        pieces += [Piece(q, 0, g * q_rows, q_rows, j * block), Piece(k, 0, g * d, d, j * block + q_rows),
+                   Piece(v, 0, g * d, d, j * block + q_rows + d)]
+    return ShardSpec(ours, (groups * block, h), tuple(pieces), q)
+
+
+def materialize(spec: ShardSpec, reader: PartReader, dtype: Optional[torch.dtype] = None,
+                device: str = "cpu") -> torch.Tensor:
+    """Allocate the output once and fill it from its pieces (cast on the way when dtype differs)."""
+    src_dtype = reader.dtype(spec.source)
+    covered = sum(p.length for p in spec.pieces if p.dim == 0)
+    alloc = torch.zeros if covered < spec.shape[0] and not any(p.dim == 1 for p in spec.pieces) else torch.empty
+    out = alloc(spec.shape, dtype=src_dtype, device=device)
+    for p in spec.pieces:
+        reader.read_into(p, out if p.dim == 1 else out.narrow(0, p.dst, p.length))
+    return out if dtype is None or dtype == out.dtype else out.to(dtype)
