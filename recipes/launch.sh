@@ -122,7 +122,9 @@ else
 fi
 run+=(-m threed.cli train "${args[@]}")
 
-echo "threed launch: $RECIPE on node $NODE_RANK of $NNODES: world $WORLD = $NNODES x $GPUS_PER_NODE (nodes x ranks);" \
+where=""
+[ "${THREED_DRY_RUN:-0}" != 0 ] || where=" on node $NODE_RANK of $NNODES"
+echo "threed launch: $RECIPE$where: world $WORLD = $NNODES x $GPUS_PER_NODE (nodes x ranks);" \
      "tp $TP x pp $PP x dp $DP; train_batch_size $TRAIN_BATCH = micro $MICRO x gas $GAS x dp $DP"
 
 if [ "${THREED_DRY_RUN:-0}" != 0 ]; then

@@ -129,7 +129,8 @@ def test_preemption_warning_saves_and_requeues(local_slurm_factory, demo_data, t
         assert slurm.job_info(job)["JobState"] in ("PENDING", "RUNNING"), job_report(slurm, job, tmp_path)
         time.sleep(1)
     # What `#SBATCH --signal=B:USR1@N` does N seconds before the time limit: USR1 to the batch shell only.
-    slurm._run("scancel", "--batch", "--signal=USR1", str(job))
+    client = getattr(slurm, "run", None) or slurm._run  # LocalSlurm.run (older: _run) runs a Slurm client command
+    client("scancel", "--batch", "--signal=USR1", str(job))
     deadline = time.monotonic() + 240
     while slurm.job_info(job).get("Restarts", "0") == "0":
         assert time.monotonic() < deadline, job_report(slurm, job, tmp_path)
