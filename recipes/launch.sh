@@ -54,7 +54,7 @@ for var in MODEL TP PP MICRO SEQ STEPS; do
 done
 
 int() {  # int NAME: the variable NAME must hold a positive integer
-    [[ "${!1}" =~ ^[0-9]+$ ]] && [ "${!1}" -ge 1 ] || die "$1 must be a positive integer, got '${!1}'"
+    if ! [[ "${!1}" =~ ^[0-9]+$ ]] || [ "${!1}" -lt 1 ]; then die "$1 must be a positive integer, got '${!1}'"; fi
 }
 for var in NNODES GPUS_PER_NODE TP PP MICRO SEQ STEPS; do int "$var"; done
 [ -n "${GAS:-}" ] && int GAS
@@ -112,6 +112,7 @@ if ((NNODES == 1)); then
 else
     if [ -z "${MASTER_ADDR:-}" ]; then
         [ "${THREED_DRY_RUN:-0}" != 0 ] || die "NNODES=$NNODES needs MASTER_ADDR (the first node; slurm/common.sh sets it)"
+        # shellcheck disable=SC2016 # a placeholder in the printed command
         MASTER_ADDR='$MASTER_ADDR'
     fi
     MASTER_PORT=${MASTER_PORT:-29500}

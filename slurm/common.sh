@@ -1,3 +1,4 @@
+# shellcheck shell=bash disable=SC1090,SC2317
 # The body of every slurm/*.sh batch script; they set RECIPE and source this file with the extra `threed train`
 # flags in "$@". Not submitted by itself.
 #
