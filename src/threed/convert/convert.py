@@ -28,7 +28,7 @@ from threed.convert.ds_checkpoint import (HF_EXTRA_DIR, TAG, layer_file, model_t
 from threed.convert.hf_source import TOKENIZER_FILES, HFSource
 from threed.convert.io_utils import ConvertError, atomic_output_dir, check_free_space, dtype_name, human, progress
 from threed.convert.mapping import hf_names
-from threed.convert.plan import PartReader, materialize, rank_plan
+from threed.convert.plan import BufferPool, PartReader, materialize, rank_plan
 from threed.pipeline import PipelineLayer, pipeline_layers
 
 StateDict = OrderedDict[str, Any]
@@ -39,22 +39,26 @@ def layer_hf_names(layer: PipelineLayer) -> list[str]:
 
 
 def convert_rank(cfg: ModelConfig, layer: PipelineLayer, reader: PartReader, tp: int, rank: int,
-                 dtype: Optional[torch.dtype] = None, device: str = "cpu") -> StateDict:
+                 dtype: Optional[torch.dtype] = None, device: str = "cpu",
+                 pool: Optional[BufferPool] = None) -> StateDict:
     """The state dict DeepSpeed loads for `layer` on TP rank `rank` (== mapping.layer_from_hf(...)[rank]),
-    read slice by slice from `reader`, plus the `_extra_state` entries megatron's strict load expects."""
+    read slice by slice from `reader`, plus the `_extra_state` entries megatron's strict load expects.
+    With a `pool`, the tensors are reused by the next call: save (or copy) them before making another."""
     specs = rank_plan(cfg, layer, tp, rank)
-    return with_extra_state(layer, {s.name: materialize(s, reader, dtype, device) for s in specs})
+    if pool is not None:
+        pool.start(specs)
+    return with_extra_state(layer, {s.name: materialize(s, reader, dtype, device, pool) for s in specs})
 
 
 def convert_stream(reader: PartReader, cfg: ModelConfig, tp: int, dtype: Optional[torch.dtype] = None,
-                   layers: Optional[list[PipelineLayer]] = None, device: str = "cpu"
-                   ) -> Iterator[tuple[PipelineLayer, int, StateDict]]:
-    """Yield (layer, TP rank, state dict) for every output file, one at a time. With device="meta" and a
-    reader over meta tensors this is the whole conversion at real shapes with no memory
-    (tests/test_convert_meta.py)."""
+                   layers: Optional[list[PipelineLayer]] = None, device: str = "cpu",
+                   pool: Optional[BufferPool] = None) -> Iterator[tuple[PipelineLayer, int, StateDict]]:
+    """Yield (layer, TP rank, state dict) for every output file, one at a time (with a pool, each is only
+    valid until the next is made). With device="meta" and a reader over meta tensors this is the whole
+    conversion at real shapes with no memory (tests/test_convert_meta.py)."""
     for layer in layers if layers is not None else pipeline_layers(cfg):
         for rank in range(tp):
-            yield layer, rank, convert_rank(cfg, layer, reader, tp, rank, dtype, device)
+            yield layer, rank, convert_rank(cfg, layer, reader, tp, rank, dtype, device, pool)
 
 
 @contextlib.contextmanager
@@ -84,14 +88,16 @@ def _worker_init(hf_dir: str, cfg_json: str, tp: int, dtype: Optional[str], step
 
     torch.set_num_threads(1)  # the parallelism is across processes
     _WORKER.update(source=HFSource(hf_dir), cfg=RunConfig.from_dict({"model": json.loads(cfg_json)}).model,
-                   tp=tp, dtype=getattr(torch, dtype) if dtype else None, step_dir=Path(step_dir))
+                   tp=tp, dtype=getattr(torch, dtype) if dtype else None, step_dir=Path(step_dir), pool=BufferPool())
 
 
 def _worker_layer(index: int) -> int:
     w = _WORKER
     layer = pipeline_layers(w["cfg"])[index]
+    w["source"].prefetch(layer_hf_names(layer))
     for rank in range(w["tp"]):
-        save_rank(w["step_dir"], layer, rank, convert_rank(w["cfg"], layer, w["source"], w["tp"], rank, w["dtype"]))
+        sd = convert_rank(w["cfg"], layer, w["source"], w["tp"], rank, w["dtype"], pool=w["pool"])
+        save_rank(w["step_dir"], layer, rank, sd)
     return index
 
 
@@ -141,7 +147,10 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, tp: int, pp: int,
             if workers > 1:
                 _run_workers(source, cfg, tp, dtype, step_dir, workers, bar)
             else:
-                for layer, rank, sd in convert_stream(source, cfg, tp, dtype, layers):
+                source.prefetch(layer_hf_names(layers[0]))
+                for layer, rank, sd in convert_stream(source, cfg, tp, dtype, layers, pool=BufferPool()):
+                    if rank == 0 and layer.index + 1 < len(layers):
+                        source.prefetch(layer_hf_names(layers[layer.index + 1]))  # overlap reads and writes
                     save_rank(step_dir, layer, rank, sd)
                     del sd  # one rank's shard of one layer in memory at a time
                     if rank == tp - 1:

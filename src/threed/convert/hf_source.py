@@ -217,6 +217,18 @@ class HFSource:
             self._fds[info.file] = os.open(info.file, os.O_RDONLY)
         read_into(self._fds[info.file], info, piece, out)
 
+    def prefetch(self, names: Iterable[str]) -> None:
+        """Ask the kernel to start reading these tensors now (asynchronously, in large sequential requests):
+        the disk then works on the next layer while this one is being written, and the one-read-per-row
+        column slices of row-parallel weights hit the page cache instead of each waiting for the disk."""
+        if self.format != "safetensors" or not hasattr(os, "posix_fadvise"):
+            return
+        for name in names:
+            info = self.tensors[name]
+            if info.file not in self._fds:
+                self._fds[info.file] = os.open(info.file, os.O_RDONLY)
+            os.posix_fadvise(self._fds[info.file], info.offset, info.nbytes, os.POSIX_FADV_WILLNEED)
+
     def read(self, name: str) -> torch.Tensor:
         info = self.tensors[name]
         out = torch.empty(info.shape, dtype=info.dtype)

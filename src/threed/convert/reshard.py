@@ -21,7 +21,7 @@ from threed.convert.convert import convert_rank, save_rank
 from threed.convert.ds_checkpoint import HF_EXTRA_DIR, TAG, model_to_dict, open_checkpoint, write_metadata
 from threed.convert.io_utils import ConvertError, atomic_output_dir, check_free_space, human, progress
 from threed.convert.mapping import layer_to_hf
-from threed.convert.plan import DictReader
+from threed.convert.plan import BufferPool, DictReader
 
 
 def reshard(ckpt: str | os.PathLike, out: str | os.PathLike, tp: int, pp: int,
@@ -39,13 +39,14 @@ def reshard(ckpt: str | os.PathLike, out: str | os.PathLike, tp: int, pp: int,
         step_dir = tmp / TAG
         step_dir.mkdir()
         dtypes: set[str] = set()
+        pool = BufferPool()
         with progress(total, "reshard", show_progress) as bar:
             for layer in ck.layers:
                 hf = layer_to_hf(cfg, layer, ck.load_layer(layer))
                 dtypes.update(str(t.dtype).replace("torch.", "") for t in hf.values())
                 reader = DictReader(hf)
                 for rank in range(tp):
-                    save_rank(step_dir, layer, rank, convert_rank(cfg, layer, reader, tp, rank, dtype))
+                    save_rank(step_dir, layer, rank, convert_rank(cfg, layer, reader, tp, rank, dtype, pool=pool))
                 del hf, reader
                 bar.update(ck.nbytes(layer.index))
         for d in (ck.path / HF_EXTRA_DIR,):
