@@ -59,3 +59,21 @@ def test_resume_continues_the_same_stream(tmp_path):
     assert resumed == full[240:]
     labels_shift = next(micro_batches(ds, 2, 1, 1, 0, 0, seed=3))
     assert (labels_shift[0][:, 1:] == labels_shift[1][:, :-1]).all()
+
+
+def test_hf_tokenizer_json_is_accepted(tmp_path):
+    """Llama 3 ships a tokenizer.json (tiktoken BPE), not a sentencepiece model: a local HF tokenizer works too."""
+    from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "a": 3, "b": 4}
+    hf = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    (tmp_path / "tok").mkdir()
+    hf.save(str(tmp_path / "tok" / "tokenizer.json"))
+    from transformers import PreTrainedTokenizerFast
+
+    PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tok" / "tokenizer.json"), bos_token="<s>",
+                            eos_token="</s>", unk_token="<unk>").save_pretrained(tmp_path / "tok")
+    (tmp_path / "t.txt").write_text("a b a\n\nb b")
+    assert tokenize_files([str(tmp_path / "t.txt")], str(tmp_path / "tok"), str(tmp_path / "t.bin")) == 9
+    assert np.fromfile(tmp_path / "t.bin", dtype=np.uint16).tolist() == [1, 3, 4, 3, 2, 1, 4, 4, 2]

@@ -39,30 +39,56 @@ def _paragraphs(text: str) -> Iterable[str]:
             yield para
 
 
+class Tokenizer:
+    """A sentencepiece `.model` (Llama 2, the demo) or a local HF tokenizer directory / `tokenizer.json`
+    (Llama 3's tiktoken-based tokenizer is not a sentencepiece model). Never downloads."""
+
+    def __init__(self, path: str):
+        self.path = str(Path(path).resolve())
+        if Path(path).is_file() and path.endswith(".model"):
+            import sentencepiece as spm
+
+            sp = spm.SentencePieceProcessor(model_file=path)
+            self.vocab_size, self.bos_id, self.eos_id = sp.get_piece_size(), sp.bos_id(), sp.eos_id()
+            self._encode = sp.encode
+        elif Path(path).exists():
+            from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+            tok = (PreTrainedTokenizerFast(tokenizer_file=path) if Path(path).is_file()
+                   else AutoTokenizer.from_pretrained(path, local_files_only=True))
+            self.vocab_size, self.bos_id, self.eos_id = len(tok), tok.bos_token_id, tok.eos_token_id
+            self._encode = lambda text: tok.encode(text, add_special_tokens=False)
+        else:
+            raise FileNotFoundError(f"no tokenizer at {path}: pass a sentencepiece .model, a tokenizer.json or "
+                                    f"a local HF tokenizer directory")
+        if self.bos_id is None or self.eos_id is None or self.bos_id < 0 or self.eos_id < 0:
+            raise ValueError(f"tokenizer {path} has no BOS/EOS token; Llama training needs both")
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._encode(text))
+
+
 def tokenize_files(text_files: Sequence[str], tokenizer: str, out_path: str) -> int:
     """Tokenize text files into a flat token file; each paragraph is a document `<bos> ... <eos>` (the BOS
     matters: a model trained without it generates badly after conversion, Megatron-DeepSpeed #280).
-    Writes to a temporary name and renames. Returns the token count."""
-    import sentencepiece as spm
-
-    sp = spm.SentencePieceProcessor(model_file=tokenizer)
-    dtype = np.uint16 if sp.get_piece_size() < 2**16 else np.uint32
-    ids: list[int] = []
-    for f in text_files:
-        for para in _paragraphs(Path(f).read_text(encoding="utf-8", errors="replace")):
-            ids.append(sp.bos_id())
-            ids.extend(sp.encode(para))
-            ids.append(sp.eos_id())
+    Streams paragraph by paragraph to a temporary name, then renames. Returns the token count."""
+    tok = Tokenizer(tokenizer)
+    dtype = np.uint16 if tok.vocab_size < 2**16 else np.uint32
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
-    np.asarray(ids, dtype=dtype).tofile(tmp)
-    meta = {"dtype": np.dtype(dtype).name, "num_tokens": len(ids), "tokenizer": str(Path(tokenizer).resolve()),
-            "vocab_size": sp.get_piece_size()}
+    count = 0
+    with open(tmp, "wb") as fh:
+        for f in text_files:
+            for para in _paragraphs(Path(f).read_text(encoding="utf-8", errors="replace")):
+                ids = np.asarray([tok.bos_id, *tok.encode(para), tok.eos_id], dtype=dtype)
+                ids.tofile(fh)
+                count += ids.size
+    meta = {"dtype": np.dtype(dtype).name, "num_tokens": count, "tokenizer": tok.path, "vocab_size": tok.vocab_size}
     Path(str(tmp) + META_SUFFIX).write_text(json.dumps(meta, indent=1))
     os.replace(str(tmp) + META_SUFFIX, str(out) + META_SUFFIX)
     os.replace(tmp, out)
-    return len(ids)
+    return count
 
 
 class TokenDataset:
