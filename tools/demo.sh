@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# make demo: trains a tiny Llama 3D-parallel (tp=2, pp=2, dp=2: 8 gloo processes) on CPU, on Python's own
-# reference docs, with a sentencepiece tokenizer trained here. A few minutes on 2 cores. Nothing is downloaded.
+# make demo: starts from a tiny HF Llama saved locally (random weights, the `tiny` preset's shape, the demo
+# tokenizer's 512 pieces), converts it to a tp=2 x pp=2 DeepSpeed pipeline checkpoint, trains it 3D-parallel
+# (tp=2, pp=2, dp=2: 8 gloo processes) on CPU on Python's own reference docs, exports the result back to an HF
+# folder, checks logits parity, and loads it with transformers. A few minutes on 2 cores. Nothing is downloaded.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -10,10 +12,42 @@ mkdir -p "$OUT"
 [ -f "$OUT/corpus.txt" ] || $PY -m threed.cli demo-text --out "$OUT/corpus.txt"
 [ -f "$OUT/tok.model" ] || $PY -m threed.cli tokenizer --text "$OUT/corpus.txt" --vocab-size 512 --out "$OUT/tok"
 [ -f "$OUT/tokens.bin" ] || $PY -m threed.cli tokenize --text "$OUT/corpus.txt" --tokenizer "$OUT/tok.model" --out "$OUT/tokens.bin"
-rm -rf "$OUT/ckpt"
+rm -rf "$OUT/ckpt" "$OUT/hf-init" "$OUT/init" "$OUT/hf"
+# Runs a command, keeping its output but not library start-up noise; fails when the command fails (pipefail).
+quiet() { "$@" 2>&1 | { grep --line-buffered -v -E 'real_accelerator|Writing model shards|Loading weights' || true; }; }
+
+# 1. An HF Llama to start from, and its conversion (the vocab padding multiple of the `tiny` preset: 32).
+quiet $PY -m threed.cli make-tiny-hf --out "$OUT/hf-init" --like tiny --tokenizer "$OUT/tok.model" >/dev/null
+quiet $PY -m threed.cli convert --hf "$OUT/hf-init" --tp 2 --pp 2 --out "$OUT/init" --make-vocab-size-divisible-by 32 --quiet
+echo "converted HF $OUT/hf-init -> $OUT/init: $(ls "$OUT/init/global_step0" | wc -l) DeepSpeed files for tp=2 x pp=2"
+
+# 2. Train from the converted weights (DeepSpeed load_checkpoint, weights only).
 $PY -m torch.distributed.run --standalone --nproc-per-node 8 -m threed.train \
-  --model tiny --tp 2 --pp 2 --micro-batch-size 4 --grad-accum-steps 4 --seq-length 128 \
+  --model tiny --init-from "$OUT/init" --tp 2 --pp 2 --micro-batch-size 4 --grad-accum-steps 4 --seq-length 128 \
   --steps "$STEPS" --lr 3e-3 --min-lr 3e-4 --warmup-steps 5 --dtype bf16 \
   --data "$OUT/tokens.bin" --tokenizer "$OUT/tok.model" --save "$OUT/ckpt" --log-interval 1 \
-  2>&1 | grep --line-buffered -E '^(threed|step|saved|stop)|Error|error' 
+  2>&1 | grep --line-buffered -E '^(threed|step|saved|stop)|Error|error'
 echo "checkpoint: $OUT/ckpt ($(cat "$OUT/ckpt/latest"))"
+
+# 3. Back to HF: export, logits parity of the export with the checkpoint (4 ranks), and transformers loading it.
+quiet $PY -m threed.cli export --ckpt "$OUT/ckpt" --out "$OUT/hf" --quiet
+echo "exported $OUT/ckpt -> HF $OUT/hf: $(cd "$OUT/hf" && echo *)"
+quiet $PY -m threed.cli verify --hf "$OUT/hf" --ckpt "$OUT/ckpt"
+quiet $PY - "$OUT/hf" <<'EOF'
+import sys
+
+import sentencepiece as spm
+import torch
+from transformers import AutoModelForCausalLM
+
+path = sys.argv[1]
+model = AutoModelForCausalLM.from_pretrained(path).eval()
+sp = spm.SentencePieceProcessor(model_file=f"{path}/tokenizer.model")
+prompt = "The list"
+ids = torch.tensor([[sp.bos_id()] + sp.encode(prompt)])
+with torch.no_grad():
+    out = model.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=sp.eos_id())
+params = sum(p.numel() for p in model.parameters()) / 1e6
+print(f"transformers AutoModelForCausalLM.from_pretrained({path!r}): {type(model).__name__}, {params:.2f}M params")
+print(f"greedy continuation: {sp.decode(out[0].tolist())!r}")
+EOF

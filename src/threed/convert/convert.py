@@ -25,7 +25,7 @@ import torch
 from threed.config import ModelConfig, ParallelConfig
 from threed.convert.ds_checkpoint import (HF_EXTRA_DIR, TAG, layer_file, model_to_dict, with_extra_state,
                                           write_metadata)
-from threed.convert.hf_source import TOKENIZER_FILES, HFSource
+from threed.convert.hf_source import SIDE_FILES, HFSource
 from threed.convert.io_utils import ConvertError, atomic_output_dir, check_free_space, dtype_name, human, progress
 from threed.convert.mapping import hf_names
 from threed.convert.plan import BufferPool, PartReader, materialize, rank_plan
@@ -158,7 +158,7 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, tp: int, pp: int,
         source.close()
         extra = tmp / HF_EXTRA_DIR
         extra.mkdir()
-        copied = [f for f in TOKENIZER_FILES + ("config.json",) if (hf_dir / f).is_file()]
+        copied = [f for f in SIDE_FILES if (hf_dir / f).is_file()]
         for f in copied:
             (extra / f).write_bytes((hf_dir / f).read_bytes())
         manifest = {

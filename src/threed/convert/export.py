@@ -69,6 +69,15 @@ def _tokenizer(ck: Checkpoint, tokenizer: Optional[str], out: Path) -> list[str]
     return []
 
 
+def _has_protobuf() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("google.protobuf") is not None
+    except ModuleNotFoundError:
+        return False
+
+
 def export(ckpt: str | os.PathLike, out: str | os.PathLike, dtype: Optional[torch.dtype] = None,
            max_shard_bytes: int = 5 * 10**9, tokenizer: Optional[str] = None, force: bool = False,
            show_progress: bool = True) -> dict[str, Any]:
@@ -98,9 +107,13 @@ def export(ckpt: str | os.PathLike, out: str | os.PathLike, dtype: Optional[torc
         out_dtype = planned[0].dtype if len({t.dtype for t in planned}) == 1 else torch.float32
         write_config(tmp, ck.model, out_dtype, source_config)
         tok_files = _tokenizer(ck, tokenizer, tmp)
+        for d in _extra_dirs(ck)[:1]:
+            tok_files += copy_tokenizer_files([d / "generation_config.json"], tmp)
     if show_progress:
         print(f"threed export: {ckpt} (tp={ck.tp}, {ck.tag}) -> {out}: {len(writer.file_names)} safetensors "
               f"shard(s), {human(total)}, vocab {ck.model.vocab_size}, tokenizer: "
               f"{', '.join(tok_files) or 'none known (pass --tokenizer)'}; {time.time() - t0:.1f} s")
+        if "tokenizer.model" in tok_files and "tokenizer.json" not in tok_files and not _has_protobuf():
+            print("  (AutoTokenizer needs `protobuf` to read tokenizer.model; without it use sentencepiece on it)")
     return {"files": writer.file_names, "bytes": total, "tokenizer_files": tok_files, "tp": ck.tp}
 

@@ -30,7 +30,8 @@ ST_DTYPES: dict[str, torch.dtype] = {"F32": torch.float32, "BF16": torch.bfloat1
 # Buffers some HF versions saved; they are recomputed from the config, so they are skipped, not converted.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "added_tokens.json", "chat_template.jinja", "generation_config.json")
+                   "added_tokens.json", "chat_template.jinja")
+SIDE_FILES = TOKENIZER_FILES + ("generation_config.json", "config.json")  # carried into a converted checkpoint
 _MAX_READ = 1 << 30  # Linux reads at most ~2 GiB per call; read big tensors in 1 GiB pieces
 
 
