@@ -10,7 +10,8 @@
 #          At DP=2 the ZeRO-1 optimizer shard halves: ~36 GB/GPU. (python recipes/memory.py explains the model.)
 # Data     DATA from `threed tokenize --tokenizer $TOKENIZER` (Llama 2's sentencepiece model, 32000 pieces).
 # Weights  random init; INIT_FROM=<`threed convert` output of HF Llama-2-70b-hf> starts from the HF weights.
-#          A requeued or resubmitted job resumes from SAVE/latest instead (weights, optimizer, step, data order).
+#          A requeued or resubmitted job resumes from SAVE/latest instead (weights, optimizer, step, data order)
+#          at the same TP, PP and DP; at another node count start a new SAVE with INIT_FROM=<old SAVE>.
 # Run      sbatch --nodes=4 slurm/train.sh recipes/llama2_70b.sh
 # Override any line from the environment (VAR=value sbatch ...; an empty value clears it): see recipes/launch.sh.
 MODEL=${MODEL-llama2-70b}

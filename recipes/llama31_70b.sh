@@ -8,9 +8,10 @@
 #          ~57 GB/GPU = weights 4.5 + grads 13.6 + optimizer 27.3 + activations 11.5
 #          (2.27B params on the heaviest GPU; plus CUDA/NCCL overhead)
 #          At DP=2 the ZeRO-1 optimizer shard halves: ~43 GB/GPU. (python recipes/memory.py explains the model.)
-# Data     DATA must be tokenized with the Llama 3 tokenizer (128256 pieces) in `threed tokenize`'s format.
+# Data     DATA from `threed tokenize --tokenizer $TOKENIZER` (the HF Llama 3 tokenizer directory, 128256 pieces).
 # Weights  random init; INIT_FROM=<`threed convert` output of HF Llama-3.1-70B> starts from the HF weights.
-#          A requeued or resubmitted job resumes from SAVE/latest instead (weights, optimizer, step, data order).
+#          A requeued or resubmitted job resumes from SAVE/latest instead (weights, optimizer, step, data order)
+#          at the same TP, PP and DP; at another node count start a new SAVE with INIT_FROM=<old SAVE>.
 # Run      sbatch slurm/llama70b_tp8_pp4.sh
 # Override any line from the environment (VAR=value sbatch ...; an empty value clears it): see recipes/launch.sh.
 MODEL=${MODEL-llama3.1-70b}
@@ -27,7 +28,7 @@ STEPS=${STEPS-5000}
 DTYPE=${DTYPE-bf16}
 ACT_CKPT=${ACT_CKPT-true}
 DATA=${DATA-data/llama3/tokens.bin}
-TOKENIZER=${TOKENIZER-checkpoints/hf/Llama-3.1-70B/original/tokenizer.model}
+TOKENIZER=${TOKENIZER-checkpoints/hf/Llama-3.1-70B}
 INIT_FROM=${INIT_FROM-}
 LOAD=${LOAD-}
 SAVE=${SAVE-checkpoints/llama31_70b}

@@ -8,9 +8,10 @@
 #          ~52 GB/GPU = weights 4.0 + grads 12.0 + optimizer 12.0 + activations 23.9
 #          (2.01B params on the heaviest GPU; plus CUDA/NCCL overhead)
 #          At DP=4 the ZeRO-1 optimizer shard halves: ~46 GB/GPU. (python recipes/memory.py explains the model.)
-# Data     DATA must be tokenized with the Llama 3 tokenizer (128256 pieces) in `threed tokenize`'s format.
+# Data     DATA from `threed tokenize --tokenizer $TOKENIZER` (the HF Llama 3 tokenizer directory, 128256 pieces).
 # Weights  random init; INIT_FROM=<`threed convert` output of HF Llama-3.1-8B> starts from the HF weights.
-#          A requeued or resubmitted job resumes from SAVE/latest instead (weights, optimizer, step, data order).
+#          A requeued or resubmitted job resumes from SAVE/latest instead (weights, optimizer, step, data order)
+#          at the same TP, PP and DP; at another node count start a new SAVE with INIT_FROM=<old SAVE>.
 # Run      sbatch slurm/llama8b_tp2_pp2.sh
 # Override any line from the environment (VAR=value sbatch ...; an empty value clears it): see recipes/launch.sh.
 MODEL=${MODEL-llama3.1-8b}
@@ -27,7 +28,7 @@ STEPS=${STEPS-5000}
 DTYPE=${DTYPE-bf16}
 ACT_CKPT=${ACT_CKPT-false}
 DATA=${DATA-data/llama3/tokens.bin}
-TOKENIZER=${TOKENIZER-checkpoints/hf/Llama-3.1-8B/original/tokenizer.model}
+TOKENIZER=${TOKENIZER-checkpoints/hf/Llama-3.1-8B}
 INIT_FROM=${INIT_FROM-}
 LOAD=${LOAD-}
 SAVE=${SAVE-checkpoints/llama31_8b}
