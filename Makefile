@@ -31,7 +31,7 @@ test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow tests
 
 test-slurm: $(STAMP)
-	$(PY) -m pytest -q -m 'slurm and slow' tests
+	$(PY) -m pytest -q -s --durations=0 -m "slurm and slow" tests
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_model.py
