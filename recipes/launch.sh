@@ -133,7 +133,7 @@ if [ "${THREED_DRY_RUN:-0}" != 0 ]; then
     echo "GAS=$GAS"
     echo "TRAIN_BATCH_SIZE=$TRAIN_BATCH"
     ckpt=${ACT_CKPT:-0}
-    if mem=$(PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" "$HERE/memory.py" --model "$MODEL" \
+    if mem=$(PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m threed.memory --model "$MODEL" \
             --tp "$TP" --pp "$PP" --dp "$DP" --micro "$MICRO" --gas "$GAS" --seq "$SEQ" --act-ckpt "$ckpt" \
             2>/dev/null); then
         echo "memory: $mem"

@@ -7,7 +7,7 @@
 # Memory   per GPU at 1 node (DP=1), heaviest pipeline stage, activation checkpointing off:
 #          ~45 GB/GPU = weights 3.3 + grads 9.8 + optimizer 19.5 + activations 12.6
 #          (1.63B params on the heaviest GPU; plus CUDA/NCCL overhead)
-#          At DP=2 the ZeRO-1 optimizer shard halves: ~35 GB/GPU. (python recipes/memory.py explains the model.)
+#          At DP=2 the ZeRO-1 optimizer shard halves: ~35 GB/GPU. (python -m threed.memory explains the model.)
 # Data     DATA from `threed tokenize --tokenizer $TOKENIZER` (Llama 2's sentencepiece model, 32000 pieces).
 # Weights  random init; INIT_FROM=<`threed convert` output of HF Llama-2-13b-hf> starts from the HF weights.
 #          A requeued or resubmitted job resumes from SAVE/latest instead (weights, optimizer, step, data order)

@@ -7,7 +7,7 @@
 # Memory   per GPU at 4 nodes (DP=1), heaviest pipeline stage, activation checkpointing on:
 #          ~49 GB/GPU = weights 4.3 + grads 13.0 + optimizer 26.1 + activations 5.8
 #          (2.17B params on the heaviest GPU; plus CUDA/NCCL overhead)
-#          At DP=2 the ZeRO-1 optimizer shard halves: ~36 GB/GPU. (python recipes/memory.py explains the model.)
+#          At DP=2 the ZeRO-1 optimizer shard halves: ~36 GB/GPU. (python -m threed.memory explains the model.)
 # Data     DATA from `threed tokenize --tokenizer $TOKENIZER` (Llama 2's sentencepiece model, 32000 pieces).
 # Weights  random init; INIT_FROM=<`threed convert` output of HF Llama-2-70b-hf> starts from the HF weights.
 #          A requeued or resubmitted job resumes from SAVE/latest instead (weights, optimizer, step, data order)

@@ -7,7 +7,7 @@
 # Memory   per GPU at 1 node (DP=2), heaviest pipeline stage, activation checkpointing off:
 #          ~35 GB/GPU = weights 3.4 + grads 10.1 + optimizer 10.1 + activations 11.8
 #          (1.68B params on the heaviest GPU; plus CUDA/NCCL overhead)
-#          At DP=4 the ZeRO-1 optimizer shard halves: ~30 GB/GPU. (python recipes/memory.py explains the model.)
+#          At DP=4 the ZeRO-1 optimizer shard halves: ~30 GB/GPU. (python -m threed.memory explains the model.)
 # Data     DATA from `threed tokenize --tokenizer $TOKENIZER` (Llama 2's sentencepiece model, 32000 pieces).
 # Weights  random init; INIT_FROM=<`threed convert` output of HF Llama-2-7b-hf> starts from the HF weights.
 #          A requeued or resubmitted job resumes from SAVE/latest instead (weights, optimizer, step, data order)

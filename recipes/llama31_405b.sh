@@ -7,7 +7,7 @@
 # Memory   per GPU at 32 nodes (DP=2), heaviest pipeline stage, activation checkpointing on:
 #          ~66 GB/GPU = weights 6.9 + grads 20.7 + optimizer 20.7 + activations 17.9
 #          (3.45B params on the heaviest GPU; plus CUDA/NCCL overhead)
-#          At DP=4 the ZeRO-1 optimizer shard halves: ~56 GB/GPU. (python recipes/memory.py explains the model.)
+#          At DP=4 the ZeRO-1 optimizer shard halves: ~56 GB/GPU. (python -m threed.memory explains the model.)
 #          SEQ=8192 doubles the checkpointed activations (~36 GB): run it at >= 128 nodes (DP >= 8).
 # Data     DATA from `threed tokenize --tokenizer $TOKENIZER` (the HF Llama 3 tokenizer directory, 128256 pieces).
 # Weights  random init; INIT_FROM=<`threed convert` output of HF Llama-3.1-405B> starts from the HF weights.

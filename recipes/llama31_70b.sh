@@ -7,7 +7,7 @@
 # Memory   per GPU at 4 nodes (DP=1), heaviest pipeline stage, activation checkpointing on:
 #          ~57 GB/GPU = weights 4.5 + grads 13.6 + optimizer 27.3 + activations 11.5
 #          (2.27B params on the heaviest GPU; plus CUDA/NCCL overhead)
-#          At DP=2 the ZeRO-1 optimizer shard halves: ~43 GB/GPU. (python recipes/memory.py explains the model.)
+#          At DP=2 the ZeRO-1 optimizer shard halves: ~43 GB/GPU. (python -m threed.memory explains the model.)
 # Data     DATA from `threed tokenize --tokenizer $TOKENIZER` (the HF Llama 3 tokenizer directory, 128256 pieces).
 # Weights  random init; INIT_FROM=<`threed convert` output of HF Llama-3.1-70B> starts from the HF weights.
 #          A requeued or resubmitted job resumes from SAVE/latest instead (weights, optimizer, step, data order)

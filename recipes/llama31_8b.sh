@@ -7,7 +7,7 @@
 # Memory   per GPU at 1 node (DP=2), heaviest pipeline stage, activation checkpointing off:
 #          ~52 GB/GPU = weights 4.0 + grads 12.0 + optimizer 12.0 + activations 23.9
 #          (2.01B params on the heaviest GPU; plus CUDA/NCCL overhead)
-#          At DP=4 the ZeRO-1 optimizer shard halves: ~46 GB/GPU. (python recipes/memory.py explains the model.)
+#          At DP=4 the ZeRO-1 optimizer shard halves: ~46 GB/GPU. (python -m threed.memory explains the model.)
 # Data     DATA from `threed tokenize --tokenizer $TOKENIZER` (the HF Llama 3 tokenizer directory, 128256 pieces).
 # Weights  random init; INIT_FROM=<`threed convert` output of HF Llama-3.1-8B> starts from the HF weights.
 #          A requeued or resubmitted job resumes from SAVE/latest instead (weights, optimizer, step, data order)

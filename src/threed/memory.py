@@ -1,6 +1,6 @@
 """Expected memory per GPU for a recipe's layout (what the recipe headers quote; `THREED_DRY_RUN=1` prints it).
 
-    python recipes/memory.py --model llama3.1-70b --tp 8 --pp 4 --dp 1 --micro 1 --gas 512 --seq 8192 --act-ckpt 1
+    python -m threed.memory --model llama3.1-70b --tp 8 --pp 4 --dp 1 --micro 1 --gas 512 --seq 8192 --act-ckpt 1
 
 The model of memory, per GPU of the heaviest pipeline stage (stages hold ceil(layers / PP) blocks; the first adds
 the embedding, the last the final norm and LM head; tensors are split over TP, norms are replicated):
@@ -21,15 +21,10 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 from dataclasses import dataclass
 
-try:
-    from threed.presets import get_model_config
-except ModuleNotFoundError:  # run from a checkout without the package installed
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
-    from threed.presets import get_model_config
+from threed.presets import get_model_config
 
 GB = 1e9
 
