@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from convert_fixtures import DIVISIBLE_BY, GQA4, hf_model, save_hf, write_tokens
+from convert_fixtures import DIVISIBLE_BY, GQA4, assert_identical, hf_model, hf_tensors, save_hf, write_tokens
 from threed.cli import main
 from threed.convert.verify import compare, hf_logits
 from threed.data import TokenDataset, micro_batches
@@ -81,3 +81,9 @@ def test_train_from_converted_then_export(hf_dir, tmp_path, capsys):
     # HF's model from the exported folder == our engine (fp32, the bf16 trained weights) on the same tokens.
     assert main(["verify", "--hf", str(exported), "--ckpt", str(run), "--tol", str(REL_TOL)]) == 0
     verify_line(capsys)
+    # A trained checkpoint reshards too (weights only), to the same tensors.
+    resharded, again = tmp_path / "resharded", tmp_path / "again"
+    assert main(["reshard", "--ckpt", str(run), "--tp", "4", "--pp", "1", "--out", str(resharded), "--quiet"]) == 0
+    assert main(["export", "--ckpt", str(resharded), "--out", str(again), "--quiet"]) == 0
+    assert_identical(hf_tensors(exported), hf_tensors(again))
+    assert (again / "config.json").read_text() == (exported / "config.json").read_text()

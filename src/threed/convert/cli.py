@@ -22,7 +22,7 @@ def _guard(name: str, fn: Callable[[argparse.Namespace], int]) -> Callable[[argp
     def run(ns: argparse.Namespace) -> int:
         try:
             return fn(ns)
-        except (ConfigError, FileNotFoundError) as e:
+        except (ConfigError, OSError) as e:  # OSError: disk full, permissions, a file vanishing meanwhile
             print(f"threed {name}: error: {e}", file=sys.stderr)
             return 2
         except KeyboardInterrupt:

@@ -112,9 +112,13 @@ def _run_workers(source: HFSource, cfg: ModelConfig, tp: int, dtype: Optional[to
     with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_worker_init,
                              initargs=init) as pool:
         futures = [pool.submit(_worker_layer, l.index) for l in order]
-        for fut in as_completed(futures):
-            idx = fut.result()
-            bar.update(source.nbytes(layer_hf_names(layers[idx])))
+        try:
+            for fut in as_completed(futures):
+                idx = fut.result()
+                bar.update(source.nbytes(layer_hf_names(layers[idx])))
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)  # do not convert the rest after a failure
+            raise
 
 
 # --------------------------------------------------------------------------------------------------- main

@@ -144,8 +144,8 @@ class Checkpoint:
             try:
                 sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             except Exception as e:
-                msg = str(e).split(". ")[0][:300]
-                raise ConvertError(f"cannot read {path}: {e.__class__.__name__}: {msg} (truncated or corrupt)") from None
+                msg = f"{e.__class__.__name__}: {str(e).split('. ')[0][:300]}"
+                raise ConvertError(f"cannot read {path}: {msg} (truncated or corrupt)") from None
             tensors = {k: v for k, v in sd.items() if not k.endswith("._extra_state")}
             if set(tensors) != set(expected[rank]):
                 raise ConvertError(f"{path} holds {sorted(tensors)}, expected {sorted(expected[rank])} for "

@@ -18,9 +18,9 @@ from typing import Any, Optional
 import torch
 
 from threed.convert.convert import layer_hf_names
-from threed.convert.ds_checkpoint import HF_EXTRA_DIR, Checkpoint, open_checkpoint
+from threed.convert.ds_checkpoint import HF_EXTRA_DIR, Checkpoint, open_checkpoint, read_run_json
 from threed.convert.hf_source import TOKENIZER_FILES
-from threed.convert.hf_writer import (Planned, ShardedSafetensorsWriter, copy_tokenizer_files, plan_shards,
+from threed.convert.hf_writer import (Planned, ShardedSafetensorsWriter, copy_files, plan_shards,
                                       write_config, write_sentencepiece_tokenizer)
 from threed.convert.io_utils import ConvertError, atomic_output_dir, check_free_space, human, progress
 from threed.convert.mapping import hf_names, hf_shapes, layer_to_hf
@@ -40,33 +40,56 @@ def _plan(ck: Checkpoint, dtype: Optional[torch.dtype]) -> list[Planned]:
     return planned
 
 
-def _extra_dirs(ck: Checkpoint) -> list[Path]:
-    """Where HF side files (tokenizer, config.json of the original) may be: this checkpoint's hf/, or that of
-    the checkpoint it was initialised or resumed from."""
-    dirs = [ck.path / HF_EXTRA_DIR]
-    for key in ("init_from", "load"):
-        src = ck.run.get("checkpoint", {}).get(key)
-        if src:
-            dirs.append(Path(src) / HF_EXTRA_DIR)
+def extra_dirs(ck: Checkpoint) -> list[Path]:
+    """Where HF side files (tokenizer, the original config.json) may be: this checkpoint's hf/, then those of
+    the checkpoints it was initialised or resumed from (following their threed_run.json, a few levels)."""
+    dirs, todo, seen = [], [ck.path], set()
+    while todo and len(seen) < 8:
+        path = todo.pop(0)
+        if path in seen:
+            continue
+        seen.add(path)
+        dirs.append(path / HF_EXTRA_DIR)
+        run = ck.run if path == ck.path else (read_run_json(path) or {})
+        todo += [Path(p) for p in (run.get("checkpoint", {}).get(k) for k in ("init_from", "load")) if p]
     return [d for d in dirs if d.is_dir()]
 
 
-def _tokenizer(ck: Checkpoint, tokenizer: Optional[str], out: Path) -> list[str]:
+def write_side_files(ck: Checkpoint, dest: Path, tokenizer: Optional[str] = None,
+                     with_config: bool = False) -> list[str]:
+    """Tokenizer files (--tokenizer, else the run's sentencepiece model, else the HF source's), the source's
+    generation_config.json, and with_config its config.json, into dest. Returns the names written."""
+    dirs = extra_dirs(ck)
+    written: list[str] = []
+    run_tok = ck.run.get("data", {}).get("tokenizer")
     if tokenizer:
         t = Path(tokenizer)
         if t.is_dir():
-            return copy_tokenizer_files([t / f for f in TOKENIZER_FILES], out)
-        if t.is_file() and t.suffix == ".model":
-            return write_sentencepiece_tokenizer(t, out)
-        raise ConvertError(f"--tokenizer {t}: pass an HF tokenizer directory or a sentencepiece .model file")
-    run_tok = ck.run.get("data", {}).get("tokenizer")
-    if run_tok and Path(run_tok).is_file():
-        return write_sentencepiece_tokenizer(Path(run_tok), out)
-    for d in _extra_dirs(ck):
-        copied = copy_tokenizer_files([d / f for f in TOKENIZER_FILES], out)
-        if copied:
-            return copied
-    return []
+            written += copy_files([t / f for f in TOKENIZER_FILES], dest)
+        elif t.is_file() and t.suffix == ".model":
+            written += write_sentencepiece_tokenizer(t, dest)
+        else:
+            raise ConvertError(f"--tokenizer {t}: pass an HF tokenizer directory or a sentencepiece .model file")
+    elif run_tok and Path(run_tok).is_file():
+        written += write_sentencepiece_tokenizer(Path(run_tok), dest)
+    else:
+        for d in dirs:
+            written += copy_files([d / f for f in TOKENIZER_FILES], dest)
+            if written:
+                break
+    for name in ("generation_config.json",) + (("config.json",) if with_config else ()):
+        for d in dirs:
+            if (d / name).is_file():
+                written += copy_files([d / name], dest)
+                break
+    return written
+
+
+def source_config(ck: Checkpoint) -> Optional[dict]:
+    for d in extra_dirs(ck):
+        if (d / "config.json").is_file():
+            return json.loads((d / "config.json").read_text())
+    return None
 
 
 def _has_protobuf() -> bool:
@@ -99,16 +122,9 @@ def export(ckpt: str | os.PathLike, out: str | os.PathLike, dtype: Optional[torc
                 del hf
                 bar.update(ck.nbytes(layer.index))
         writer.close()
-        source_config = None
-        for d in _extra_dirs(ck):
-            if (d / "config.json").is_file():
-                source_config = json.loads((d / "config.json").read_text())
-                break
         out_dtype = planned[0].dtype if len({t.dtype for t in planned}) == 1 else torch.float32
-        write_config(tmp, ck.model, out_dtype, source_config)
-        tok_files = _tokenizer(ck, tokenizer, tmp)
-        for d in _extra_dirs(ck)[:1]:
-            tok_files += copy_tokenizer_files([d / "generation_config.json"], tmp)
+        write_config(tmp, ck.model, out_dtype, source_config(ck))
+        tok_files = write_side_files(ck, tmp, tokenizer)
     if show_progress:
         print(f"threed export: {ckpt} (tp={ck.tp}, {ck.tag}) -> {out}: {len(writer.file_names)} safetensors "
               f"shard(s), {human(total)}, vocab {ck.model.vocab_size}, tokenizer: "

@@ -66,7 +66,8 @@ def _header(shard: list[Planned]) -> bytes:
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for t in shard:
-        header[t.name] = {"dtype": ST_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        header[t.name] = {"dtype": ST_NAMES[t.dtype], "shape": list(t.shape),
+                          "data_offsets": [offset, offset + t.nbytes]}
         offset += t.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # safetensors pads the header so tensor data starts 8-byte aligned
@@ -131,7 +132,7 @@ def write_config(out_dir: Path, cfg: ModelConfig, dtype: torch.dtype, source_con
     (out_dir / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
 
 
-def copy_tokenizer_files(files: list[Path], out_dir: Path) -> list[str]:
+def copy_files(files: list[Path], out_dir: Path) -> list[str]:
     copied = []
     for f in files:
         if f.is_file():

@@ -9,7 +9,6 @@ so a round trip is the identity). The output holds weights only (tag global_step
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -18,6 +17,7 @@ import torch
 
 from threed.config import ParallelConfig
 from threed.convert.convert import convert_rank, save_rank
+from threed.convert.export import write_side_files
 from threed.convert.ds_checkpoint import HF_EXTRA_DIR, TAG, model_to_dict, open_checkpoint, write_metadata
 from threed.convert.io_utils import ConvertError, atomic_output_dir, check_free_space, human, progress
 from threed.convert.mapping import layer_to_hf
@@ -49,9 +49,8 @@ def reshard(ckpt: str | os.PathLike, out: str | os.PathLike, tp: int, pp: int,
                     save_rank(step_dir, layer, rank, convert_rank(cfg, layer, reader, tp, rank, dtype, pool=pool))
                 del hf, reader
                 bar.update(ck.nbytes(layer.index))
-        for d in (ck.path / HF_EXTRA_DIR,):
-            if d.is_dir():
-                shutil.copytree(d, tmp / HF_EXTRA_DIR)
+        (tmp / HF_EXTRA_DIR).mkdir()  # carry tokenizer / source config along, so export still finds them
+        side = write_side_files(ck, tmp / HF_EXTRA_DIR, with_config=True)
         manifest = {
             "format": "threed-deepspeed-pipeline", "version": 1, "created_by": "threed reshard",
             "model": model_to_dict(cfg), "tp": tp, "pp": pp, "vocab_size": cfg.vocab_size,
@@ -61,7 +60,7 @@ def reshard(ckpt: str | os.PathLike, out: str | os.PathLike, tp: int, pp: int,
             "num_pipeline_layers": len(ck.layers),
             "source": {"path": str(ck.path.absolute()), "format": "deepspeed", "tp": ck.tp, "pp": ck.pp,
                        "tag": ck.tag, "bytes": total},
-            "seconds": round(time.time() - t0, 2),
+            "hf_files": side, "seconds": round(time.time() - t0, 2),
         }
         write_metadata(tmp, cfg, tp, pp, manifest)
     if show_progress:
