@@ -1,7 +1,11 @@
 """HF Llama directory -> DeepSpeed pipeline checkpoint for a tp x pp run, one layer at a time.
 
     threed convert --hf Meta-Llama-3-70B --tp 8 --pp 4 --out ckpt/llama3-70b-tp8pp4 [--workers 2] [--dtype bf16]
-    threed train --model ckpt/llama3-70b-tp8pp4 --init-from ckpt/llama3-70b-tp8pp4 --tp 8 --pp 4 ...
+    threed train --model Meta-Llama-3-70B --init-from ckpt/llama3-70b-tp8pp4 --tp 8 --pp 4 ...
+
+(`--model` must pad the vocab as the conversion did: the HF directory does at the default
+--make-vocab-size-divisible-by 128; `threed_run.json` in the output records the exact ModelConfig, see
+ds_checkpoint.read_model_config.)
 
 Peak memory is one TP rank's shard of one pipeline layer (read slice by slice straight into place, saved,
 freed; see threed.convert.plan), never the model. Nothing is written before the whole source has been checked
@@ -15,9 +19,9 @@ import json
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from collections import OrderedDict
 from multiprocessing import get_context
 from pathlib import Path
-from collections import OrderedDict
 from typing import Any, Iterator, Optional
 
 import torch
@@ -144,11 +148,11 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, tp: int, pp: int,
     Path(out).absolute().parent.mkdir(parents=True, exist_ok=True)
     check_free_space(Path(out).absolute().parent, int(total * scale))
     dtypes = sorted({dtype_name(dtype)} if dtype else {dtype_name(t.dtype) for t in source.tensors.values()})
-    with atomic_output_dir(out, force) as tmp:
+    with atomic_output_dir(out, force) as tmp, contextlib.closing(source):
         step_dir = tmp / TAG
         step_dir.mkdir()
         with progress(total, "convert", show_progress) as bar:
-            if workers > 1:
+            if workers > 1:  # each worker process holds its own rank shard: memory x workers
                 _run_workers(source, cfg, tp, dtype, step_dir, workers, bar)
             else:
                 source.prefetch(layer_hf_names(layers[0]))
@@ -159,7 +163,6 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, tp: int, pp: int,
                     del sd  # one rank's shard of one layer in memory at a time
                     if rank == tp - 1:
                         bar.update(source.nbytes(layer_hf_names(layer)))
-        source.close()
         extra = tmp / HF_EXTRA_DIR
         extra.mkdir()
         copied = [f for f in SIDE_FILES if (hf_dir / f).is_file()]
