@@ -26,7 +26,8 @@ import torch
 
 from threed.config import ModelConfig, RunConfig
 from threed.convert.io_utils import ConvertError
-from threed.convert.mapping import hf_names, hf_shapes, layer_from_hf
+from threed.convert.mapping import hf_shapes, layer_from_hf
+from threed.convert.plan import ShardReader
 from threed.pipeline import PipelineLayer, pipeline_layers
 
 TAG = "global_step0"
@@ -135,27 +136,35 @@ class Checkpoint:
     def nbytes(self, idx: int) -> int:
         return sum(self.layer_path(idx, r).stat().st_size for r in range(self.tp))
 
+    def load_rank(self, layer: PipelineLayer, rank: int,
+                  expected: Optional[list[dict[str, tuple[int, ...]]]] = None) -> dict[str, torch.Tensor]:
+        """One layer file, memory-mapped (no data read yet), with its keys and shapes checked."""
+        expected = expected or expected_shard_shapes(self.model, layer, self.tp)
+        path = self.layer_path(layer.index, rank)
+        try:
+            sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:
+            msg = f"{e.__class__.__name__}: {str(e).split('. ')[0][:300]}"
+            raise ConvertError(f"cannot read {path}: {msg} (truncated or corrupt)") from None
+        tensors = {k: v for k, v in sd.items() if not k.endswith("._extra_state")}
+        if set(tensors) != set(expected[rank]):
+            raise ConvertError(f"{path} holds {sorted(tensors)}, expected {sorted(expected[rank])} for "
+                               f"layer {layer.index} ({layer.kind})")
+        for k, v in tensors.items():
+            if tuple(v.shape) != expected[rank][k]:
+                raise ConvertError(f"{path}: {k} is {list(v.shape)}, expected {list(expected[rank][k])} for "
+                                   f"{self.model.name} at tp={self.tp}")
+        return tensors
+
     def load_layer(self, layer: PipelineLayer) -> list[dict[str, torch.Tensor]]:
-        """The layer's state dict on every TP rank, memory-mapped, with keys and shapes checked."""
+        """The layer's state dict on every TP rank, memory-mapped, checked."""
         expected = expected_shard_shapes(self.model, layer, self.tp)
-        out = []
-        for rank in range(self.tp):
-            path = self.layer_path(layer.index, rank)
-            try:
-                sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            except Exception as e:
-                msg = f"{e.__class__.__name__}: {str(e).split('. ')[0][:300]}"
-                raise ConvertError(f"cannot read {path}: {msg} (truncated or corrupt)") from None
-            tensors = {k: v for k, v in sd.items() if not k.endswith("._extra_state")}
-            if set(tensors) != set(expected[rank]):
-                raise ConvertError(f"{path} holds {sorted(tensors)}, expected {sorted(expected[rank])} for "
-                                   f"layer {layer.index} ({layer.kind})")
-            for k, v in tensors.items():
-                if tuple(v.shape) != expected[rank][k]:
-                    raise ConvertError(f"{path}: {k} is {list(v.shape)}, expected {list(expected[rank][k])} for "
-                                       f"{self.model.name} at tp={self.tp}")
-            out.append(tensors)
-        return out
+        return [self.load_rank(layer, rank, expected) for rank in range(self.tp)]
+
+    def reader(self, layer: PipelineLayer) -> ShardReader:
+        """A PartReader of the layer's HF tensors, reading slices straight out of the (mapped) TP files."""
+        expected = expected_shard_shapes(self.model, layer, self.tp)
+        return ShardReader(self.model, layer, self.tp, lambda rank: self.load_rank(layer, rank, expected))
 
 
 def open_checkpoint(path: str | os.PathLike, model: Optional[ModelConfig] = None) -> Checkpoint:

@@ -17,13 +17,13 @@ from typing import Any, Optional
 
 import torch
 
-from threed.convert.convert import layer_hf_names
 from threed.convert.ds_checkpoint import HF_EXTRA_DIR, Checkpoint, open_checkpoint, read_run_json
 from threed.convert.hf_source import TOKENIZER_FILES
 from threed.convert.hf_writer import (Planned, ShardedSafetensorsWriter, copy_files, plan_shards,
                                       write_config, write_sentencepiece_tokenizer)
 from threed.convert.io_utils import ConvertError, atomic_output_dir, check_free_space, human, progress
-from threed.convert.mapping import hf_names, hf_shapes, layer_to_hf
+from threed.convert.mapping import hf_names, hf_shapes
+from threed.convert.plan import Piece
 
 
 def _plan(ck: Checkpoint, dtype: Optional[torch.dtype]) -> list[Planned]:
@@ -114,12 +114,21 @@ def export(ckpt: str | os.PathLike, out: str | os.PathLike, dtype: Optional[torc
     check_free_space(Path(out).absolute().parent, total)
     with atomic_output_dir(out, force) as tmp:
         writer = ShardedSafetensorsWriter(tmp, plan_shards(planned, max_shard_bytes))
+        buffers: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = {}
         with progress(sum(ck.nbytes(l.index) for l in ck.layers), "export", show_progress) as bar:
             for layer in ck.layers:
-                hf = layer_to_hf(ck.model, layer, ck.load_layer(layer))
-                for name in layer_hf_names(layer):
-                    writer.write(name, hf[name])
-                del hf
+                reader = ck.reader(layer)
+                for name, shape in hf_shapes(ck.model, layer).items():
+                    if reader.split_dim(name) == 0:  # rows: each shard's slice goes straight to the file
+                        for part, _ in reader.parts(name, 0, 0, shape[0]):
+                            writer.write_part(name, part)
+                    else:  # columns (o_proj, down_proj): interleave the shards' blocks in one buffer
+                        key = (shape, reader.dtype(name))
+                        if key not in buffers:
+                            buffers[key] = torch.empty(shape, dtype=key[1])
+                        reader.read_into(Piece(name, 1, 0, shape[1]), buffers[key])
+                        writer.write(name, buffers[key])
+                del reader  # unmaps this layer's files
                 bar.update(ck.nbytes(layer.index))
         writer.close()
         out_dtype = planned[0].dtype if len({t.dtype for t in planned}) == 1 else torch.float32

@@ -84,14 +84,22 @@ class ShardedSafetensorsWriter:
         self.next = 0
         self.current: Optional[BinaryIO] = None
         self.current_shard = -1
+        self.part_bytes = 0  # of the tensor being written
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
+        """The whole of the next planned tensor."""
+        planned = self.order[self.next][1] if self.next < len(self.order) else None
+        if planned is None or planned.name != name or tuple(tensor.shape) != planned.shape:
+            raise ConvertError(f"internal: wrote {name} {list(tensor.shape)}, planned {planned}")
+        self.write_part(name, tensor)
+
+    def write_part(self, name: str, chunk: torch.Tensor) -> None:
+        """The next bytes of the next planned tensor (e.g. one TP shard's rows): no assembly buffer needed."""
         if self.next >= len(self.order):
             raise ConvertError(f"internal: {name} written after the planned tensors")
         shard, planned = self.order[self.next]
-        if planned.name != name or tuple(tensor.shape) != planned.shape:
-            raise ConvertError(f"internal: wrote {name} {list(tensor.shape)}, planned {planned.name} "
-                               f"{list(planned.shape)}")
+        if planned.name != name:
+            raise ConvertError(f"internal: wrote {name}, planned {planned.name}")
         if shard != self.current_shard:
             if self.current is not None:
                 self.current.close()
@@ -99,9 +107,14 @@ class ShardedSafetensorsWriter:
             self.current.write(_header(self.shards[shard]))
             self.current_shard = shard
         assert self.current is not None
-        data = tensor.to(planned.dtype).contiguous().reshape(-1).view(torch.uint8)
+        data = chunk.to(planned.dtype).contiguous().reshape(-1).view(torch.uint8)
+        if self.part_bytes + data.numel() > planned.nbytes:
+            raise ConvertError(f"internal: {name} got more than its {planned.nbytes} bytes")
         self.current.write(data.numpy().data)
-        self.next += 1
+        self.part_bytes += data.numel()
+        if self.part_bytes == planned.nbytes:
+            self.next += 1
+            self.part_bytes = 0
 
     def close(self) -> None:
         if self.current is not None:

@@ -13,7 +13,7 @@ every byte is copied once, from the page cache into the tensor that torch.save w
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Callable, Iterator, Optional, Protocol
 
 import torch
 
@@ -112,6 +112,56 @@ def _qkv_spec(cfg: ModelConfig, ours: str, names: tuple[str, ...], tp: int, rank
         pieces += [Piece(q, 0, g * q_rows, q_rows, j * block), Piece(k, 0, g * d, d, j * block + q_rows),
                    Piece(v, 0, g * d, d, j * block + q_rows + d)]
     return ShardSpec(ours, (groups * block, h), tuple(pieces), q)
+
+
+class ShardReader:
+    """A PartReader over one layer's TP shards, the inverse of `rank_plan`: a slice of an HF tensor is copied
+    out of whichever shards hold it. `load(rank)` returns that rank's state dict (memory-mapped, say); it is
+    called lazily, once per rank. This is how export and reshard read checkpoints without merging whole layers."""
+
+    def __init__(self, cfg: ModelConfig, layer: PipelineLayer, tp: int,
+                 load: Callable[[int], dict[str, torch.Tensor]]):
+        self.load = load
+        self._shards: dict[int, dict[str, torch.Tensor]] = {}
+        self.index: dict[str, list[tuple[int, str, Piece]]] = {}
+        seen = set()
+        for rank in range(tp):
+            for spec in rank_plan(cfg, layer, tp, rank):
+                for p in spec.pieces:
+                    if (p.hf_name, p.dim, p.start, p.length) in seen:
+                        continue  # replicated tensors: every rank holds the same piece; read it from one
+                    seen.add((p.hf_name, p.dim, p.start, p.length))
+                    self.index.setdefault(p.hf_name, []).append((rank, spec.name, p))
+        for parts in self.index.values():
+            parts.sort(key=lambda x: x[2].start)
+
+    def shard(self, rank: int) -> dict[str, torch.Tensor]:
+        if rank not in self._shards:
+            self._shards[rank] = self.load(rank)
+        return self._shards[rank]
+
+    def dtype(self, name: str) -> torch.dtype:
+        rank, ours, _ = self.index[name][0]
+        return self.shard(rank)[ours].dtype
+
+    def split_dim(self, name: str) -> int:
+        """0 when the HF tensor is split by rows across ranks (or replicated), 1 when by columns."""
+        return self.index[name][0][2].dim
+
+    def parts(self, name: str, dim: int, start: int, length: int) -> Iterator[tuple[torch.Tensor, int]]:
+        """(view of a shard, offset in the request) for each shard slice within [start, start + length)."""
+        for rank, ours, q in self.index[name]:
+            if q.dim != dim:
+                raise ValueError(f"internal: {name} is split along dim {q.dim}, asked for dim {dim}")
+            a, b = max(start, q.start), min(start + length, q.start + q.length)
+            if a < b:
+                t = self.shard(rank)[ours]
+                view = t.narrow(0, q.dst + a - q.start, b - a) if dim == 0 else t.narrow(1, a - q.start, b - a)
+                yield view, a - start
+
+    def read_into(self, piece: Piece, out: torch.Tensor) -> None:
+        for src, offset in self.parts(piece.hf_name, piece.dim, piece.start, piece.length):
+            out.narrow(piece.dim, offset, src.shape[piece.dim]).copy_(src)
 
 
 class BufferPool:

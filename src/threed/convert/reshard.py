@@ -2,9 +2,10 @@
 
     threed reshard --ckpt ckpt/llama3-70b-tp8pp4 --tp 4 --pp 8 --out ckpt/llama3-70b-tp4pp8
 
-Each layer's TP shards are merged to the HF tensors and re-split (the same pure functions as convert/export,
-so a round trip is the identity). The output holds weights only (tag global_step0): train from it with
---init-from. Vocab padding rows are re-created as zeros for the new tp (their values never reach a logit).
+Each new TP file is built like `threed convert` builds it (threed.convert.plan), reading the HF tensors'
+slices out of the old TP files instead of HF files: no layer is merged in memory, and a round trip is the
+identity. The output holds weights only (tag global_step0): train from it with --init-from. Vocab padding rows
+are re-created as zeros for the new tp (their values never reach a logit).
 """
 from __future__ import annotations
 
@@ -16,12 +17,11 @@ from typing import Any, Optional
 import torch
 
 from threed.config import ParallelConfig
-from threed.convert.convert import convert_rank, save_rank
+from threed.convert.convert import convert_rank, layer_hf_names, save_rank
 from threed.convert.export import write_side_files
 from threed.convert.ds_checkpoint import HF_EXTRA_DIR, TAG, model_to_dict, open_checkpoint, write_metadata
-from threed.convert.io_utils import ConvertError, atomic_output_dir, check_free_space, human, progress
-from threed.convert.mapping import layer_to_hf
-from threed.convert.plan import BufferPool, DictReader
+from threed.convert.io_utils import ConvertError, atomic_output_dir, check_free_space, dtype_name, human, progress
+from threed.convert.plan import BufferPool
 
 
 def reshard(ckpt: str | os.PathLike, out: str | os.PathLike, tp: int, pp: int,
@@ -42,12 +42,11 @@ def reshard(ckpt: str | os.PathLike, out: str | os.PathLike, tp: int, pp: int,
         pool = BufferPool()
         with progress(total, "reshard", show_progress) as bar:
             for layer in ck.layers:
-                hf = layer_to_hf(cfg, layer, ck.load_layer(layer))
-                dtypes.update(str(t.dtype).replace("torch.", "") for t in hf.values())
-                reader = DictReader(hf)
+                reader = ck.reader(layer)  # slices of the HF tensors, read out of the old TP files
                 for rank in range(tp):
                     save_rank(step_dir, layer, rank, convert_rank(cfg, layer, reader, tp, rank, dtype, pool=pool))
-                del hf, reader
+                dtypes.update(dtype_name(reader.dtype(n)) for n in layer_hf_names(layer))
+                del reader  # unmaps this layer's files
                 bar.update(ck.nbytes(layer.index))
         (tmp / HF_EXTRA_DIR).mkdir()  # carry tokenizer / source config along, so export still finds them
         side = write_side_files(ck, tmp / HF_EXTRA_DIR, with_config=True)
@@ -56,7 +55,7 @@ def reshard(ckpt: str | os.PathLike, out: str | os.PathLike, tp: int, pp: int,
             "model": model_to_dict(cfg), "tp": tp, "pp": pp, "vocab_size": cfg.vocab_size,
             "padded_vocab_size": cfg.padded_vocab_size(tp),
             "make_vocab_size_divisible_by": cfg.make_vocab_size_divisible_by,
-            "dtype": str(dtype).replace("torch.", "") if dtype else "/".join(sorted(dtypes)), "tag": TAG,
+            "dtype": dtype_name(dtype) if dtype else "/".join(sorted(dtypes)), "tag": TAG,
             "num_pipeline_layers": len(ck.layers),
             "source": {"path": str(ck.path.absolute()), "format": "deepspeed", "tp": ck.tp, "pp": ck.pp,
                        "tag": ck.tag, "bytes": total},
