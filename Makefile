@@ -36,5 +36,13 @@ test-slurm: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench_model.py
 
+# make convert HF=path/to/Meta-Llama-3-8B TP=2 PP=2 OUT=ckpt/llama3-8b-tp2pp2 [ARGS="--workers 2"]
+convert: $(STAMP)
+	$(PY) -m threed.cli convert --hf $(HF) --tp $(TP) --pp $(PP) --out $(OUT) $(ARGS)
+
+# make export CKPT=runs/llama3-8b/ckpt OUT=runs/llama3-8b-hf
+export: $(STAMP)
+	$(PY) -m threed.cli export --ckpt $(CKPT) --out $(OUT) $(ARGS)
+
 clean:
 	rm -rf runs .pytest_cache

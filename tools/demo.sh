@@ -23,7 +23,7 @@ echo "converted HF $OUT/hf-init -> $OUT/init: $(ls "$OUT/init/global_step0" | wc
 
 # 2. Train from the converted weights (DeepSpeed load_checkpoint, weights only).
 $PY -m torch.distributed.run --standalone --nproc-per-node 8 -m threed.train \
-  --model tiny --init-from "$OUT/init" --tp 2 --pp 2 \
+  --model "$OUT/init" --init-from "$OUT/init" --tp 2 --pp 2 \
   --micro-batch-size 4 --grad-accum-steps 4 --seq-length 128 --steps "$STEPS" --lr 3e-3 --min-lr 3e-4 --warmup-steps 5 --dtype bf16 \
   --data "$OUT/tokens.bin" --tokenizer "$OUT/tok.model" --save "$OUT/ckpt" --log-interval 1 \
   2>&1 | grep --line-buffered -E '^(threed|step|saved|stop)|Error|error'

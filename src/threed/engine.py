@@ -102,7 +102,13 @@ def build_engine(cfg: RunConfig, rt: Runtime) -> Built:
     resume_from = ck.load or (ck.save if ck.auto_resume and has_checkpoint(ck.save) else None)
     weights_from = None if resume_from else ck.init_from
     if resume_from or weights_from:
-        check_layout(resume_from or weights_from, cfg, rt.world_size, full_resume=bool(resume_from))
+        source = resume_from or weights_from
+        check_layout(source, cfg, rt.world_size, full_resume=bool(resume_from))
+        if (Path(source) / "threed_run.json").is_file():
+            # Also compare the recorded model (e.g. another vocab padding) before DeepSpeed's deep size errors.
+            from threed.convert.ds_checkpoint import check_loadable
+
+            check_loadable(source, cfg.model, cfg.parallel.tp, cfg.parallel.pp, weights_only=not resume_from)
 
     torch.manual_seed(cfg.train.seed)
     init_megatron_parallel_state(cfg.parallel.tp, cfg.parallel.pp)

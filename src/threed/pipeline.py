@@ -7,12 +7,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
-
-from deepspeed.pipe import LayerSpec, PipelineModule
-from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+from typing import TYPE_CHECKING, Literal
 
 from threed.config import ModelConfig, RunConfig
+
+if TYPE_CHECKING:  # DeepSpeed is imported lazily: the converters need only the layer list
+    from deepspeed.pipe import PipelineModule
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 LayerKind = Literal["embedding", "block", "final_norm", "lm_head"]
 
@@ -31,18 +32,22 @@ def pipeline_layers(model: ModelConfig) -> list[PipelineLayer]:
     return [PipelineLayer(index=i, kind=k, block=b) for i, (k, b) in enumerate(kinds)]
 
 
-def make_topology(tp: int, pp: int, dp: int) -> PipeModelDataParallelTopology:
+def make_topology(tp: int, pp: int, dp: int) -> "PipeModelDataParallelTopology":
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
     # Axes (pipe, data, model): model (tp) varies fastest, then data, then pipe == megatron-core's order.
     return PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
 
 
-def build_pipeline_module(cfg: RunConfig, world_size: int, initialize: bool = True) -> PipelineModule:
+def build_pipeline_module(cfg: RunConfig, world_size: int, initialize: bool = True) -> "PipelineModule":
     """Each rank instantiates only the LayerSpecs of its own stage."""
+    from deepspeed.pipe import LayerSpec, PipelineModule
+
     from threed.model.layers import (EmbeddingPipe, FinalNormPipe, LlamaBlock, LMHeadPipe, causal_lm_loss,
                                      megatron_config)
 
     mcore = megatron_config(cfg.model, cfg.parallel.tp, initialize=initialize)
-    specs: list[LayerSpec] = []
+    specs: list = []
     for layer in pipeline_layers(cfg.model):
         if layer.kind == "embedding":
             specs.append(LayerSpec(EmbeddingPipe, cfg.model, mcore))
