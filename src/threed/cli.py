@@ -85,7 +85,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     tz_p.add_argument("--out", required=True)
     demo_p = sub.add_parser("demo-text", help="write the demo corpus (Python's reference topics)")
     demo_p.add_argument("--out", required=True)
-    _add_convert_commands(sub)
+    from threed.convert.cli import register  # convert / export / reshard / verify / make-tiny-hf
+
+    register(sub)
     ns = p.parse_args(argv)
     try:
         if ns.command == "train":
@@ -110,17 +112,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"threed: configuration error: {e}", file=sys.stderr)
         return 2
     return 0
-
-
-def _add_convert_commands(sub: argparse._SubParsersAction) -> None:
-    """convert / export / reshard / verify register themselves here (threed.convert.cli)."""
-    try:
-        from threed.convert.cli import register
-    except ModuleNotFoundError as e:
-        if e.name != "threed.convert.cli":
-            raise
-        return
-    register(sub)
 
 
 if __name__ == "__main__":
