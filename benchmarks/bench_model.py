@@ -47,9 +47,9 @@ def main() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from threed.config import ParallelConfig, RunConfig, TrainConfig
-    from threed.convert.mapping import layer_from_hf
+    from threed.convert.in_memory import load_hf_state
     from threed.distributed import init_distributed, init_megatron_parallel_state
-    from threed.pipeline import build_pipeline_module, pipeline_layers
+    from threed.pipeline import build_pipeline_module
     from threed.presets import from_hf_config
 
     hf_cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, num_hidden_layers=a.layers,
@@ -62,9 +62,7 @@ def main() -> None:
     rt = init_distributed()
     init_megatron_parallel_state(1, 1)
     ours = build_pipeline_module(cfg, rt.world_size, initialize=False).train()
-    hf_state = hf.state_dict()
-    for layer, module in zip(pipeline_layers(model_cfg), ours.forward_funcs):
-        module.load_state_dict(layer_from_hf(model_cfg, layer, hf_state, 1)[0], strict=True)
+    load_hf_state(ours, model_cfg, hf.state_dict(), tp=1, tp_rank=0)
 
     tokens = torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=torch.Generator().manual_seed(0))
     inputs, labels = tokens[:, :-1], tokens[:, 1:]

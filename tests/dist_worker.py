@@ -17,12 +17,11 @@ import torch.distributed as dist
 
 from helpers import hf_model, model_config
 from threed.config import CheckpointConfig, DataConfig, ParallelConfig, RunConfig, TrainConfig
-from threed.convert.mapping import layer_from_hf
+from threed.convert.in_memory import load_hf_state
 from threed.data import TokenDataset, micro_batches
 from threed.distributed import GroupMismatch, check_groups_agree, init_distributed
 from threed.engine import build_engine
 from threed.logits import pipeline_logits
-from threed.pipeline import pipeline_layers
 
 PARITY_TOKENS = dict(batch=2, seq=32, seed=1)
 
@@ -34,12 +33,7 @@ def local_layers(engine):
 
 def load_hf_weights(engine, cfg: RunConfig, hf_state: dict) -> None:
     """Each rank copies its own layers' TP shards of the HF weights, then refreshes the optimizer's fp32 masters."""
-    from megatron.core import parallel_state as ps
-
-    layers = pipeline_layers(cfg.model)
-    for idx, module in local_layers(engine):
-        shards = layer_from_hf(cfg.model, layers[idx], hf_state, cfg.parallel.tp)
-        module.load_state_dict(shards[ps.get_tensor_model_parallel_rank()], strict=True)
+    load_hf_state(engine.module, cfg.model, hf_state, cfg.parallel.tp, engine.grid.get_slice_parallel_rank())
     engine.optimizer.refresh_fp32_params()
 
 

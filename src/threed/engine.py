@@ -44,7 +44,6 @@ def make_optimizer(model: torch.nn.Module, cfg: RunConfig) -> tuple[torch.optim.
 @dataclass
 class Built:
     engine: "deepspeed.runtime.pipe.engine.PipelineEngine"  # noqa: F821
-    groups: dict[str, list[int]]
     resumed_from: Optional[str]
 
 
@@ -113,7 +112,7 @@ def build_engine(cfg: RunConfig, rt: Runtime) -> Built:
     torch.manual_seed(cfg.train.seed)
     init_megatron_parallel_state(cfg.parallel.tp, cfg.parallel.pp)
     module = build_pipeline_module(cfg, rt.world_size, initialize=not (resume_from or weights_from))
-    groups = check_groups_agree(module._grid)
+    check_groups_agree(module._grid)
     optimizer, scheduler = make_optimizer(module, cfg)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=deepspeed_config(cfg, rt.world_size))
@@ -128,5 +127,5 @@ def build_engine(cfg: RunConfig, rt: Runtime) -> Built:
             raise RuntimeError(f"DeepSpeed could not load weights from {weights_from}")
         # DeepSpeed 0.19 refreshes the optimizer's fp32 master weights after load_module_only (the fix for the
         # "loss jumps after step 1" bug, DS PR #4141); tests/test_convert checks the loss does not jump.
-    return Built(engine=engine, groups=groups, resumed_from=resume_from)
+    return Built(engine=engine, resumed_from=resume_from)
 

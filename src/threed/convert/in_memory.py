@@ -1,0 +1,16 @@
+"""Copy an in-memory HF Llama state dict into this rank's pipeline layers: for small models (tests, benchmarks).
+Real weights go through `threed convert` (streaming, on disk) and DeepSpeed's load_checkpoint instead."""
+from __future__ import annotations
+
+import torch
+
+from threed.config import ModelConfig
+from threed.convert.mapping import layer_from_hf
+from threed.pipeline import pipeline_layers
+
+
+def load_hf_state(module, cfg: ModelConfig, hf_state: dict[str, torch.Tensor], tp: int, tp_rank: int) -> None:
+    """`module` is a DeepSpeed PipelineModule; only the layers of this rank's stage are filled."""
+    layers = pipeline_layers(cfg)
+    for idx, layer_module in zip(range(module._local_start, module._local_stop), module.forward_funcs):
+        layer_module.load_state_dict(layer_from_hf(cfg, layers[idx], hf_state, tp)[tp_rank], strict=True)
