@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from threed.data import META_SUFFIX
+from threed.data.flat import META_SUFFIX
 
 LLAMA31_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                    "original_max_position_embeddings": 16}

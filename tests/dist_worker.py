@@ -18,7 +18,7 @@ import torch.distributed as dist
 from helpers import hf_model, model_config
 from threed.config import CheckpointConfig, DataConfig, ParallelConfig, RunConfig, TrainConfig
 from threed.convert.in_memory import load_hf_state
-from threed.data import TokenDataset, micro_batches
+from threed.data.flat import TokenDataset, micro_batches
 from threed.distributed import GroupMismatch, check_groups_agree, init_distributed
 from threed.engine import build_engine
 from threed.logits import pipeline_logits

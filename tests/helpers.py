@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from threed.config import ModelConfig
-from threed.data import META_SUFFIX
+from threed.data.flat import META_SUFFIX
 from threed.presets import from_hf_config
 
 TESTS = Path(__file__).resolve().parent

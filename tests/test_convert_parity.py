@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from convert_fixtures import DIVISIBLE_BY, GQA4, assert_identical, hf_model, hf_tensors, save_hf, write_tokens
 from threed.cli import main
 from threed.convert.verify import compare, hf_logits
-from threed.data import TokenDataset, micro_batches
+from threed.data.flat import TokenDataset, micro_batches
 from threed.launch import run_ranks
 
 REL_TOL = 1e-5

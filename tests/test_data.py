@@ -8,7 +8,8 @@ import pytest
 import sentencepiece as spm
 
 from helpers import write_tokens
-from threed.data import TokenDataset, micro_batches, tokenize_files, train_tokenizer
+from threed.data.flat import TokenDataset, micro_batches, tokenize_files
+from threed.data.tokenizer import train_tokenizer
 from threed.demo_text import write_demo_text
 
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from helpers import TESTS, hf_model, learnable_tokens, model_config, write_tokens
 from threed.config import RunConfig, TrainConfig
-from threed.data import TokenDataset, micro_batches
+from threed.data.flat import TokenDataset, micro_batches
 from threed.engine import lr_lambda
 from threed.launch import run_ranks
 

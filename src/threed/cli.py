@@ -95,11 +95,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
             train(run_config_from_args(ns))
         elif ns.command == "tokenizer":
-            from threed.data import train_tokenizer
+            from threed.data.tokenizer import train_tokenizer
 
             print(train_tokenizer(ns.text, ns.vocab_size, ns.out))
         elif ns.command == "tokenize":
-            from threed.data import tokenize_files
+            from threed.data.flat import tokenize_files
 
             print(f"{tokenize_files(ns.text, ns.tokenizer, ns.out)} tokens -> {ns.out}")
         elif ns.command == "demo-text":

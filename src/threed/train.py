@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from threed.config import RunConfig
-from threed.data import TokenDataset, micro_batches
+from threed.data.flat import TokenDataset, micro_batches
 from threed.distributed import init_distributed
 from threed.engine import build_engine
 from threed.metrics import throughput

@@ -1,0 +1,1 @@
+"""The data path: tokenizers, datasets, preprocessing."""
