@@ -16,6 +16,11 @@ from typing import Any, Optional, Sequence
 
 from threed.config import CheckpointConfig, ConfigError, DataConfig, ParallelConfig, RunConfig, TrainConfig
 
+# Modules that add subcommands: each defines `register(subparsers)` and sets `run` on its parsers.
+COMMAND_MODULES = (
+    "threed.convert.cli",  # convert / export / reshard / verify / make-tiny-hf
+)
+
 _SECTIONS = {"parallel": ParallelConfig, "train": TrainConfig, "data": DataConfig, "checkpoint": CheckpointConfig}
 
 
@@ -85,9 +90,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     tz_p.add_argument("--out", required=True)
     demo_p = sub.add_parser("demo-text", help="write the demo corpus (Python's reference topics)")
     demo_p.add_argument("--out", required=True)
-    from threed.convert.cli import register  # convert / export / reshard / verify / make-tiny-hf
+    import importlib
 
-    register(sub)
+    for module in COMMAND_MODULES:  # each has `register(subparsers)`; the parser's `run(ns)` does the work
+        importlib.import_module(module).register(sub)
     ns = p.parse_args(argv)
     try:
         if ns.command == "train":

@@ -9,6 +9,7 @@ from typing import Optional
 
 import torch
 
+from threed.checkpoint import check_layout, has_checkpoint
 from threed.config import ConfigError, RunConfig, deepspeed_config
 from threed.distributed import Runtime, check_groups_agree, init_megatron_parallel_state
 from threed.pipeline import build_pipeline_module
@@ -45,46 +46,6 @@ def make_optimizer(model: torch.nn.Module, cfg: RunConfig) -> tuple[torch.optim.
 class Built:
     engine: "deepspeed.runtime.pipe.engine.PipelineEngine"  # noqa: F821
     resumed_from: Optional[str]
-
-
-def has_checkpoint(path: Optional[str]) -> bool:
-    return bool(path) and (Path(path) / "latest").is_file()
-
-
-@dataclass(frozen=True)
-class CheckpointLayout:
-    tag: str
-    tp: int  # files per pipeline layer
-    model_parallel_files: int  # mp_rank_XX files = pp x tp
-    optimizer_files: int  # ZeRO optimizer shards = dp x pp x tp (0 for converted, weights-only checkpoints)
-
-
-def checkpoint_layout(path: str) -> CheckpointLayout:
-    tag = (Path(path) / "latest").read_text().strip()
-    step_dir = Path(path) / tag
-    if not step_dir.is_dir():
-        raise ConfigError(f"{path}/latest names {tag!r}, but {step_dir} does not exist: the checkpoint is incomplete")
-    return CheckpointLayout(
-        tag=tag, tp=len(list(step_dir.glob("layer_00-model_*-model_states.pt"))),
-        model_parallel_files=len(list(step_dir.glob("mp_rank_*_model_states.pt"))),
-        optimizer_files=len(list(step_dir.glob("*zero_pp_rank_*_optim_states.pt"))))
-
-
-def check_layout(path: str, cfg: RunConfig, world_size: int, full_resume: bool) -> None:
-    """DeepSpeed would try to merge or split layer files of another TP size with GPT-2 Megatron key names and
-    fail deep inside (or mis-load): refuse a layout mismatch up front, naming both layouts and the fix."""
-    lay = checkpoint_layout(path)
-    tp, pp, dp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp(world_size)
-    if lay.tp != tp or lay.model_parallel_files != tp * pp:
-        written_pp = lay.model_parallel_files // max(lay.tp, 1)
-        raise ConfigError(f"{path} ({lay.tag}) was written at tp={lay.tp}, pp={written_pp}; this run has tp={tp}, "
-                          f"pp={pp}. Reshard it with `threed reshard --ckpt {path} --tp {tp} --pp {pp} --out NEW_DIR`, "
-                          f"or run at its layout")
-    if full_resume and lay.optimizer_files != tp * pp * dp:
-        raise ConfigError(
-            f"{path} ({lay.tag}) holds {lay.optimizer_files} optimizer shards; resuming at tp={tp} x pp={pp} x "
-            f"dp={dp} needs {tp * pp * dp}. Resume with the original data-parallel size, or start from its "
-            f"weights only with --init-from {path}")
 
 
 def build_engine(cfg: RunConfig, rt: Runtime) -> Built:

@@ -13,8 +13,6 @@ run resumes from it.
 """
 from __future__ import annotations
 
-import json
-import os
 import signal
 import sys
 import time
@@ -25,14 +23,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from threed.checkpoint import save
 from threed.config import RunConfig
 from threed.data.flat import TokenDataset, micro_batches
 from threed.distributed import init_distributed
 from threed.engine import build_engine
 from threed.metrics import throughput
-
-RUN_CONFIG_NAME = "threed_run.json"
-
 
 @dataclass
 class TrainResult:
@@ -66,19 +62,6 @@ class StopRequest:
 def log(rank: int, msg: str) -> None:
     if rank == 0:
         print(msg, flush=True)
-
-
-def save(engine, cfg: RunConfig, rank: int) -> str:
-    assert cfg.checkpoint.save
-    engine.save_checkpoint(cfg.checkpoint.save, client_state={"threed_run": cfg.to_dict()})
-    if rank == 0:
-        # The run config beside the checkpoint lets `threed export` / `threed verify` rebuild the model.
-        path = Path(cfg.checkpoint.save) / RUN_CONFIG_NAME
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(cfg.to_dict(), indent=1))
-        os.replace(tmp, path)
-    dist.barrier()
-    return cfg.checkpoint.save
 
 
 def train(cfg: RunConfig) -> TrainResult:
