@@ -14,14 +14,16 @@ import sys
 import typing
 from typing import Any, Optional, Sequence
 
-from threed.config import CheckpointConfig, ConfigError, DataConfig, ParallelConfig, RunConfig, TrainConfig
+from threed.config import (CheckpointConfig, ConfigError, DataConfig, MetricsConfig, ParallelConfig, RunConfig,
+                           TrainConfig)
 
 # Modules that add subcommands: each defines `register(subparsers)` and sets `run` on its parsers.
 COMMAND_MODULES = (
     "threed.convert.cli",  # convert / export / reshard / verify / make-tiny-hf
 )
 
-_SECTIONS = {"parallel": ParallelConfig, "train": TrainConfig, "data": DataConfig, "checkpoint": CheckpointConfig}
+_SECTIONS = {"parallel": ParallelConfig, "train": TrainConfig, "data": DataConfig, "checkpoint": CheckpointConfig,
+             "metrics": MetricsConfig}
 
 
 def _flag(name: str) -> str:

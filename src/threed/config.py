@@ -193,12 +193,20 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    """Where a run's metrics go (stdout always; see `threed.metrics`)."""
+
+    tensorboard_dir: Optional[str] = None  # default: <save>/tensorboard when --save is given
+
+
+@dataclass(frozen=True)
 class RunConfig:
     model: ModelConfig
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def validate(self, world_size: int) -> None:
         self.model.validate()
@@ -222,6 +230,7 @@ class RunConfig:
             train=TrainConfig(**d.get("train", {})),
             data=DataConfig(**d.get("data", {})),
             checkpoint=CheckpointConfig(**d.get("checkpoint", {})),
+            metrics=MetricsConfig(**d.get("metrics", {})),
         )
 
 
