@@ -46,7 +46,9 @@ def build_pipeline_module(cfg: RunConfig, world_size: int, initialize: bool = Tr
     from threed.model.layers import (EmbeddingPipe, FinalNormPipe, LlamaBlock, LMHeadPipe, causal_lm_loss,
                                      megatron_config)
 
-    mcore = megatron_config(cfg.model, cfg.parallel.tp, initialize=initialize)
+    # megatron's own init is always skipped: it draws full master weights from the global generator, which
+    # every stage seeds alike (copied blocks) and which changes with tp. `threed.model.init` replaces it.
+    mcore = megatron_config(cfg.model, cfg.parallel.tp, initialize=False)
     specs: list = []
     for layer in pipeline_layers(cfg.model):
         if layer.kind == "embedding":
@@ -58,7 +60,7 @@ def build_pipeline_module(cfg: RunConfig, world_size: int, initialize: bool = Tr
         else:
             specs.append(LayerSpec(LMHeadPipe, cfg.model, mcore))
     topology = make_topology(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp(world_size))
-    return PipelineModule(
+    module = PipelineModule(
         layers=specs,
         loss_fn=causal_lm_loss,
         topology=topology,
@@ -68,3 +70,13 @@ def build_pipeline_module(cfg: RunConfig, world_size: int, initialize: bool = Tr
         checkpointable_layers=["LlamaBlock"],
         base_seed=cfg.train.seed,
     )
+    if initialize:
+        from megatron.core import parallel_state
+
+        from threed.model.init import init_pipeline_layers_
+
+        kinds = {layer.index: layer.kind for layer in pipeline_layers(cfg.model)}
+        local = zip(range(module._local_start, module._local_stop), module.forward_funcs)
+        init_pipeline_layers_(local, kinds, cfg.model, cfg.parallel.tp,
+                              parallel_state.get_tensor_model_parallel_rank(), cfg.train.seed)
+    return module

@@ -14,3 +14,33 @@ def load_hf_state(module, cfg: ModelConfig, hf_state: dict[str, torch.Tensor], t
     layers = pipeline_layers(cfg)
     for idx, layer_module in zip(range(module._local_start, module._local_stop), module.forward_funcs):
         layer_module.load_state_dict(layer_from_hf(cfg, layers[idx], hf_state, tp)[tp_rank], strict=True)
+
+
+def random_hf_state(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    """The HF state dict of a random init with `seed` (`threed.model.init`): what `threed export` of a run that
+    started from random weights with this seed gives at any tp and pp, before its first step."""
+    from threed.convert.mapping import layer_to_hf
+    from threed.model.init import shard_of
+    from threed.model.sharding import SHARDING
+
+    out: dict[str, torch.Tensor] = {}
+    for layer in pipeline_layers(cfg):
+        shapes = _our_shapes(cfg, layer.kind)
+        ours = {name: shard_of(cfg, layer.index, name, kind, shapes[name], 1, 0, seed)
+                for name, kind in SHARDING[layer.kind].items()}
+        out.update(layer_to_hf(cfg, layer, [ours]))
+    return out
+
+
+def _our_shapes(cfg: ModelConfig, kind: str) -> dict[str, tuple[int, ...]]:
+    h, f, d = cfg.hidden_size, cfg.ffn_hidden_size, cfg.head_dim
+    v = cfg.padded_vocab_size(1)
+    return {
+        "embedding": {"word_embeddings.weight": (v, h)},
+        "block": {"input_layernorm.weight": (h,), "pre_mlp_layernorm.weight": (h,),
+                  "self_attention.linear_qkv.weight": ((cfg.num_heads + 2 * cfg.num_kv_heads) * d, h),
+                  "self_attention.linear_proj.weight": (h, cfg.num_heads * d),
+                  "mlp.linear_fc1.weight": (2 * f, h), "mlp.linear_fc2.weight": (h, f)},
+        "final_norm": {"norm.weight": (h,)},
+        "lm_head": {"lm_head.weight": (v, h)},
+    }[kind]

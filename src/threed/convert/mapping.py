@@ -17,32 +17,35 @@ HF already uses rotate-half RoPE, so no q/k permutation is needed (Meta's raw we
 """
 from __future__ import annotations
 
-from typing import Literal, Sequence
+from typing import Sequence
 
 import torch
 
 from threed.config import ModelConfig
+from threed.model.sharding import SHARDING, ShardKind
 from threed.pipeline import PipelineLayer
 
 Tensor = torch.Tensor
-ShardKind = Literal["vocab", "column", "row", "replicated", "qkv", "gate_up"]
 
-# our name -> (shard kind, HF name templates); several HF names are fused in that order. "{i}" is the block.
-TEMPLATES: dict[str, dict[str, tuple[ShardKind, tuple[str, ...]]]] = {
-    "embedding": {"word_embeddings.weight": ("vocab", ("model.embed_tokens.weight",))},
+# our name -> HF name templates, fused in this order. "{i}" is the block. How each is sharded: `SHARDING`.
+HF_NAMES: dict[str, dict[str, tuple[str, ...]]] = {
+    "embedding": {"word_embeddings.weight": ("model.embed_tokens.weight",)},
     "block": {
-        "input_layernorm.weight": ("replicated", ("model.layers.{i}.input_layernorm.weight",)),
-        "self_attention.linear_qkv.weight": ("qkv", ("model.layers.{i}.self_attn.q_proj.weight",
-                                                     "model.layers.{i}.self_attn.k_proj.weight",
-                                                     "model.layers.{i}.self_attn.v_proj.weight")),
-        "self_attention.linear_proj.weight": ("row", ("model.layers.{i}.self_attn.o_proj.weight",)),
-        "pre_mlp_layernorm.weight": ("replicated", ("model.layers.{i}.post_attention_layernorm.weight",)),
-        "mlp.linear_fc1.weight": ("gate_up", ("model.layers.{i}.mlp.gate_proj.weight",
-                                              "model.layers.{i}.mlp.up_proj.weight")),
-        "mlp.linear_fc2.weight": ("row", ("model.layers.{i}.mlp.down_proj.weight",)),
+        "input_layernorm.weight": ("model.layers.{i}.input_layernorm.weight",),
+        "self_attention.linear_qkv.weight": ("model.layers.{i}.self_attn.q_proj.weight",
+                                             "model.layers.{i}.self_attn.k_proj.weight",
+                                             "model.layers.{i}.self_attn.v_proj.weight"),
+        "self_attention.linear_proj.weight": ("model.layers.{i}.self_attn.o_proj.weight",),
+        "pre_mlp_layernorm.weight": ("model.layers.{i}.post_attention_layernorm.weight",),
+        "mlp.linear_fc1.weight": ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"),
+        "mlp.linear_fc2.weight": ("model.layers.{i}.mlp.down_proj.weight",),
     },
-    "final_norm": {"norm.weight": ("replicated", ("model.norm.weight",))},
-    "lm_head": {"lm_head.weight": ("vocab", ("lm_head.weight",))},
+    "final_norm": {"norm.weight": ("model.norm.weight",)},
+    "lm_head": {"lm_head.weight": ("lm_head.weight",)},
+}
+# our name -> (shard kind, HF name templates)
+TEMPLATES: dict[str, dict[str, tuple[ShardKind, tuple[str, ...]]]] = {
+    kind: {ours: (SHARDING[kind][ours], hf) for ours, hf in names.items()} for kind, names in HF_NAMES.items()
 }
 
 

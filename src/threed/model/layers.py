@@ -32,8 +32,9 @@ def megatron_config(model: ModelConfig, tp: int, initialize: bool = True) -> Tra
 
     pipeline_model_parallel_size stays 1: DeepSpeed owns the pipeline, so megatron must not offset layer numbers
     or assert its own layer split. Parameters are created in fp32 on CPU from one master weight
-    (`use_cpu_initialization`), so a model initialises identically at any TP size; DeepSpeed then casts and
-    moves it. `initialize=False` skips the random init when a checkpoint will overwrite every weight.
+    (`use_cpu_initialization`); DeepSpeed then casts and moves them. `initialize=False` skips megatron's random
+    init (the pipeline always skips it and fills weights with `threed.model.init`, which does not depend on the
+    layout).
     """
     return TransformerConfig(
         num_layers=model.num_layers, hidden_size=model.hidden_size, num_attention_heads=model.num_heads,
