@@ -14,6 +14,11 @@ import torch
 import torch.nn.functional as F
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():  # GPU kernels are asynchronous: time them to completion
+        torch.cuda.synchronize()
+
+
 def median_times(fns, warmup: int, iters: int) -> list[float]:
     """Median seconds per call of each fn, calls interleaved so background load hits both alike."""
     for _ in range(warmup):
@@ -22,8 +27,10 @@ def median_times(fns, warmup: int, iters: int) -> list[float]:
     times: list[list[float]] = [[] for _ in fns]
     for _ in range(iters):
         for fn, ts in zip(fns, times):
+            _sync()
             t0 = time.perf_counter()
             fn()
+            _sync()
             ts.append(time.perf_counter() - t0)
     return [statistics.median(ts) for ts in times]
 
@@ -61,11 +68,12 @@ def main() -> None:
     cfg = RunConfig(model=model_cfg, parallel=ParallelConfig(1, 1), train=TrainConfig(dtype="fp32", seq_length=a.seq))
     rt = init_distributed()
     init_megatron_parallel_state(1, 1)
-    ours = build_pipeline_module(cfg, rt.world_size, initialize=False).train()
+    ours = build_pipeline_module(cfg, rt.world_size, initialize=False).train()  # on rt.device
     load_hf_state(ours, model_cfg, hf.state_dict(), tp=1, tp_rank=0)
+    hf = hf.to(rt.device)
 
     tokens = torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=torch.Generator().manual_seed(0))
-    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    inputs, labels = tokens[:, :-1].to(rt.device), tokens[:, 1:].to(rt.device)
 
     def step_hf():
         hf.zero_grad(set_to_none=True)

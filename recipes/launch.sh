@@ -148,10 +148,11 @@ fi
     "--tokenizer TOK.model --out $DATA\`, or point DATA at your token file"
 
 case "$DEVICE" in
-    auto | cuda) ;;
+    auto | cuda) export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1} ;;
     cpu) export CUDA_VISIBLE_DEVICES="" ;;
     *) die "DEVICE must be auto, cuda or cpu, got '$DEVICE'" ;;
 esac
+export THREED_DEVICE=$DEVICE # threed.distributed.device_and_backend: cuda without a usable GPU is an error
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export PYTHONUNBUFFERED=1
 exec "${run[@]}"

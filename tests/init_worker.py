@@ -29,6 +29,16 @@ def save_init_weights(rt, out: Path) -> None:
                         train=TrainConfig(dtype="fp32", seq_length=16, seed=4321))
         engine = build_engine(cfg, rt).engine
         mod = engine.module
+        if (tp, pp) == (2, 2) and rt.rank == 0:
+            from megatron.core import parallel_state as ps
+
+            mlp = next(m for m in mod.modules() if type(m).__name__ == "MLP")
+            (out / "cpu_switches.json").write_text(json.dumps({
+                "fused_adamw": bool(engine.optimizer.optimizer.defaults.get("fused")),
+                "fused_swiglu": mlp.config.bias_activation_fusion,
+                "device": str(next(mod.parameters()).device),
+                "megatron_gloo_groups": ps.get_data_parallel_group_gloo() is not None,
+            }))
         if engine.grid.get_data_parallel_rank() == 0:
             layers = {idx: {k: v.detach().cpu() for k, v in m.state_dict().items() if isinstance(v, torch.Tensor)}
                       for idx, m in zip(range(mod._local_start, mod._local_stop), mod.forward_funcs)}

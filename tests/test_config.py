@@ -50,7 +50,7 @@ def test_batch_uses_dp_not_world():
 
 def test_deepspeed_config_bf16_uses_fp32_accumulation_and_zero1():
     ds = deepspeed_config(run(dtype="bf16"), 1)
-    assert ds["bf16"] == {"enabled": True} and ds["data_types"] == {"grad_accum_dtype": "fp32"}
+    assert ds["bf16"]["enabled"] and ds["data_types"] == {"grad_accum_dtype": "fp32"}
     assert ds["zero_optimization"]["stage"] == 1
     assert "bf16" not in deepspeed_config(run(dtype="fp32"), 1)
 
@@ -145,3 +145,13 @@ def test_missing_checkpoint_fails_before_building(tmp_path):
     rt = Runtime(device=torch.device("cpu"), backend="gloo", rank=0, world_size=1, local_rank=0)
     with pytest.raises(ConfigError, match="holds no DeepSpeed checkpoint"):
         build_engine(cfg, rt)
+
+
+def test_deepspeed_json_for_bf16_reduces_in_fp32_and_frees_bf16_grads():
+    from threed.config import deepspeed_config
+
+    ds = deepspeed_config(run(tp=2, pp=2, model=PRESETS["tiny"]), 8)
+    assert ds["bf16"] == {"enabled": True, "immediate_grad_update": True}
+    assert ds["data_types"] == {"grad_accum_dtype": "fp32"}
+    assert ds["communication_data_type"] == "fp32"
+    assert ds["zero_optimization"] == {"stage": 1}

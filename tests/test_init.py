@@ -82,3 +82,37 @@ def test_bf16_gradients_are_reduced_in_fp32(out):
     # DeepSpeed's default casts the fp32 accumulated gradients to bf16 even for a group of one: the norm moves
     # by ~1e-5 relative. Proves the fp32 setting is what reaches the engine.
     assert off > 1e-6
+
+
+def test_cuda_only_switches_stay_off_on_cpu(out):
+    """The CPU run is the GPU code path minus the switches of `threed.distributed.cuda_only`."""
+    got = json.loads((out / "cpu_switches.json").read_text())
+    assert got == {"fused_adamw": False, "fused_swiglu": False, "device": "cpu", "megatron_gloo_groups": True}
+
+
+def test_device_policy_refuses_cuda_without_a_gpu(monkeypatch):
+    from threed.distributed import DeviceError, cuda_only, device_and_backend
+
+    monkeypatch.setenv("THREED_DEVICE", "cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(DeviceError, match="DEVICE=cuda.*no GPU is usable.*DEVICE=cpu"):
+        device_and_backend()
+    monkeypatch.setenv("THREED_DEVICE", "gpu")
+    with pytest.raises(DeviceError, match="auto, cpu or cuda"):
+        device_and_backend()
+    monkeypatch.setenv("THREED_DEVICE", "auto")
+    assert device_and_backend() == (torch.device("cpu"), "gloo")
+    on_cpu, on_gpu = cuda_only(torch.device("cpu")), cuda_only(torch.device("cuda", 0))
+    assert not (on_cpu.fused_adamw or on_cpu.fused_swiglu) and on_cpu.gloo_process_groups
+    assert on_gpu.fused_adamw and on_gpu.fused_swiglu and not on_gpu.gloo_process_groups
+
+
+def test_device_policy_refuses_more_ranks_than_gpus(monkeypatch):
+    from threed.distributed import DeviceError, device_and_backend
+
+    monkeypatch.setenv("THREED_DEVICE", "auto")
+    monkeypatch.setenv("LOCAL_RANK", "4")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    with pytest.raises(DeviceError, match="local rank 4 has no GPU: this node shows 4 GPUs"):
+        device_and_backend()

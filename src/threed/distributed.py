@@ -13,6 +13,24 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from threed.config import ConfigError
+
+
+@dataclass(frozen=True)
+class CudaOnly:
+    """Switches that exist only on CUDA. On CPU every one is False, so a CPU run is the GPU code path minus these
+    (`cuda_only` is the one function that decides them)."""
+
+    fused_adamw: bool  # torch AdamW(fused=True): one kernel, no full-size foreach temporary
+    fused_swiglu: bool  # megatron's bias_activation_fusion: fused SwiGLU kernel in the MLP
+    gloo_process_groups: bool  # megatron's extra gloo groups beside the nccl ones; unused here, a hang risk on
+    # multi-NIC nodes, so never created on CUDA
+
+
+def cuda_only(device: torch.device) -> CudaOnly:
+    on = device.type == "cuda"
+    return CudaOnly(fused_adamw=on, fused_swiglu=on, gloo_process_groups=not on)
+
 
 @dataclass(frozen=True)
 class Runtime:
@@ -22,14 +40,52 @@ class Runtime:
     world_size: int
     local_rank: int
 
+    @property
+    def cuda_only(self) -> CudaOnly:
+        return cuda_only(self.device)
+
+
+class DeviceError(ConfigError):
+    """The requested device cannot be used; the message names the fix."""
+
 
 def device_and_backend() -> tuple[torch.device, str]:
-    """nccl + cuda where a GPU is visible, gloo + cpu otherwise. Nothing else in the repo picks either."""
-    if torch.cuda.is_available():
+    """nccl + cuda where a GPU is visible, gloo + cpu otherwise. Nothing else in the repo picks either.
+
+    THREED_DEVICE (set by recipes/launch.sh from DEVICE): `auto` (default), `cpu`, or `cuda` (then a missing GPU
+    or a CPU-only torch is an error instead of a silent CPU run)."""
+    want = os.environ.get("THREED_DEVICE", "auto")
+    if want not in ("auto", "cpu", "cuda"):
+        raise DeviceError(f"THREED_DEVICE must be auto, cpu or cuda, got {want!r}")
+    if want == "cuda" and not torch.cuda.is_available():
+        build = "a CPU-only torch build" if torch.version.cuda is None else f"torch built for CUDA {torch.version.cuda}"
+        raise DeviceError(f"DEVICE=cuda, but no GPU is usable ({build}, {torch.cuda.device_count()} visible "
+                          f"devices); install the CUDA build of torch 2.13.0 in the venv, or use DEVICE=cpu")
+    if want != "cpu" and torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            raise DeviceError(f"local rank {local_rank} has no GPU: this node shows {count} GPUs "
+                              f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); start at "
+                              f"most {count} ranks per node (GPUS_PER_NODE={count})")
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank), "nccl"
     return torch.device("cpu"), "gloo"
+
+
+def set_cuda_environment() -> None:
+    """Environment a CUDA rank needs before its CUDA context exists. Harmless (unused) on CPU; set wherever ranks
+    start: recipes/launch.sh, slurm/common.sh, `threed.launch`, and here for ranks started any other way.
+    - CUDA_DEVICE_MAX_CONNECTIONS=1: one hardware queue, so a TP collective is not overtaken by a later
+      kernel (megatron-core requires it for comm/compute overlap to be ordered).
+    - expandable_segments: fewer fragmentation OOMs with pipeline micro-batches of changing lifetimes."""
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+
+def to_cpu(t: torch.Tensor) -> torch.Tensor:
+    """What tools and tests compare or save: a CPU tensor (a CUDA tensor saved with torch.save loads on CUDA)."""
+    return t.detach().cpu()
 
 
 def init_distributed() -> Runtime:
@@ -40,6 +96,7 @@ def init_distributed() -> Runtime:
     """
     import deepspeed
 
+    set_cuda_environment()
     device, backend = device_and_backend()
     if not dist.is_initialized():
         os.environ.setdefault("RANK", "0")
@@ -60,14 +117,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_megatron_parallel_state(tp: int, pp: int) -> None:
+def init_megatron_parallel_state(tp: int, pp: int, gloo_process_groups: bool = True) -> None:
     """megatron-core's groups, in its default order tp-cp-ep-dp-pp: tp fastest, then dp, then pp, which is
     the rank order of DeepSpeed's PipeModelDataParallelTopology (axes pipe, data, model)."""
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             create_gloo_process_groups=gloo_process_groups)
 
 
 class GroupMismatch(RuntimeError):

@@ -30,14 +30,17 @@ def lr_lambda(cfg: RunConfig):
     return factor
 
 
-def make_optimizer(model: torch.nn.Module, cfg: RunConfig) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+def make_optimizer(model: torch.nn.Module, cfg: RunConfig,
+                   fused: bool = False) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     # Norm weights (1-D) get no weight decay, as in Megatron-LM.
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
     t = cfg.train
     groups = [g for g in ({"params": decay, "weight_decay": t.weight_decay},
                           {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
-    optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.adam_eps)
+    # fused (CUDA only, see threed.distributed.cuda_only); elsewhere torch's default (foreach) implementation.
+    optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.adam_eps,
+                                  fused=True if fused else None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     return optimizer, scheduler
 
@@ -71,10 +74,11 @@ def build_engine(cfg: RunConfig, rt: Runtime) -> Built:
             check_loadable(source, cfg.model, cfg.parallel.tp, cfg.parallel.pp, weights_only=not resume_from)
 
     torch.manual_seed(cfg.train.seed)
-    init_megatron_parallel_state(cfg.parallel.tp, cfg.parallel.pp)
-    module = build_pipeline_module(cfg, rt.world_size, initialize=not (resume_from or weights_from))
+    init_megatron_parallel_state(cfg.parallel.tp, cfg.parallel.pp, rt.cuda_only.gloo_process_groups)
+    module = build_pipeline_module(cfg, rt.world_size, initialize=not (resume_from or weights_from),
+                                   fused_swiglu=rt.cuda_only.fused_swiglu)
     check_groups_agree(module._grid)
-    optimizer, scheduler = make_optimizer(module, cfg)
+    optimizer, scheduler = make_optimizer(module, cfg, fused=rt.cuda_only.fused_adamw)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=deepspeed_config(cfg, rt.world_size))
     if resume_from:

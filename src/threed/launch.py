@@ -22,7 +22,8 @@ def torchrun_command(nproc: int, module: str, args: Sequence[str]) -> list[str]:
 def run_ranks(nproc: int, module: str, args: Sequence[str], env: Optional[dict[str, str]] = None,
               timeout: Optional[float] = None, capture: bool = True) -> subprocess.CompletedProcess:
     """Run `python -m module args` on `nproc` local ranks; raises RanksFailed with the output tail."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
+    full_env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+                "CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "1"), **(env or {})}
     proc = subprocess.run(torchrun_command(nproc, module, args), env=full_env, timeout=timeout, text=True,
                           stdout=subprocess.PIPE if capture else None, stderr=subprocess.STDOUT if capture else None)
     if proc.returncode != 0:

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 def pipeline_logits(engine, tokens: torch.Tensor, vocab_size: int) -> Optional[torch.Tensor]:
     """Run `tokens` `[b, s]` through the pipeline as one micro-batch; returns fp32 logits `[b, s, vocab]` on the
-    last stage (every TP rank of it), None on other stages. Every rank of the model must call this."""
+    last stage (every TP rank of it, on CPU whatever the device), None on other stages. Every rank of the model must call this."""
     from megatron.core import parallel_state as ps
 
     batch = (tokens, torch.zeros_like(tokens))  # labels are loaded by the last stage but unused here
@@ -21,4 +21,4 @@ def pipeline_logits(engine, tokens: torch.Tensor, vocab_size: int) -> Optional[t
     parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(tp_group))]
     dist.all_gather(parts, logits.contiguous(), group=tp_group)
     full = torch.cat(parts, dim=-1)[..., :vocab_size]  # drop vocab padding
-    return full.transpose(0, 1).float()  # [s, b, v] -> [b, s, v]
+    return full.transpose(0, 1).float().cpu()  # [s, b, v] -> [b, s, v], on CPU for comparing and saving

@@ -39,8 +39,10 @@ def make_topology(tp: int, pp: int, dp: int) -> "PipeModelDataParallelTopology":
     return PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
 
 
-def build_pipeline_module(cfg: RunConfig, world_size: int, initialize: bool = True) -> "PipelineModule":
-    """Each rank instantiates only the LayerSpecs of its own stage."""
+def build_pipeline_module(cfg: RunConfig, world_size: int, initialize: bool = True,
+                          fused_swiglu: bool = False) -> "PipelineModule":
+    """Each rank instantiates only the LayerSpecs of its own stage. `fused_swiglu` is CUDA-only
+    (`threed.distributed.cuda_only`)."""
     from deepspeed.pipe import LayerSpec, PipelineModule
 
     from threed.model.layers import (EmbeddingPipe, FinalNormPipe, LlamaBlock, LMHeadPipe, causal_lm_loss,
@@ -48,7 +50,7 @@ def build_pipeline_module(cfg: RunConfig, world_size: int, initialize: bool = Tr
 
     # megatron's own init is always skipped: it draws full master weights from the global generator, which
     # every stage seeds alike (copied blocks) and which changes with tp. `threed.model.init` replaces it.
-    mcore = megatron_config(cfg.model, cfg.parallel.tp, initialize=False)
+    mcore = megatron_config(cfg.model, cfg.parallel.tp, initialize=False, fused_swiglu=fused_swiglu)
     specs: list = []
     for layer in pipeline_layers(cfg.model):
         if layer.kind == "embedding":

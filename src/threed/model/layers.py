@@ -27,7 +27,7 @@ from threed.model.attention import SDPACoreAttention
 from threed.model.rope import RotaryAngles
 
 
-def megatron_config(model: ModelConfig, tp: int, initialize: bool = True) -> TransformerConfig:
+def megatron_config(model: ModelConfig, tp: int, initialize: bool = True, fused_swiglu: bool = False) -> TransformerConfig:
     """megatron-core's TransformerConfig for one Llama block.
 
     pipeline_model_parallel_size stays 1: DeepSpeed owns the pipeline, so megatron must not offset layer numbers
@@ -40,7 +40,7 @@ def megatron_config(model: ModelConfig, tp: int, initialize: bool = True) -> Tra
         num_layers=model.num_layers, hidden_size=model.hidden_size, num_attention_heads=model.num_heads,
         num_query_groups=model.num_kv_heads, ffn_hidden_size=model.ffn_hidden_size, kv_channels=model.head_dim,
         normalization="RMSNorm", layernorm_epsilon=model.rms_norm_eps, add_bias_linear=False,
-        gated_linear_unit=True, activation_func=F.silu, bias_activation_fusion=False, hidden_dropout=0.0,
+        gated_linear_unit=True, activation_func=F.silu, bias_activation_fusion=fused_swiglu, hidden_dropout=0.0,
         attention_dropout=0.0, apply_rope_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
         persist_layer_norm=False, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
         params_dtype=torch.float32, use_cpu_initialization=True, perform_initialization=initialize,
