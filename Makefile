@@ -11,7 +11,7 @@ export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: venv demo test test-slow test-slurm bench convert export clean
+.PHONY: venv demo test test-slow test-gpu test-slurm bench convert export clean
 
 venv: $(STAMP)
 $(STAMP): pyproject.toml
@@ -30,11 +30,16 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow tests
 
+# CUDA/NCCL: parity, training parity + resume, SDPA attention vs the math kernel. Skips, with its reason, without GPUs.
+test-gpu: $(STAMP)
+	THREED_DEVICE=cuda $(PY) -m pytest -q -s -m gpu tests/test_gpu.py
+
 test-slurm: $(STAMP)
 	$(PY) -m pytest -q -s --durations=0 -m "slurm and slow" tests
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_model.py
+	$(PY) benchmarks/bench_init.py
 
 # make convert HF=path/to/Meta-Llama-3-8B TP=2 PP=2 OUT=ckpt/llama3-8b-tp2pp2 [ARGS="--workers 2"]
 convert: $(STAMP)
