@@ -19,10 +19,18 @@
 #   MASTER_ADDR, MASTER_PORT, RDZV_ID   c10d rendezvous when NNODES > 1 (the slurm scripts set them)
 #   DEVICE         auto (cuda where visible, else cpu) | cpu (hides GPUs) | cuda
 #   PYTHON         interpreter (default: the repo's .venv/bin/python if there, else python3)
-#   THREED_DRY_RUN=1   print the numbers and the command, run nothing
+#   THREED_DRY_RUN=1   print the numbers and the command, run nothing (after the same Python config checks
+#                      as training: `threed check-config`)
+#   EXIT_DURATION  minutes after which the run saves and exits 0 (--exit-duration-in-mins; slurm/common.sh sets
+#                  it from the job's time limit)
 # Recipe variables (set in the recipe as VAR=${VAR-default}, so the environment overrides each one; an empty
 # value clears it, e.g. GAS= GLOBAL=256): MODEL TP PP MICRO GAS GLOBAL SEQ LR MIN_LR WARMUP STEPS DTYPE ACT_CKPT
-# DATA TOKENIZER INIT_FROM LOAD SAVE SAVE_INTERVAL LOG_INTERVAL.
+# DATA SPLIT DATA_CACHE_PATH EVAL_INTERVAL EVAL_ITERS (Megatron's --data-path, --split, --data-cache-path,
+# --eval-interval, --eval-iters) TOKENIZER INIT_FROM LOAD SAVE SAVE_INTERVAL LOG_INTERVAL KEEP_LAST SKIP_NONFINITE.
+# A recipe that sets any
+# other variable is refused (a typo would otherwise be ignored silently); add new ones to RECIPE_VARS below.
+# Before torchrun starts, `threed check-config --paths` runs training's checks once (config, checkpoint
+# directories), so a bad recipe fails with one line instead of one traceback per rank.
 set -euo pipefail
 
 die() {
@@ -37,6 +45,34 @@ ROOT=$(dirname "$HERE")
 RECIPE=$1
 shift
 [ -f "$RECIPE" ] || die "recipe $RECIPE not found"
+
+RECIPE_VARS=(MODEL TP PP MICRO GAS GLOBAL SEQ LR MIN_LR WARMUP STEPS DTYPE ACT_CKPT DATA SPLIT DATA_CACHE_PATH
+             EVAL_INTERVAL EVAL_ITERS TOKENIZER INIT_FROM LOAD SAVE SAVE_INTERVAL LOG_INTERVAL KEEP_LAST SKIP_NONFINITE)
+closest_var() {  # the known recipe variable with the smallest edit distance to $1
+    awk -v w="$1" -v list="${RECIPE_VARS[*]}" '
+        function lev(s, t,   i, j, m, n, d, c, a, b) {
+            m = length(s); n = length(t)
+            for (i = 0; i <= m; i++) d[i, 0] = i
+            for (j = 0; j <= n; j++) d[0, j] = j
+            for (i = 1; i <= m; i++) for (j = 1; j <= n; j++) {
+                c = substr(s, i, 1) != substr(t, j, 1); a = d[i-1, j] + 1; b = d[i, j-1] + 1
+                if (b < a) a = b
+                if (d[i-1, j-1] + c < a) a = d[i-1, j-1] + c
+                d[i, j] = a
+            }
+            return d[m, n]
+        }
+        BEGIN { n = split(list, v, " "); best = ""; bd = 1e9
+                for (k = 1; k <= n; k++) { x = lev(w, v[k]); if (x < bd) { bd = x; best = v[k] } }
+                print best }'
+}
+while IFS=: read -r lineno name; do
+    known=0
+    for v in "${RECIPE_VARS[@]}"; do [ "$v" = "$name" ] && known=1 && break; done
+    ((known)) || die "$RECIPE line $lineno sets $name, which is not a recipe variable: did you mean" \
+        "$(closest_var "$name")? (known: ${RECIPE_VARS[*]})"
+done < <(grep -noE '^[[:space:]]*(export[[:space:]]+)?[A-Za-z_][A-Za-z0-9_]*=' "$RECIPE" |
+         sed -E 's/^([0-9]+):[[:space:]]*(export[[:space:]]+)?([A-Za-z_][A-Za-z0-9_]*)=$/\1:\3/')
 
 # shellcheck source=/dev/null
 source "$RECIPE"
@@ -96,13 +132,23 @@ opt --min-lr MIN_LR
 opt --warmup-steps WARMUP
 opt --dtype DTYPE
 opt --activation-checkpointing ACT_CKPT
-opt --data DATA
+if [ -n "${DATA:-}" ]; then  # a prefix, or a blend "WEIGHT PREFIX WEIGHT PREFIX ..." (Megatron's --data-path)
+    read -ra data_words <<<"$DATA"
+    args+=(--data-path "${data_words[@]}")
+fi
+opt --split SPLIT
+opt --data-cache-path DATA_CACHE_PATH
+opt --eval-interval EVAL_INTERVAL
+opt --eval-iters EVAL_ITERS
 opt --tokenizer TOKENIZER
 opt --init-from INIT_FROM
 opt --load LOAD
 opt --save SAVE
 opt --save-interval SAVE_INTERVAL
 opt --log-interval LOG_INTERVAL
+opt --keep-last KEEP_LAST
+opt --skip-nonfinite SKIP_NONFINITE
+opt --exit-duration-in-mins EXIT_DURATION
 # shellcheck disable=SC2206
 args+=(${THREED_ARGS:-} "$@")
 
@@ -123,6 +169,13 @@ else
 fi
 run+=(-m threed.cli train "${args[@]}")
 
+# Training's own Python checks, once, in one process (a second, no torch): the model, tp/pp against heads and
+# layers, seq against positions, every numeric range, the batch at this world size; before a real start also
+# the checkpoint directories (resume, refusal to overwrite a run, free space). Exit 2 with one line if not.
+check=("$PYTHON" -m threed.cli check-config --world "$WORLD" "${args[@]}")
+[ "${THREED_DRY_RUN:-0}" != 0 ] || check+=(--paths)
+PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}" "${check[@]}" >/dev/null || exit 2
+
 where=""
 [ "${THREED_DRY_RUN:-0}" != 0 ] || where=" on node $NODE_RANK of $NNODES"
 echo "threed launch: $RECIPE$where: world $WORLD = $NNODES x $GPUS_PER_NODE (nodes x ranks);" \
@@ -135,7 +188,7 @@ if [ "${THREED_DRY_RUN:-0}" != 0 ]; then
     ckpt=${ACT_CKPT:-0}
     if mem=$(PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m threed.memory --model "$MODEL" \
             --tp "$TP" --pp "$PP" --dp "$DP" --micro "$MICRO" --gas "$GAS" --seq "$SEQ" --act-ckpt "$ckpt" \
-            2>/dev/null); then
+            2>/dev/null | grep '^~' | tail -n 1) && [ -n "$mem" ]; then  # the estimate, not library log lines
         echo "memory: $mem"
     fi
     printf 'command:'
@@ -144,8 +197,11 @@ if [ "${THREED_DRY_RUN:-0}" != 0 ]; then
     exit 0
 fi
 
-[ -z "${DATA:-}" ] || [ -f "$DATA" ] || die "DATA=$DATA not found: make it with \`threed tokenize --text ..." \
-    "--tokenizer TOK.model --out $DATA\`, or point DATA at your token file"
+for word in ${DATA:-}; do  # each dataset prefix of DATA (numbers are blend weights) must exist
+    [[ "$word" =~ ^[0-9.eE+-]+$ ]] && continue
+    [ -f "$word" ] || [ -f "$word.bin" ] || die "DATA=$DATA not found ($word: no $word.bin): make it with" \
+        "\`threed preprocess --input ... --tokenizer TOK --output-prefix PREFIX\`, or point DATA at your dataset"
+done
 
 case "$DEVICE" in
     auto | cuda) export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1} ;;

@@ -4,14 +4,17 @@
 # Batch    at 1 node x 8 GPUs: DP = 8 / (4 x 2) = 1, GAS = GLOBAL / (MICRO x DP) = 1024 / (1 x 1) = 1024,
 #          train_batch_size = MICRO x GAS x DP = 1 x 1024 x 1 = 1024 sequences x 4096 = 4.19M tokens per step.
 #          At 2 nodes DP = 2 and GAS = 512: the same batch. GLOBAL must stay a multiple of MICRO x DP.
-# Memory   per GPU at 1 node (DP=1), heaviest pipeline stage, activation checkpointing off:
-#          ~45 GB/GPU = weights 3.3 + grads 9.8 + optimizer 19.5 + activations 12.6
-#          (1.63B params on the heaviest GPU; plus CUDA/NCCL overhead)
-#          At DP=2 the ZeRO-1 optimizer shard halves: ~35 GB/GPU. (python -m threed.memory explains the model.)
-# Data     DATA from `threed tokenize --tokenizer $TOKENIZER` (Llama 2's sentencepiece model, 32000 pieces).
+# Memory   per GPU at 1 node (DP=1), heaviest pipeline stage, activation checkpointing off,
+#          from `python -m threed.memory` (its docstring lists every term; tests/test_memory.py checks them):
+#          ~42 GB/GPU = weights 3.3 + grads 6.5 + optimizer 19.5 + buffers 0.1 + activations 13.0
+#          (stage 0 of 2, 1.63B params; plus CUDA/NCCL overhead)
+#          At DP=2 the ZeRO-1 optimizer shard halves: ~33 GB/GPU. Other layouts, ranked by predicted step time:
+#          threed plan --model llama2-13b --nodes 1 --gpu-memory 80 --seq 4096 --global-batch 1024
+# Data     DATA: a megatron .bin/.idx prefix or a blend "W1 PREFIX1 W2 PREFIX2" 
+#          made by `threed preprocess --append-eod --tokenizer $TOKENIZER` or Megatron-LM (Llama 2's sentencepiece model, 32000 pieces).
 # Weights  random init; INIT_FROM=<`threed convert` output of HF Llama-2-13b-hf> starts from the HF weights.
 #          A requeued or resubmitted job resumes from SAVE/latest instead (weights, optimizer, step, data order)
-#          at the same TP, PP and DP; at another node count start a new SAVE with INIT_FROM=<old SAVE>.
+#          at any TP, PP or DP (another layout or node count goes through a DeepSpeed universal checkpoint).
 # Run      sbatch slurm/train.sh recipes/llama2_13b.sh
 # Override any line from the environment (VAR=value sbatch ...; an empty value clears it): see recipes/launch.sh.
 MODEL=${MODEL-llama2-13b}
@@ -27,7 +30,11 @@ WARMUP=${WARMUP-200}
 STEPS=${STEPS-5000}
 DTYPE=${DTYPE-bf16}
 ACT_CKPT=${ACT_CKPT-false}
-DATA=${DATA-data/llama2/tokens.bin}
+DATA=${DATA-data/llama2/corpus_text_document}
+SPLIT=${SPLIT-969,30,1}
+DATA_CACHE_PATH=${DATA_CACHE_PATH-}
+EVAL_INTERVAL=${EVAL_INTERVAL-1000}
+EVAL_ITERS=${EVAL_ITERS-10}
 TOKENIZER=${TOKENIZER-checkpoints/hf/Llama-2-13b-hf/tokenizer.model}
 INIT_FROM=${INIT_FROM-}
 LOAD=${LOAD-}

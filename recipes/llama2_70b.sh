@@ -4,14 +4,17 @@
 # Batch    at 4 nodes x 8 GPUs: DP = 32 / (8 x 4) = 1, GAS = GLOBAL / (MICRO x DP) = 1024 / (1 x 1) = 1024,
 #          train_batch_size = MICRO x GAS x DP = 1 x 1024 x 1 = 1024 sequences x 4096 = 4.19M tokens per step.
 #          At 8 nodes DP = 2 and GAS = 512: the same batch. GLOBAL must stay a multiple of MICRO x DP.
-# Memory   per GPU at 4 nodes (DP=1), heaviest pipeline stage, activation checkpointing on:
-#          ~49 GB/GPU = weights 4.3 + grads 13.0 + optimizer 26.1 + activations 5.8
-#          (2.17B params on the heaviest GPU; plus CUDA/NCCL overhead)
-#          At DP=2 the ZeRO-1 optimizer shard halves: ~36 GB/GPU. (python -m threed.memory explains the model.)
-# Data     DATA from `threed tokenize --tokenizer $TOKENIZER` (Llama 2's sentencepiece model, 32000 pieces).
+# Memory   per GPU at 4 nodes (DP=1), heaviest pipeline stage, activation checkpointing on,
+#          from `python -m threed.memory` (its docstring lists every term; tests/test_memory.py checks them):
+#          ~45 GB/GPU = weights 4.3 + grads 8.7 + optimizer 26.1 + buffers 0.1 + activations 6.1
+#          (stage 0 of 4, 2.17B params; plus CUDA/NCCL overhead)
+#          At DP=2 the ZeRO-1 optimizer shard halves: ~32 GB/GPU. Other layouts, ranked by predicted step time:
+#          threed plan --model llama2-70b --nodes 4 --gpu-memory 80 --seq 4096 --global-batch 1024
+# Data     DATA: a megatron .bin/.idx prefix or a blend "W1 PREFIX1 W2 PREFIX2" 
+#          made by `threed preprocess --append-eod --tokenizer $TOKENIZER` or Megatron-LM (Llama 2's sentencepiece model, 32000 pieces).
 # Weights  random init; INIT_FROM=<`threed convert` output of HF Llama-2-70b-hf> starts from the HF weights.
 #          A requeued or resubmitted job resumes from SAVE/latest instead (weights, optimizer, step, data order)
-#          at the same TP, PP and DP; at another node count start a new SAVE with INIT_FROM=<old SAVE>.
+#          at any TP, PP or DP (another layout or node count goes through a DeepSpeed universal checkpoint).
 # Run      sbatch --nodes=4 slurm/train.sh recipes/llama2_70b.sh
 # Override any line from the environment (VAR=value sbatch ...; an empty value clears it): see recipes/launch.sh.
 MODEL=${MODEL-llama2-70b}
@@ -27,7 +30,11 @@ WARMUP=${WARMUP-200}
 STEPS=${STEPS-5000}
 DTYPE=${DTYPE-bf16}
 ACT_CKPT=${ACT_CKPT-true}
-DATA=${DATA-data/llama2/tokens.bin}
+DATA=${DATA-data/llama2/corpus_text_document}
+SPLIT=${SPLIT-969,30,1}
+DATA_CACHE_PATH=${DATA_CACHE_PATH-}
+EVAL_INTERVAL=${EVAL_INTERVAL-1000}
+EVAL_ITERS=${EVAL_ITERS-10}
 TOKENIZER=${TOKENIZER-checkpoints/hf/Llama-2-70b-hf/tokenizer.model}
 INIT_FROM=${INIT_FROM-}
 LOAD=${LOAD-}

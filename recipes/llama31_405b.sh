@@ -4,15 +4,18 @@
 # Batch    at 32 nodes x 8 GPUs: DP = 256 / (8 x 16) = 2, GAS = GLOBAL / (MICRO x DP) = 1024 / (1 x 2) = 512,
 #          train_batch_size = MICRO x GAS x DP = 1 x 512 x 2 = 1024 sequences x 4096 = 4.19M tokens per step.
 #          At 64 nodes DP = 4 and GAS = 256: the same batch. GLOBAL must stay a multiple of MICRO x DP.
-# Memory   per GPU at 32 nodes (DP=2), heaviest pipeline stage, activation checkpointing on:
-#          ~66 GB/GPU = weights 6.9 + grads 20.7 + optimizer 20.7 + activations 17.9
-#          (3.45B params on the heaviest GPU; plus CUDA/NCCL overhead)
-#          At DP=4 the ZeRO-1 optimizer shard halves: ~56 GB/GPU. (python -m threed.memory explains the model.)
-#          SEQ=8192 doubles the checkpointed activations (~36 GB): run it at >= 128 nodes (DP >= 8).
-# Data     DATA from `threed tokenize --tokenizer $TOKENIZER` (the HF Llama 3 tokenizer directory, 128256 pieces).
+# Memory   per GPU at 32 nodes (DP=2), heaviest pipeline stage, activation checkpointing on,
+#          from `python -m threed.memory` (its docstring lists every term; tests/test_memory.py checks them):
+#          ~56 GB/GPU = weights 6.4 + grads 12.8 + optimizer 19.1 + buffers 0.0 + activations 17.9
+#          (stage 1 of 16, 3.19B params; plus CUDA/NCCL overhead)
+#          At DP=4 the ZeRO-1 optimizer shard halves: ~47 GB/GPU. Other layouts, ranked by predicted step time:
+#          threed plan --model llama3.1-405b --nodes 32 --gpu-memory 80 --seq 4096 --global-batch 1024
+#          SEQ=8192 doubles the activations: ~74 GB/GPU at 32 nodes, ~64 GB at 64 nodes (DP=4).
+# Data     DATA: a megatron .bin/.idx prefix or a blend "W1 PREFIX1 W2 PREFIX2" 
+#          made by `threed preprocess --append-eod --tokenizer $TOKENIZER` or Megatron-LM (the HF Llama 3 tokenizer directory, 128256 pieces).
 # Weights  random init; INIT_FROM=<`threed convert` output of HF Llama-3.1-405B> starts from the HF weights.
 #          A requeued or resubmitted job resumes from SAVE/latest instead (weights, optimizer, step, data order)
-#          at the same TP, PP and DP; at another node count start a new SAVE with INIT_FROM=<old SAVE>.
+#          at any TP, PP or DP (another layout or node count goes through a DeepSpeed universal checkpoint).
 # Run      sbatch slurm/llama405b_tp8_pp16.sh
 # Override any line from the environment (VAR=value sbatch ...; an empty value clears it): see recipes/launch.sh.
 MODEL=${MODEL-llama3.1-405b}
@@ -28,7 +31,11 @@ WARMUP=${WARMUP-200}
 STEPS=${STEPS-5000}
 DTYPE=${DTYPE-bf16}
 ACT_CKPT=${ACT_CKPT-true}
-DATA=${DATA-data/llama3/tokens.bin}
+DATA=${DATA-data/llama3/corpus_text_document}
+SPLIT=${SPLIT-969,30,1}
+DATA_CACHE_PATH=${DATA_CACHE_PATH-}
+EVAL_INTERVAL=${EVAL_INTERVAL-1000}
+EVAL_ITERS=${EVAL_ITERS-10}
 TOKENIZER=${TOKENIZER-checkpoints/hf/Llama-3.1-405B}
 INIT_FROM=${INIT_FROM-}
 LOAD=${LOAD-}

@@ -4,14 +4,17 @@
 # Batch    at 1 node x 8 GPUs: DP = 8 / (2 x 2) = 2, GAS = GLOBAL / (MICRO x DP) = 512 / (1 x 2) = 256,
 #          train_batch_size = MICRO x GAS x DP = 1 x 256 x 2 = 512 sequences x 8192 = 4.19M tokens per step.
 #          At 2 nodes DP = 4 and GAS = 128: the same batch. GLOBAL must stay a multiple of MICRO x DP.
-# Memory   per GPU at 1 node (DP=2), heaviest pipeline stage, activation checkpointing off:
-#          ~52 GB/GPU = weights 4.0 + grads 12.0 + optimizer 12.0 + activations 23.9
-#          (2.01B params on the heaviest GPU; plus CUDA/NCCL overhead)
-#          At DP=4 the ZeRO-1 optimizer shard halves: ~46 GB/GPU. (python -m threed.memory explains the model.)
-# Data     DATA from `threed tokenize --tokenizer $TOKENIZER` (the HF Llama 3 tokenizer directory, 128256 pieces).
+# Memory   per GPU at 1 node (DP=2), heaviest pipeline stage, activation checkpointing off,
+#          from `python -m threed.memory` (its docstring lists every term; tests/test_memory.py checks them):
+#          ~52 GB/GPU = weights 4.2 + grads 8.5 + optimizer 12.7 + buffers 0.1 + activations 26.7
+#          (stage 0 of 2, 2.12B params; plus CUDA/NCCL overhead)
+#          At DP=4 the ZeRO-1 optimizer shard halves: ~46 GB/GPU. Other layouts, ranked by predicted step time:
+#          threed plan --model llama3.1-8b --nodes 1 --gpu-memory 80 --seq 8192 --global-batch 512
+# Data     DATA: a megatron .bin/.idx prefix or a blend "W1 PREFIX1 W2 PREFIX2" 
+#          made by `threed preprocess --append-eod --tokenizer $TOKENIZER` or Megatron-LM (the HF Llama 3 tokenizer directory, 128256 pieces).
 # Weights  random init; INIT_FROM=<`threed convert` output of HF Llama-3.1-8B> starts from the HF weights.
 #          A requeued or resubmitted job resumes from SAVE/latest instead (weights, optimizer, step, data order)
-#          at the same TP, PP and DP; at another node count start a new SAVE with INIT_FROM=<old SAVE>.
+#          at any TP, PP or DP (another layout or node count goes through a DeepSpeed universal checkpoint).
 # Run      sbatch slurm/llama8b_tp2_pp2.sh
 # Override any line from the environment (VAR=value sbatch ...; an empty value clears it): see recipes/launch.sh.
 MODEL=${MODEL-llama3.1-8b}
@@ -27,7 +30,11 @@ WARMUP=${WARMUP-200}
 STEPS=${STEPS-5000}
 DTYPE=${DTYPE-bf16}
 ACT_CKPT=${ACT_CKPT-false}
-DATA=${DATA-data/llama3/tokens.bin}
+DATA=${DATA-data/llama3/corpus_text_document}
+SPLIT=${SPLIT-969,30,1}
+DATA_CACHE_PATH=${DATA_CACHE_PATH-}
+EVAL_INTERVAL=${EVAL_INTERVAL-1000}
+EVAL_ITERS=${EVAL_ITERS-10}
 TOKENIZER=${TOKENIZER-checkpoints/hf/Llama-3.1-8B}
 INIT_FROM=${INIT_FROM-}
 LOAD=${LOAD-}

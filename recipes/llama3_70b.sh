@@ -4,14 +4,17 @@
 # Batch    at 4 nodes x 8 GPUs: DP = 32 / (8 x 4) = 1, GAS = GLOBAL / (MICRO x DP) = 512 / (1 x 1) = 512,
 #          train_batch_size = MICRO x GAS x DP = 1 x 512 x 1 = 512 sequences x 8192 = 4.19M tokens per step.
 #          At 8 nodes DP = 2 and GAS = 256: the same batch. GLOBAL must stay a multiple of MICRO x DP.
-# Memory   per GPU at 4 nodes (DP=1), heaviest pipeline stage, activation checkpointing on:
-#          ~57 GB/GPU = weights 4.5 + grads 13.6 + optimizer 27.3 + activations 11.5
-#          (2.27B params on the heaviest GPU; plus CUDA/NCCL overhead)
-#          At DP=2 the ZeRO-1 optimizer shard halves: ~43 GB/GPU. (python -m threed.memory explains the model.)
-# Data     DATA from `threed tokenize --tokenizer $TOKENIZER` (the HF Llama 3 tokenizer directory, 128256 pieces).
+# Memory   per GPU at 4 nodes (DP=1), heaviest pipeline stage, activation checkpointing on,
+#          from `python -m threed.memory` (its docstring lists every term; tests/test_memory.py checks them):
+#          ~53 GB/GPU = weights 4.5 + grads 9.1 + optimizer 27.3 + buffers 0.1 + activations 12.2
+#          (stage 0 of 4, 2.27B params; plus CUDA/NCCL overhead)
+#          At DP=2 the ZeRO-1 optimizer shard halves: ~40 GB/GPU. Other layouts, ranked by predicted step time:
+#          threed plan --model llama3-70b --nodes 4 --gpu-memory 80 --seq 8192 --global-batch 512
+# Data     DATA: a megatron .bin/.idx prefix or a blend "W1 PREFIX1 W2 PREFIX2" 
+#          made by `threed preprocess --append-eod --tokenizer $TOKENIZER` or Megatron-LM (the HF Llama 3 tokenizer directory, 128256 pieces).
 # Weights  random init; INIT_FROM=<`threed convert` output of HF Meta-Llama-3-70B> starts from the HF weights.
 #          A requeued or resubmitted job resumes from SAVE/latest instead (weights, optimizer, step, data order)
-#          at the same TP, PP and DP; at another node count start a new SAVE with INIT_FROM=<old SAVE>.
+#          at any TP, PP or DP (another layout or node count goes through a DeepSpeed universal checkpoint).
 # Run      sbatch --nodes=4 slurm/train.sh recipes/llama3_70b.sh
 # Override any line from the environment (VAR=value sbatch ...; an empty value clears it): see recipes/launch.sh.
 MODEL=${MODEL-llama3-70b}
@@ -27,7 +30,11 @@ WARMUP=${WARMUP-200}
 STEPS=${STEPS-5000}
 DTYPE=${DTYPE-bf16}
 ACT_CKPT=${ACT_CKPT-true}
-DATA=${DATA-data/llama3/tokens.bin}
+DATA=${DATA-data/llama3/corpus_text_document}
+SPLIT=${SPLIT-969,30,1}
+DATA_CACHE_PATH=${DATA_CACHE_PATH-}
+EVAL_INTERVAL=${EVAL_INTERVAL-1000}
+EVAL_ITERS=${EVAL_ITERS-10}
 TOKENIZER=${TOKENIZER-checkpoints/hf/Meta-Llama-3-70B}
 INIT_FROM=${INIT_FROM-}
 LOAD=${LOAD-}

@@ -4,7 +4,7 @@
 # Batch    at 1 node x 8 ranks: DP = 8 / (2 x 2) = 2, train_batch_size = MICRO x GAS x DP = 4 x 4 x 2 = 32
 #          sequences x 128 tokens = 4096 tokens per step. 2 nodes x 4 ranks is the same world (DP=2).
 # Memory   ~0.5 GB of host memory per rank, almost all of it imports (torch, DeepSpeed, megatron-core).
-# Data     `bash tools/demo.sh` (or `threed demo-text`, `threed tokenizer`, `threed tokenize`) makes runs/demo/.
+# Data     `bash tools/demo.sh` (or `threed demo-text`, `threed tokenizer`, `threed preprocess`) makes runs/demo/.
 # Run      recipes/launch.sh recipes/tiny.sh
 #          sbatch --nodes=2 --gres=none slurm/train.sh recipes/tiny.sh   (with GPUS_PER_NODE=4 in the environment)
 MODEL=${MODEL-tiny}
@@ -20,7 +20,11 @@ WARMUP=${WARMUP-5}
 STEPS=${STEPS-150}
 DTYPE=${DTYPE-bf16}
 ACT_CKPT=${ACT_CKPT-false}
-DATA=${DATA-runs/demo/tokens.bin}
+DATA=${DATA-0.3 runs/demo/a_text_document 0.7 runs/demo/b_text_document}
+SPLIT=${SPLIT-95,5,0}
+DATA_CACHE_PATH=${DATA_CACHE_PATH-}
+EVAL_INTERVAL=${EVAL_INTERVAL-25}
+EVAL_ITERS=${EVAL_ITERS-2}
 TOKENIZER=${TOKENIZER-runs/demo/tok.model}
 INIT_FROM=${INIT_FROM-}
 LOAD=${LOAD-}

@@ -12,6 +12,9 @@
 #   writes $SAVE/STOP, every rank saves a checkpoint at the next step boundary and exits 0, and the job requeues
 #   itself (--requeue). The next run resumes from $SAVE/latest (`threed train` resumes from --save by itself).
 #   scancel/TERM also writes STOP (best effort: Slurm kills after KillWait), but does not requeue.
+# - Second line of defence: EXIT_DURATION (minutes; default: the job's time left at start minus
+#   THREED_EXIT_MARGIN_MIN, 10) is passed as --exit-duration-in-mins, so the run saves and exits on its own clock
+#   even if the signal is lost; the job then requeues itself the same way.
 # - Logs: slurm/logs/<job name>-<job id>/ holds start<R>-node<N>.log (R counts requeues), train.log (a link to
 #   the node log of global rank 0, which logs the training), launch.txt (the numbers and the command of every
 #   start) and batch.out (this shell's output, a link to --output).
@@ -46,6 +49,27 @@ export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 
+# The run's own wall-clock budget, from the job's time left (squeue %L: [D-]HH:MM:SS, MM:SS or UNLIMITED).
+minutes_left() {
+    local left d=0 h=0 m=0 sec=0
+    left=$(squeue -h -j "$SLURM_JOB_ID" -o %L 2>/dev/null | head -n 1) || return 1
+    [[ "$left" =~ ^(([0-9]+)-)?(([0-9]+):)?([0-9]+):([0-9]+)$ ]] || return 1
+    d=${BASH_REMATCH[2]:-0} h=${BASH_REMATCH[4]:-0} m=${BASH_REMATCH[5]} sec=${BASH_REMATCH[6]}
+    echo $(((10#$d * 1440) + (10#$h * 60) + 10#$m + (10#$sec > 0)))
+}
+if [ -z "${EXIT_DURATION:-}" ] && left=$(minutes_left); then
+    margin=${THREED_EXIT_MARGIN_MIN:-10}
+    if ((left > margin)); then
+        export EXIT_DURATION=$((left - margin))
+    fi
+fi
+[ -z "${EXIT_DURATION:-}" ] || echo "threed slurm: the run saves and exits after $EXIT_DURATION min" \
+    "(--exit-duration-in-mins; the job has ${left:-?} min left)"
+
+# The numbers and training's Python config checks, once, before any node starts and before anything is written
+# (logs, SAVE): a bad recipe exits 2 with one line and leaves no trace.
+numbers=$(THREED_DRY_RUN=1 bash recipes/launch.sh "$RECIPE" "$@") || exit 2
+
 export LOG_DIR=${LOG_DIR:-$ROOT/slurm/logs/$SLURM_JOB_NAME-$SLURM_JOB_ID}
 mkdir -p "$LOG_DIR"
 batch_out=$(scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null | grep -o 'StdOut=[^ ]*' | cut -d= -f2- || true)
@@ -65,6 +89,9 @@ else
     rm -f "$SAVE_DIR/STOP"  # left by the run that was preempted
 fi
 
+echo "--- start $RESTART, $(date '+%F %T')" >>"$LOG_DIR/launch.txt"
+echo "$numbers" | tee -a "$LOG_DIR/launch.txt"
+
 stop_signal=""
 request_stop() {
     stop_signal=$1
@@ -74,22 +101,22 @@ request_stop() {
 trap 'request_stop USR1' USR1
 trap 'request_stop TERM' TERM
 
-# The numbers, once, before any node starts: exits 2 with the message when the layout does not divide.
-echo "--- start $RESTART, $(date '+%F %T')" >>"$LOG_DIR/launch.txt"
-THREED_DRY_RUN=1 bash recipes/launch.sh "$RECIPE" "$@" | tee -a "$LOG_DIR/launch.txt"
-
 # One task per node; its CPUs are all of the node's (srun does not inherit sbatch's --cpus-per-task since 22.05).
 srun --nodes="$SLURM_NNODES" --ntasks-per-node=1 --cpus-per-task="${SLURM_CPUS_ON_NODE:-1}" \
     --kill-on-bad-exit=1 --wait=60 --output="$LOG_DIR/start$RESTART-node%n.log" \
     bash recipes/launch.sh "$RECIPE" "$@" &
 srun_pid=$!
 
-# c10d numbers the nodes in its own order, so global rank 0 (the one that logs) can be on any node: point
-# train.log at the node log that has its first line.
+# c10d numbers the nodes in its own order, so the rank that prints the step lines (threed.metrics: the last
+# pipeline stage's first rank) can be on any node: point train.log at the node log that has them; until the first
+# step, at the one with global rank 0's start-up line. Succeeds once step lines are found.
 link_train_log() {
     local f
+    f=$(grep -lE '^step [0-9]+/' "$LOG_DIR"/start"$RESTART"-node*.log 2>/dev/null | head -n 1) || true
+    if [ -n "$f" ]; then ln -sfn "$(basename "$f")" "$LOG_DIR/train.log"; return 0; fi
     f=$(grep -l '^threed: world' "$LOG_DIR"/start"$RESTART"-node*.log 2>/dev/null | head -n 1) || true
-    [ -n "$f" ] && ln -sfn "$(basename "$f")" "$LOG_DIR/train.log"
+    [ -z "$f" ] || ln -sfn "$(basename "$f")" "$LOG_DIR/train.log"
+    return 1
 }
 (while ! link_train_log; do sleep 2; done) &
 watch_pid=$!
@@ -108,6 +135,11 @@ link_train_log || true
 
 saved=$(sed -n 's/^global_step//p' "$SAVE_DIR/latest" 2>/dev/null || true)
 echo "threed slurm: srun exited $rc at $(date '+%F %T'); latest checkpoint: step ${saved:-none} of $STEPS_WANTED"
+# The run stopped itself before the time limit (--exit-duration-in-mins): requeue as after the warning signal.
+if [ -z "$stop_signal" ] && grep -qs -- '--exit-duration-in-mins .* saving and exiting' \
+        "$LOG_DIR"/start"$RESTART"-node*.log; then
+    stop_signal=USR1
+fi
 if [ "$stop_signal" = USR1 ] && [ "$rc" = 0 ] && [ -n "$saved" ] && [ "$saved" -lt "$STEPS_WANTED" ]; then
     echo "threed slurm: requeueing job $SLURM_JOB_ID; it resumes from step $saved"
     scontrol requeue "$SLURM_JOB_ID" || fail "scontrol requeue failed; resubmit the same script to resume"

@@ -20,7 +20,9 @@
 
 ROOT=${THREED_ROOT:-$SLURM_SUBMIT_DIR}
 [ -f "$ROOT/slurm/common.sh" ] || { echo "submit from the threed checkout, or set THREED_ROOT" >&2; exit 2; }
-RECIPE=${1:?usage: sbatch [--nodes=N] slurm/train.sh RECIPE [extra threed train flags]}
+[ $# -ge 1 ] || { echo "threed slurm: error: no recipe; usage: sbatch [--nodes=N] slurm/train.sh RECIPE" \
+    "[extra threed train flags]" >&2; exit 2; }
+RECIPE=$1
 shift
 # shellcheck source=slurm/common.sh
 source "$ROOT/slurm/common.sh" "$@"

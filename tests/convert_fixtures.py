@@ -12,7 +12,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from threed.data.flat import META_SUFFIX
 
 LLAMA31_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                    "original_max_position_embeddings": 16}
@@ -86,14 +85,13 @@ def assert_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> 
         assert torch.equal(a[k], b[k]), f"{k} differs (max abs {(a[k].float() - b[k].float()).abs().max()})"
 
 
-def write_tokens(path: Path, n: int, vocab: int, seed: int = 0) -> str:
-    """A learnable token stream (next = 7*prev + 3 mod V, 10% noise) in threed's token-file format."""
+def write_tokens(prefix: Path, n: int, vocab: int, seed: int = 0) -> str:
+    """A learnable token stream (next = 7*prev + 3 mod V, 10% noise) as a megatron `.bin/.idx` dataset."""
+    from helpers import write_dataset
+
     rng = np.random.default_rng(seed)
     tokens = np.empty(n, dtype=np.int64)
     tokens[0] = 1
     for i in range(1, n):
         tokens[i] = rng.integers(vocab) if rng.random() < 0.1 else (tokens[i - 1] * 7 + 3) % vocab
-    tokens.astype(np.uint16).tofile(path)
-    Path(str(path) + META_SUFFIX).write_text(json.dumps(
-        {"dtype": "uint16", "num_tokens": n, "tokenizer": None, "vocab_size": vocab}))
-    return str(path)
+    return write_dataset(prefix, tokens, vocab, seed=seed)

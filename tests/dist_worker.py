@@ -18,7 +18,8 @@ import torch.distributed as dist
 from helpers import hf_model, model_config
 from threed.config import CheckpointConfig, DataConfig, ParallelConfig, RunConfig, TrainConfig
 from threed.convert.in_memory import load_hf_state
-from threed.data.flat import TokenDataset, micro_batches
+from threed.data.datasets import data_plan
+from threed.data.loader import build_datasets, micro_batches
 from threed.distributed import GroupMismatch, check_groups_agree, init_distributed
 from threed.engine import build_engine
 from threed.logits import pipeline_logits
@@ -65,11 +66,16 @@ def parity(args) -> None:
             dist.barrier()
 
 
-def run_steps(engine, cfg: RunConfig, ds: TokenDataset, start: int, stop: int) -> tuple[list[float], list[float]]:
+def train_dataset(cfg: RunConfig, world_size: int):
+    """The train split `threed train` reads for cfg (built on every rank here; only stages 0 and -1 read it)."""
+    return build_datasets(cfg, data_plan(cfg), cfg.train.resolve_batch(cfg.parallel.dp(world_size))[2], True).train
+
+
+def run_steps(engine, cfg: RunConfig, ds, start: int, stop: int) -> tuple[list[float], list[float]]:
     dp, dp_rank = engine.grid.get_data_parallel_world_size(), engine.grid.get_data_parallel_rank()
-    micro, gas, _ = cfg.train.resolve_batch(dp)
+    micro, gas, glob = cfg.train.resolve_batch(dp)
     reads = engine.is_first_stage() or engine.is_last_stage()
-    it = micro_batches(ds, micro, gas, dp, dp_rank, start, cfg.train.seed) if reads else None
+    it = micro_batches(ds, glob, micro, dp, dp_rank, start * glob, cfg.model.vocab_size) if reads else None
     losses, norms = [], []
     for _ in range(start, stop):
         losses.append(engine.train_batch(data_iter=it).item())
@@ -85,13 +91,13 @@ def train(args) -> None:
     base = RunConfig(model=mc, parallel=ParallelConfig(tp=2, pp=2),
                      train=TrainConfig(dtype="fp32", micro_batch_size=2, grad_accum_steps=2, seq_length=32, steps=5,
                                        lr=1e-3, min_lr=1e-4, warmup_steps=2, grad_clip=0.5),
-                     data=DataConfig(path=args.data))
+                     data=DataConfig(data_path=(args.data,)))
     results: dict = {}
 
     # 1. fp32 parity run, with a checkpoint after step 3.
     ckpt = str(out / "ckpt")
     cfg = dataclasses.replace(base, checkpoint=CheckpointConfig(save=ckpt, auto_resume=False))
-    ds = TokenDataset(args.data, cfg.train.seq_length)
+    ds = train_dataset(cfg, rt.world_size)
     engine = build_engine(cfg, rt).engine
     results["groups"] = check_groups_agree(engine.grid)
     load_hf_weights(engine, cfg, hf_state)
@@ -112,11 +118,12 @@ def train(args) -> None:
     results["resume"]["losses"], results["resume"]["grad_norms"] = run_steps(built.engine, cfg_resume, ds, 3, 5)
 
     # 3. bf16 (micro 2 x gas 2, fp32 grad accumulation) against fp32 on learnable data.
-    learn = TokenDataset(args.learnable, base.train.seq_length)
     for dtype in ("bf16", "fp32"):
         cfg_d = dataclasses.replace(base, train=dataclasses.replace(base.train, dtype=dtype, steps=args.bf16_steps,
                                                                     lr=3e-3, min_lr=3e-4, warmup_steps=3,
-                                                                    grad_clip=1.0))
+                                                                    grad_clip=1.0),
+                                    data=DataConfig(data_path=(args.learnable,)))
+        learn = train_dataset(cfg_d, rt.world_size)
         eng = build_engine(cfg_d, rt).engine
         load_hf_weights(eng, cfg_d, hf_state)
         results[f"learn_{dtype}"] = {"losses": run_steps(eng, cfg_d, learn, 0, args.bf16_steps)[0],
@@ -128,7 +135,11 @@ def train(args) -> None:
     load_hf_weights(eng, cfg_ac, hf_state)
     results["activation_checkpointing"] = dict(zip(("losses", "grad_norms"), run_steps(eng, cfg_ac, ds, 0, 2)))
 
-    # 5. The start-up check must catch a grid whose rank order differs from megatron-core's.
+    # 5. From random init (no HF weights): the same numbers as HF's model holding `random_hf_state(seed)`.
+    eng = build_engine(base, rt).engine
+    results["fp32_random"] = dict(zip(("losses", "grad_norms"), run_steps(eng, base, ds, 0, 5)))
+
+    # 6. The start-up check must catch a grid whose rank order differs from megatron-core's.
     from deepspeed.runtime.pipe.topology import PipelineParallelGrid, ProcessTopology
 
     wrong = PipelineParallelGrid(topology=ProcessTopology(axes=["data", "pipe", "model"], dims=[2, 2, 2]))

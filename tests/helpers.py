@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +9,6 @@ import numpy as np
 import torch
 
 from threed.config import ModelConfig
-from threed.data.flat import META_SUFFIX
 from threed.presets import from_hf_config
 
 TESTS = Path(__file__).resolve().parent
@@ -43,11 +41,33 @@ def model_config(name: str) -> ModelConfig:
     return dataclasses.replace(from_hf_config(hf, name=name), make_vocab_size_divisible_by=16)
 
 
-def write_tokens(path: Path, tokens: np.ndarray, vocab_size: int) -> str:
-    tokens.astype(np.uint16).tofile(path)
-    Path(str(path) + META_SUFFIX).write_text(json.dumps(
-        {"dtype": "uint16", "num_tokens": int(tokens.size), "tokenizer": None, "vocab_size": vocab_size}))
-    return str(path)
+def write_dataset(prefix: Path | str, tokens: np.ndarray, vocab_size: int, doc_len: tuple[int, int] = (40, 400),
+                  seed: int = 0) -> str:
+    """Cut a token stream into documents of random length and write them as a megatron-core `.bin/.idx` pair with
+    megatron's own IndexedDatasetBuilder (the format Megatron-LM's preprocess_data.py writes). Returns the prefix."""
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    prefix = str(prefix)
+    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=DType.optimal_dtype(vocab_size))
+    rng = np.random.default_rng(seed)
+    start = 0
+    while start < len(tokens):
+        n = int(rng.integers(*doc_len))
+        builder.add_item(torch.from_numpy(np.asarray(tokens[start:start + n], dtype=np.int64)))
+        builder.end_document()
+        start += n
+    builder.finalize(prefix + ".idx")
+    return prefix
+
+
+def gpt_dataset(cfg, global_batch: int):
+    """The train dataset `threed train` builds for `cfg` (a RunConfig), built here in one process: the reference
+    side of data-order tests."""
+    from threed.data.datasets import data_plan
+    from threed.data.loader import build_datasets
+
+    return build_datasets(cfg, data_plan(cfg), global_batch, builds_here=True)
 
 
 def learnable_tokens(n: int, alphabet: int = 16, seed: int = 0) -> np.ndarray:

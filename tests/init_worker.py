@@ -54,8 +54,8 @@ def grad_norms(rt, out: Path) -> None:
     tokens = torch.randint(0, mc.vocab_size, (4, 17), generator=torch.Generator().manual_seed(7))
     results = {}
     for comm in ("fp32", "bf16"):
-        def config(cfg, world, comm=comm):
-            ds = deepspeed_config(cfg, world)
+        def config(cfg, world, comm=comm, **kw):
+            ds = deepspeed_config(cfg, world, **kw)
             ds["communication_data_type"] = comm
             return ds
 

@@ -105,11 +105,11 @@ def test_padded_vocab():
 
 def test_cli_flags_come_from_the_dataclasses():
     cfg = parse_run_config(["--model", "tiny", "--tp", "2", "--pp", "2", "--micro-batch-size", "4",
-                            "--global-batch-size", "64", "--data", "x.bin", "--dtype", "fp32",
+                            "--global-batch-size", "64", "--data-path", "x", "--dtype", "fp32",
                             "--activation-checkpointing", "true", "--save", "ck"])
     assert cfg.parallel == ParallelConfig(tp=2, pp=2)
     assert (cfg.train.micro_batch_size, cfg.train.global_batch_size, cfg.train.dtype) == (4, 64, "fp32")
-    assert cfg.train.activation_checkpointing and cfg.data.path == "x.bin" and cfg.checkpoint.save == "ck"
+    assert cfg.train.activation_checkpointing and cfg.data.data_path == ("x",) and cfg.checkpoint.save == "ck"
     assert cfg.model == PRESETS["tiny"]
 
 

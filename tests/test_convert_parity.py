@@ -14,7 +14,9 @@ import torch.nn.functional as F
 from convert_fixtures import DIVISIBLE_BY, GQA4, assert_identical, hf_model, hf_tensors, save_hf, write_tokens
 from threed.cli import main
 from threed.convert.verify import compare, hf_logits
-from threed.data.flat import TokenDataset, micro_batches
+from helpers import gpt_dataset
+from threed.config import DataConfig, ModelConfig, RunConfig, TrainConfig
+from threed.data.loader import micro_batches
 from threed.launch import run_ranks
 
 REL_TOL = 1e-5
@@ -46,11 +48,15 @@ def test_deepspeed_load_checkpoint_matches_hf(hf_dir, tmp_path, capsys, tp, pp):
 def first_batch_loss(hf_dir, data: str, micro: int, gas: int, seq: int, seed: int) -> float:
     """HF's loss on the global batch of step 1 (dp=1), averaged over micro-batches as DeepSpeed reports it."""
     model = hf_model(GQA4)
-    batches = micro_batches(TokenDataset(data, seq, 200), micro, gas, 1, 0, 0, seed)
+    cfg = RunConfig(model=ModelConfig(name="x", vocab_size=200, hidden_size=8, num_layers=1, num_heads=1,
+                                      num_kv_heads=1, ffn_hidden_size=8, max_position_embeddings=seq),
+                    train=TrainConfig(seq_length=seq, seed=seed, steps=3, eval_interval=0),
+                    data=DataConfig(data_path=(data,)))
+    batches = micro_batches(gpt_dataset(cfg, micro * gas).train, micro * gas, micro, 1, 0, 0, 200)
     losses = []
     with torch.no_grad():
         for _ in range(gas):
-            x, y = next(batches)
+            x, (y, _) = next(batches)
             losses.append(F.cross_entropy(model(x).logits.flatten(0, 1), y.flatten()).item())
     return sum(losses) / gas
 
@@ -59,12 +65,12 @@ def test_train_from_converted_then_export(hf_dir, tmp_path, capsys):
     ck, run, exported = tmp_path / "ck", tmp_path / "run", tmp_path / "exported"
     # Default padding multiple (128): `--model HF_DIR` then pads the vocab exactly as the converter did.
     assert main(["convert", "--hf", str(hf_dir), "--tp", "2", "--pp", "2", "--out", str(ck), "--quiet"]) == 0
-    data = write_tokens(tmp_path / "tokens.bin", 20_000, 200)
+    data = write_tokens(tmp_path / "tokens", 20_000, 200)
     micro, gas, seq, seed = 2, 2, 32, 1234
     proc = run_ranks(4, "threed.train", [
         "--model", str(hf_dir), "--init-from", str(ck), "--tp", "2", "--pp", "2", "--dtype", "bf16",
         "--micro-batch-size", str(micro), "--grad-accum-steps", str(gas), "--seq-length", str(seq),
-        "--steps", "3", "--lr", "1e-3", "--min-lr", "1e-3", "--seed", str(seed), "--data", data,
+        "--steps", "3", "--lr", "1e-3", "--min-lr", "1e-3", "--seed", str(seed), "--data-path", data, "--eval-iters", "1",
         "--save", str(run)], timeout=600)
     losses = [float(x) for x in re.findall(r"^step \d+/3 \| loss (\S+)", proc.stdout, re.M)]
     assert len(losses) == 3, proc.stdout[-3000:]

@@ -19,7 +19,8 @@ LAUNCH = REPO / "recipes" / "launch.sh"
 MODEL_RECIPES = ["llama2_7b", "llama2_13b", "llama2_70b", "llama3_8b", "llama3_70b", "llama31_8b", "llama31_70b",
                  "llama31_405b"]
 RECIPE_VARS = ["MODEL", "TP", "PP", "MICRO", "GAS", "GLOBAL", "SEQ", "LR", "MIN_LR", "WARMUP", "STEPS", "DTYPE",
-               "ACT_CKPT", "DATA", "TOKENIZER", "INIT_FROM", "LOAD", "SAVE", "SAVE_INTERVAL", "LOG_INTERVAL"]
+               "ACT_CKPT", "DATA", "SPLIT", "DATA_CACHE_PATH", "EVAL_INTERVAL", "EVAL_ITERS", "TOKENIZER", "INIT_FROM",
+               "LOAD", "SAVE", "SAVE_INTERVAL", "LOG_INTERVAL"]
 SLURM_SCRIPTS = {"llama70b_tp8_pp4.sh": ("llama31_70b", 4), "llama8b_tp2_pp2.sh": ("llama31_8b", 1),
                  "llama405b_tp8_pp16.sh": ("llama31_405b", 32)}
 

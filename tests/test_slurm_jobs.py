@@ -34,15 +34,16 @@ STEP = re.compile(r"^step (\d+)/(\d+) \| loss ([0-9.]+) \|", re.M)
 
 @pytest.fixture(scope="module")
 def demo_data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """The demo corpus, a 512-piece tokenizer and the token file, made the way tools/demo.sh makes them."""
+    """The demo corpus, a 512-piece tokenizer and a megatron dataset, made the way tools/demo.sh makes them."""
     d = tmp_path_factory.mktemp("demo")
     cli = [sys.executable, "-m", "threed.cli"]
     for args in (["demo-text", "--out", f"{d}/corpus.txt"],
                  ["tokenizer", "--text", f"{d}/corpus.txt", "--vocab-size", "512", "--out", f"{d}/tok"],
-                 ["tokenize", "--text", f"{d}/corpus.txt", "--tokenizer", f"{d}/tok.model", "--out",
-                  f"{d}/tokens.bin"]):
+                 ["preprocess", "--input", f"{d}/corpus.txt", "--tokenizer", f"{d}/tok.model", "--append-eod",
+                  "--output-prefix", f"{d}/demo", "--quiet"]):
         subprocess.run(cli + args, check=True, capture_output=True, timeout=300)
-    return {"DATA": f"{d}/tokens.bin", "TOKENIZER": f"{d}/tok.model"}
+    # A short job: validation only at the end, on 1 batch.
+    return {"DATA": f"{d}/demo_text_document", "TOKENIZER": f"{d}/tok.model", "EVAL_ITERS": "1"}
 
 
 def submit(slurm: LocalSlurm, script: str, out_dir: Path, env: dict[str, str], *args: str,

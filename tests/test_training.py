@@ -3,15 +3,17 @@ checkpoint save/resume, and the start-up group check. One launch of 8 gloo ranks
 from __future__ import annotations
 
 import json
+from typing import Optional
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import TESTS, hf_model, learnable_tokens, model_config, write_tokens
-from threed.config import RunConfig, TrainConfig
-from threed.data.flat import TokenDataset, micro_batches
+from helpers import TESTS, gpt_dataset, hf_model, learnable_tokens, model_config, write_dataset
+from threed.config import DataConfig, RunConfig, TrainConfig
+from threed.convert.in_memory import random_hf_state
+from threed.data.loader import micro_batches
 from threed.engine import lr_lambda
 from threed.launch import run_ranks
 
@@ -24,8 +26,8 @@ BF16_STEPS = 20
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("train")
     rng = np.random.default_rng(0)
-    data = write_tokens(out / "random.bin", rng.integers(0, 200, 5000), 200)
-    learn = write_tokens(out / "learn.bin", learnable_tokens(40000), 200)
+    data = write_dataset(out / "random", rng.integers(0, 200, 5000), 200)
+    learn = write_dataset(out / "learn", learnable_tokens(40000), 200, doc_len=(400, 2000))
     run_ranks(8, str(TESTS / "dist_worker.py"),
               ["train", "--out", str(out), "--data", data, "--learnable", learn, "--bf16-steps", str(BF16_STEPS)],
               timeout=1200)
@@ -33,9 +35,11 @@ def run(tmp_path_factory):
     return {"ranks": ranks, "data": data}
 
 
-def reference_run(data: str, steps: int = 5):
+def reference_run(data: str, steps: int = 5, state: Optional[dict] = None):
     """The same model and global batch (8 sequences) trained in one process with plain torch."""
     model = hf_model("gqa31").train()
+    if state is not None:
+        model.load_state_dict(state)
     mc = model_config("gqa31")
     train = TrainConfig(dtype="fp32", micro_batch_size=2, grad_accum_steps=2, seq_length=32, steps=steps, lr=1e-3,
                         min_lr=1e-4, warmup_steps=2, grad_clip=0.5)
@@ -45,13 +49,12 @@ def reference_run(data: str, steps: int = 5):
                              {"params": no_decay, "weight_decay": 0.0}], lr=train.lr,
                             betas=(train.beta1, train.beta2), eps=train.adam_eps)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(RunConfig(model=mc, train=train)))
-    # dp=1 with gas = 2 x 2 reads exactly the 8 samples the 8-rank run reads per step.
-    batches = micro_batches(TokenDataset(data, 32), 2, 4, 1, 0, 0, train.seed)
+    # Global batch k is samples [8k, 8k + 8) whatever the layout: read them as one batch.
+    ds = gpt_dataset(RunConfig(model=mc, train=train, data=DataConfig(data_path=(data,))), 8).train
+    batches = micro_batches(ds, 8, 8, 1, 0, 0, mc.vocab_size)
     losses, norms = [], []
     for _ in range(steps):
-        pairs = [next(batches) for _ in range(4)]
-        inputs = torch.cat([p[0] for p in pairs])
-        labels = torch.cat([p[1] for p in pairs])
+        inputs, (labels, _) = next(batches)
         logits = model(inputs).logits
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
         opt.zero_grad()
@@ -69,6 +72,17 @@ def test_fp32_3d_training_matches_single_process_hf(run):
     print("3D losses", got["losses"], "\nref losses", ref_losses)
     print("3D norms ", got["grad_norms"], "\nref norms ", ref_norms)
     assert max(ref_norms) > 0.5, "clipping must be active in this test (grad_clip=0.5)"
+    for step, (a, b) in enumerate(zip(got["losses"], ref_losses)):
+        assert abs(a - b) <= FP32_TOL * abs(b), f"step {step + 1}: loss {a} vs reference {b}"
+    for step, (a, b) in enumerate(zip(got["grad_norms"], ref_norms)):
+        assert abs(a - b) <= FP32_TOL * abs(b), f"step {step + 1}: grad norm {a} vs reference {b}"
+
+
+def test_fp32_3d_training_from_random_init_matches_single_process(run):
+    """No HF weights: the 8-rank run's own random init (seed 1234) is `random_hf_state(model, 1234)`."""
+    ref_losses, ref_norms = reference_run(run["data"], state=random_hf_state(model_config("gqa31"), 1234))
+    got = run["ranks"][0]["fp32_random"]
+    print("3D losses", got["losses"], "\nref losses", ref_losses)
     for step, (a, b) in enumerate(zip(got["losses"], ref_losses)):
         assert abs(a - b) <= FP32_TOL * abs(b), f"step {step + 1}: loss {a} vs reference {b}"
     for step, (a, b) in enumerate(zip(got["grad_norms"], ref_norms)):

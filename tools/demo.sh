@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # make demo: starts from a tiny HF Llama saved locally (random weights, the `tiny` preset's shape, the demo
 # tokenizer's 512 pieces), converts it to a tp=2 x pp=2 DeepSpeed pipeline checkpoint, trains it 3D-parallel
-# (tp=2, pp=2, dp=2: 8 gloo processes) on CPU on Python's own reference docs, exports the result back to an HF
+# (tp=2, pp=2, dp=2: 8 gloo processes) on CPU on a 2-source blend of Python's own reference docs (made with
+# `threed preprocess`, megatron .bin/.idx) with validation every 25 steps, exports the result back to an HF
 # folder, checks logits parity, and loads it with transformers. A few minutes on 2 cores. Nothing is downloaded.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +12,16 @@ STEPS=${STEPS:-150}
 mkdir -p "$OUT"
 [ -f "$OUT/corpus.txt" ] || $PY -m threed.cli demo-text --out "$OUT/corpus.txt"
 [ -f "$OUT/tok.model" ] || $PY -m threed.cli tokenizer --text "$OUT/corpus.txt" --vocab-size 512 --out "$OUT/tok"
-[ -f "$OUT/tokens.bin" ] || $PY -m threed.cli tokenize --text "$OUT/corpus.txt" --tokenizer "$OUT/tok.model" --out "$OUT/tokens.bin"
+# Two sources for a blend: the first and the second half of the corpus, each a megatron .bin/.idx dataset.
+if [ ! -f "$OUT/b_text_document.idx" ]; then
+  half=$(($(wc -l <"$OUT/corpus.txt") / 2))
+  head -n "$half" "$OUT/corpus.txt" >"$OUT/a.txt"
+  tail -n +"$((half + 1))" "$OUT/corpus.txt" >"$OUT/b.txt"
+  for src in a b; do
+    $PY -m threed.cli preprocess --input "$OUT/$src.txt" --tokenizer "$OUT/tok.model" --append-eod --workers 2 \
+      --output-prefix "$OUT/$src" --force --quiet
+  done
+fi
 rm -rf "$OUT/ckpt" "$OUT/hf-init" "$OUT/init" "$OUT/hf"
 # Runs a command, keeping its output but not library start-up noise; fails when the command fails (pipefail).
 quiet() { "$@" 2>&1 | { grep --line-buffered -v -E 'real_accelerator|Writing model shards|Loading weights' || true; }; }
@@ -25,8 +35,9 @@ echo "converted HF $OUT/hf-init -> $OUT/init: $(ls "$OUT/init/global_step0" | wc
 $PY -m torch.distributed.run --standalone --nproc-per-node 8 -m threed.train \
   --model "$OUT/init" --init-from "$OUT/init" --tp 2 --pp 2 \
   --micro-batch-size 4 --grad-accum-steps 4 --seq-length 128 --steps "$STEPS" --lr 3e-3 --min-lr 3e-4 --warmup-steps 5 --dtype bf16 \
-  --data "$OUT/tokens.bin" --tokenizer "$OUT/tok.model" --save "$OUT/ckpt" --log-interval 1 \
-  2>&1 | grep --line-buffered -E '^(threed|step|saved|stop)|Error|error'
+  --data-path 0.3 "$OUT/a_text_document" 0.7 "$OUT/b_text_document" --split 95,5,0 --eval-interval 25 --eval-iters 2 \
+  --tokenizer "$OUT/tok.model" --save "$OUT/ckpt" --log-interval 5 \
+  2>&1 | grep --line-buffered -E '^(threed|step|validation|saved|stop)|Error|error'
 echo "checkpoint: $OUT/ckpt ($(cat "$OUT/ckpt/latest"))"
 
 # 3. Back to HF: export, logits parity of the export with the checkpoint (4 ranks), and transformers loading it.

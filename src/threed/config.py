@@ -128,8 +128,13 @@ class TrainConfig:
     seed: int = 1234
     log_interval: int = 1
     activation_checkpointing: bool = False
-    partition_method: str = "type:LlamaBlock"
+    # Which stage holds which layers (threed.partition): balanced | layers:N1,N2,... | parameters | uniform | type:REGEX
+    partition_method: str = "balanced"
     zero_stage: int = 1
+    # Evaluation on the valid split (Megatron's flags). eval_interval None: every 1000 steps (Megatron's default)
+    # when there is a valid split, else never; given explicitly without a valid split it is an error.
+    eval_interval: Optional[int] = None
+    eval_iters: int = 100
 
     def resolve_batch(self, dp: int) -> tuple[int, int, int]:
         """(micro, gas, global) with global = micro * gas * dp, checked, where dp is the data-parallel size."""
@@ -177,10 +182,34 @@ class TrainConfig:
             )
 
 
+def _help(text: str, **extra: Any) -> dict[str, Any]:
+    """Field metadata: the one-line `threed train --help` text (and `flag`, `nargs`, `metavar` where needed)."""
+    return {"help": text, **extra}
+
+
 @dataclass(frozen=True)
 class DataConfig:
-    path: Optional[str] = field(default=None, metadata={"flag": "data"})  # token file from `threed tokenize`
-    tokenizer: Optional[str] = None  # sentencepiece .model, recorded in checkpoints for export
+    """Megatron-LM's data flags, verbatim (a Megatron command line's data fragment works unchanged); read with
+    megatron-core's own datasets (`threed.data.datasets`)."""
+
+    data_path: Optional[tuple[str, ...]] = field(default=None, metadata=_help(
+        "PREFIX, or a blend WEIGHT PREFIX WEIGHT PREFIX ... of .bin/.idx datasets split by --split",
+        nargs="+", metavar="[WEIGHT] PREFIX"))
+    split: str = field(default="969,30,1", metadata=_help(
+        "train,valid,test proportions of each --data-path dataset's documents", metavar="T,V,T"))
+    train_data_path: Optional[tuple[str, ...]] = field(default=None, metadata=_help(
+        "train blend (instead of --data-path + --split)", nargs="+", metavar="[WEIGHT] PREFIX"))
+    valid_data_path: Optional[tuple[str, ...]] = field(default=None, metadata=_help(
+        "validation blend (instead of --data-path + --split)", nargs="+", metavar="[WEIGHT] PREFIX"))
+    test_data_path: Optional[tuple[str, ...]] = field(default=None, metadata=_help(
+        "test blend (instead of --data-path + --split)", nargs="+", metavar="[WEIGHT] PREFIX"))
+    data_cache_path: Optional[str] = field(default=None, metadata=_help(
+        "where dataset index caches go (shared by all nodes); default: a cache/ folder beside the data",
+        metavar="DIR"))
+    eod_mask_loss: bool = field(default=False, metadata=_help("no loss on end-of-document tokens"))
+    tokenizer: Optional[str] = field(default=None, metadata=_help(
+        "the data's tokenizer (sentencepiece .model, HF dir or tokenizer.json): its EOD id, recorded for export",
+        metavar="PATH"))
 
 
 @dataclass(frozen=True)
@@ -190,13 +219,34 @@ class CheckpointConfig:
     load: Optional[str] = None  # full resume (weights, optimizer, scheduler, step); must exist
     init_from: Optional[str] = None  # weights only, e.g. a converted HF checkpoint; must exist
     auto_resume: bool = True  # resume from `save` when it already holds a checkpoint (preemption / requeue)
+    # Training from scratch into a `save` that holds a run is refused unless asked for in so many words.
+    overwrite: bool = field(default=False, metadata=_help(
+        "delete the checkpoints in --save and start over (otherwise a run there is resumed, never overwritten)"))
+    keep_last: int = field(default=0, metadata=_help("keep the newest N complete checkpoints in --save; 0: all"))
+    # Run control (threed.guard): what stops a run, and how loudly.
+    skip_nonfinite: int = field(default=0, metadata=_help(
+        "batches with a non-finite loss / grad norm to skip (step not applied) before the run stops with exit 3"))
+    exit_duration_in_mins: float = field(default=0.0, metadata=_help(
+        "save and exit 0 before this much wall time has passed (slurm/ passes the job's limit); 0: no limit"))
+    dist_timeout_minutes: float = field(default=30.0, metadata=_help(
+        "a collective waiting longer than this for its peers fails instead of hanging"))
+    watchdog_factor: float = field(default=20.0, metadata=_help(
+        "a step longer than this x the median step (and --watchdog-min-seconds) prints every rank's Python "
+        "stacks and exits 4; 0: off"))
+    watchdog_min_seconds: float = field(default=600.0, metadata=_help("the watchdog never fires sooner than this"))
 
 
 @dataclass(frozen=True)
 class MetricsConfig:
-    """Where a run's metrics go (stdout always; see `threed.metrics`)."""
+    """Where a run's metrics go (see `threed.metrics.writer`): stdout always; metrics.jsonl and run_config.json in
+    the run directory (--save, else the parent of --tensorboard-dir); TensorBoard; W&B when asked for."""
 
     tensorboard_dir: Optional[str] = None  # default: <save>/tensorboard when --save is given
+    tensorboard: bool = True  # false: no TensorBoard events (metrics.jsonl and stdout stay)
+    wandb_project: Optional[str] = None  # Weights & Biases project; needs `pip install wandb` (optional)
+    wandb_name: Optional[str] = None  # W&B run name (Megatron's --wandb-exp-name)
+    wandb_mode: Optional[str] = None  # online | offline (no network; `wandb sync` later) | disabled; None: wandb's own
+    stage_timing: bool = True  # time pipeline instructions per stage (compute / p2p wait / idle fraction)
 
 
 @dataclass(frozen=True)
@@ -209,6 +259,9 @@ class RunConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def validate(self, world_size: int) -> None:
+        from threed.ranges import check_ranges  # every numeric field's range, before the arithmetic below
+
+        check_ranges(self)
         self.model.validate()
         self.parallel.validate(self.model, world_size)
         self.train.validate(self.model)
@@ -234,7 +287,7 @@ class RunConfig:
         )
 
 
-def deepspeed_config(cfg: RunConfig, world_size: int) -> dict[str, Any]:
+def deepspeed_config(cfg: RunConfig, world_size: int, load_universal: bool = False) -> dict[str, Any]:
     """The one place that writes DeepSpeed's config. The optimizer and LR schedule are client objects
     (see `threed.optim`), so they are not in here."""
     micro, gas, glob = cfg.train.resolve_batch(cfg.parallel.dp(world_size))
@@ -263,4 +316,6 @@ def deepspeed_config(cfg: RunConfig, world_size: int) -> dict[str, Any]:
     # dtype (bf16 when bf16 is on), which rounds the fp32 sums to bf16 before reducing and allocates a 2 B/param
     # temporary every step; fp32 keeps dp2 x gas1 equal to dp1 x gas2 (tests/test_training.py).
     ds["communication_data_type"] = "fp32"
+    if load_universal:  # resuming at another layout: threed.checkpoint.universal
+        ds["checkpoint"] = {"load_universal": True}
     return ds

@@ -3,14 +3,13 @@ the group-agreement check, and loading weights or a full checkpoint."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
-from threed.checkpoint import check_layout, has_checkpoint
-from threed.config import ConfigError, RunConfig, deepspeed_config
+from threed.checkpoint import StartPlan, start
+from threed.config import RunConfig, deepspeed_config
 from threed.distributed import Runtime, check_groups_agree, init_megatron_parallel_state
 from threed.pipeline import build_pipeline_module
 
@@ -48,49 +47,45 @@ def make_optimizer(model: torch.nn.Module, cfg: RunConfig,
 @dataclass
 class Built:
     engine: "deepspeed.runtime.pipe.engine.PipelineEngine"  # noqa: F821
-    resumed_from: Optional[str]
+    resumed_from: Optional[str]  # the checkpoint directory of a full resume, else None
+    # What the caller passed to threed.checkpoint.save (e.g. {"consumed_samples": n}) when this run resumed;
+    # empty otherwise.
+    client_state: dict = field(default_factory=dict)
+    plan: Optional[StartPlan] = None  # where the run started, and the log lines about it
 
 
-def build_engine(cfg: RunConfig, rt: Runtime) -> Built:
+def build_engine(cfg: RunConfig, rt: Runtime, plan: Optional[StartPlan] = None) -> Built:
+    """Checks, then builds. Where the run starts (and whether --save can take a checkpoint) is decided on rank 0
+    and shared before the model is built (`threed.checkpoint.start`; threed.train calls it even before the
+    datasets and passes its `plan`), so a bad checkpoint directory costs seconds."""
     import deepspeed
 
     cfg.validate(rt.world_size)
-    ck = cfg.checkpoint
-    for what, path in (("load", ck.load), ("init_from", ck.init_from)):
-        # Checked before building anything: asking for a checkpoint and silently training from random is the
-        # classic Megatron-DeepSpeed failure.
-        if path and not has_checkpoint(path):
-            raise ConfigError(f"{what}={path} holds no DeepSpeed checkpoint (no 'latest' file); pass the "
-                              f"directory that `threed train --save` or `threed convert --out` wrote")
-    resume_from = ck.load or (ck.save if ck.auto_resume and has_checkpoint(ck.save) else None)
-    weights_from = None if resume_from else ck.init_from
-    if resume_from or weights_from:
-        source = resume_from or weights_from
-        check_layout(source, cfg, rt.world_size, full_resume=bool(resume_from))
-        if (Path(source) / "threed_run.json").is_file():
-            # Also compare the recorded model (e.g. another vocab padding) before DeepSpeed's deep size errors.
-            from threed.convert.ds_checkpoint import check_loadable
-
-            check_loadable(source, cfg.model, cfg.parallel.tp, cfg.parallel.pp, weights_only=not resume_from)
+    if plan is None:
+        plan = start(cfg, rt.rank, rt.world_size)
+    resume = plan.mode == "resume"
 
     torch.manual_seed(cfg.train.seed)
     init_megatron_parallel_state(cfg.parallel.tp, cfg.parallel.pp, rt.cuda_only.gloo_process_groups)
-    module = build_pipeline_module(cfg, rt.world_size, initialize=not (resume_from or weights_from),
+    module = build_pipeline_module(cfg, rt.world_size, initialize=plan.mode == "fresh",
                                    fused_swiglu=rt.cuda_only.fused_swiglu)
     check_groups_agree(module._grid)
     optimizer, scheduler = make_optimizer(module, cfg, fused=rt.cuda_only.fused_adamw)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=deepspeed_config(cfg, rt.world_size))
-    if resume_from:
-        path, _ = engine.load_checkpoint(resume_from)
+                                           config=deepspeed_config(cfg, rt.world_size, load_universal=plan.universal))
+    client_state: dict = {}
+    if resume:
+        path, client_state = engine.load_checkpoint(plan.load_dir, tag=plan.tag)
         if path is None:
-            raise RuntimeError(f"DeepSpeed could not load the checkpoint in {resume_from}")
-    elif weights_from:
-        path, _ = engine.load_checkpoint(weights_from, load_module_only=True, load_optimizer_states=False,
-                                         load_lr_scheduler_states=False)
+            raise RuntimeError(f"DeepSpeed could not load the checkpoint {plan.load_dir}/{plan.tag}")
+    elif plan.mode == "weights":
+        path, _ = engine.load_checkpoint(plan.load_dir, tag=plan.tag, load_module_only=True,
+                                         load_optimizer_states=False, load_lr_scheduler_states=False)
         if path is None:
-            raise RuntimeError(f"DeepSpeed could not load weights from {weights_from}")
+            raise RuntimeError(f"DeepSpeed could not load weights from {plan.load_dir}/{plan.tag}")
         # DeepSpeed 0.19 refreshes the optimizer's fp32 master weights after load_module_only (the fix for the
         # "loss jumps after step 1" bug, DS PR #4141); tests/test_convert checks the loss does not jump.
-    return Built(engine=engine, resumed_from=resume_from)
-
+    # DeepSpeed returns every key of the mp_rank file it does not use itself; the caller's are kept apart.
+    client_state = dict((client_state or {}).get("threed_client", {}))
+    resumed_from = plan.source.path if resume else None  # the tag: plan.source.tag
+    return Built(engine=engine, resumed_from=resumed_from, client_state=client_state, plan=plan)

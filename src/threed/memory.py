@@ -1,91 +1,277 @@
-"""Expected memory per GPU for a recipe's layout (what the recipe headers quote; `THREED_DRY_RUN=1` prints it).
+"""Memory per GPU of a bf16 layout, term by term, as DeepSpeed 0.19.8 + megatron-core 0.16.1 + torch 2.13 allocate it.
 
     python -m threed.memory --model llama3.1-70b --tp 8 --pp 4 --dp 1 --micro 1 --gas 512 --seq 8192 --act-ckpt 1
 
-The model of memory, per GPU of the heaviest pipeline stage (stages hold ceil(layers / PP) blocks; the first adds
-the embedding, the last the final norm and LM head; tensors are split over TP, norms are replicated):
+Per rank of pipeline stage s. tests/test_memory.py checks the static terms against the tensors of real CPU
+engines (within 2%; they agree to the byte) and reports the activation estimate against a measured CPU peak.
 
-  weights      2 B/param   bf16 parameters
-  grads        6 B/param   bf16 .grad (2 B) + DeepSpeed BF16_Optimizer's fp32 accumulation buffer (4 B, not sharded)
-  optimizer   12 B/param / DP   fp32 master copy + AdamW m and v, sharded over DP by ZeRO-1
-  activations  bf16, per micro-batch and block, without sequence parallelism, flash-style attention (no s x s
-               scores): 2 s b (4 h + (2 h + 3 kv d) / TP + h / TP + 3 f / TP) bytes; 1F1B keeps min(PP, GAS)
-               micro-batches in flight on the first stage. With activation checkpointing a block keeps only its
-               input (2 s b h) and one block at a time is recomputed in full. The last stage adds fp32
-               vocab-parallel logits for one micro-batch (4 s b V / TP).
+  stages       `threed.partition` (the run's --partition-method) over `threed.pipeline.pipeline_layers`:
+               stage 0 adds the embedding, the last stage the final norm and LM head, both [padded V / tp, h].
+               Matrices are split over TP; norms are replicated.
+  weights      2 B/param bf16 in BF16_Optimizer's flat buffer per param group (matrices / norms), each padded
+               to a multiple of 2 x dp elements.
+  grads        4 B/param: BF16_Optimizer's fp32 accumulation buffer, full size on every DP rank (ZeRO-1 shards
+               only the optimizer). `immediate_grad_update` frees each bf16 .grad as soon as it is added in,
+               so bf16 grads cost one parameter's worth at a time (counted with the activations).
+  optimizer    12 B/param / dp: the fp32 master partition and AdamW's exp_avg and exp_avg_sq (ZeRO-1).
+  buffers      the RoPE angle cache (fp32 [s, d] per block); the pipeline's one p2p buffer (receive and gradient
+               buffers are both `_grad_layer_buf`), [s, b, h] / tp as DeepSpeed partitions what crosses stages
+               over TP (pipe_partitioned, grad_partitioned); on the last stage the logits [s, b, V/tp] of the
+               last two micro-batches: `_exec_backward_pass` returns before clearing `pipe_buffers['outputs']`
+               there, so each of the two buffer slots keeps its logits until reused (between steps too), and
+               through the logits' autograd graph the received input and its gradient (2 x 2h).
+  activations  bytes per token kept by one block, no sequence parallelism (h-sized tensors replicated over TP):
+                 norms      2 x (2h input + 4 rstd + 2h output, kept by the next linear): torch's fused RMSNorm
+                            on CUDA; the CPU composite keeps 4h fp32 input + 4 + 4h fp32 normalised + 2h output
+                 attention  (2(h + 2 kv d) QKV output, alive as v's storage, + 2h q and 2 kv d k after RoPE
+                            + 2h SDPA output + 4 heads logsumexp) / tp
+                 MLP        megatron's unfused SwiGLU (CPU) keeps 5f/tp elements: fc1 output (2f), silu(gate),
+                            up + glu_linear_offset, their product; the fused kernel (CUDA, `cuda_only`) 3f/tp
+               plus RoPE cos/sin, 8 s d bytes per block. Per micro-batch a stage also keeps its received input
+               (at tp 1 beside the forward's clone: 2h) and its output's TP partition (2h / tp); the last stage
+               the final norm and the fp32 softmax of vocab_parallel_cross_entropy (4V/tp). With activation
+               checkpointing a block keeps its input (2h) and backward recomputes one block at a time.
+               1F1B: stage s holds min(pp - s, gas) micro-batches. Backward adds the MLP gradients
+               (2 (3f/tp + h) per token) and one parameter's bf16 grad; the loss backward the logits' bf16
+               gradient (2V/tp).
+  temporaries  after the last backward, never with the activations: DeepSpeed's DP all-reduce flattens the fp32
+               grad groups into one copy when they share a 5e8-element bucket; torch's AdamW: none when fused
+               (CUDA), two fp32 partitions in the CPU single-tensor path (`exp_avg_sq.sqrt() / c`).
 
-Not included: CUDA context, NCCL buffers, allocator fragmentation (budget several GB) and communication buffers of
-DeepSpeed's pipeline (a few s b h tensors).
+Not included: CUDA context, NCCL/gloo buffers, allocator fragmentation (budget several GB). fp32 runs use
+DeepSpeed's ZeRO optimizer instead of BF16_Optimizer and are not modelled.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
+import io
 import math
 import sys
 from dataclasses import dataclass
+from typing import Literal, Sequence
 
-from threed.presets import get_model_config
+from threed.config import ConfigError, ModelConfig
 
 GB = 1e9
+BF16 = 2
+ALLREDUCE_BUCKET = 500_000_000  # deepspeed.runtime.engine.MEMORY_OPT_ALLREDUCE_SIZE (elements per bucket)
+Device = Literal["cuda", "cpu"]
 
 
 @dataclass(frozen=True)
-class Estimate:
-    params: int  # parameters on the heaviest GPU
-    weights: float  # bytes
+class Stage:
+    index: int
+    blocks: int
+    first: bool  # holds the embedding
+    last: bool  # holds the final norm and the LM head
+
+
+@functools.lru_cache(maxsize=1024)
+def stage_bounds(model: ModelConfig, pp: int, tp: int, seq: int, method: str | None = None) -> tuple[int, ...]:
+    """Where each stage starts in `pipeline_layers(model)`, as the run splits it (`threed.partition`)."""
+    from threed.config import TrainConfig
+    from threed.partition import resolve_partition
+
+    # DeepSpeed, imported on the way, logs to stdout; ours is parsed (recipes/launch.sh captures the estimate).
+    with contextlib.redirect_stdout(sys.stderr):
+        return tuple(resolve_partition(method or TrainConfig().partition_method, model, pp, seq, tp))
+
+
+def quiet_deepspeed_import() -> None:
+    """For command-line entry points: import DeepSpeed (threed.partition uses it) with its import-time log lines
+    (e.g. "Setting accelerator to CPU") swallowed, so that an error is the one line printed."""
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        import deepspeed.runtime.utils  # noqa: F401
+
+
+def stages(model: ModelConfig, pp: int, tp: int, seq: int, method: str | None = None) -> list[Stage]:
+    bounds = stage_bounds(model, pp, tp, seq, method)
+    last_index = model.num_layers + 2  # pipeline_layers: 0 embedding, 1..L blocks, L+1 final norm, L+2 LM head
+    out = []
+    for s in range(pp):
+        lo, hi = bounds[s], bounds[s + 1]
+        blocks = max(0, min(hi, model.num_layers + 1) - max(lo, 1))
+        out.append(Stage(index=s, blocks=blocks, first=lo == 0 < hi, last=lo <= last_index < hi))
+    return out
+
+
+def stage_params(model: ModelConfig, tp: int, stage: Stage) -> tuple[int, int]:
+    """(matrices, norms) parameters on one rank of `stage`: `threed.engine.make_optimizer`'s two groups."""
+    h, d, f = model.hidden_size, model.head_dim, model.ffn_hidden_size
+    q, kv = model.num_heads * d, model.num_kv_heads * d
+    block = h * (q + 2 * kv) // tp + q * h // tp + 2 * f * h // tp + f * h // tp
+    vocab = model.padded_vocab_size(tp) // tp * h
+    matrices = stage.blocks * block + vocab * (stage.first + stage.last)
+    return matrices, stage.blocks * 2 * h + h * stage.last
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes on one rank of one stage; `peak` is what the run needs (plus CUDA/NCCL overhead)."""
+
+    stage: Stage
+    params: int
+    weights: float
     grads: float
     optimizer: float
-    activations: float
+    buffers: float
+    activations: float  # the peak of the forward/backward phase, its transients included
+    reduce_temp: float  # DP all-reduce flatten copy
+    step_temp: float  # AdamW temporaries
 
     @property
-    def total(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.activations
+    def model_states(self) -> float:
+        return self.weights + self.grads + self.optimizer
 
-    def line(self) -> str:
-        unit, scale = ("GB", GB) if self.total >= GB else ("MB", 1e6)
-        parts = " + ".join(f"{name} {value / scale:.1f}" for name, value in (
+    @property
+    def static(self) -> float:
+        return self.model_states + self.buffers
+
+    @property
+    def phase(self) -> tuple[str, float]:
+        """The largest of the phases that never overlap: forward/backward, gradient all-reduce, optimizer step."""
+        return max((("activations", self.activations), ("all-reduce copy", self.reduce_temp),
+                    ("AdamW temporaries", self.step_temp)), key=lambda kv: kv[1])
+
+    @property
+    def peak(self) -> float:
+        return self.static + self.phase[1]
+
+    def line(self, pp: int) -> str:
+        unit, scale = ("GB", GB) if self.peak >= GB else ("MB", 1e6)
+        name, value = self.phase
+        parts = " + ".join(f"{k} {v / scale:.1f}" for k, v in (
             ("weights", self.weights), ("grads", self.grads), ("optimizer", self.optimizer),
-            ("activations", self.activations)))
+            ("buffers", self.buffers), (name, value)))
         params = f"{self.params / 1e9:.2f}B" if self.params >= 1e8 else f"{self.params / 1e6:.2f}M"
-        return (f"~{self.total / scale:.0f} {unit}/GPU = {parts} ({params} params on the heaviest GPU; "
-                f"plus CUDA/NCCL overhead)")
+        return (f"~{self.peak / scale:.0f} {unit}/GPU = {parts} (stage {self.stage.index} of {pp}, {params} "
+                f"params; plus CUDA/NCCL overhead)")
 
 
-def estimate(model: str, tp: int, pp: int, dp: int, micro: int, gas: int, seq: int, act_ckpt: bool) -> Estimate:
-    m = get_model_config(model)
-    h, f, d, kv = m.hidden_size, m.ffn_hidden_size, m.head_dim, m.num_kv_heads
-    block_split = h * (m.num_heads * d) + 2 * h * (kv * d) + (m.num_heads * d) * h + 3 * h * f  # split over TP
-    block = block_split // tp + 2 * h  # + two replicated RMSNorm weights
-    layers = math.ceil(m.num_layers / pp)
-    vocab = m.padded_vocab_size(tp) * h // tp
-    first = layers * block + vocab
-    last = layers * block + vocab + h if pp > 1 else first + vocab + h
-    params = max(first, last)
+def _switches(device: Device):
+    import torch
 
-    s, b = seq, micro
-    per_block = 2 * s * b * (4 * h + (2 * h + 3 * kv * d) // tp + h // tp + 3 * f // tp)
-    in_flight = min(pp, gas) if pp > 1 else 1
-    if act_ckpt:
-        stored = layers * in_flight * 2 * s * b * h + per_block
-    else:
-        stored = layers * in_flight * per_block
-    logits = 4 * s * b * m.padded_vocab_size(tp) // tp
-    # The first stage holds the most micro-batches; the last stage holds one, plus the logits.
-    last_stage_act = (layers * 2 * s * b * h + per_block if act_ckpt else layers * per_block) + logits
-    activations = max(stored, last_stage_act) if pp > 1 else stored + logits
-    return Estimate(params=params, weights=2.0 * params, grads=6.0 * params, optimizer=12.0 * params / dp,
-                    activations=float(activations))
+    from threed.distributed import cuda_only  # the one place that decides the CUDA-only kernels
+
+    return cuda_only(torch.device(device))
+
+
+def _norm_bytes(h: int, device: Device) -> int:
+    """Per token kept by one RMSNorm and the linear after it (which keeps the norm's output)."""
+    if device == "cuda":
+        return BF16 * h + 4 + BF16 * h  # fused kernel: bf16 input and fp32 rstd
+    return 4 * h + 4 + 4 * h + BF16 * h  # composite: fp32 upcast input, rstd, fp32 normalised (input not kept)
+
+
+def block_bytes_per_token(model: ModelConfig, tp: int, device: Device = "cuda") -> int:
+    """Activation bytes one Llama block keeps for backward per token (RoPE's cos/sin apart)."""
+    h, f, heads = model.hidden_size, model.ffn_hidden_size, model.num_heads
+    kv = model.num_kv_heads * model.head_dim
+    attention = BF16 * (h + 2 * kv) + BF16 * h + BF16 * kv + BF16 * h + 4 * heads  # qkv, q, k, out, lse
+    swiglu = 3 if _switches(device).fused_swiglu else 5
+    return 2 * _norm_bytes(h, device) + attention // tp + swiglu * f * BF16 // tp
+
+
+def stage_activations(model: ModelConfig, tp: int, pp: int, stage: Stage, micro: int, gas: int, seq: int,
+                      act_ckpt: bool, device: Device = "cuda", max_param: int = 0) -> float:
+    """Peak bytes of the forward/backward phase on one rank of `stage`, beyond the static terms."""
+    h, f, v = model.hidden_size, model.ffn_hidden_size, model.padded_vocab_size(tp) // tp
+    tokens = seq * micro
+    full_block = block_bytes_per_token(model, tp, device) * tokens + 4 * BF16 * seq * model.head_dim
+    kept_block = BF16 * h * tokens if act_ckpt else full_block
+    part = h // tp if tp > 1 else h  # DeepSpeed partitions p2p activations over TP (pipe_partitioned)
+    if stage.first:
+        extras = 16 * tokens  # token ids + the engine's clone
+    else:  # the received input: a copy beside the forward's clone (tp 1), else the gathered input itself,
+        # which block 0 keeps anyway unless it is the CPU norm without checkpointing
+        extras = BF16 * h * tokens * (tp == 1 or (device == "cpu" and not act_ckpt))
+    extras += 0 if stage.last else BF16 * part * tokens  # the output (its TP partition), kept for backward
+    # Last stage: final norm, fp32 softmax, labels (the logits themselves are in `buffers`).
+    head = (_norm_bytes(h, device) + 4 * v + 8) * tokens if stage.last else 0.0
+    per_micro = stage.blocks * kept_block + extras + head
+    in_flight = min(pp - stage.index, gas)
+    grad = BF16 * max_param  # one parameter's bf16 .grad before the hook adds it to the fp32 buffer
+    # Backward through the blocks: the loss's tensors of this micro-batch are gone by then.
+    blocks_phase = in_flight * per_micro - head + (full_block if act_ckpt else 0) \
+        + BF16 * (3 * f // tp + h) * tokens + grad
+    head_phase = in_flight * per_micro + BF16 * v * tokens + grad if stage.last else 0.0
+    return max(blocks_phase, head_phase)
+
+
+def reduce_copy_bytes(groups: Sequence[int]) -> int:
+    """DeepSpeed's allreduce_no_retain over the fp32 grad groups: a bucket of two or more tensors is flattened
+    (copied) into one; a single tensor is reduced in place."""
+    worst, count, numel = 0, 0, 0
+    for n in [*groups, None]:
+        if n is not None:
+            count, numel = count + 1, numel + n
+        if numel and (n is None or numel > ALLREDUCE_BUCKET):
+            worst = max(worst, 4 * numel if count > 1 else 0)
+            count, numel = 0, 0
+    return worst
+
+
+def stage_memory(model: ModelConfig, tp: int, pp: int, dp: int, micro: int, gas: int, seq: int, act_ckpt: bool,
+                 stage: Stage, device: Device = "cuda") -> Memory:
+    h, d, f = model.hidden_size, model.head_dim, model.ffn_hidden_size
+    tokens, v = seq * micro, model.padded_vocab_size(tp) // tp
+    groups = [n for n in stage_params(model, tp, stage) if n]  # make_optimizer drops empty groups
+    align = 2 * dp  # BF16_Optimizer aligns each flat group to nccl_start_alignment_factor (2) x dp
+    padded = [math.ceil(n / align) * align for n in groups]
+    buffers = 4 * seq * d * stage.blocks  # RoPE angles cached per block (fp32)
+    if not (stage.first and stage.last):  # p2p buffer: a TP partition of [s, b, h] and its meta tensor
+        buffers += BF16 * tokens * h if tp == 1 else BF16 * tokens * (h // tp) + 72
+    if stage.last:
+        buffers += min(2, gas) * BF16 * tokens * (v + (0 if stage.first else 2 * h))  # stale logits + input
+    max_param = max(v * h if stage.first or stage.last else 0, 2 * f * h // tp,
+                    h * (model.num_heads + 2 * model.num_kv_heads) * d // tp)
+    adamw_temps = 0 if _switches(device).fused_adamw else 2 if device == "cpu" else 1
+    return Memory(
+        stage=stage, params=sum(groups), weights=float(BF16 * sum(padded)), grads=float(4 * sum(padded)),
+        optimizer=float(12 * sum(padded) // dp + 4 * len(groups)),  # + AdamW's fp32 `step` per group
+        buffers=float(buffers),
+        activations=stage_activations(model, tp, pp, stage, micro, gas, seq, act_ckpt, device, max_param),
+        reduce_temp=float(reduce_copy_bytes(padded)),
+        step_temp=float(4 * max(p // dp for p in padded) * adamw_temps))
+
+
+def estimate(model: ModelConfig | str, tp: int, pp: int, dp: int, micro: int, gas: int, seq: int,
+             act_ckpt: bool, device: Device = "cuda", partition_method: str | None = None) -> list[Memory]:
+    """Memory of every stage (one rank each; the TP ranks of a stage hold equal shards)."""
+    if isinstance(model, str):
+        from threed.presets import get_model_config
+
+        model = get_model_config(model)
+    return [stage_memory(model, tp, pp, dp, micro, gas, seq, act_ckpt, s, device)
+            for s in stages(model, pp, tp, seq, partition_method)]
+
+
+def heaviest(mems: list[Memory]) -> Memory:
+    return max(mems, key=lambda m: m.peak)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="threed memory", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
     for name in ("tp", "pp", "dp", "micro", "gas", "seq"):
         p.add_argument(f"--{name}", type=int, required=True)
     p.add_argument("--act-ckpt", default="0", help="1/true: activation checkpointing")
+    p.add_argument("--all-stages", action="store_true", help="one line per pipeline stage")
     a = p.parse_args(argv)
     ckpt = a.act_ckpt.lower() in ("1", "true", "yes", "on")
-    print(estimate(a.model, a.tp, a.pp, a.dp, a.micro, a.gas, a.seq, ckpt).line())
+    quiet_deepspeed_import()
+    try:
+        if min(a.tp, a.pp, a.dp, a.micro, a.gas, a.seq) < 1:
+            raise ConfigError("tp, pp, dp, micro, gas and seq must all be positive integers")
+        mems = estimate(a.model, a.tp, a.pp, a.dp, a.micro, a.gas, a.seq, ckpt)
+    except ConfigError as err:
+        print(f"threed memory: {err}", file=sys.stderr)
+        return 2
+    for m in (mems if a.all_stages else [heaviest(mems)]):
+        print(m.line(a.pp))
     return 0
 
 

@@ -62,11 +62,14 @@ def build_pipeline_module(cfg: RunConfig, world_size: int, initialize: bool = Tr
         else:
             specs.append(LayerSpec(LMHeadPipe, cfg.model, mcore))
     topology = make_topology(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp(world_size))
-    module = PipelineModule(
+    from threed.partition import stage_boundaries, staged_pipeline_module
+
+    # Stage boundaries resolved by threed.partition (--partition-method; DeepSpeed's PipelineModule underneath).
+    module = staged_pipeline_module()(
         layers=specs,
         loss_fn=causal_lm_loss,
         topology=topology,
-        partition_method=cfg.train.partition_method,
+        partition_method=stage_boundaries(cfg),
         activation_checkpoint_interval=1 if cfg.train.activation_checkpointing else 0,
         # Explicit, because DeepSpeed otherwise guesses from class names (it looks for "ParallelTransformerLayerPipe").
         checkpointable_layers=["LlamaBlock"],
@@ -81,4 +84,9 @@ def build_pipeline_module(cfg: RunConfig, world_size: int, initialize: bool = Tr
         local = zip(range(module._local_start, module._local_stop), module.forward_funcs)
         init_pipeline_layers_(local, kinds, cfg.model, cfg.parallel.tp,
                               parallel_state.get_tensor_model_parallel_rank(), cfg.train.seed)
+    # How each parameter is split over TP; DeepSpeed saves it in every mp_rank file, and its universal checkpoint
+    # conversion (resume at another tp / pp / dp) needs it: threed.checkpoint.universal.
+    from threed.checkpoint.universal import universal_info
+
+    module.universal_checkpoint_info = universal_info(cfg.model)
     return module

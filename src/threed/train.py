@@ -1,6 +1,7 @@
 """Train a Llama with megatron-core TP x DeepSpeed PP x ZeRO-1 DP.
 
-    torchrun --nproc-per-node 8 -m threed.train --model tiny --tp 2 --pp 2 --data runs/demo/tokens.bin ...
+    torchrun --nproc-per-node 8 -m threed.train --model tiny --tp 2 --pp 2 \
+        --data-path 0.3 runs/demo/a_text_document 0.7 runs/demo/b_text_document --split 95,5,0 ...
     threed train ...            # the same, as a console script
 
 One step: the first stage reads micro-batches and embeds them; hidden states flow stage to stage (1F1B); the
@@ -13,6 +14,7 @@ run resumes from it.
 """
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -23,12 +25,15 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from threed.checkpoint import save
-from threed.config import RunConfig
-from threed.data.flat import TokenDataset, micro_batches
-from threed.distributed import init_distributed
+from threed.checkpoint import save, start as checkpoint_start
+from threed.config import ConfigError, RunConfig
+from threed.data.datasets import check_cache_visible, check_data
+from threed.data.loader import SampleCounter, build_datasets, micro_batches
+from threed.distributed import grid_coordinates, init_distributed, shutdown_distributed
 from threed.engine import build_engine
-from threed.metrics import throughput
+from threed.guard import RunGuard
+from threed.evaluate import evaluate
+from threed.metrics import RunMetrics
 
 @dataclass
 class TrainResult:
@@ -38,6 +43,9 @@ class TrainResult:
     end_step: int = 0
     saved_to: Optional[str] = None
     preempted: bool = False
+    consumed_samples: int = 0
+    evals: list[dict] = field(default_factory=list)  # {"step", "loss", "tokens", "loss/<dataset>": ...}
+    samples_read: int = 0  # train + valid samples this rank read (0 on middle pipeline stages)
 
 
 class StopRequest:
@@ -59,68 +67,98 @@ class StopRequest:
         return bool(t.item())
 
 
-def log(rank: int, msg: str) -> None:
-    if rank == 0:
+def log(is_logger: bool, msg: str) -> None:
+    if is_logger:
         print(msg, flush=True)
 
 
 def train(cfg: RunConfig) -> TrainResult:
-    rt = init_distributed()
+    rt = init_distributed(cfg.checkpoint.dist_timeout_minutes)
     cfg.validate(rt.world_size)
-    if cfg.data.path is None:
-        raise ValueError("no training data: pass --data TOKENS.bin (made by `threed tokenize`)")
-    dataset = TokenDataset(cfg.data.path, cfg.train.seq_length, cfg.model.vocab_size)  # fail before building
-    stop = StopRequest(cfg.checkpoint.save)
-    built = build_engine(cfg, rt)
-    engine = built.engine
-    dp, dp_rank = engine.grid.get_data_parallel_world_size(), engine.grid.get_data_parallel_rank()
+    plan = check_data(cfg)  # every data problem, before process groups, datasets or the model are built
+    # Where the run starts (resume / refuse / universal conversion) and --save checks, before any dataset.
+    start_plan = checkpoint_start(cfg, rt.rank, rt.world_size)
+    tp, pp, dp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp(rt.world_size)
     micro, gas, glob = cfg.train.resolve_batch(dp)
+    stage, dp_rank, _ = grid_coordinates(rt.rank, tp, dp)
+    # One rank speaks: the one that holds the loss and writes the metrics (last stage, tp 0, dp 0), so on a
+    # multi-node job every line of a run is in one node's log.
+    logger = rt.rank == (pp - 1) * tp * dp
+    reads_data = stage in (0, pp - 1)  # the first stage embeds tokens, the last computes the loss
+    if cfg.data.data_cache_path:
+        check_cache_visible(cfg.data.data_cache_path, rt.rank)
+    data = build_datasets(cfg, plan, glob, builds_here=reads_data)
+    stop = StopRequest(cfg.checkpoint.save)
+    built = build_engine(cfg, rt, start_plan)
+    engine = built.engine
+    guard = RunGuard(cfg, rt.rank, engine, stop, rt.device)  # non-finite steps, time budget, watchdog
     start = engine.global_steps
+    # Consumed samples position the sampler; a checkpoint from before they were recorded had a constant batch.
+    consumed = int(getattr(built, "client_state", None) and built.client_state.get("consumed_samples") or
+                   start * glob)
     result = TrainResult(start_step=start, end_step=start)
-    log(rt.rank, f"threed: world {rt.world_size} = tp {cfg.parallel.tp} x pp {cfg.parallel.pp} x dp {dp} on "
+    log(logger, f"threed: world {rt.world_size} = tp {tp} x pp {pp} x dp {dp} on "
                  f"{rt.device.type}/{rt.backend}; global batch {glob} = micro {micro} x gas {gas} x dp {dp}; "
                  f"{cfg.model.name} {cfg.model.num_params() / 1e6:.1f}M params; dtype {cfg.train.dtype}; "
-                 + (f"resumed from {built.resumed_from} at step {start}" if built.resumed_from else
-                    f"weights from {cfg.checkpoint.init_from}" if cfg.checkpoint.init_from else "random init"))
-    reads_data = engine.is_first_stage() or engine.is_last_stage()
-    batches = micro_batches(dataset, micro, gas, dp, dp_rank, start, cfg.train.seed) if reads_data else None
-    t_start = time.time()
+                 + (f"resumed from {built.resumed_from} at step {start} ({consumed} samples consumed)"
+                    if built.resumed_from else
+                    f"weights from {cfg.checkpoint.init_from}" if cfg.checkpoint.init_from else "random init")
+                 + (f"; validation every {plan.eval_interval} steps ({cfg.train.eval_iters} batches)"
+                    if plan.eval_interval else "; no validation"))
+    counter = SampleCounter()
+    batches = micro_batches(data.train, glob, micro, dp, dp_rank, consumed, cfg.model.vocab_size,
+                            counter=counter) if reads_data else None
+    metrics = RunMetrics(cfg, engine, rt, start)  # every rank: times its stage; the loss rank writes
     for step in range(start, cfg.train.steps):
-        t0 = time.time()
         loss = engine.train_batch(data_iter=batches).item()
-        dt = time.time() - t0
+        consumed += glob
         norm = engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else float("nan")
         result.losses.append(loss)
         result.grad_norms.append(norm)
         result.end_step = step + 1
-        if (step + 1) % cfg.train.log_interval == 0 or step + 1 == cfg.train.steps:
-            tp = throughput(cfg.model, cfg.train.seq_length, glob, dt, rt.world_size)
-            done = step + 1 - start
-            eta = (time.time() - t_start) / done * (cfg.train.steps - step - 1)
-            mfu = f"{tp['mfu'] * 100:.1f}%" if tp["mfu"] is not None else "n/a"
-            log(rt.rank, f"step {step + 1}/{cfg.train.steps} | loss {loss:.4f} | lr {engine.get_lr()[0]:.3e} | "
-                         f"grad norm {norm:.3f} | {dt * 1000:.0f} ms | {tp['tokens_per_s']:.0f} tokens/s | "
-                         f"{tp['tflops_per_device']:.3f} TFLOPs/device | MFU {mfu} | ETA {eta:.0f} s")
+        result.consumed_samples = consumed
+        metrics.step(step + 1, loss, norm, samples=consumed)  # every rank (one all-gather per log interval)
+        guard.after_step(step + 1, loss, norm)  # exit 3 on divergence; may raise the stop request
         last = step + 1 == cfg.train.steps
+        if plan.eval_interval and ((step + 1) % plan.eval_interval == 0 or last):
+            # Evaluation k reads the k-th block of eval_iters valid batches (the last one may be off-interval).
+            index = (step + 1) // plan.eval_interval - 1 if (step + 1) % plan.eval_interval == 0 else \
+                (step + 1) // plan.eval_interval
+            ev = evaluate(engine, data.valid, data.valid_names, index, cfg.train.eval_iters, micro, gas,
+                          cfg.model.vocab_size, rt.device, counter=counter)
+            metrics.validation(step + 1, ev.loss, {Path(k).name: v for k, v in ev.per_dataset.items()}, consumed)
+            result.evals.append({"step": step + 1, "loss": ev.loss, "tokens": ev.tokens, **{
+                f"loss/{k}": v for k, v in ev.per_dataset.items()}})
+            per = "".join(f" | {Path(k).name} {v:.4f}" for k, v in ev.per_dataset.items())
+            log(logger, f"validation at step {step + 1} | loss {ev.loss:.4f} | perplexity {ev.perplexity:.2f} | "
+                         f"{ev.tokens} tokens{per}")
         interval = cfg.checkpoint.save_interval
+        state = {"consumed_samples": consumed}
         if stop.agreed(rt.device):
             result.preempted = True
             if cfg.checkpoint.save:
-                result.saved_to = save(engine, cfg, rt.rank)
-            log(rt.rank, f"stop requested: saved step {step + 1} to {result.saved_to}; exiting for a restart")
+                result.saved_to = save(engine, cfg, rt.rank, state)
+            log(logger, f"stop requested: saved step {step + 1} to {result.saved_to}; exiting for a restart")
             break
         if cfg.checkpoint.save and (last or (interval and (step + 1) % interval == 0)):
-            result.saved_to = save(engine, cfg, rt.rank)
-            log(rt.rank, f"saved checkpoint step {step + 1} to {cfg.checkpoint.save}")
+            result.saved_to = save(engine, cfg, rt.rank, state)
+            log(logger, f"saved checkpoint step {step + 1} to {cfg.checkpoint.save}")
+    metrics.close()
+    result.samples_read = counter.samples
     return result
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     from threed.cli import parse_run_config
 
-    cfg = parse_run_config(sys.argv[1:] if argv is None else argv)
-    train(cfg)
+    try:
+        train(parse_run_config(sys.argv[1:] if argv is None else argv))
+        shutdown_distributed()
+    except ConfigError as e:  # as `threed train`: one line from rank 0, no traceback per rank
+        if os.environ.get("RANK", "0") == "0":
+            print(f"threed: configuration error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -9,7 +9,7 @@
 `idx` is the position in `threed.pipeline.pipeline_layers`, so layer files do not depend on pp or on the
 partition method (which stage owns a layer is decided at load time). DeepSpeed loads them only at the TP size
 they were written for: at another it merges/splits them with GPT-2 Megatron name rules and fails deep inside;
-`check_loadable` (and threed.engine's own layout check) refuse that up front, naming `threed reshard`.
+`threed.checkpoint.layout.check_loadable` refuses that up front, naming `threed reshard`.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import json
 import os
 import re
 from collections import OrderedDict
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional
@@ -203,26 +203,12 @@ def open_checkpoint(path: str | os.PathLike, model: Optional[ModelConfig] = None
     return Checkpoint(path=p, tag=tag, model=model, tp=tp, pp=pp, layers=layers, run=run)
 
 
-_IGNORED_FIELDS = {"name", "init_std"}  # do not change the weights' layout
-
-
 def check_loadable(path: str | os.PathLike, model: ModelConfig, tp: int, pp: int, weights_only: bool = True) -> None:
-    """Raise a ConvertError (a ConfigError) unless `path` holds `model` written at tp x pp.
+    """Raise a ConfigError unless `path` holds `model` written at tp x pp: see threed.checkpoint.layout, which
+    owns the checkpoint layout checks for training and the converters alike."""
+    from threed.checkpoint.layout import check_loadable as check
 
-    threed.engine checks the tp / pp layout itself; this also compares the model config, which DeepSpeed would
-    otherwise report as a size mismatch deep inside load_state_dict (e.g. another vocab padding multiple)."""
-    ck = open_checkpoint(path)
-    diffs = [f"{f.name} {getattr(ck.model, f.name)} != {getattr(model, f.name)}" for f in fields(ModelConfig)
-             if f.name not in _IGNORED_FIELDS and getattr(ck.model, f.name) != getattr(model, f.name)]
-    if diffs:
-        raise ConvertError(f"checkpoint {path} holds another model than this run's ({'; '.join(diffs)}); pass "
-                           f"--model {path} to train the model it holds")
-    if (ck.tp, ck.pp) != (tp, pp):
-        raise ConvertError(f"checkpoint {path} was written at tp={ck.tp} pp={ck.pp}; this run has tp={tp} "
-                           f"pp={pp}. Reshard it: threed reshard --ckpt {path} --tp {tp} --pp {pp} --out NEW_DIR")
-    if not weights_only and ck.tag == TAG and (Path(path) / MANIFEST).is_file():
-        raise ConvertError(f"{path} is a converted checkpoint (weights only, no optimizer state): use it with "
-                           f"--init-from, not --load or --save")
+    check(path, model, tp, pp, weights_only=weights_only)
 
 
 def checkpoint_files(cfg: ModelConfig, tp: int, pp: int) -> list[str]:

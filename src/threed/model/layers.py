@@ -146,8 +146,28 @@ class LMHeadPipe(torch.nn.Module):
         return logits
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy from vocab-parallel logits `[s, b, v/tp]` and labels `[b, s]`, in fp32,
-    without gathering the vocab."""
-    losses = vocab_parallel_cross_entropy(logits.float(), labels.transpose(0, 1).contiguous())
-    return losses.mean()
+def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy `[b, s]` in fp32 from vocab-parallel logits `[s, b, v/tp]` and labels `[b, s]`,
+    without gathering the vocabulary."""
+    return vocab_parallel_cross_entropy(logits.float(), labels.transpose(0, 1).contiguous()).transpose(0, 1)
+
+
+def causal_lm_loss(logits: torch.Tensor, targets) -> torch.Tensor:
+    """The pipeline's loss_fn. `targets` is what the data loader put second in each micro-batch:
+
+    - labels `[b, s]`: the mean token loss;
+    - (labels, loss_mask): the masked mean, sum(loss * mask) / sum(mask) (Megatron's loss);
+    - (labels, loss_mask, dataset_onehot `[b, D]`), for evaluation: not a mean but the sums that reduce exactly
+      over micro-batches and data-parallel ranks, `[sum(loss*mask), sum(mask), per-dataset sums (D),
+      per-dataset token counts (D)]` (threed.evaluate).
+    """
+    if isinstance(targets, torch.Tensor):
+        return token_losses(logits, targets).mean()
+    labels, mask = targets[0], targets[1].float()
+    losses = token_losses(logits, labels) * mask
+    if len(targets) == 2:
+        return losses.sum() / mask.sum().clamp(min=1.0)
+    onehot = targets[2].float()
+    per_sample_loss, per_sample_count = losses.sum(dim=1), mask.sum(dim=1)
+    return torch.cat([losses.sum().reshape(1), mask.sum().reshape(1), per_sample_loss @ onehot,
+                      per_sample_count @ onehot])

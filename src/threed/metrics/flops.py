@@ -4,8 +4,6 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-import torch
-
 from threed.config import ModelConfig
 
 # Dense bf16 peak TFLOPs per device (no sparsity), by substring of torch.cuda.get_device_name().
@@ -25,6 +23,8 @@ def peak_tflops_per_device() -> Optional[float]:
     """THREED_PEAK_TFLOPS overrides; otherwise known GPUs; None on CPU (MFU is then not reported)."""
     if os.environ.get("THREED_PEAK_TFLOPS"):
         return float(os.environ["THREED_PEAK_TFLOPS"])
+    import torch  # here, so that `threed report` (which reads only files) never imports torch
+
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name()
         for key, peak in _PEAK_BF16_TFLOPS.items():

@@ -1,0 +1,63 @@
+"""`threed check-config`: the checks `threed train` runs before it builds anything, in one process, in a second,
+without torch: numeric ranges, the model, tp / pp against heads and layers, seq against positions, the batch
+arithmetic at a given world size; with `--paths`, also what the run would do with its checkpoint directories
+(resume, refuse to overwrite a run, room for a checkpoint) without creating anything.
+
+    threed check-config --world 8 --model tiny --tp 2 --pp 2 --micro-batch-size 4 --grad-accum-steps 4 ...
+
+recipes/launch.sh runs it before torchrun (and in its dry run), so a bad recipe fails once, with one line.
+Exit status 0 when the run would start, 2 (and one `threed: configuration error: ...` line) when not.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from threed.config import ConfigError
+
+
+def check(ns: argparse.Namespace) -> str:
+    """Raise ConfigError, or return the one-line summary of the run."""
+    from threed.cli import run_config_from_args
+
+    if ns.world < 1:
+        raise ConfigError(f"--world must be >= 1 (the number of ranks), got {ns.world}")
+    cfg = run_config_from_args(ns)
+    cfg.validate(ns.world)
+    dp = cfg.parallel.dp(ns.world)
+    micro, gas, glob = cfg.train.resolve_batch(dp)
+    plan = "random init"
+    if ns.paths:
+        plan = check_paths(cfg, ns.world)
+    return (f"config ok: {cfg.model.name} ({cfg.model.num_params() / 1e6:.1f}M params), world {ns.world} = "
+            f"tp {cfg.parallel.tp} x pp {cfg.parallel.pp} x dp {dp}, global batch {glob} = micro {micro} x gas "
+            f"{gas} x dp {dp}, seq {cfg.train.seq_length}, {cfg.train.steps} steps; start: {plan}")
+
+
+def check_paths(cfg, world: int) -> str:
+    """What `threed.checkpoint.start` decides, without its side effects (nothing is created or converted)."""
+    from threed.checkpoint.resume import check_save_dir, plan_start
+
+    plan = plan_start(cfg, world)
+    check_save_dir(cfg, plan, create=False)
+    return plan.describe() + (" (converted once)" if plan.universal else "")
+
+
+def _run(ns: argparse.Namespace) -> int:
+    try:
+        print(check(ns))
+    except ConfigError as e:
+        print(f"threed: configuration error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from threed.cli import add_run_flags
+
+    p = sub.add_parser("check-config", help="run training's config checks at a world size, build nothing")
+    add_run_flags(p)
+    p.add_argument("--world", type=int, required=True, help="number of ranks (nodes x ranks per node)")
+    p.add_argument("--paths", action="store_true",
+                   help="also check the checkpoint directories (--save / --load / --init-from); creates nothing")
+    p.set_defaults(run=_run)

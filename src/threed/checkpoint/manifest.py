@@ -1,0 +1,185 @@
+"""Crash-safe checkpoints: a manifest of every file with its size, `latest` written last, the newest complete
+checkpoint found on load, and old ones pruned (`--keep-last N`).
+
+A save is complete only when every rank has written its files: `threed.checkpoint.save` waits for all of them
+(a barrier), then rank 0 writes `<tag>/threed_manifest.json` and only then `latest`, each through a temporary
+file renamed into place. A kill at any moment therefore leaves either no manifest (the save is ignored) or a
+manifest that names every file: `find_resumable` checks the files against it and falls back to the newest
+checkpoint whose files are all there at their recorded sizes, saying which file was missing or short.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from threed.checkpoint.layout import (LATEST, CheckpointLayout, layout_of_files, list_tags, missing_files,
+                                      read_latest, step_of)
+
+MANIFEST_NAME = "threed_manifest.json"
+UNIVERSAL_DIR = "universal"  # <save>/universal/<tag>: universal conversions made to resume at another layout
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` so that a reader sees the old content or the new, never a torn file: a temporary
+    file beside it, flushed to disk, renamed over it, and the directory entry flushed too."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems refuse fsync on directories; the rename is still atomic
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_manifest(step_dir: Path, files: dict[str, int], meta: dict[str, Any]) -> dict[str, Any]:
+    manifest = {"format": 1, "tag": step_dir.name, "written": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                **meta, "files": dict(sorted(files.items()))}
+    write_atomic(step_dir / MANIFEST_NAME, json.dumps(manifest, indent=1) + "\n")
+    return manifest
+
+
+def read_manifest(step_dir: Path) -> Optional[dict[str, Any]]:
+    f = step_dir / MANIFEST_NAME
+    if not f.is_file():
+        return None
+    try:
+        manifest = json.loads(f.read_text())
+    except (json.JSONDecodeError, OSError):
+        return None  # cannot be torn (written by rename); unreadable means damaged: treat as absent
+    return manifest if isinstance(manifest, dict) and isinstance(manifest.get("files"), dict) else None
+
+
+def manifest_problem(step_dir: Path, manifest: dict[str, Any]) -> Optional[str]:
+    """The first file the manifest names that is missing or has another size, or None if all match."""
+    for name, size in manifest["files"].items():
+        f = step_dir / name
+        try:
+            actual = f.stat().st_size
+        except FileNotFoundError:
+            return f"{f} is missing"
+        if actual != size:
+            return f"{f} is {actual} bytes, the manifest says {size} ({'short' if actual < size else 'changed'})"
+    return None
+
+
+@dataclass(frozen=True)
+class Found:
+    """A complete checkpoint to resume from."""
+
+    path: str  # the directory given as --save / --load
+    tag: str
+    step: int
+    layout: CheckpointLayout
+    verified: bool  # True: checked against its manifest; False: an older checkpoint without one (file counts)
+    manifest: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def has_optimizer(self) -> bool:
+        return self.layout.optimizer_files > 0
+
+
+def find_resumable(path: str) -> tuple[Optional[Found], list[str]]:
+    """The newest complete checkpoint under `path`, and a warning for each newer one that was skipped.
+
+    Candidates are tag directories with a manifest, plus the tag `latest` names when it has none (checkpoints
+    written before manifests, and `threed convert` output), whose file counts are checked instead."""
+    warnings: list[str] = []
+    latest = read_latest(path)
+    for tag in list_tags(path):
+        step_dir = Path(path) / tag
+        manifest = read_manifest(step_dir)
+        if manifest is not None:
+            problem = manifest_problem(step_dir, manifest)
+            if problem is None:
+                return Found(path, tag, step_of(tag) or 0, layout_of_files(tag, list(manifest["files"])),
+                             True, manifest), warnings
+            warnings.append(f"skipping checkpoint {step_dir}: {problem}")
+        elif tag == latest:
+            names = [f.name for f in step_dir.iterdir()]
+            layout = layout_of_files(tag, names)
+            problem = missing_files(layout, names)
+            if problem is None:
+                return Found(path, tag, step_of(tag) or 0, layout, False), warnings
+            warnings.append(f"skipping checkpoint {step_dir}: {problem}")
+        else:
+            warnings.append(f"skipping checkpoint {step_dir}: it has no {MANIFEST_NAME}, so its save never "
+                            f"finished on every rank")
+    if latest is not None and step_of(latest) is None and (Path(path) / latest).is_dir():
+        # A tag not named global_step<N> (written by hand or another tool): trust `latest` with a file check.
+        names = [f.name for f in (Path(path) / latest).iterdir()]
+        layout = layout_of_files(latest, names)
+        if missing_files(layout, names) is None:
+            return Found(path, latest, 0, layout, False), warnings
+    return None, warnings
+
+
+def prune(save_dir: Path, keep_last: int, current: str) -> list[str]:
+    """Delete what a restart can no longer need: checkpoints beyond the newest `keep_last` complete ones (0 keeps
+    all), unfinished saves older than `current`, and universal conversions of steps before it. Returns what was
+    removed. Never touches `current` (the tag `latest` names). A directory without a manifest whose file counts
+    are complete (an older threed's checkpoint) counts as complete: keeping a leftover beats deleting a run."""
+    removed: list[str] = []
+    current_step = step_of(current) or 0
+    complete = 0
+    for tag in list_tags(save_dir):
+        step_dir = save_dir / tag
+        if tag == current:
+            complete += 1
+            continue
+        if (step_of(tag) or 0) > current_step:
+            continue  # a newer directory: leave it to whoever writes it
+        manifest = read_manifest(step_dir)
+        if manifest is not None:
+            finished = manifest_problem(step_dir, manifest) is None
+        else:  # written before manifests existed, or a save cut short: only the file counts can tell
+            names = [f.name for f in step_dir.iterdir()]
+            finished = missing_files(layout_of_files(tag, names), names) is None
+        if finished:
+            complete += 1
+            if not keep_last or complete <= keep_last:
+                continue
+        remove_checkpoint(step_dir)
+        removed.append(tag)
+    universal = save_dir / UNIVERSAL_DIR
+    if universal.is_dir():
+        for d in universal.iterdir():
+            if d.is_dir() and (step_of(d.name.split("-")[0]) or 0) < current_step:
+                shutil.rmtree(d, ignore_errors=True)
+                removed.append(f"{UNIVERSAL_DIR}/{d.name}")
+    return removed
+
+
+def remove_checkpoint(step_dir: Path) -> None:
+    """The manifest goes first, so a removal cut short never leaves a manifest over missing files."""
+    (step_dir / MANIFEST_NAME).unlink(missing_ok=True)
+    shutil.rmtree(step_dir, ignore_errors=True)
+
+
+def clear_run(save_dir: Path) -> list[str]:
+    """`--overwrite true`: remove the checkpoints of the run in `save_dir` (latest first, so no reader ever sees
+    it name a half-deleted directory)."""
+    removed = []
+    (save_dir / LATEST).unlink(missing_ok=True)
+    for tag in list_tags(save_dir):
+        remove_checkpoint(save_dir / tag)
+        removed.append(tag)
+    shutil.rmtree(save_dir / UNIVERSAL_DIR, ignore_errors=True)
+    return removed

@@ -1,0 +1,178 @@
+"""Where a run starts, decided before anything expensive: resume (natively or through a universal checkpoint),
+weights only, or random init; and whether the save directory can take a checkpoint at all.
+
+The rules (each refusal names the flag that would make it go ahead):
+- `--save` holding a complete checkpoint: resume from it (a requeued job), even if `--load` / `--init-from` name
+  another directory (those are for the first start). With `--auto-resume false` that is refused, because
+  training from scratch would overwrite and roll back the run; `--overwrite true` deletes its checkpoints first.
+- `--save` with checkpoints but none complete while `latest` exists: refused (a short or missing file is more
+  likely a file-system problem than a run to throw away); `--overwrite true` starts over.
+- `--load DIR`: resume from its newest complete checkpoint; `--init-from DIR`: its weights, at its tp/pp.
+- A resume at another tp, pp, dp or dtype converts the checkpoint to a universal one once (rank 0) and loads that.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from threed.checkpoint.layout import (RUN_CONFIG_NAME, check_layout, check_loadable, check_model, read_latest,
+                                      list_tags)
+from threed.checkpoint.manifest import Found, find_resumable
+from threed.config import ConfigError, RunConfig
+
+
+@dataclass
+class StartPlan:
+    mode: str = "fresh"  # fresh | resume | weights
+    source: Optional[Found] = None
+    universal: bool = False  # load through a universal checkpoint (set once converted)
+    load_dir: Optional[str] = None  # what engine.load_checkpoint gets
+    tag: Optional[str] = None
+    clear_save: bool = False  # --overwrite: delete the run in --save before starting
+    notes: list[str] = field(default_factory=list)  # log lines for rank 0
+
+    def describe(self) -> str:
+        if self.mode == "fresh":
+            return "random init"
+        what = "resumed from" if self.mode == "resume" else "weights from"
+        via = " via a universal checkpoint" if self.universal else ""
+        return f"{what} {self.source.path}/{self.source.tag}{via}"
+
+
+def _dtype_of(found: Found) -> str:
+    dtype = found.manifest.get("dtype")
+    if dtype:
+        return dtype
+    # Older checkpoints: DeepSpeed's BF16_Optimizer names its shards bf16_zero_pp_rank_*.
+    step_dir = Path(found.path) / found.tag
+    return "bf16" if any(step_dir.glob("bf16_zero_pp_rank_*")) else "fp32"
+
+
+def _recorded_model(found: Found):
+    from threed.convert.ds_checkpoint import read_model_config
+
+    if found.manifest.get("model"):
+        return RunConfig.from_dict({"model": found.manifest["model"]}).model
+    return read_model_config(found.path)
+
+
+def _find(path: str, what: str, notes: list[str]) -> Found:
+    if not Path(path).is_dir() or (read_latest(path) is None and not list_tags(path)):
+        raise ConfigError(f"{what}={path} holds no DeepSpeed checkpoint (no 'latest' file); pass the directory "
+                          f"that `threed train --save` or `threed convert --out` wrote")
+    found, warnings = find_resumable(path)
+    notes.extend(warnings)
+    if found is None:
+        raise ConfigError(f"{what}={path} holds no complete checkpoint ({'; '.join(warnings) or 'none found'})")
+    return found
+
+
+def plan_start(cfg: RunConfig, world_size: int) -> StartPlan:
+    """Pure: reads the file system, changes nothing, raises ConfigError with the fix."""
+    ck = cfg.checkpoint
+    plan = StartPlan()
+    save_found: Optional[Found] = None
+    if ck.save and Path(ck.save).is_dir() and (list_tags(ck.save) or read_latest(ck.save)):
+        save_found, warnings = find_resumable(ck.save)
+        if ck.overwrite:
+            plan.clear_save = True
+            plan.notes.append(f"--overwrite true: deleting the checkpoints in {ck.save} and starting over")
+            save_found = None
+        elif save_found is not None and not ck.auto_resume:
+            raise ConfigError(
+                f"--save {ck.save} already holds a checkpoint of a run ({save_found.tag}); --auto-resume false "
+                f"would train from scratch and overwrite it. Resume it (drop --auto-resume false), choose a new "
+                f"--save, or pass --overwrite true to delete its checkpoints and start over")
+        elif save_found is None and read_latest(ck.save) is not None:
+            raise ConfigError(f"--save {ck.save} holds no complete checkpoint ({'; '.join(warnings)}); restore the "
+                              f"missing files, or pass --overwrite true to delete them and start over")
+        else:
+            plan.notes.extend(warnings)
+    if save_found is not None:
+        plan.mode, plan.source = "resume", save_found
+        for flag, value in (("--load", ck.load), ("--init-from", ck.init_from)):
+            if value and os.path.abspath(value) != os.path.abspath(ck.save):
+                plan.notes.append(f"{flag} {value} is not used: --save {ck.save} already holds this run's "
+                                  f"checkpoint {save_found.tag}, so the run resumes from it")
+    elif ck.load:
+        plan.mode, plan.source = "resume", _find(ck.load, "load", plan.notes)
+    elif ck.init_from:
+        plan.mode, plan.source = "weights", _find(ck.init_from, "init_from", plan.notes)
+    if plan.source is None:
+        return plan
+
+    found = plan.source
+    check_model(found.path, _recorded_model(found), cfg.model)
+    plan.load_dir, plan.tag = found.path, found.tag
+    if plan.mode == "weights":
+        check_layout(found.path, cfg, world_size, full_resume=False, tag=found.tag)
+        if (Path(found.path) / RUN_CONFIG_NAME).is_file() or (Path(found.path) / "threed_convert.json").is_file():
+            if found.tag == read_latest(found.path):
+                check_loadable(found.path, cfg.model, cfg.parallel.tp, cfg.parallel.pp, weights_only=True)
+        return plan
+    if not found.has_optimizer:
+        raise ConfigError(f"{found.path} is a converted checkpoint (weights only, no optimizer state): use it with "
+                          f"--init-from, not --load or --save")
+    lay = found.layout
+    same = ((lay.tp, lay.pp, lay.dp) == (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp(world_size))
+            and _dtype_of(found) == cfg.train.dtype)
+    plan.universal = not same
+    return plan
+
+
+def checkpoint_bytes(cfg: RunConfig) -> int:
+    """Bytes of one checkpoint: the weights in the training dtype (vocab padded for this tp) plus ZeRO's fp32
+    master copy and AdamW's two moments (12 B/param, in total over the dp shards)."""
+    m = cfg.model
+    padded = m.num_params() + 2 * (m.padded_vocab_size(cfg.parallel.tp) - m.vocab_size) * m.hidden_size
+    return padded * ((2 if cfg.train.dtype == "bf16" else 4) + 12)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def check_save_dir(cfg: RunConfig, plan: StartPlan, create: bool = True) -> None:
+    """Before the model is built: --save is a directory we can create and write, with room for a checkpoint
+    (and for the universal conversion when one is planned). `create=False` (threed check-config) only looks:
+    permissions instead of a test write, and nothing is created."""
+    save = cfg.checkpoint.save
+    if not save:
+        return
+    p = Path(save)
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"--save {save} is a file, not a directory; give a directory for the checkpoints")
+    existing = p
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"--save {save}: {existing} is a file, not a directory; choose another --save")
+    if not create and not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"--save {save} is not writable ({existing} does not let this user write); choose a "
+                          f"directory you can write to")
+    needed = checkpoint_bytes(cfg) * (2 if plan.universal else 1)
+    free = shutil.disk_usage(existing).free
+    if needed > free:
+        raise ConfigError(f"--save {save} has {_human(free)} free; one checkpoint of {cfg.model.name} needs about "
+                          f"{_human(needed)}{' (plus its universal conversion)' if plan.universal else ''}. Free "
+                          f"space or choose --save on a larger file system")
+    if not create:
+        return
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        probe = p / f".threed-write-test-{os.getpid()}"
+        with open(probe, "wb") as f:
+            f.write(b"x")
+            f.flush()
+            os.fsync(f.fileno())
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"--save {save} is not writable ({e.strerror or e}); choose a directory you can write "
+                          f"to") from None

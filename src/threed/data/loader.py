@@ -1,0 +1,124 @@
+"""Build megatron-core's datasets for a run and cut them into pipeline micro-batches in Megatron's sample order.
+
+Sample order (Megatron-LM's MegatronPretrainingSampler): global batch k is samples [k*GBS, (k+1)*GBS) of the
+(blended) train dataset; data-parallel rank r takes the contiguous share [k*GBS + r*GBS/dp, k*GBS + (r+1)*GBS/dp),
+in micro-batches of `micro`. The order depends only on the global batch, never on dp, so a run resumed at another
+data-parallel size reads exactly the samples it would have read. Position = consumed samples, saved with every
+checkpoint.
+
+A micro-batch is what DeepSpeed's pipeline loads: `(tokens, (labels, loss_mask))` for training, with a third
+target, the one-hot source dataset of each sample, for evaluation (per-dataset validation loss).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+from threed.config import RunConfig
+from threed.data.datasets import DataPlan
+
+
+@dataclass(frozen=True)
+class _TokenizerInfo:
+    """What megatron-core's GPTDataset needs of a tokenizer: the vocabulary size, the end-of-document id, and
+    an identity for its cache keys. The data is already tokenized, so nothing here encodes text."""
+
+    vocab_size: int
+    eod: int
+    # No pad id: the data is not padded. A value that is no token and not the eod keeps megatron from masking
+    # (or warning about) anything.
+    pad: int = -1
+
+    @property
+    def unique_identifiers(self) -> dict:
+        return {"class": "threed", "vocab_size": self.vocab_size, "eod": self.eod}
+
+
+@dataclass
+class Datasets:
+    train: Optional[object]
+    valid: Optional[object]
+    valid_names: tuple[str, ...]  # source dataset of each dataset_id in the valid blend
+
+    def __len__(self) -> int:  # the number of split datasets built on this rank
+        return sum(d is not None for d in (self.train, self.valid))
+
+
+def sample_counts(cfg: RunConfig, plan: DataPlan, global_batch: int) -> list[int]:
+    """[train, valid, test] samples, as Megatron computes them: every step's global batch, and eval_iters global
+    batches per evaluation (every eval_interval steps, plus one at the end)."""
+    train = cfg.train.steps * global_batch
+    evals = cfg.train.steps // plan.eval_interval + 1 if plan.eval_interval else 0
+    valid = cfg.train.eval_iters * global_batch * evals if plan.has_valid else 0
+    return [train, valid, 0]
+
+
+def build_datasets(cfg: RunConfig, plan: DataPlan, global_batch: int, builds_here: bool) -> Datasets:
+    """megatron-core's BlendedMegatronDatasetBuilder. Every rank must call it (it builds index caches on rank 0
+    behind a barrier); only ranks with `builds_here` (the first and last pipeline stages) get datasets."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    d = cfg.data
+    blends = plan.blends
+    common = dict(
+        random_seed=cfg.train.seed, sequence_length=cfg.train.seq_length,
+        tokenizer=_TokenizerInfo(cfg.model.vocab_size, plan.eod), reset_position_ids=False,
+        reset_attention_mask=False, eod_mask_loss=d.eod_mask_loss,
+        # The attention is causal SDPA: megatron's [1, s, s] mask per sample would only cost memory.
+        create_attention_mask=False, path_to_cache=d.data_cache_path, mmap_bin_files=True,
+    )
+    # The test split is never read here: it is not built (megatron-core would loop forever building a split whose
+    # document range is empty, as the 1/1000 test share of a small dataset is). Train and valid keep exactly
+    # Megatron's document ranges for the same --split.
+    if plan.split is not None:
+        gcfg = GPTDatasetConfig(blend=blends[0].as_megatron(), split=plan.split, **common)
+        gcfg.split_matrix[2] = None
+    else:
+        gcfg = GPTDatasetConfig(blend_per_split=[b.as_megatron() if b else None for b in blends[:2]] + [None],
+                                **common)
+    counts = sample_counts(cfg, plan, global_batch)
+    train, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, counts, lambda: builds_here, gcfg).build()
+    valid_blend = blends[1]
+    return Datasets(train=train if builds_here else None, valid=valid if builds_here else None,
+                    valid_names=valid_blend.prefixes if valid_blend else ())
+
+
+class SampleCounter:
+    """Samples this rank has read (the tests count reads per pipeline stage)."""
+
+    def __init__(self) -> None:
+        self.samples = 0
+
+
+def micro_batches(dataset, global_batch: int, micro: int, dp: int, dp_rank: int, start_sample: int,
+                  vocab_size: int, num_datasets: int = 0,
+                  counter: Optional[SampleCounter] = None) -> Iterator[tuple]:
+    """Endless micro-batches for this data-parallel rank from `start_sample` (consumed samples) on.
+    With `num_datasets` > 0 the targets carry each sample's one-hot source dataset (evaluation)."""
+    share = global_batch // dp
+    consumed = start_sample
+    while True:
+        first = consumed + dp_rank * share
+        for m in range(share // micro):
+            samples = [dataset[i] for i in range(first + m * micro, first + (m + 1) * micro)]
+            if counter is not None:
+                counter.samples += len(samples)
+            yield collate(samples, vocab_size, num_datasets)
+        consumed += global_batch
+
+
+def collate(samples: Sequence[dict], vocab_size: int, num_datasets: int = 0) -> tuple:
+    tokens = torch.stack([torch.as_tensor(s["tokens"]) for s in samples]).long()
+    labels = torch.stack([torch.as_tensor(s["labels"]) for s in samples]).long()
+    loss_mask = torch.stack([torch.as_tensor(s["loss_mask"]) for s in samples]).float()
+    top = int(max(tokens.max(), labels.max()))
+    if top >= vocab_size:  # the last guard behind check_data's (sampled, for big corpora) vocabulary check
+        raise ValueError(f"a training sample holds token id {top} >= the model's vocab_size {vocab_size}: the data "
+                         f"was made with another tokenizer; re-run `threed preprocess` with the model's tokenizer")
+    if not num_datasets:
+        return tokens, (labels, loss_mask)
+    ids = torch.tensor([int(s.get("dataset_id", 0)) for s in samples])
+    return tokens, (labels, loss_mask, torch.nn.functional.one_hot(ids, num_datasets).float())

@@ -1,0 +1,212 @@
+"""The one metrics writer of a run.
+
+Every rank builds a `RunMetrics` and calls `step` once per training step (the per-stage numbers need one
+all-gather every log interval); only the writer rank, the last pipeline stage at TP rank 0 and DP rank 0, builds
+records and feeds the sinks. That rank holds the loss itself: DeepSpeed averages it over DP on the last stage
+and broadcasts it back up the pipe only for the other stages' return value.
+
+The run directory (where `metrics.jsonl` and `run_config.json` go, always) is `--save` when given, else the parent
+of `--tensorboard-dir`; with neither the run logs to stdout only. TensorBoard writes to `--tensorboard-dir`,
+by default `<run dir>/tensorboard`; `--tensorboard false` turns it off. `--wandb-project` adds Weights & Biases.
+
+Per-step records carry the writer rank's scalars; every `log_interval` steps the record also carries the
+per-stage numbers (means over the interval) and the stdout line is printed.
+"""
+from __future__ import annotations
+
+import atexit
+import importlib.util
+import json
+import math
+import platform
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from threed.config import ConfigError, RunConfig, deepspeed_config
+from threed.metrics.flops import flops_per_token, peak_tflops_per_device
+from threed.metrics.sinks import CONFIG_FILE, METRICS_FILE, JsonlSink, TensorBoardSink, WandbSink, stdout_line
+from threed.metrics.stages import StageTimer, gather_rows, ideal_bubble, memory_bytes, per_stage
+
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+def run_directory(cfg: RunConfig) -> Optional[Path]:
+    if cfg.checkpoint.save:
+        return Path(cfg.checkpoint.save)
+    if cfg.metrics.tensorboard_dir:
+        return Path(cfg.metrics.tensorboard_dir).resolve().parent
+    return None
+
+
+def tensorboard_directory(cfg: RunConfig) -> Optional[Path]:
+    m = cfg.metrics
+    if not m.tensorboard:
+        return None
+    if m.tensorboard_dir:
+        return Path(m.tensorboard_dir)
+    run_dir = run_directory(cfg)
+    return run_dir / "tensorboard" if run_dir else None
+
+
+def check_metrics_config(cfg: RunConfig) -> None:
+    """Run on every rank before anything is logged, so a bad setting stops all ranks alike (never one rank
+    failing while the others wait in a collective)."""
+    m = cfg.metrics
+    if m.tensorboard_dir and not m.tensorboard:
+        raise ConfigError(f"tensorboard_dir={m.tensorboard_dir} is given but tensorboard is false; drop one")
+    if m.wandb_mode is not None and m.wandb_mode not in WANDB_MODES:
+        raise ConfigError(f"wandb_mode must be one of {', '.join(WANDB_MODES)}, got {m.wandb_mode!r}")
+    if m.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(f"wandb_project={m.wandb_project} needs the wandb package, which is not installed. "
+                          f"Install it (`pip install wandb`; use --wandb-mode offline without network), or drop "
+                          f"--wandb-project: metrics.jsonl and TensorBoard need nothing extra")
+
+
+def run_summary(cfg: RunConfig, world_size: int, start_iteration: int) -> dict[str, Any]:
+    """Everything that defines the run, written once beside the metrics (and as TensorBoard text)."""
+    import deepspeed
+    import torch
+
+    dp = cfg.parallel.dp(world_size)
+    micro, gas, glob = cfg.train.resolve_batch(dp)
+    return {"config": cfg.to_dict(), "world_size": world_size, "tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": dp,
+            "micro_batch_size": micro, "grad_accum_steps": gas, "global_batch_size": glob,
+            "start_iteration": start_iteration, "flops_per_token": flops_per_token(cfg.model, cfg.train.seq_length),
+            "peak_tflops_per_device": peak_tflops_per_device(), "deepspeed_config": deepspeed_config(cfg, world_size),
+            "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                         "deepspeed": deepspeed.__version__}}
+
+
+class RunMetrics:
+    def __init__(self, cfg: RunConfig, engine: Any, rt: Any, start_iteration: Optional[int] = None):
+        check_metrics_config(cfg)
+        grid = engine.grid
+        self.device = rt.device
+        self.world = rt.world_size
+        self.pp = cfg.parallel.pp
+        _, self.gas, self.batch = cfg.train.resolve_batch(grid.get_data_parallel_world_size())
+        self.seq = cfg.train.seq_length
+        self.total_steps = cfg.train.steps
+        self.log_interval = max(1, cfg.train.log_interval)
+        self.start = engine.global_steps if start_iteration is None else start_iteration
+        self.engine = engine
+        self.is_writer = (engine.is_last_stage() and grid.get_data_parallel_rank() == 0
+                          and grid.get_slice_parallel_rank() == 0)
+        self.flops_per_token = flops_per_token(cfg.model, self.seq)
+        self.peak_tflops = peak_tflops_per_device()
+        self.timer = StageTimer(engine, rt.device, instructions=cfg.metrics.stage_timing)
+        self.timer.install()
+        self.overhead_s = 0.0  # time this rank spent in step()/log(): the cost of logging, measured
+        self.collective_s = 0.0  # the part of it spent in the all-gather (mostly waiting for the slowest rank)
+        self.sinks: list[Any] = []
+        self.run_dir = run_directory(cfg)
+        self._t_first: Optional[float] = None
+        if self.is_writer:
+            self._open_sinks(cfg)
+            atexit.register(self.close)
+
+    def _open_sinks(self, cfg: RunConfig) -> None:
+        summary = run_summary(cfg, self.world, self.start)
+        text = json.dumps(summary, indent=1, default=str)
+        where = []
+        if self.run_dir:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / CONFIG_FILE).write_text(text + "\n")
+            self.sinks.append(JsonlSink(self.run_dir / METRICS_FILE, self.start))
+            where.append(str(self.run_dir / METRICS_FILE))
+        tb_dir = tensorboard_directory(cfg)
+        if tb_dir:
+            self.sinks.append(TensorBoardSink(tb_dir, self.start, text))
+            where.append(f"TensorBoard {tb_dir}")
+        m = cfg.metrics
+        if m.wandb_project:
+            self.sinks.append(WandbSink(m.wandb_project, m.wandb_name, m.wandb_mode, self.run_dir, summary))
+            where.append(f"W&B project {m.wandb_project}")
+        print("metrics: " + (", ".join(where) if where else "stdout only (give --save or --tensorboard-dir to "
+                                                            "keep metrics.jsonl)"), flush=True)
+
+    def _meta(self, iteration: int, samples: Optional[int]) -> dict[str, Any]:
+        if samples is None:
+            samples = iteration * self.batch  # a constant global batch since step 0
+        return {"iteration": iteration, "samples": samples, "tokens": samples * self.seq, "time": time.time()}
+
+    def step(self, iteration: int, loss: float, grad_norm: Optional[float] = None,
+             samples: Optional[int] = None) -> Optional[dict[str, Any]]:
+        """Every rank, once per training step, right after `train_batch`. `iteration` counts steps done (1-based),
+        `samples` the samples consumed so far (default iteration x global batch). Returns the record on the writer
+        rank, None elsewhere."""
+        t0 = time.perf_counter()
+        record: Optional[dict[str, Any]] = None
+        if self.is_writer:
+            record = self._step_record(iteration, loss, grad_norm, samples)
+        if iteration % self.log_interval == 0 or iteration == self.total_steps:
+            t_gather = time.perf_counter()
+            rows = gather_rows(self.timer, self.device)
+            self.collective_s += time.perf_counter() - t_gather
+            self.timer.reset()
+            if record is not None:
+                record.update(per_stage(rows, self.pp, timed=self.timer.instructions))
+                if self.timer.instructions:
+                    record["pipeline/ideal-bubble"] = ideal_bubble(self.pp, self.gas)
+                if self._t_first is None or iteration <= self.start + 1:
+                    eta = None
+                else:
+                    eta = (t0 - self._t_first) / (iteration - self.start - 1) * (self.total_steps - iteration)
+                print(stdout_line(record, self.total_steps, eta, self.pp), flush=True)
+        if record is not None:
+            for sink in self.sinks:
+                sink.write(record)
+        if self._t_first is None:
+            self._t_first = t0
+        self.overhead_s += time.perf_counter() - t0
+        return record
+
+    def _step_record(self, iteration: int, loss: float, grad_norm: Optional[float],
+                     samples: Optional[int]) -> dict[str, Any]:
+        if grad_norm is None:
+            norm = self.engine.get_global_grad_norm()
+            grad_norm = float(norm) if norm is not None else float("nan")
+        dt = self.timer.last_iteration
+        tokens_per_s = self.batch * self.seq / dt if dt > 0 else 0.0
+        tflops = self.flops_per_token * tokens_per_s / self.world / 1e12
+        mem_now, mem_peak = memory_bytes(self.device)
+        record = {**self._meta(iteration, samples), "lm loss": float(loss),
+                  "learning-rate": float(self.engine.get_lr()[0]), "grad-norm": float(grad_norm),
+                  "iteration-time": dt, "batch-size": self.batch, "tokens-per-sec": tokens_per_s, "throughput": tflops,
+                  "mem-allocated-bytes": mem_now, "mem-max-allocated-bytes": mem_peak}
+        if self.peak_tflops:
+            record["mfu"] = tflops / self.peak_tflops
+        return record
+
+    def log(self, iteration: int, values: dict[str, float], samples: Optional[int] = None, line: bool = True) -> None:
+        """Extra scalars at `iteration` (e.g. `lm loss validation/<dataset>`) to every sink; `line` also prints them.
+        No collective: call it on any ranks; only the writer rank writes."""
+        if not self.is_writer:
+            return
+        t0 = time.perf_counter()
+        record = {**self._meta(iteration, samples), **{k: float(v) for k, v in values.items()}}
+        if line:
+            print(f"step {iteration} | " + " | ".join(f"{k} {v:.4f}" for k, v in values.items()), flush=True)
+        for sink in self.sinks:
+            sink.write(record)
+        self.overhead_s += time.perf_counter() - t0
+
+    def validation(self, iteration: int, loss: float, per_dataset: Optional[dict[str, float]] = None,
+                   samples: Optional[int] = None, line: bool = False) -> None:
+        """Megatron's `lm loss validation` and `lm loss validation ppl` (exp of the loss, capped at e^20 as
+        Megatron does), plus `.../<name>` for each dataset of a blend. No stdout line by default: the training
+        loop prints its own validation line."""
+        values = {"lm loss validation": loss, "lm loss validation ppl": math.exp(min(20.0, loss))}
+        for name, v in (per_dataset or {}).items():
+            values[f"lm loss validation/{name}"] = v
+            values[f"lm loss validation ppl/{name}"] = math.exp(min(20.0, v))
+        self.log(iteration, values, samples, line)
+
+    def close(self) -> None:
+        """Idempotent; also run at interpreter exit, so TensorBoard's buffered events survive an early exit."""
+        self.timer.uninstall()
+        atexit.unregister(self.close)
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []

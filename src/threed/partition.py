@@ -1,0 +1,174 @@
+"""Which pipeline stage holds which layers: `--partition-method`.
+
+    balanced          (default) contiguous stages minimising the largest stage's estimated training FLOPs per token:
+                      a block costs its matmuls plus attention scores, the LM head 6·h·V; the embedding (a lookup)
+                      and the norms count as zero. Every stage keeps at least one transformer block.
+    layers:5,3        explicit transformer blocks per stage (one number per stage, summing to num_layers); the
+                      embedding goes with the first stage, the final norm and LM head with the last.
+    parameters        balance parameter counts (DeepSpeed's method; counted from the config, nothing is built).
+    uniform           equal numbers of pipeline layers (embedding, each block, norm and head count one each).
+    type:REGEX        balance the layers whose class name matches (DeepSpeed's method). `type:LlamaBlock` spreads the
+                      blocks evenly and leaves the LM head and loss on top of the last stage: the old default.
+
+Why balanced: the last stage's LM head + loss costs 6·h·V FLOPs per token, 0.65 of a Llama-2-7B block and 2.4 of a
+Llama-3-8B block (their vocabularies are 32k and 128k), and 1F1B runs at the pace of the slowest stage.
+`benchmarks/bench_pipeline.py` measures the effect.
+
+DeepSpeed's PipelineModule knows only its own methods, so `StagedPipelineModule` takes the resolved boundaries as
+`partition_method="parts:0,6,11"` (layer indices where each stage starts, then the end).
+"""
+from __future__ import annotations
+
+import functools
+import re
+
+from threed.config import ConfigError, ModelConfig
+from threed.pipeline import PipelineLayer, pipeline_layers
+
+PARTS_PREFIX = "parts:"
+CLASS_NAMES = {"embedding": "EmbeddingPipe", "block": "LlamaBlock", "final_norm": "FinalNormPipe",
+               "lm_head": "LMHeadPipe"}
+METHODS = "balanced, layers:N1,N2,..., parameters, uniform, type:REGEX"
+
+
+def layer_flops(model: ModelConfig, layer: PipelineLayer, seq_length: int, tp: int) -> float:
+    """Training (forward + backward) FLOPs per token of one pipeline layer (the cost model of `balanced`)."""
+    h, d = model.hidden_size, model.head_dim
+    if layer.kind == "block":
+        matmul = h * (model.num_heads * d) + 2 * h * (model.num_kv_heads * d) + model.num_heads * d * h \
+            + 3 * h * model.ffn_hidden_size
+        return 3.0 * (2.0 * matmul + 4.0 * seq_length * h)
+    if layer.kind == "lm_head":
+        return 6.0 * h * model.padded_vocab_size(tp)
+    return 0.0
+
+
+def layer_params(model: ModelConfig, layer: PipelineLayer, tp: int) -> int:
+    h, d = model.hidden_size, model.head_dim
+    if layer.kind in ("embedding", "lm_head"):
+        return model.padded_vocab_size(tp) * h
+    if layer.kind == "final_norm":
+        return h
+    return h * (model.num_heads * d) + 2 * h * (model.num_kv_heads * d) + model.num_heads * d * h \
+        + 3 * h * model.ffn_hidden_size + 2 * h
+
+
+def min_max_partition(costs: list[float], parts: int, has_block: list[bool]) -> list[int]:
+    """Contiguous split of `costs` into `parts` segments, each holding a block, minimising the largest segment's
+    sum (ties: the earliest boundaries). Dynamic programming over (segments, prefix length)."""
+    n = len(costs)
+    prefix = [0.0]
+    blocks = [0]
+    for c, b in zip(costs, has_block):
+        prefix.append(prefix[-1] + c)
+        blocks.append(blocks[-1] + int(b))
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0.0
+    for k in range(1, parts + 1):
+        for i in range(1, n + 1):
+            for j in range(k - 1, i):
+                if best[k - 1][j] == inf or blocks[i] == blocks[j]:
+                    continue
+                worst = max(best[k - 1][j], prefix[i] - prefix[j])
+                if worst < best[k][i] - 1e-9 * abs(worst):
+                    best[k][i], cut[k][i] = worst, j
+    if best[parts][n] == inf:
+        raise ConfigError(f"cannot split {sum(has_block)} blocks into {parts} stages that each hold one")
+    bounds = [n]
+    for k in range(parts, 0, -1):
+        bounds.append(cut[k][bounds[-1]])
+    return bounds[::-1]
+
+
+def _explicit(spec: str, model: ModelConfig, pp: int) -> list[int]:
+    try:
+        counts = [int(x) for x in spec.split(",")]
+    except ValueError:
+        raise ConfigError(f"partition_method layers:{spec}: expected comma-separated block counts per stage, e.g. "
+                          f"layers:{','.join([str(model.num_layers // pp)] * pp)}") from None
+    if len(counts) != pp or min(counts) < 1 or sum(counts) != model.num_layers:
+        raise ConfigError(f"partition_method layers:{spec} gives {len(counts)} stages holding {sum(counts)} blocks; "
+                          f"this run has pp={pp} and {model.num_layers} blocks: give {pp} counts, each >= 1, "
+                          f"summing to {model.num_layers}")
+    # Layer 0 is the embedding (stage 0); the norm and head after the last block belong to the last stage.
+    bounds, block = [0], 0
+    for c in counts[:-1]:
+        block += c
+        bounds.append(1 + block)
+    return bounds + [model.num_layers + 3]
+
+
+def resolve_partition(method: str, model: ModelConfig, pp: int, seq_length: int, tp: int = 1) -> list[int]:
+    """Stage boundaries over `pipeline_layers(model)`: stage s holds layers [bounds[s], bounds[s+1])."""
+    layers = pipeline_layers(model)
+    is_block = [layer.kind == "block" for layer in layers]
+    m = method.strip()
+    if m.lower() == "balanced":
+        return min_max_partition([layer_flops(model, la, seq_length, tp) for la in layers], pp, is_block)
+    if m.lower().startswith("layers:"):
+        return _explicit(m[len("layers:"):], model, pp)
+    # DeepSpeed's own methods, computed with its own split functions (imported here: the two above need no
+    # DeepSpeed, so `threed check-config` can resolve them cheaply).
+    from deepspeed.runtime import utils as ds_utils
+
+    if m.lower() == "parameters":
+        return [int(b) for b in ds_utils.partition_balanced([layer_params(model, la, tp) for la in layers], pp)]
+    if m.lower() == "uniform":
+        return [int(b) for b in ds_utils.partition_uniform(len(layers), pp)]
+    if m.lower().startswith("type:"):
+        try:
+            pattern = re.compile(m[len("type:"):], re.IGNORECASE)
+        except re.error as e:
+            raise ConfigError(f"partition_method {m}: bad regular expression ({e})") from None
+        weights = [1 if pattern.search(CLASS_NAMES[la.kind]) else 0 for la in layers]
+        if not any(weights):
+            raise ConfigError(f"partition_method {m} matches no layer; the layer classes are "
+                              f"{', '.join(CLASS_NAMES.values())}")
+        return [int(b) for b in ds_utils.partition_balanced(weights, pp)]
+    raise ConfigError(f"unknown partition_method {method!r}; use one of: {METHODS}")
+
+
+def describe(bounds: list[int], model: ModelConfig) -> str:
+    """`0: embedding + blocks 0-4 | 1: blocks 5-7 + final_norm + lm_head` (for the start-up log)."""
+    layers = pipeline_layers(model)
+    out = []
+    for s in range(len(bounds) - 1):
+        mine = layers[bounds[s]:bounds[s + 1]]
+        blocks = [la.block for la in mine if la.kind == "block"]
+        names = [la.kind for la in mine if la.kind == "embedding"]
+        if blocks:
+            names.append(f"blocks {blocks[0]}-{blocks[-1]}" if len(blocks) > 1 else f"block {blocks[0]}")
+        names += [la.kind for la in mine if la.kind in ("final_norm", "lm_head")]
+        out.append(f"{s}: {' + '.join(names) or 'nothing'}")
+    return " | ".join(out)
+
+
+def stage_boundaries(cfg) -> str:
+    """The `partition_method` argument for `StagedPipelineModule`, resolved from cfg.train.partition_method."""
+    bounds = resolve_partition(cfg.train.partition_method, cfg.model, cfg.parallel.pp, cfg.train.seq_length,
+                               cfg.parallel.tp)
+    return PARTS_PREFIX + ",".join(str(b) for b in bounds)
+
+
+@functools.cache
+def staged_pipeline_module():
+    """DeepSpeed's PipelineModule, taking explicit stage boundaries (created lazily: DeepSpeed is imported only
+    where a model is built)."""
+    import torch.distributed as dist
+    from deepspeed.pipe import PipelineModule
+
+    class StagedPipelineModule(PipelineModule):
+        def _partition_layers(self, method: str = "uniform") -> None:
+            if not method.startswith(PARTS_PREFIX):
+                return super()._partition_layers(method)
+            self.parts = [int(b) for b in method[len(PARTS_PREFIX):].split(",")]
+            assert len(self.parts) == self.num_stages + 1 and self.parts[-1] == len(self._layer_specs), self.parts
+            if dist.get_rank() == 0:
+                model = self._layer_specs[0].module_args[0]
+                print(f"pipeline stages: {describe(self.parts, model)}", flush=True)
+            stage = self._topo.get_coord(self.global_rank).pipe
+            self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+    return StagedPipelineModule

@@ -1,0 +1,218 @@
+"""`threed report RUN_DIR [RUN_DIR2]`: plots and a one-screen summary from a run's metrics.jsonl, for a cluster
+login node without a browser. Two run directories are overlaid on the same plots.
+
+    threed report runs/llama3-8b/ckpt                       # PNGs into runs/llama3-8b/ckpt/report/
+    threed report runs/a runs/b --out cmp/                  # a vs b
+
+Plots (always all five; a panel without data says so): loss.png (training and validation loss vs tokens),
+learning_rate.png, throughput.png (tokens/s and TFLOP/s per GPU), memory.png (peak memory per stage),
+idle.png (idle fraction per pipeline stage, with the ideal bubble dashed).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from threed.metrics.sinks import CONFIG_FILE, METRICS_FILE
+
+PLOTS = ("loss.png", "learning_rate.png", "throughput.png", "memory.png", "idle.png")
+
+
+class ReportError(ValueError):
+    """Input that cannot be reported on; the message is the one line shown to the user."""
+
+
+@dataclass
+class Run:
+    label: str
+    train: list[dict[str, Any]]  # records with `lm loss`, in iteration order, one per iteration
+    validation: list[dict[str, Any]]
+    summary: dict[str, Any]  # run_config.json, {} when absent
+
+    def series(self, key: str, x: str = "iteration", records: Optional[list] = None) -> tuple[list, list]:
+        pts = [(r[x], r[key]) for r in (self.train if records is None else records) if r.get(key) is not None]
+        return [p[0] for p in pts], [p[1] for p in pts]
+
+    def stages(self) -> list[int]:
+        keys = {k for r in self.train for k in r}
+        return sorted(int(k[5:].split("/")[0]) for k in keys
+                      if k.startswith("stage") and k.endswith("/mem-max-allocated-bytes"))
+
+
+def load_run(run_dir: str) -> Run:
+    path = Path(run_dir)
+    if not path.is_dir():
+        raise ReportError(f"{run_dir}: no such directory")
+    metrics = path / METRICS_FILE
+    if not metrics.is_file():
+        raise ReportError(f"{run_dir}: no {METRICS_FILE} (the training run writes it into --save, or the parent of "
+                          f"--tensorboard-dir)")
+    lines = metrics.read_text().splitlines()
+    records = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if n == len(lines):  # the last line of a killed run may be cut off
+                continue
+            raise ReportError(f"{metrics}:{n}: not a JSON record") from None
+    by_iteration: dict[int, dict] = {}
+    for r in records:
+        if not isinstance(r, dict) or not {"iteration", "samples", "tokens"} <= r.keys():
+            raise ReportError(f"{metrics}: a record without iteration/samples/tokens: not a threed metrics file")
+        if "lm loss" in r:
+            by_iteration[r["iteration"]] = r  # a resumed run re-logs steps after its checkpoint: the last wins
+    if not by_iteration:
+        raise ReportError(f"{metrics}: no training records (empty, or the run stopped before its first step)")
+    summary = {}
+    if (path / CONFIG_FILE).is_file():
+        summary = json.loads((path / CONFIG_FILE).read_text())
+    return Run(label=path.name if path.name not in ("", ".") else str(path.resolve().name),
+               train=[by_iteration[i] for i in sorted(by_iteration)],
+               validation=[r for r in records if "lm loss validation" in r], summary=summary)
+
+
+def _median(values: list) -> Optional[float]:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def summary_lines(run: Run) -> list[str]:
+    s, last = run.summary, run.train[-1]
+    lines = [f"== {run.label}"]
+    if s:
+        c = s["config"]
+        lines.append(f"   {c['model']['name']}: tp {s['tp']} x pp {s['pp']} x dp {s['dp']} = {s['world_size']} "
+                     f"rank(s); global batch {s['global_batch_size']} = micro {s['micro_batch_size']} x gas "
+                     f"{s['grad_accum_steps']} x dp {s['dp']}; seq {c['train']['seq_length']}; {c['train']['dtype']}")
+    losses = [r["lm loss"] for r in run.train if r.get("lm loss") is not None]
+    lines.append(f"   steps {run.train[0]['iteration']}-{last['iteration']}, {last['tokens']:,} tokens; lm loss "
+                 f"{losses[0]:.4f} -> {losses[-1]:.4f} (min {min(losses):.4f})")
+    if run.validation:
+        v = run.validation[-1]
+        lines.append(f"   validation at step {v['iteration']}: lm loss {v['lm loss validation']:.4f}, ppl "
+                     f"{v.get('lm loss validation ppl', float('nan')):.2f}")
+    it, tok, tfl = (_median([r.get(k) for r in run.train]) for k in ("iteration-time", "tokens-per-sec", "throughput"))
+    mfu = _median([r.get("mfu") for r in run.train])
+    lines.append(f"   median: {it * 1000:.0f} ms/step, {tok:,.0f} tokens/s, {tfl:.3g} TFLOP/s/GPU, MFU "
+                 + (f"{mfu * 100:.1f}%" if mfu is not None else "n/a (peak unknown)"))
+    for st in run.stages():
+        idle = _median([r.get(f"stage{st}/idle-fraction") for r in run.train])
+        comp = _median([r.get(f"stage{st}/compute-time") for r in run.train])
+        mem = max((r.get(f"stage{st}/mem-max-allocated-bytes") or 0) for r in run.train)
+        timing = "no timing (stage_timing off)" if idle is None else \
+            f"idle {idle * 100:.1f}% (ideal {last.get('pipeline/ideal-bubble', 0) * 100:.1f}%), compute " \
+            f"{comp * 1000:.0f} ms/step"
+        lines.append(f"   stage {st}: {timing}, peak memory {mem / 2**30:.2f} GiB")
+    return lines
+
+
+def _no_data(ax) -> None:
+    ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+
+
+def write_plots(runs: list[Run], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on a login node
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+
+    def save(fig, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        paths.append(out / name)
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for run in runs:
+        line, = ax.plot(*run.series("lm loss", "tokens"), label=f"{run.label} train")
+        if run.validation:
+            ax.plot(*run.series("lm loss validation", "tokens", run.validation), "o--", color=line.get_color(),
+                    label=f"{run.label} validation")
+    ax.set(xlabel="tokens", ylabel="lm loss", title="loss vs tokens")
+    ax.legend()
+    save(fig, "loss.png")
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for run in runs:
+        ax.plot(*run.series("learning-rate", "tokens"), label=run.label)
+    ax.set(xlabel="tokens", ylabel="learning-rate", title="learning rate")
+    ax.legend()
+    save(fig, "learning_rate.png")
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    for run in runs:
+        a1.plot(*run.series("tokens-per-sec"), label=run.label)
+        a2.plot(*run.series("throughput"), label=run.label)
+    a1.set(xlabel="iteration", ylabel="tokens/s", title="tokens per second (whole job)")
+    a2.set(xlabel="iteration", ylabel="TFLOP/s per GPU", title="model TFLOP/s per GPU")
+    a1.legend()
+    save(fig, "throughput.png")
+
+    for name, key, ylabel, title in (
+            ("memory.png", "mem-max-allocated-bytes", "GiB", "peak memory per stage (max over the stage's ranks)"),
+            ("idle.png", "idle-fraction", "idle fraction", "pipeline idle per stage (dashed: ideal bubble)")):
+        fig, ax = plt.subplots(figsize=(8, 4))
+        plotted = False
+        for run in runs:
+            for st in run.stages():
+                x, y = run.series(f"stage{st}/{key}")
+                if not x:
+                    continue
+                if key.startswith("mem"):
+                    y = [v / 2**30 for v in y]
+                ax.plot(x, y, marker=".", label=f"{run.label} stage {st}")
+                plotted = True
+            if key == "idle-fraction" and run.series("pipeline/ideal-bubble")[0]:
+                ax.plot(*run.series("pipeline/ideal-bubble"), "k--", linewidth=1, label=f"{run.label} ideal")
+        if plotted:
+            ax.legend()
+        else:
+            _no_data(ax)
+        ax.set(xlabel="iteration", ylabel=ylabel, title=title)
+        save(fig, name)
+    return paths
+
+
+def report(run_dirs: list[str], out: Optional[str]) -> list[Path]:
+    runs = [load_run(d) for d in run_dirs]
+    if len(runs) == 2 and runs[0].label == runs[1].label:
+        runs[0].label, runs[1].label = run_dirs[0], run_dirs[1]
+    for run in runs:
+        print("\n".join(summary_lines(run)))
+    paths = write_plots(runs, Path(out) if out else Path(run_dirs[0]) / "report")
+    print(f"plots: {', '.join(str(p) for p in paths)}")
+    return paths
+
+
+def _run(ns: argparse.Namespace) -> int:
+    try:
+        report(ns.run_dirs, ns.out)
+    except (ReportError, OSError) as e:
+        print(f"threed report: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("report", help="plots and a summary from a run's metrics.jsonl (one or two runs)")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="directory holding metrics.jsonl (at most two)")
+    p.add_argument("--out", help="where the PNGs go (default: RUN_DIR/report)")
+    p.set_defaults(run=lambda ns: 2 if _too_many(ns) else _run(ns))
+
+
+def _too_many(ns: argparse.Namespace) -> bool:
+    if len(ns.run_dirs) > 2:
+        print(f"threed report: error: at most two run directories, got {len(ns.run_dirs)}", file=sys.stderr)
+        return True
+    return False
