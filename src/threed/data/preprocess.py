@@ -5,6 +5,9 @@ written by megatron-core's own `IndexedDatasetBuilder`, so Megatron-LM reads our
         --tokenizer tok.model --append-eod --workers 8
     # -> data/corpus_text_document.bin/.idx (Megatron-LM's naming: PREFIX_{key}_document, one per --json-keys)
 
+With --sft (threed.data.sft): chat / instruction JSONL rendered with the tokenizer's chat template, written as
+PREFIX_text_document plus a loss mask PREFIX_mask_document (1 on response tokens), examples up to --seq-length.
+
 Each document is [BOS] + tokens (+ [EOS] with --append-eod, the end-of-document token for Llama); --no-bos drops
 the BOS. Documents that tokenize to nothing are skipped (counted in the summary). Token dtype is megatron's
 `DType.optimal_dtype(vocab)`: uint16 below 65,500, else int32. Inputs are cut into chunks (see readers.py);
@@ -224,9 +227,19 @@ def _interrupt(signum: int, frame: object) -> None:
 def _run(ns: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        summary = preprocess(ns.input, ns.output_prefix, ns.tokenizer, json_keys=ns.json_keys, workers=ns.workers,
-                             append_eod=ns.append_eod, bos=not ns.no_bos, input_format=ns.input_format,
-                             text_unit=ns.text_unit, force=ns.force, show_progress=not ns.quiet)
+        if ns.sft:
+            from threed.data.sft import preprocess_sft
+
+            long = "drop" if ns.drop_long else "truncate" if ns.truncate_long else "error"
+            summary = preprocess_sft(ns.input, ns.output_prefix, ns.tokenizer, seq_length=ns.seq_length,
+                                     chat_format=ns.chat_format, long=long, force=ns.force)
+        else:
+            if ns.chat_format or ns.drop_long or ns.truncate_long:
+                raise PreprocessError("--chat-format, --drop-long and --truncate-long apply to --sft only")
+            summary = preprocess(ns.input, ns.output_prefix, ns.tokenizer, json_keys=ns.json_keys,
+                                 workers=ns.workers, append_eod=ns.append_eod, bos=not ns.no_bos,
+                                 input_format=ns.input_format, text_unit=ns.text_unit, force=ns.force,
+                                 show_progress=not ns.quiet)
     except (PreprocessError, OSError) as e:  # OSError: disk full, permissions, a file vanishing meanwhile
         print(f"threed preprocess: error: {e}", file=sys.stderr)
         return 2
@@ -253,6 +266,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--text-unit", choices=TEXT_UNITS, default="paragraph",
                    help="plain text: a document per blank-line-separated paragraph (default) or per line")
     p.add_argument("--workers", type=int, default=1, help="tokenizer processes (default 1)")
+    sft = p.add_argument_group("fine-tuning data (--sft; see threed.data.sft)")
+    sft.add_argument("--sft", action="store_true", help="chat / instruction JSONL -> PREFIX_text_document and "
+                                                        "PREFIX_mask_document (loss mask on the responses)")
+    sft.add_argument("--seq-length", type=int, help="--sft: longest example in tokens")
+    sft.add_argument("--chat-format", choices=["llama2"], help="--sft: render with Llama 2's [INST] template "
+                                                                "(default: the tokenizer's own chat template)")
+    long = sft.add_mutually_exclusive_group()
+    long.add_argument("--drop-long", action="store_true", help="--sft: skip examples longer than --seq-length")
+    long.add_argument("--truncate-long", action="store_true",
+                      help="--sft: cut examples longer than --seq-length (default: refuse them)")
     p.add_argument("--force", action="store_true", help="replace existing output files")
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary line")
     p.set_defaults(run=_run)

@@ -2,6 +2,12 @@
 
 Replaces megatron's DotProductAttention, which allocates its score buffer on CUDA and forks the CUDA RNG tracker.
 SDPA picks flash / memory-efficient kernels on GPU and a fused CPU kernel here: one code path.
+
+Packed sequences (several documents in one row): the block passes per-token segment ids `[b, s]` (integers,
+`document_segments`) as megatron's `attention_mask`, and attention becomes block-diagonal causal: no token attends
+outside its document. On CUDA in half precision that runs through `torch.nn.attention.varlen.varlen_attn` (flash,
+cumulative lengths, no s x s mask); elsewhere SDPA with a boolean `[b, 1, s, s]` mask (exact; on CPU ~3x the cost
+of `is_causal`, see the stack notes).
 """
 from __future__ import annotations
 
@@ -21,10 +27,73 @@ class SDPACoreAttention(torch.nn.Module):
                 attention_mask: Optional[torch.Tensor] = None, **_: Any) -> torch.Tensor:
         """query `[s, b, heads, d]`, key/value `[s, b, kv_heads, d]` (this TP rank's heads) -> `[s, b, heads*d]`.
 
-        The mask megatron passes is ignored: every sequence is a full causal window (no padding, no packing).
+        `attention_mask` None: every sequence is a full causal window. Otherwise it holds integer segment ids
+        `[b, s]` (packed documents) and attention is block-diagonal causal.
         """
         s, b, heads, d = query.shape
+        if attention_mask is not None:
+            return self._packed(query, key, value, attention_mask)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
                                              enable_gqa=k.shape[1] != heads)
         return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
+
+    def _packed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                segments: torch.Tensor) -> torch.Tensor:
+        if segments.is_floating_point() or segments.dtype == torch.bool or segments.dim() != 2:
+            raise ValueError("SDPACoreAttention takes integer segment ids [b, s] as its mask, got "
+                             f"{segments.dtype} {tuple(segments.shape)}")
+        s, b, heads, d = query.shape
+        gqa = key.shape[2] != heads
+        if _varlen_usable(query):
+            from torch.nn.attention.varlen import varlen_attn
+
+            # [s, b, h, d] -> [b*s, h, d]: each row's documents become sequences of one flat batch.
+            q, k, v = (t.transpose(0, 1).reshape(b * s, t.shape[2], d) for t in (query, key, value))
+            cu, max_len = cumulative_lengths(segments)
+            out = varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=self.softmax_scale, window_size=(-1, 0),
+                              enable_gqa=gqa)
+            return out.reshape(b, s, heads * d).transpose(0, 1).contiguous()
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=block_causal_mask(segments), scale=self.softmax_scale,
+                                             enable_gqa=gqa)
+        return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
+
+
+def _varlen_usable(query: torch.Tensor) -> bool:
+    if not query.is_cuda or query.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401  (torch >= 2.9, flash only)
+    except ImportError:
+        return False
+    return True
+
+
+def document_segments(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Per-token document ids `[b, s]` -> segment ids `[b, s]` int64 counting contiguous runs in each row (0, 0, 1,
+    1, 1, 2, ...). A document is a maximal run of equal ids, so ids may repeat elsewhere in the row (e.g. padding)
+    without joining their runs."""
+    if doc_ids.is_floating_point() or doc_ids.dim() != 2:
+        raise ValueError(f"document ids must be integers [b, s], got {doc_ids.dtype} {tuple(doc_ids.shape)}")
+    change = torch.zeros_like(doc_ids, dtype=torch.int64)
+    change[:, 1:] = (doc_ids[:, 1:] != doc_ids[:, :-1]).to(torch.int64)
+    return change.cumsum(dim=1)
+
+
+def block_causal_mask(segments: torch.Tensor) -> torch.Tensor:
+    """Boolean SDPA mask `[b, 1, s, s]`, True where query i may attend to key j: same segment and j <= i."""
+    s = segments.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=segments.device).tril()
+    return ((segments[:, :, None] == segments[:, None, :]) & causal)[:, None]
+
+
+def cumulative_lengths(segments: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """int32 cumulative document lengths over the flattened `[b*s]` tokens (each row starts a document), and the
+    longest document: the `cu_seq` / `max` arguments of varlen attention. One host sync for the maximum."""
+    b, s = segments.shape
+    starts = torch.ones_like(segments, dtype=torch.bool)
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    begin = starts.reshape(-1).nonzero().squeeze(1)
+    cu = torch.cat([begin, begin.new_tensor([b * s])]).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max().item())

@@ -23,8 +23,8 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
 from threed.config import ModelConfig
-from threed.model.attention import SDPACoreAttention
-from threed.model.rope import RotaryAngles
+from threed.model.attention import SDPACoreAttention, document_segments
+from threed.model.rope import RotaryAngles, document_positions
 
 
 def megatron_config(model: ModelConfig, tp: int, initialize: bool = True, fused_swiglu: bool = False) -> TransformerConfig:
@@ -101,10 +101,21 @@ class LlamaBlock(TransformerLayer):
         mark_tensor_parallel(self)
         self.rotary = RotaryAngles(model)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, hidden):  # type: ignore[override]
+        """`hidden [s, b, h]` -> `[s, b, h]`; or, packed sequences, `(hidden, doc_ids [b, s] int)` -> the same
+        tuple: attention stays inside each document and RoPE positions restart at each (float first: see the
+        stack notes on DeepSpeed's pipeline buffers)."""
+        if not isinstance(hidden, torch.Tensor):
+            return self._forward_packed(*hidden)
         angles = self.rotary(hidden.shape[0], hidden.device)
         out, _ = super().forward(hidden, attention_mask=None, rotary_pos_emb=angles)
         return out
+
+    def _forward_packed(self, hidden: torch.Tensor, doc_ids: torch.Tensor):
+        segments = document_segments(doc_ids.to(hidden.device))
+        angles = self.rotary.at_positions(document_positions(segments))
+        out, _ = super().forward(hidden, attention_mask=segments, rotary_pos_emb=angles)
+        return out, doc_ids
 
 
 class FinalNormPipe(torch.nn.Module):

@@ -44,3 +44,23 @@ class RotaryAngles:
             emb = torch.cat((freqs, freqs), dim=-1)  # rotate-half layout
             self._cache[key] = emb[:, None, None, :].to(device)
         return self._cache[key]
+
+    def at_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """Angles for explicit per-token positions `[b, s]` (packed sequences: positions restart at each
+        document) -> `[s, b, 1, head_dim]`, which megatron's rotate-half RoPE broadcasts over heads."""
+        inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.transpose(0, 1).to(torch.float32)[..., None] * inv_freq  # [s, b, d/2]
+        return torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+
+
+def document_positions(segments: torch.Tensor) -> torch.Tensor:
+    """Position of each token inside its document, `[b, s]` int64, from contiguous segment ids `[b, s]`
+    (`threed.model.attention.document_segments`): 0 at each document's first token. With block-diagonal
+    attention RoPE's offsets cancel in exact arithmetic (it is relative), so restarting is about numerics: the same
+    angles, hence the same rounding, as the document alone (what HF computes), however far into the row it sits."""
+    b, s = segments.shape
+    index = torch.arange(s, device=segments.device).expand(b, s)
+    starts = torch.ones_like(segments, dtype=torch.bool)
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+    return index - first
