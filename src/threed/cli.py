@@ -66,7 +66,8 @@ _HELP: dict[str, str] = {
     "train.seed": "seed of the weights' random init and the data order",
     "train.log_interval": "steps between log lines",
     "train.activation_checkpointing": "recompute each block in backward (less memory, ~1/3 more compute)",
-    "train.partition_method": "how DeepSpeed splits layers into stages",
+    "train.partition_method": "which stage holds which layers: balanced (evens out the LM head) | "
+                              "layers:N1,N2,... | parameters | uniform | type:REGEX",
     "train.zero_stage": "ZeRO stage (0 or 1; DeepSpeed pipelines allow no more)",
     "train.eval_interval": "steps between validations (default 1000 with a valid split)",
     "train.eval_iters": "global batches per validation",
@@ -156,9 +157,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sub = p.add_subparsers(dest="command", required=True)
     train_p = sub.add_parser("train", help="train (run under torchrun for several ranks)", allow_abbrev=False)
     add_run_flags(train_p)
+    from threed.convert.cli import positive_int
+
     tok_p = sub.add_parser("tokenizer", help="train a sentencepiece tokenizer")
     tok_p.add_argument("--text", nargs="+", required=True)
-    tok_p.add_argument("--vocab-size", type=int, required=True)
+    tok_p.add_argument("--vocab-size", type=positive_int, required=True)
     tok_p.add_argument("--out", required=True, help="output prefix; writes PREFIX.model")
     demo_p = sub.add_parser("demo-text", help="write the demo corpus (Python's reference topics)")
     demo_p.add_argument("--out", required=True)
@@ -178,6 +181,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 shutdown_distributed()
         elif ns.command == "tokenizer":
             from threed.data.tokenizer import train_tokenizer
+
+            missing = [t for t in ns.text if not os.path.isfile(t)]
+            if missing:
+                raise ConfigError(f"--text {missing[0]}: no such file; give the text files to train on")
 
             print(train_tokenizer(ns.text, ns.vocab_size, ns.out))
         elif ns.command == "demo-text":

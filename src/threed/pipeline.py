@@ -43,7 +43,7 @@ def build_pipeline_module(cfg: RunConfig, world_size: int, initialize: bool = Tr
                           fused_swiglu: bool = False) -> "PipelineModule":
     """Each rank instantiates only the LayerSpecs of its own stage. `fused_swiglu` is CUDA-only
     (`threed.distributed.cuda_only`)."""
-    from deepspeed.pipe import LayerSpec, PipelineModule
+    from deepspeed.pipe import LayerSpec
 
     from threed.model.layers import (EmbeddingPipe, FinalNormPipe, LlamaBlock, LMHeadPipe, causal_lm_loss,
                                      megatron_config)

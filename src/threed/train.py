@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional

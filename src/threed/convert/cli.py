@@ -75,6 +75,40 @@ def _make_tiny(ns: argparse.Namespace) -> int:
     return 0
 
 
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1 (argparse then prints one usage line and exits 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def shard_size(text: str) -> str:
+    """argparse type for --max-shard-size: 5GB, 500MB, 2GiB, 1000000 (bytes)."""
+    from threed.convert.hf_writer import parse_size
+
+    try:
+        ok = parse_size(text) > 0
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"expected a size such as 5GB, 500MB or 2GiB, got {text!r}")
+    return text
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     def common(p: argparse.ArgumentParser, dtype_help: str) -> None:
         p.add_argument("--force", action="store_true", help="replace --out if it exists")
@@ -83,19 +117,19 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("convert", help="HF Llama directory -> DeepSpeed pipeline checkpoint for tp x pp")
     p.add_argument("--hf", required=True, help="HF model dir (config.json + safetensors or pytorch_model*.bin)")
-    p.add_argument("--tp", type=int, required=True)
-    p.add_argument("--pp", type=int, required=True)
+    p.add_argument("--tp", type=positive_int, required=True)
+    p.add_argument("--pp", type=positive_int, required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+    p.add_argument("--make-vocab-size-divisible-by", type=positive_int, default=128,
                    help="pad the vocab to a multiple of this x tp (Megatron's default 128)")
-    p.add_argument("--workers", type=int, default=1, help="writer processes (each holds one layer)")
+    p.add_argument("--workers", type=positive_int, default=1, help="writer processes (each holds one layer)")
     common(p, "dtype of the layer files (default: the source's)")
     p.set_defaults(run=_guard("convert", _convert))
 
     p = sub.add_parser("export", help="DeepSpeed pipeline checkpoint -> HF Llama directory")
     p.add_argument("--ckpt", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--max-shard-size", default="5GB")
+    p.add_argument("--max-shard-size", type=shard_size, default="5GB", help="largest safetensors file (5GB)")
     p.add_argument("--tokenizer", default=None, help="HF tokenizer dir or sentencepiece .model (default: the "
                                                      "run's, or the converted source's)")
     common(p, "dtype of the safetensors (default: the checkpoint's)")
@@ -103,8 +137,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("reshard", help="change the tp / pp of a checkpoint (weights only)")
     p.add_argument("--ckpt", required=True)
-    p.add_argument("--tp", type=int, required=True)
-    p.add_argument("--pp", type=int, required=True)
+    p.add_argument("--tp", type=positive_int, required=True)
+    p.add_argument("--pp", type=positive_int, required=True)
     p.add_argument("--out", required=True)
     common(p, "dtype of the new layer files (default: unchanged)")
     p.set_defaults(run=_guard("reshard", _reshard))
@@ -112,16 +146,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("verify", help="HF vs checkpoint logits on CPU; exit 1 above the tolerance")
     p.add_argument("--hf", required=True)
     p.add_argument("--ckpt", required=True)
-    p.add_argument("--tol", type=float, default=1e-5, help="max relative logits difference (fp32)")
-    p.add_argument("--seq-length", type=int, default=32)
-    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--tol", type=positive_float, default=1e-5, help="max relative logits difference (fp32)")
+    p.add_argument("--seq-length", type=positive_int, default=32)
+    p.add_argument("--batch", type=positive_int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(run=_guard("verify", _verify))
 
     p = sub.add_parser("make-tiny-hf", help="save a small random HF Llama locally (demo, tests)")
     p.add_argument("--out", required=True)
     p.add_argument("--like", default="tiny", help="preset whose shape to use (default tiny)")
-    p.add_argument("--vocab-size", type=int, default=None)
+    p.add_argument("--vocab-size", type=positive_int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer", default=None, help="sentencepiece .model to save with it")
     p.add_argument("--dtype", default="fp32", choices=["bf16", "fp32", "fp16"])
