@@ -117,8 +117,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("convert", help="HF Llama directory -> DeepSpeed pipeline checkpoint for tp x pp")
     p.add_argument("--hf", required=True, help="HF model dir (config.json + safetensors or pytorch_model*.bin)")
-    p.add_argument("--tp", type=positive_int, required=True)
-    p.add_argument("--pp", type=positive_int, required=True)
+    p.add_argument("--tp", type=int, required=True)  # range checked with the model (one message for both)
+    p.add_argument("--pp", type=int, required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--make-vocab-size-divisible-by", type=positive_int, default=128,
                    help="pad the vocab to a multiple of this x tp (Megatron's default 128)")
@@ -137,8 +137,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("reshard", help="change the tp / pp of a checkpoint (weights only)")
     p.add_argument("--ckpt", required=True)
-    p.add_argument("--tp", type=positive_int, required=True)
-    p.add_argument("--pp", type=positive_int, required=True)
+    p.add_argument("--tp", type=int, required=True)  # range checked with the model (one message for both)
+    p.add_argument("--pp", type=int, required=True)
     p.add_argument("--out", required=True)
     common(p, "dtype of the new layer files (default: unchanged)")
     p.set_defaults(run=_guard("reshard", _reshard))
