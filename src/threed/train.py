@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from threed.checkpoint import save, start as checkpoint_start
 from threed.config import ConfigError, RunConfig
-from threed.data.datasets import check_cache_visible, check_data
+from threed.data.datasets import check_cache_visible, check_data, data_plan
 from threed.data.loader import SampleCounter, build_datasets, micro_batches
 from threed.distributed import grid_coordinates, init_distributed, shutdown_distributed
 from threed.engine import build_engine
@@ -66,6 +66,22 @@ class StopRequest:
         return bool(t.item())
 
 
+def checked_data_plan(cfg: RunConfig, rank: int):
+    """Rank 0 runs the data checks (they read every token of small datasets: on a 1,000-rank job every rank doing
+    it would read the corpus 1,000 times from the shared filesystem) and tells everyone the verdict, so all ranks
+    stop together with the same one-line error (printed once) instead of waiting in the builder's barrier."""
+    verdict: list = [None]
+    if rank == 0:
+        try:
+            check_data(cfg)
+        except ConfigError as e:
+            verdict[0] = str(e)
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise ConfigError(verdict[0])
+    return data_plan(cfg)  # the flags' reading of the splits: cheap, the same on every rank
+
+
 def log(is_logger: bool, msg: str) -> None:
     if is_logger:
         print(msg, flush=True)
@@ -74,7 +90,7 @@ def log(is_logger: bool, msg: str) -> None:
 def train(cfg: RunConfig) -> TrainResult:
     rt = init_distributed(cfg.checkpoint.dist_timeout_minutes)
     cfg.validate(rt.world_size)
-    plan = check_data(cfg)  # every data problem, before process groups, datasets or the model are built
+    plan = checked_data_plan(cfg, rt.rank)  # every data problem, before datasets or the model are built
     # Where the run starts (resume / refuse / universal conversion) and --save checks, before any dataset.
     start_plan = checkpoint_start(cfg, rt.rank, rt.world_size)
     tp, pp, dp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp(rt.world_size)
