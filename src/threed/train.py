@@ -109,8 +109,7 @@ def train(cfg: RunConfig) -> TrainResult:
     guard = RunGuard(cfg, rt.rank, engine, stop, rt.device)  # non-finite steps, time budget, watchdog
     start = engine.global_steps
     # Consumed samples position the sampler; a checkpoint from before they were recorded had a constant batch.
-    consumed = int(getattr(built, "client_state", None) and built.client_state.get("consumed_samples") or
-                   start * glob)
+    consumed = int(built.client_state.get("consumed_samples", start * glob))
     result = TrainResult(start_step=start, end_step=start)
     log(logger, f"threed: world {rt.world_size} = tp {tp} x pp {pp} x dp {dp} on "
                  f"{rt.device.type}/{rt.backend}; global batch {glob} = micro {micro} x gas {gas} x dp {dp}; "
