@@ -210,6 +210,11 @@ class DataConfig:
     tokenizer: Optional[str] = field(default=None, metadata=_help(
         "the data's tokenizer (sentencepiece .model, HF dir or tokenizer.json): its EOD id, recorded for export",
         metavar="PATH"))
+    # SFT data (`threed preprocess --sft`: PREFIX_text_document + PREFIX_mask_document) is recognised by its mask
+    # dataset and trained with the response-only loss; --pack is how its examples fill the sequences.
+    pack: bool = field(default=False, metadata=_help(
+        "SFT data: fill each sequence with whole examples (attention never crosses an example, RoPE restarts at "
+        "each); without it, one example per sequence, padded"))
 
 
 @dataclass(frozen=True)
