@@ -78,3 +78,37 @@ def learnable_tokens(n: int, alphabet: int = 16, seed: int = 0) -> np.ndarray:
     for i in range(1, n):
         out[i] = rng.integers(alphabet) if rng.random() < 0.1 else (out[i - 1] * 7 + 3) % alphabet
     return out
+
+
+def sft_examples(n: int, vocab_size: int, length: tuple[int, int] = (6, 40), seed: int = 0) -> list[tuple]:
+    """`n` synthetic chat examples (tokens, mask): a random prompt (mask 0) then a response (mask 1) that follows a
+    learnable bigram pattern, as `threed preprocess --sft` would store them."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        total = int(rng.integers(*length))
+        prompt = int(rng.integers(1, total - 1))
+        tokens = rng.integers(0, vocab_size, total)
+        for i in range(prompt, total):
+            tokens[i] = (tokens[i - 1] * 7 + 3) % min(vocab_size, 16) if rng.random() > 0.1 else rng.integers(16)
+        out.append((tokens.astype(np.int64), np.r_[np.zeros(prompt), np.ones(total - prompt)].astype(np.uint8)))
+    return out
+
+
+def write_sft_dataset(base: Path | str, examples: list[tuple], vocab_size: int) -> str:
+    """BASE_text_document + BASE_mask_document (one example per document, the mask as uint8), the pair `threed
+    preprocess --sft` writes, through megatron's IndexedDatasetBuilder. Returns the text prefix."""
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    base = str(base)
+    Path(base).parent.mkdir(parents=True, exist_ok=True)
+    text = IndexedDatasetBuilder(base + "_text_document.bin", dtype=DType.optimal_dtype(vocab_size))
+    mask = IndexedDatasetBuilder(base + "_mask_document.bin", dtype=np.uint8)
+    for tokens, m in examples:
+        text.add_item(torch.from_numpy(np.asarray(tokens, dtype=np.int64)))
+        mask.add_item(torch.from_numpy(np.asarray(m, dtype=np.uint8)))
+        text.end_document()
+        mask.end_document()
+    text.finalize(base + "_text_document.idx")
+    mask.finalize(base + "_mask_document.idx")
+    return base + "_text_document"

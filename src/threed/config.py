@@ -321,6 +321,11 @@ def deepspeed_config(cfg: RunConfig, world_size: int, load_universal: bool = Fal
     # dtype (bf16 when bf16 is on), which rounds the fp32 sums to bf16 before reducing and allocates a 2 B/param
     # temporary every step; fp32 keeps dp2 x gas1 equal to dp1 x gas2 (tests/test_training.py).
     ds["communication_data_type"] = "fp32"
+    if cfg.data.pack:
+        # Packed rows send (hidden, doc_ids) between stages: DeepSpeed's reentrant activation checkpointing needs
+        # every input of a checkpointed block to require grad, which the integer ids cannot (the first stage fails
+        # with "element 0 of tensors does not require grad"); the non-reentrant variant takes them as they are.
+        ds["pipeline"] = {"use_reentrant": False}
     if load_universal:  # resuming at another layout: threed.checkpoint.universal
         ds["checkpoint"] = {"load_universal": True}
     return ds

@@ -54,7 +54,7 @@ class Built:
     plan: Optional[StartPlan] = None  # where the run started, and the log lines about it
 
 
-def build_engine(cfg: RunConfig, rt: Runtime, plan: Optional[StartPlan] = None) -> Built:
+def build_engine(cfg: RunConfig, rt: Runtime, plan: Optional[StartPlan] = None, token_weighted: bool = False) -> Built:
     """Checks, then builds. Where the run starts (and whether --save can take a checkpoint) is decided on rank 0
     and shared before the model is built (`threed.checkpoint.start`; threed.train calls it even before the
     datasets and passes its `plan`), so a bad checkpoint directory costs seconds."""
@@ -68,7 +68,7 @@ def build_engine(cfg: RunConfig, rt: Runtime, plan: Optional[StartPlan] = None) 
     torch.manual_seed(cfg.train.seed)
     init_megatron_parallel_state(cfg.parallel.tp, cfg.parallel.pp, rt.cuda_only.gloo_process_groups)
     module = build_pipeline_module(cfg, rt.world_size, initialize=plan.mode == "fresh",
-                                   fused_swiglu=rt.cuda_only.fused_swiglu)
+                                   fused_swiglu=rt.cuda_only.fused_swiglu, token_weighted=token_weighted)
     check_groups_agree(module._grid)
     optimizer, scheduler = make_optimizer(module, cfg, fused=rt.cuda_only.fused_adamw)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,

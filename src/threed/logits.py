@@ -7,12 +7,14 @@ import torch
 import torch.distributed as dist
 
 
-def pipeline_logits(engine, tokens: torch.Tensor, vocab_size: int) -> Optional[torch.Tensor]:
-    """Run `tokens` `[b, s]` through the pipeline as one micro-batch; returns fp32 logits `[b, s, vocab]` on the
-    last stage (every TP rank of it, on CPU whatever the device), None on other stages. Every rank of the model must call this."""
+def pipeline_logits(engine, inputs, vocab_size: int) -> Optional[torch.Tensor]:
+    """Run `inputs` (tokens `[b, s]`, or packed rows `(tokens, doc_ids)`) through the pipeline as one micro-batch;
+    returns fp32 logits `[b, s, vocab]` on the last stage (every TP rank of it, on CPU whatever the device), None on
+    other stages. Every rank of the model must call this."""
     from megatron.core import parallel_state as ps
 
-    batch = (tokens, torch.zeros_like(tokens))  # labels are loaded by the last stage but unused here
+    tokens = inputs[0] if isinstance(inputs, (tuple, list)) else inputs
+    batch = (inputs, torch.zeros_like(tokens))  # labels are loaded by the last stage but unused here
     _, logits = engine.eval_batch(iter([batch]), return_logits=True, compute_loss=False, reduce_output=None,
                                   bcast_loss=False, num_micro_batches=1)
     if not engine.is_last_stage():

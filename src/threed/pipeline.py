@@ -40,13 +40,14 @@ def make_topology(tp: int, pp: int, dp: int) -> "PipeModelDataParallelTopology":
 
 
 def build_pipeline_module(cfg: RunConfig, world_size: int, initialize: bool = True,
-                          fused_swiglu: bool = False) -> "PipelineModule":
+                          fused_swiglu: bool = False, token_weighted: bool = False) -> "PipelineModule":
     """Each rank instantiates only the LayerSpecs of its own stage. `fused_swiglu` is CUDA-only
-    (`threed.distributed.cuda_only`)."""
+    (`threed.distributed.cuda_only`). `token_weighted` (SFT data): the loss takes per-token weights from the data
+    side (`threed.model.layers.token_weighted_loss`)."""
     from deepspeed.pipe import LayerSpec
 
     from threed.model.layers import (EmbeddingPipe, FinalNormPipe, LlamaBlock, LMHeadPipe, causal_lm_loss,
-                                     megatron_config)
+                                     megatron_config, token_weighted_loss)
 
     # megatron's own init is always skipped: it draws full master weights from the global generator, which
     # every stage seeds alike (copied blocks) and which changes with tp. `threed.model.init` replaces it.
@@ -67,7 +68,7 @@ def build_pipeline_module(cfg: RunConfig, world_size: int, initialize: bool = Tr
     # Stage boundaries resolved by threed.partition (--partition-method; DeepSpeed's PipelineModule underneath).
     module = staged_pipeline_module()(
         layers=specs,
-        loss_fn=causal_lm_loss,
+        loss_fn=token_weighted_loss if token_weighted else causal_lm_loss,
         topology=topology,
         partition_method=stage_boundaries(cfg),
         activation_checkpoint_interval=1 if cfg.train.activation_checkpointing else 0,

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from threed.checkpoint import save, start as checkpoint_start
 from threed.config import ConfigError, RunConfig
 from threed.data.datasets import check_cache_visible, check_data, data_plan
-from threed.data.loader import SampleCounter, build_datasets, micro_batches
+from threed.data.loader import SampleCounter, build_datasets, micro_batches, token_weighted
 from threed.distributed import grid_coordinates, init_distributed, shutdown_distributed
 from threed.engine import build_engine
 from threed.guard import RunGuard
@@ -82,6 +82,17 @@ def checked_data_plan(cfg: RunConfig, rank: int):
     return data_plan(cfg)  # the flags' reading of the splits: cheap, the same on every rank
 
 
+def step_batches(batches, gas: int, sft: bool, engine, device: torch.device):
+    """What DeepSpeed reads for one step. SFT: the step's micro-batches are read first so that the last stage can
+    weigh every response token of the global batch alike (`token_weighted`, one all-reduce over data parallel)."""
+    if batches is None or not sft:
+        return batches
+    step = [next(batches) for _ in range(gas)]
+    if engine.is_last_stage():
+        step = token_weighted(step, engine.grid.get_data_parallel_group(), device)
+    return iter(step)
+
+
 def log(is_logger: bool, msg: str) -> None:
     if is_logger:
         print(msg, flush=True)
@@ -104,7 +115,7 @@ def train(cfg: RunConfig) -> TrainResult:
         check_cache_visible(cfg.data.data_cache_path, rt.rank)
     data = build_datasets(cfg, plan, glob, builds_here=reads_data)
     stop = StopRequest(cfg.checkpoint.save)
-    built = build_engine(cfg, rt, start_plan)
+    built = build_engine(cfg, rt, start_plan, token_weighted=plan.sft)
     engine = built.engine
     guard = RunGuard(cfg, rt.rank, engine, stop, rt.device)  # non-finite steps, time budget, watchdog
     start = engine.global_steps
@@ -118,13 +129,15 @@ def train(cfg: RunConfig) -> TrainResult:
                     if built.resumed_from else
                     f"weights from {cfg.checkpoint.init_from}" if cfg.checkpoint.init_from else "random init")
                  + (f"; validation every {plan.eval_interval} steps ({cfg.train.eval_iters} batches)"
-                    if plan.eval_interval else "; no validation"))
+                    if plan.eval_interval else "; no validation")
+                 + (f"; SFT data, response-only loss, {'packed' if cfg.data.pack else 'one example per'} sequence"
+                    if plan.sft else ""))
     counter = SampleCounter()
     batches = micro_batches(data.train, glob, micro, dp, dp_rank, consumed, cfg.model.vocab_size,
                             counter=counter) if reads_data else None
     metrics = RunMetrics(cfg, engine, rt, start)  # every rank: times its stage; the loss rank writes
     for step in range(start, cfg.train.steps):
-        loss = engine.train_batch(data_iter=batches).item()
+        loss = engine.train_batch(data_iter=step_batches(batches, gas, plan.sft, engine, rt.device)).item()
         consumed += glob
         norm = engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else float("nan")

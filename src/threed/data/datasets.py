@@ -90,6 +90,7 @@ class DataPlan:
     split: Optional[str]  # with --data-path; None with per-split paths
     eval_interval: int  # 0: no evaluation
     eod: int  # end-of-document id (NO_EOD: unknown, only allowed when nothing needs it)
+    sft: bool = False  # `threed preprocess --sft` data (a loss-mask dataset beside each prefix): threed.data.sft_dataset
 
     @property
     def has_valid(self) -> bool:
@@ -138,7 +139,31 @@ def data_plan(cfg: RunConfig) -> DataPlan:
         eod = tok.eos_id
     elif d.eod_mask_loss:
         raise ConfigError("--eod-mask-loss needs --tokenizer (the end-of-document id comes from it)")
-    return DataPlan(blends=blends, split=split, eval_interval=interval, eod=eod)
+    sft = _sft_kind(blends, d)
+    return DataPlan(blends=blends, split=split, eval_interval=interval, eod=eod, sft=sft)
+
+
+def _sft_kind(blends, d: DataConfig) -> bool:
+    """SFT data or not, from the files: every prefix has its loss-mask dataset, or none does."""
+    from threed.data.sft_dataset import is_sft_prefix
+
+    prefixes = sorted({p for b in blends if b for p in b.prefixes})
+    kinds = {p: is_sft_prefix(p) for p in prefixes}
+    if len(set(kinds.values())) > 1:
+        sft = [p for p, k in kinds.items() if k]
+        plain = [p for p, k in kinds.items() if not k]
+        raise ConfigError(f"the data mixes SFT datasets ({sft[0]}, with a loss mask) and pretraining datasets "
+                          f"({plain[0]}, without): train them in separate runs, or re-make {plain[0]} with "
+                          f"`threed preprocess --sft`")
+    sft = bool(prefixes) and all(kinds.values())
+    if d.pack and not sft:
+        raise ConfigError(f"--pack true needs SFT data (`threed preprocess --sft` writes PREFIX_text_document and "
+                          f"PREFIX_mask_document; {prefixes[0]} has no mask dataset beside it); pretraining data "
+                          f"is already packed by megatron's GPTDataset: drop --pack")
+    if sft and d.eod_mask_loss:
+        raise ConfigError("--eod-mask-loss is for pretraining data; SFT data carries its own loss mask (the "
+                          "response tokens): drop --eod-mask-loss")
+    return sft
 
 
 def check_data(cfg: RunConfig) -> DataPlan:
@@ -160,12 +185,14 @@ def check_data(cfg: RunConfig) -> DataPlan:
                 raise ConfigError(f"dataset {prefix}: cannot read {prefix}.idx ({type(e).__name__}: {e}); rebuild it "
                                   f"with `threed preprocess`") from None
             tokens = int(ds.sequence_lengths.sum())
+            if plan.sft:
+                _check_sft_dataset(prefix, ds, seq)
             _check_split_ranges(plan, blend, prefix, ds, seq)
             expect = int(ds.index.sequence_pointers[-1] + ds.sequence_lengths[-1] * ds.index.dtype_size) if len(ds) else 0
             if os.path.getsize(prefix + ".bin") < expect:
                 raise ConfigError(f"dataset {prefix}: {prefix}.bin holds fewer bytes than {prefix}.idx describes "
                                   f"(truncated copy?); copy or rebuild it")
-            if tokens < seq + 1:
+            if tokens < seq + 1 and not plan.sft:
                 raise ConfigError(f"dataset {prefix} holds {tokens} tokens, fewer than one sample of seq_length "
                                   f"{seq} + 1; use more data or a shorter --seq-length")
             top = _max_token(ds, tokens)
@@ -175,6 +202,31 @@ def check_data(cfg: RunConfig) -> DataPlan:
                                   f"`threed preprocess` with the model's tokenizer")
     check_cache_writable(cfg.data, plan)
     return plan
+
+
+def _check_sft_dataset(prefix: str, ds, seq: int) -> None:
+    """The loss mask must describe the same examples as the tokens, and every example must fit one sample."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from threed.data.sft_dataset import mask_prefix
+
+    mask = mask_prefix(prefix)
+    redo = "re-make both with `threed preprocess --sft` (one run writes the pair)"
+    if not Path(mask + ".bin").is_file():
+        raise ConfigError(f"SFT dataset {prefix}: {mask}.bin not found; {redo}")
+    try:
+        mds = IndexedDataset(mask, mmap=True)
+    except Exception as e:
+        raise ConfigError(f"SFT dataset {prefix}: cannot read {mask}.idx ({type(e).__name__}: {e}); {redo}") from None
+    if len(mds) != len(ds) or not np.array_equal(mds.sequence_lengths, ds.sequence_lengths):
+        raise ConfigError(f"SFT dataset {prefix}: its loss mask {mask} describes other examples ({len(mds)} vs "
+                          f"{len(ds)} examples, or other lengths); {redo}")
+    longest = int(ds.sequence_lengths.max()) if len(ds) else 0
+    if longest - 1 > seq:
+        at = int(ds.sequence_lengths.argmax())
+        raise ConfigError(f"SFT dataset {prefix}: example {at} has {longest} tokens, more than one sample of "
+                          f"seq_length {seq} + 1 holds; re-run `threed preprocess --sft --seq-length {seq}` with "
+                          f"--drop-long or --truncate-long, or raise --seq-length")
 
 
 def _check_split_ranges(plan: DataPlan, blend: Blend, prefix: str, ds, seq: int) -> None:
@@ -193,7 +245,11 @@ def _check_split_ranges(plan: DataPlan, blend: Blend, prefix: str, ds, seq: int)
                 continue
             beg, end = (int(round(b * docs)) for b in matrix[i])
             got = int(per_doc[beg:end].sum())
-            if got < seq + 1:
+            if plan.sft and end <= beg:
+                raise ConfigError(f"SFT dataset {prefix}: its {name} split (--split {plan.split}: documents "
+                                  f"{beg}..{end} of {docs}) holds no example; use more data, another --split, or "
+                                  f"--train-data-path/--valid-data-path")
+            if got < seq + 1 and not plan.sft:
                 raise ConfigError(f"dataset {prefix}: its {name} split (--split {plan.split}: documents {beg}..{end} "
                                   f"of {docs}) holds {got} tokens, fewer than one sample of seq_length {seq} + 1; "
                                   f"use more data, another --split, or --train-data-path/--valid-data-path")

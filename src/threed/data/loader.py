@@ -61,26 +61,31 @@ def build_datasets(cfg: RunConfig, plan: DataPlan, global_batch: int, builds_her
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
+    from threed.data.sft_dataset import SFTDataset, SFTDatasetConfig
+
     d = cfg.data
     blends = plan.blends
-    common = dict(
-        random_seed=cfg.train.seed, sequence_length=cfg.train.seq_length,
-        tokenizer=_TokenizerInfo(cfg.model.vocab_size, plan.eod), reset_position_ids=False,
-        reset_attention_mask=False, eod_mask_loss=d.eod_mask_loss,
+    common = dict(random_seed=cfg.train.seed, sequence_length=cfg.train.seq_length,
+                  tokenizer=_TokenizerInfo(cfg.model.vocab_size, plan.eod), path_to_cache=d.data_cache_path,
+                  mmap_bin_files=True)
+    if plan.sft:  # whole examples with their response-only loss mask (threed.data.sft_dataset)
+        cls, config_cls, common = SFTDataset, SFTDatasetConfig, dict(common, pack=d.pack)
+    else:
+        cls, config_cls = GPTDataset, GPTDatasetConfig
         # The attention is causal SDPA: megatron's [1, s, s] mask per sample would only cost memory.
-        create_attention_mask=False, path_to_cache=d.data_cache_path, mmap_bin_files=True,
-    )
+        common.update(reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=d.eod_mask_loss,
+                      create_attention_mask=False)
     # The test split is never read here: it is not built (megatron-core would loop forever building a split whose
     # document range is empty, as the 1/1000 test share of a small dataset is). Train and valid keep exactly
     # Megatron's document ranges for the same --split.
     if plan.split is not None:
-        gcfg = GPTDatasetConfig(blend=blends[0].as_megatron(), split=plan.split, **common)
+        gcfg = config_cls(blend=blends[0].as_megatron(), split=plan.split, **common)
         gcfg.split_matrix[2] = None
     else:
-        gcfg = GPTDatasetConfig(blend_per_split=[b.as_megatron() if b else None for b in blends[:2]] + [None],
+        gcfg = config_cls(blend_per_split=[b.as_megatron() if b else None for b in blends[:2]] + [None],
                                 **common)
     counts = sample_counts(cfg, plan, global_batch)
-    train, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, counts, lambda: builds_here, gcfg).build()
+    train, valid, _ = BlendedMegatronDatasetBuilder(cls, counts, lambda: builds_here, gcfg).build()
     valid_blend = blends[1]
     return Datasets(train=train if builds_here else None, valid=valid if builds_here else None,
                     valid_names=valid_blend.prefixes if valid_blend else ())
@@ -111,6 +116,8 @@ def micro_batches(dataset, global_batch: int, micro: int, dp: int, dp_rank: int,
 
 
 def collate(samples: Sequence[dict], vocab_size: int, num_datasets: int = 0) -> tuple:
+    """Packed SFT samples carry per-position example ids: the inputs are then `(tokens, doc_ids)`, which the
+    embedding stage passes on with the hidden states (`threed.model.layers`)."""
     tokens = torch.stack([torch.as_tensor(s["tokens"]) for s in samples]).long()
     labels = torch.stack([torch.as_tensor(s["labels"]) for s in samples]).long()
     loss_mask = torch.stack([torch.as_tensor(s["loss_mask"]) for s in samples]).float()
@@ -118,7 +125,31 @@ def collate(samples: Sequence[dict], vocab_size: int, num_datasets: int = 0) -> 
     if top >= vocab_size:  # the last guard behind check_data's (sampled, for big corpora) vocabulary check
         raise ValueError(f"a training sample holds token id {top} >= the model's vocab_size {vocab_size}: the data "
                          f"was made with another tokenizer; re-run `threed preprocess` with the model's tokenizer")
+    inputs = tokens
+    if "doc_ids" in samples[0]:
+        inputs = (tokens, torch.stack([torch.as_tensor(s["doc_ids"]) for s in samples]).to(torch.int32))
     if not num_datasets:
-        return tokens, (labels, loss_mask)
+        return inputs, (labels, loss_mask)
     ids = torch.tensor([int(s.get("dataset_id", 0)) for s in samples])
-    return tokens, (labels, loss_mask, torch.nn.functional.one_hot(ids, num_datasets).float())
+    return inputs, (labels, loss_mask, torch.nn.functional.one_hot(ids, num_datasets).float())
+
+
+def token_weighted(step: list[tuple], dp_group=None, device: Optional[torch.device] = None) -> list[tuple]:
+    """One step's micro-batches `(inputs, (labels, loss_mask))` -> `(inputs, (labels, weights))` where every loss
+    token of the global batch weighs the same: weights = loss_mask x (gas x dp) / (loss tokens of the global batch,
+    summed over `dp_group`). DeepSpeed then divides the summed micro-batch losses by gas and averages gradients over
+    dp, so the step minimises sum(token loss x mask) / count over the whole global batch (Megatron-LM's
+    --calculate-per-token-loss), and the loss it reports is that masked mean. Needed for SFT, where the response
+    tokens per micro-batch vary a lot; a per-micro-batch mean would weigh a token of a short answer more.
+    Called on the last pipeline stage only (it holds the loss); collective over `dp_group` when given."""
+    import torch.distributed as dist
+
+    count = torch.zeros(1, dtype=torch.float64, device=device)  # the group's backend decides where it lives
+    for _, (_, mask) in step:
+        count += mask.sum(dtype=torch.float64).to(count.device)
+    dp = 1
+    if dp_group is not None:
+        dist.all_reduce(count, group=dp_group)
+        dp = dist.get_world_size(dp_group)
+    scale = len(step) * dp / max(count.item(), 1.0)
+    return [(inputs, (labels, mask * scale)) for inputs, (labels, mask) in step]

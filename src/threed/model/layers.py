@@ -3,6 +3,8 @@
 Tensor parallelism is megatron-core's: the block is its `TransformerLayer` built from local (non-TE) layers, with
 our SDPA core attention and our RoPE angles plugged in. Between pipeline stages one tensor travels: hidden states
 `[s, b, h]`. Positions (RoPE) are rebuilt on each stage from the sequence length; the causal mask is implicit.
+Packed SFT rows add a second, `doc_ids [b, s]` int32, from which each stage rebuilds the block-diagonal mask and
+the per-document positions.
 """
 from __future__ import annotations
 
@@ -89,7 +91,12 @@ class EmbeddingPipe(torch.nn.Module):
             init_method=mcore.init_method, config=mcore)
         mark_tensor_parallel(self)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens):
+        """Packed SFT rows come as `(tokens, doc_ids [b, s] int32)`: the ids travel on with the hidden states
+        (float first, see `LlamaBlock.forward`), 4 bytes per token, the same shape every micro-batch."""
+        if isinstance(tokens, (tuple, list)):
+            tokens, doc_ids = tokens
+            return self.word_embeddings(tokens).transpose(0, 1).contiguous(), doc_ids
         return self.word_embeddings(tokens).transpose(0, 1).contiguous()
 
 
@@ -123,7 +130,9 @@ class FinalNormPipe(torch.nn.Module):
         super().__init__()
         self.norm = WrappedTorchNorm(config=mcore, hidden_size=model.hidden_size, eps=model.rms_norm_eps)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden) -> torch.Tensor:
+        if isinstance(hidden, (tuple, list)):  # packed rows: the document ids end here
+            hidden = hidden[0]
         return self.norm(hidden)
 
 
@@ -161,6 +170,16 @@ def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Next-token cross entropy `[b, s]` in fp32 from vocab-parallel logits `[s, b, v/tp]` and labels `[b, s]`,
     without gathering the vocabulary."""
     return vocab_parallel_cross_entropy(logits.float(), labels.transpose(0, 1).contiguous()).transpose(0, 1)
+
+
+def token_weighted_loss(logits: torch.Tensor, targets) -> torch.Tensor:
+    """The pipeline's loss_fn for SFT data: training targets `(labels, weights)` give sum(token loss x weight), the
+    weights set by the data side so that every response token of the global batch weighs the same
+    (`threed.data.loader.token_weighted`); evaluation targets as in `causal_lm_loss`."""
+    if isinstance(targets, (tuple, list)) and len(targets) == 2:
+        labels, weights = targets
+        return (token_losses(logits, labels) * weights.float()).sum()
+    return causal_lm_loss(logits, targets)
 
 
 def causal_lm_loss(logits: torch.Tensor, targets) -> torch.Tensor:
