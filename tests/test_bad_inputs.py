@@ -13,12 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import write_dataset
+from helpers import sft_examples, write_dataset, write_sft_dataset
 from test_checkpoint import fake_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_PY = Path(os.environ.get("THREED_TEST_PYTHON", REPO / ".venv" / "bin" / "python"))
 TRAIN = ["train", "--model", "tiny", "--data-path", "{w}/data/corpus", "--seq-length", "32", "--steps", "2"]
+SFT = TRAIN[:4] + ["{w}/sft/chat_text_document", "--pack", "true"] + TRAIN[5:]
 CHECK = ["check-config", "--model", "tiny", "--seq-length", "32", "--steps", "2"]
 
 
@@ -53,6 +54,11 @@ def world(tmp_path_factory) -> Path:
     for suffix in (".bin", ".idx"):
         shutil.copy(w / "data" / f"corpus{suffix}", w / "data" / f"pre_text_document{suffix}")
     (w / "docs.jsonl").write_text('{"text": "hello world"}\n')
+    examples = sft_examples(200, 512, length=(6, 30))
+    write_sft_dataset(w / "sft" / "chat", examples, 512)
+    write_sft_dataset(w / "sft" / "nomask", examples, 512)
+    (w / "sft" / "nomask_mask_document.bin").unlink()
+    write_sft_dataset(w / "sft" / "mismatch", examples[:-1] + [(examples[-1][0], examples[-1][1][:-1])], 512)
     assert main(["make-tiny-hf", "--out", str(w / "hf"), "--like", "tiny"]) == 0
     for tp in (1, 2):
         assert main(["convert", "--hf", str(w / "hf"), "--tp", str(tp), "--pp", "1", "--out", str(w / f"ckpt{tp}"),
@@ -125,6 +131,18 @@ CLI = [
     ("train-gas-global-disagree", TRAIN + ["--grad-accum-steps", "2", "--global-batch-size", "3"],
      r"must equal micro x gas x dp"),
     ("train-data-missing", TRAIN[:4] + ["{w}/nothing"] + TRAIN[5:], r"nothing\.(idx|bin).* not found"),
+    # --- threed train: SFT data (threed preprocess --sft pairs), refused before the model is built
+    ("train-pack-pretraining", TRAIN + ["--pack", "true"], r"--pack true needs SFT data .* drop --pack"),
+    ("train-sft-mixed", TRAIN[:4] + ["0.5", "{w}/sft/chat_text_document", "0.5", "{w}/data/corpus"] + TRAIN[5:],
+     r"mixes SFT datasets .* separate runs"),
+    ("train-sft-too-long", SFT + ["--seq-length", "8"],
+     r"example \d+ has \d+ tokens, more than one sample of seq_length 8 \+ 1 holds; re-run .*--drop-long"),
+    ("train-sft-mask-bin-missing", TRAIN[:4] + ["{w}/sft/nomask_text_document"] + TRAIN[5:],
+     r"nomask_mask_document\.bin not found; re-make both with `threed preprocess --sft`"),
+    ("train-sft-mask-mismatch", TRAIN[:4] + ["{w}/sft/mismatch_text_document"] + TRAIN[5:],
+     r"loss mask .* describes other examples"),
+    ("train-sft-eod-mask", SFT + ["--eod-mask-loss", "true"], r"SFT data carries its own loss mask .* drop"),
+    ("train-sft-empty-valid", SFT + ["--split", "999,1,0"], r"valid split .* holds no example"),
     # --- threed train: checkpoints (refused before datasets or the model are built)
     ("train-load-and-init", TRAIN + ["--load", "{w}/ckpt1", "--init-from", "{w}/ckpt1"],
      r"either load \(full resume\) or init_from"),

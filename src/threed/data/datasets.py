@@ -125,6 +125,7 @@ def data_plan(cfg: RunConfig) -> DataPlan:
     interval = (t.eval_interval if t.eval_interval is not None else DEFAULT_EVAL_INTERVAL) if has_valid else 0
     if interval and t.eval_iters < 1:
         raise ConfigError(f"--eval-iters must be >= 1 when evaluating, got {t.eval_iters}")
+    sft = _sft_kind(blends, d)
     eod = NO_EOD
     if d.tokenizer:
         from threed.data.tokenizer import Tokenizer
@@ -139,7 +140,6 @@ def data_plan(cfg: RunConfig) -> DataPlan:
         eod = tok.eos_id
     elif d.eod_mask_loss:
         raise ConfigError("--eod-mask-loss needs --tokenizer (the end-of-document id comes from it)")
-    sft = _sft_kind(blends, d)
     return DataPlan(blends=blends, split=split, eval_interval=interval, eod=eod, sft=sft)
 
 
