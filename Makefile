@@ -43,6 +43,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_preprocess.py
 	$(PY) benchmarks/bench_data.py
 	$(PY) benchmarks/bench_pipeline.py
+	$(PY) benchmarks/bench_packing.py
 
 # make convert HF=path/to/Meta-Llama-3-8B TP=2 PP=2 OUT=ckpt/llama3-8b-tp2pp2 [ARGS="--workers 2"]
 convert: $(STAMP)
