@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from dist_worker import load_hf_weights
 from helpers import hf_model, model_config
-from threed.config import DataConfig, ParallelConfig, RunConfig, TrainConfig
+from threed.config import CheckpointConfig, DataConfig, ParallelConfig, RunConfig, TrainConfig
 from threed.distributed import init_distributed
 from threed.engine import build_engine
 from threed.logits import pipeline_logits
@@ -69,6 +69,26 @@ def main() -> None:
                     ("unpacked", sft_config(args.data, False, 3))):
         r = train(c)
         results[name] = {"losses": r.losses, "grad_norms": r.grad_norms, "evals": r.evals}
+
+    # 3. Preempted after step 1 (a STOP file) at tp2 pp2 dp2, resumed at tp1 pp2 dp4 (DeepSpeed's universal
+    # checkpoint): the packed rows' order depends only on the global batch, so steps 2-5 are the uninterrupted ones.
+    save = out / "resumed"
+    if rt.rank == 0:
+        save.mkdir()
+        (save / "STOP").write_text("")
+    dist.barrier()
+    cfg = sft_config(args.data, True, 5)
+    cfg = dataclasses.replace(cfg, checkpoint=CheckpointConfig(save=str(save)))
+    first = train(cfg)
+    dist.barrier()
+    if rt.rank == 0:
+        (save / "STOP").unlink()
+    dist.barrier()
+    # The same global batch of 8 rows: micro 2 x gas 1 x dp 4.
+    second = train(dataclasses.replace(cfg, parallel=ParallelConfig(tp=1, pp=2),
+                                       train=dataclasses.replace(cfg.train, grad_accum_steps=1)))
+    results["resumed"] = {"first": first.losses, "preempted": first.preempted, "second": second.losses,
+                          "start": second.start_step}
     (out / f"sft_rank{rt.rank}.json").write_text(json.dumps(results))
 
 

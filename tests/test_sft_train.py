@@ -5,7 +5,8 @@
 - `threed.train` on packed SFT data, 5 fp32 steps from random init, equals one process training HF's model (holding
   the same init) on each example alone with the loss sum(response-token losses) / (response tokens of the global
   batch): losses and gradient norms within 1e-5, validation (the same masked loss) too;
-- the same unpacked (one example per padded row), and packed with activation checkpointing (non-reentrant).
+- the same unpacked (one example per padded row), and packed with activation checkpointing (non-reentrant);
+- a packed run preempted after step 1 and resumed at another layout (tp1 pp2 dp4) continues with the same losses.
 One launch of 8 gloo ranks runs them all (tests/sft_worker.py).
 """
 from __future__ import annotations
@@ -126,3 +127,13 @@ def test_packed_activation_checkpointing_gives_the_same_numbers(run):
     r = run["ranks"][0]
     assert r["packed_act_ckpt"]["losses"] == pytest.approx(r["packed"]["losses"][:2], rel=1e-6)
     assert r["packed_act_ckpt"]["grad_norms"] == pytest.approx(r["packed"]["grad_norms"][:2], rel=1e-6)
+
+
+def test_preempted_packed_run_resumes_at_another_layout(run):
+    """Stopped after step 1 at tp2 pp2 dp2, resumed at tp1 pp2 dp4 through DeepSpeed's universal checkpoint."""
+    r = run["ranks"][0]
+    resumed, whole = r["resumed"], r["packed"]["losses"]
+    assert resumed["preempted"] and resumed["first"] == whole[:1]
+    assert resumed["start"] == 1 and len(resumed["second"]) == 4
+    for step, (a, b) in enumerate(zip(resumed["second"], whole[1:]), start=2):
+        assert abs(a - b) <= FP32_TOL * abs(b), f"step {step}: resumed loss {a} vs uninterrupted {b}"
