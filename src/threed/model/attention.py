@@ -50,14 +50,29 @@ class SDPACoreAttention(torch.nn.Module):
 
             # [s, b, h, d] -> [b*s, h, d]: each row's documents become sequences of one flat batch.
             q, k, v = (t.transpose(0, 1).reshape(b * s, t.shape[2], d) for t in (query, key, value))
-            cu, max_len = cumulative_lengths(segments)
+            cu, max_len = _per_segments(segments, "varlen", cumulative_lengths)  # one host sync per micro-batch
             out = varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=self.softmax_scale, window_size=(-1, 0),
                               enable_gqa=gqa)
             return out.reshape(b, s, heads * d).transpose(0, 1).contiguous()
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=block_causal_mask(segments), scale=self.softmax_scale,
-                                             enable_gqa=gqa)
+        mask = _per_segments(segments, "mask", block_causal_mask)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale, enable_gqa=gqa)
         return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
+
+
+# What the attention derives from a micro-batch's segment ids, kept while the same segments tensor comes back (the
+# next block of the stage, or the recompute of activation checkpointing: `threed.model.layers._packed_geometry`
+# hands every block the same object). One entry per kind; it holds the tensor, so identity cannot be recycled.
+_SEGMENT_CACHE: dict[str, tuple] = {}
+
+
+def _per_segments(segments: torch.Tensor, kind: str, build):
+    hit = _SEGMENT_CACHE.get(kind)
+    if hit is not None and hit[0] is segments:
+        return hit[1]
+    value = build(segments)
+    _SEGMENT_CACHE[kind] = (segments, value)
+    return value
 
 
 def _varlen_usable(query: torch.Tensor) -> bool:

@@ -119,10 +119,26 @@ class LlamaBlock(TransformerLayer):
         return out
 
     def _forward_packed(self, hidden: torch.Tensor, doc_ids: torch.Tensor):
-        segments = document_segments(doc_ids.to(hidden.device))
-        angles = self.rotary.at_positions(document_positions(segments))
+        segments, angles = _packed_geometry(doc_ids, self.rotary, hidden.device)
         out, _ = super().forward(hidden, attention_mask=segments, rotary_pos_emb=angles)
         return out, doc_ids
+
+
+# The blocks of a stage all receive the same doc_ids tensor for a micro-batch (and again when activation
+# checkpointing recomputes it): segments and RoPE angles are built once per micro-batch, not once per block, so the
+# core attention's own cache (mask / cumulative lengths, keyed on the segments tensor) hits as well. One entry; it
+# holds the tensor, so an identity match cannot be a recycled object.
+_PACKED_CACHE: list = [None, None, None]  # doc_ids, inv_freq, (segments, angles)
+
+
+def _packed_geometry(doc_ids: torch.Tensor, rotary: RotaryAngles, device: torch.device):
+    ids, inv_freq, value = _PACKED_CACHE
+    if ids is doc_ids and torch.equal(inv_freq, rotary.inv_freq):
+        return value
+    segments = document_segments(doc_ids.to(device))
+    value = (segments, rotary.at_positions(document_positions(segments)))
+    _PACKED_CACHE[:] = [doc_ids, rotary.inv_freq, value]
+    return value
 
 
 class FinalNormPipe(torch.nn.Module):
