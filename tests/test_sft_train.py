@@ -90,16 +90,22 @@ def reference_run(data: str, pack: bool, steps: int):
 def test_packed_logits_at_tp2_pp2_match_hf_per_example(run):
     saved = torch.load(run["out"] / "packed_logits.pt")
     hf = hf_model("gqa31")
-    errors = []
+    errors, loss_errors = [], []
     with torch.no_grad():
         for row, lengths in enumerate(saved["rows"]):
             start = 0
             for n in lengths:
-                ref = hf(saved["tokens"][row:row + 1, start:start + n]).logits[0]
-                errors.append(_rel(saved["logits"][row, start:start + n], ref))
+                x = saved["tokens"][row, start:start + n]
+                ref = hf(x[None]).logits[0]
+                ours = saved["logits"][row, start:start + n]
+                errors.append(_rel(ours, ref))
+                if n > 1:  # the example's own next-token loss, from each side's logits
+                    a, b = (F.cross_entropy(t[:-1], x[1:]).item() for t in (ours, ref))
+                    loss_errors.append(abs(a - b) / b)
                 start += n
-    print("per-example relative logits error", errors)
+    print("per-example relative logits error", errors, "loss error", loss_errors)
     assert len(errors) == 8 and max(errors) <= FP32_TOL
+    assert len(loss_errors) == 7 and max(loss_errors) <= FP32_TOL
 
 
 @pytest.mark.parametrize("name,pack,steps", [("packed", True, 5), ("unpacked", False, 3)])
