@@ -26,7 +26,7 @@
 # Recipe variables (set in the recipe as VAR=${VAR-default}, so the environment overrides each one; an empty
 # value clears it, e.g. GAS= GLOBAL=256): MODEL TP PP MICRO GAS GLOBAL SEQ LR MIN_LR WARMUP STEPS DTYPE ACT_CKPT
 # DATA SPLIT DATA_CACHE_PATH EVAL_INTERVAL EVAL_ITERS (Megatron's --data-path, --split, --data-cache-path,
-# --eval-interval, --eval-iters) TOKENIZER INIT_FROM LOAD SAVE SAVE_INTERVAL LOG_INTERVAL KEEP_LAST SKIP_NONFINITE.
+# --eval-interval, --eval-iters) PACK (SFT data: --pack true|false) TOKENIZER INIT_FROM LOAD SAVE SAVE_INTERVAL LOG_INTERVAL KEEP_LAST SKIP_NONFINITE.
 # A recipe that sets any
 # other variable is refused (a typo would otherwise be ignored silently); add new ones to RECIPE_VARS below.
 # Before torchrun starts, `threed check-config --paths` runs training's checks once (config, checkpoint
@@ -46,7 +46,7 @@ RECIPE=$1
 shift
 [ -f "$RECIPE" ] || die "recipe $RECIPE not found"
 
-RECIPE_VARS=(MODEL TP PP MICRO GAS GLOBAL SEQ LR MIN_LR WARMUP STEPS DTYPE ACT_CKPT DATA SPLIT DATA_CACHE_PATH
+RECIPE_VARS=(MODEL TP PP MICRO GAS GLOBAL SEQ LR MIN_LR WARMUP STEPS DTYPE ACT_CKPT DATA SPLIT DATA_CACHE_PATH PACK
              EVAL_INTERVAL EVAL_ITERS TOKENIZER INIT_FROM LOAD SAVE SAVE_INTERVAL LOG_INTERVAL KEEP_LAST SKIP_NONFINITE)
 closest_var() {  # the known recipe variable with the smallest edit distance to $1
     awk -v w="$1" -v list="${RECIPE_VARS[*]}" '
@@ -138,6 +138,7 @@ if [ -n "${DATA:-}" ]; then  # a prefix, or a blend "WEIGHT PREFIX WEIGHT PREFIX
 fi
 opt --split SPLIT
 opt --data-cache-path DATA_CACHE_PATH
+opt --pack PACK
 opt --eval-interval EVAL_INTERVAL
 opt --eval-iters EVAL_ITERS
 opt --tokenizer TOKENIZER

@@ -19,9 +19,11 @@ LAUNCH = REPO / "recipes" / "launch.sh"
 MODEL_RECIPES = ["llama2_7b", "llama2_13b", "llama2_70b", "llama3_8b", "llama3_70b", "llama31_8b", "llama31_70b",
                  "llama31_405b"]
 RECIPE_VARS = ["MODEL", "TP", "PP", "MICRO", "GAS", "GLOBAL", "SEQ", "LR", "MIN_LR", "WARMUP", "STEPS", "DTYPE",
-               "ACT_CKPT", "DATA", "SPLIT", "DATA_CACHE_PATH", "EVAL_INTERVAL", "EVAL_ITERS", "TOKENIZER", "INIT_FROM",
+               "ACT_CKPT", "DATA", "SPLIT", "DATA_CACHE_PATH", "PACK", "EVAL_INTERVAL", "EVAL_ITERS", "TOKENIZER", "INIT_FROM",
                "LOAD", "SAVE", "SAVE_INTERVAL", "LOG_INTERVAL"]
+SFT_RECIPES = ["llama31_8b_sft", "llama31_70b_sft"]
 SLURM_SCRIPTS = {"llama70b_tp8_pp4.sh": ("llama31_70b", 4), "llama8b_tp2_pp2.sh": ("llama31_8b", 1),
+                 "llama70b_sft_tp8_pp4.sh": ("llama31_70b_sft", 4),
                  "llama405b_tp8_pp16.sh": ("llama31_405b", 32)}
 
 
@@ -135,7 +137,7 @@ def test_missing_data_fails_before_starting() -> None:
     assert out.returncode == 2 and "DATA=/nonexistent/tokens.bin not found" in out.stderr, out.stderr
 
 
-@pytest.mark.parametrize("name", MODEL_RECIPES + ["tiny"])
+@pytest.mark.parametrize("name", MODEL_RECIPES + SFT_RECIPES + ["tiny"])
 def test_recipe_is_only_overridable_variables(name: str) -> None:
     text = (REPO / "recipes" / f"{name}.sh").read_text()
     code = [line for line in text.splitlines() if line.strip() and not line.startswith("#")]
@@ -144,7 +146,8 @@ def test_recipe_is_only_overridable_variables(name: str) -> None:
         m = re.fullmatch(r"([A-Z_]+)=\$\{(\w+)-([^}]*)\}", line)
         assert m and m[1] == m[2], f"{name}: not a VAR=${{VAR-default}} line: {line!r}"
         names.append(m[1])
-    assert names == RECIPE_VARS
+    # PACK is the SFT recipes' own (pretraining data is packed by GPTDataset already).
+    assert names == [v for v in RECIPE_VARS if v != "PACK" or name in SFT_RECIPES]
     assert text.startswith("# "), "a header comment comes first"
 
 
@@ -155,7 +158,7 @@ def _header_layout(text: str) -> tuple[int, int, int, int, int]:
     return tuple(int(g) for g in m.groups())  # type: ignore[return-value]
 
 
-@pytest.mark.parametrize("name", MODEL_RECIPES)
+@pytest.mark.parametrize("name", MODEL_RECIPES + SFT_RECIPES)
 def test_recipe_header_matches_launcher_and_python(name: str) -> None:
     text = (REPO / "recipes" / f"{name}.sh").read_text()
     nodes, world, dp, gas, batch = _header_layout(text)
@@ -172,6 +175,19 @@ def test_recipe_header_matches_launcher_and_python(name: str) -> None:
     assert gb <= 72, f"{name}: {gb} GB per GPU leaves too little room on an 80 GB GPU"
     run = re.search(r"^# Run\s+sbatch (?:--nodes=\d+ )?(\S+)", text, re.M)[1]
     assert (REPO / run).is_file()
+
+
+@pytest.mark.parametrize("name", SFT_RECIPES)
+def test_sft_recipes_fine_tune_packed_from_converted_weights(name: str) -> None:
+    """Weights from a converted HF checkpoint (not random), packing on, a fine-tuning learning rate that decays,
+    and validation on a held-out split."""
+    nodes = _header_layout((REPO / "recipes" / f"{name}.sh").read_text())[0]
+    out = launch(name, {"NNODES": str(nodes), "GPUS_PER_NODE": "8"})
+    assert out.returncode == 0, out.stderr
+    cfg = parse_run_config(train_argv(out.stdout))
+    assert cfg.data.pack and cfg.checkpoint.init_from and not cfg.checkpoint.load
+    assert 0 < cfg.train.lr <= 5e-5 and cfg.train.min_lr < cfg.train.lr and 0 < cfg.train.warmup_steps < cfg.train.steps
+    assert cfg.train.eval_interval and cfg.data.split.split(",")[1] != "0"
 
 
 def test_model_override_scales_the_70b_recipe_down() -> None:
