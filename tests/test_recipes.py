@@ -184,10 +184,21 @@ def test_sft_recipes_fine_tune_packed_from_converted_weights(name: str) -> None:
     nodes = _header_layout((REPO / "recipes" / f"{name}.sh").read_text())[0]
     out = launch(name, {"NNODES": str(nodes), "GPUS_PER_NODE": "8"})
     assert out.returncode == 0, out.stderr
-    cfg = parse_run_config(train_argv(out.stdout))
+    argv = train_argv(out.stdout)
+    assert argv[argv.index("--pack") + 1] == "true" and argv[argv.index("--init-from") + 1]
+    cfg = parse_run_config(argv)
     assert cfg.data.pack and cfg.checkpoint.init_from and not cfg.checkpoint.load
     assert 0 < cfg.train.lr <= 5e-5 and cfg.train.min_lr < cfg.train.lr and 0 < cfg.train.warmup_steps < cfg.train.steps
     assert cfg.train.eval_interval and cfg.data.split.split(",")[1] != "0"
+
+
+def test_pretraining_recipes_leave_pack_unset() -> None:
+    """PACK unset or empty: no --pack on the command line (training's default, false)."""
+    for name, env in (("llama31_8b", {}), ("llama31_8b_sft", {"PACK": ""})):
+        out = launch(name, {"GPUS_PER_NODE": "8", **env})
+        assert out.returncode == 0, out.stderr
+        assert "--pack" not in train_argv(out.stdout)
+        assert not parse_run_config(train_argv(out.stdout)).data.pack
 
 
 def test_model_override_scales_the_70b_recipe_down() -> None:

@@ -130,8 +130,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ckpt", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--max-shard-size", type=shard_size, default="5GB", help="largest safetensors file (5GB)")
-    p.add_argument("--tokenizer", default=None, help="HF tokenizer dir or sentencepiece .model (default: the "
-                                                     "run's, or the converted source's)")
+    p.add_argument("--tokenizer", default=None, help="HF tokenizer dir, tokenizer.json or sentencepiece .model "
+                                                     "(default: the run's, or the converted source's)")
     common(p, "dtype of the safetensors (default: the checkpoint's)")
     p.set_defaults(run=_guard("export", _export))
 

@@ -5,12 +5,15 @@
 
 The weights are those of the layer files (what the model runs with; after bf16 training these are bf16 and the
 fp32 master copy stays in the optimizer files). Padded vocab rows are dropped. Tokenizer files come from
---tokenizer, else the run's sentencepiece model, else the HF files a converted checkpoint carried along.
+--tokenizer, else the run's own data tokenizer (a sentencepiece model, an HF tokenizer directory or a
+tokenizer.json), else the HF files a converted checkpoint carried along. HF tokenizer files are copied whole
+(tokenizer_config.json and chat_template.jinja included), so a chat model's template still applies.
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -55,24 +58,38 @@ def extra_dirs(ck: Checkpoint) -> list[Path]:
     return [d for d in dirs if d.is_dir()]
 
 
+def _copy_tokenizer(t: Path, dest: Path, what: str) -> list[str]:
+    """An HF tokenizer directory's files (TOKENIZER_FILES: tokenizer.json, tokenizer_config.json with the special
+    tokens, chat_template.jinja, ...), a tokenizer.json file with those beside it, or a sentencepiece .model
+    (written as an HF Llama tokenizer). Returns the names written; raises for anything else."""
+    if t.is_dir():
+        return copy_files([t / f for f in TOKENIZER_FILES], dest)
+    if t.is_file() and t.suffix == ".model":
+        return write_sentencepiece_tokenizer(t, dest)
+    if t.is_file() and t.suffix == ".json":  # threed.data.tokenizer reads tokenizer_config.json beside it too
+        shutil.copyfile(t, dest / "tokenizer.json")
+        return ["tokenizer.json"] + copy_files([t.parent / f for f in TOKENIZER_FILES if f != "tokenizer.json"],
+                                               dest)
+    raise ConvertError(f"{what} {t}: {'not found' if not t.exists() else 'not a tokenizer'}; pass an HF tokenizer "
+                       f"directory, a tokenizer.json or a sentencepiece .model file")
+
+
 def write_side_files(ck: Checkpoint, dest: Path, tokenizer: Optional[str] = None,
                      with_config: bool = False) -> list[str]:
-    """Tokenizer files (--tokenizer, else the run's sentencepiece model, else the HF source's), the source's
-    generation_config.json, and with_config its config.json, into dest. Returns the names written."""
+    """Tokenizer files (--tokenizer, else the tokenizer the run's data was made with when it is still there,
+    else the HF source's), the source's generation_config.json, and with_config its config.json, into dest.
+    Returns the names written."""
     dirs = extra_dirs(ck)
     written: list[str] = []
     run_tok = ck.run.get("data", {}).get("tokenizer")
     if tokenizer:
-        t = Path(tokenizer)
-        if t.is_dir():
-            written += copy_files([t / f for f in TOKENIZER_FILES], dest)
-        elif t.is_file() and t.suffix == ".model":
-            written += write_sentencepiece_tokenizer(t, dest)
-        else:
-            raise ConvertError(f"--tokenizer {t}: pass an HF tokenizer directory or a sentencepiece .model file")
-    elif run_tok and Path(run_tok).is_file():
-        written += write_sentencepiece_tokenizer(Path(run_tok), dest)
-    else:
+        written += _copy_tokenizer(Path(tokenizer), dest, "--tokenizer")
+    elif run_tok and Path(run_tok).exists():
+        try:
+            written += _copy_tokenizer(Path(run_tok), dest, "the run's tokenizer")
+        except ConvertError:
+            pass  # not a tokenizer export can copy: fall back to the HF source's files
+    if not tokenizer and not written:
         for d in dirs:
             written += copy_files([d / f for f in TOKENIZER_FILES], dest)
             if written:
