@@ -112,3 +112,27 @@ def write_sft_dataset(base: Path | str, examples: list[tuple], vocab_size: int) 
     text.finalize(base + "_text_document.idx")
     mask.finalize(base + "_mask_document.idx")
     return base + "_text_document"
+
+
+def plain_adamw(model, train) -> tuple:
+    """The single-process reference's optimizer: torch AdamW (no decay on 1-D weights, as Megatron) and threed's
+    warmup + cosine multiplier, for a TrainConfig `train`."""
+    from threed.config import RunConfig
+    from threed.engine import lr_lambda
+
+    decay = [p for p in model.parameters() if p.ndim > 1]
+    no_decay = [p for p in model.parameters() if p.ndim <= 1]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": train.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=train.lr,
+                            betas=(train.beta1, train.beta2), eps=train.adam_eps)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(RunConfig(model=None, train=train)))
+
+
+def plain_step(model, opt, sched, loss, grad_clip: float) -> float:
+    """backward, clip, step: one reference step; returns the gradient norm before clipping."""
+    opt.zero_grad()
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip).item()
+    opt.step()
+    sched.step()
+    return norm

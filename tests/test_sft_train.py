@@ -18,9 +18,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import TESTS, gpt_dataset, hf_model, model_config, sft_examples, write_sft_dataset
+from helpers import (TESTS, gpt_dataset, hf_model, model_config, plain_adamw, plain_step, sft_examples,
+                     write_sft_dataset)
 from threed.convert.in_memory import random_hf_state
-from threed.engine import lr_lambda
 from threed.launch import run_ranks
 
 FP32_TOL = 1e-5
@@ -65,22 +65,12 @@ def reference_run(data: str, pack: bool, steps: int):
     cfg = sft_config(data, pack, steps)
     model = hf_model("gqa31").train()
     model.load_state_dict(random_hf_state(model_config("gqa31"), cfg.train.seed))
-    t = cfg.train
-    decay = [p for p in model.parameters() if p.ndim > 1]
-    no_decay = [p for p in model.parameters() if p.ndim <= 1]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=t.lr, betas=(t.beta1, t.beta2),
-                            eps=t.adam_eps)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+    opt, sched = plain_adamw(model, cfg.train)
     datasets = gpt_dataset(cfg, GLOBAL_BATCH)  # the rows threed train reads, built in this process
     losses, norms = [], []
     for step in range(steps):
         loss = masked_loss(model, datasets.train, range(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH))
-        opt.zero_grad()
-        loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip).item())
-        opt.step()
-        sched.step()
+        norms.append(plain_step(model, opt, sched, loss, cfg.train.grad_clip))
         losses.append(loss.item())
     with torch.no_grad():
         valid = masked_loss(model.eval(), datasets.valid, range(GLOBAL_BATCH)).item()

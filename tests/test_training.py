@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import TESTS, gpt_dataset, hf_model, learnable_tokens, model_config, write_dataset
+from helpers import (TESTS, gpt_dataset, hf_model, learnable_tokens, model_config, plain_adamw, plain_step,
+                     write_dataset)
 from threed.config import DataConfig, RunConfig, TrainConfig
 from threed.convert.in_memory import random_hf_state
 from threed.data.loader import micro_batches
-from threed.engine import lr_lambda
 from threed.launch import run_ranks
 
 FP32_TOL = 1e-5
@@ -43,12 +43,7 @@ def reference_run(data: str, steps: int = 5, state: Optional[dict] = None):
     mc = model_config("gqa31")
     train = TrainConfig(dtype="fp32", micro_batch_size=2, grad_accum_steps=2, seq_length=32, steps=steps, lr=1e-3,
                         min_lr=1e-4, warmup_steps=2, grad_clip=0.5)
-    decay = [p for p in model.parameters() if p.ndim > 1]
-    no_decay = [p for p in model.parameters() if p.ndim <= 1]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": train.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=train.lr,
-                            betas=(train.beta1, train.beta2), eps=train.adam_eps)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(RunConfig(model=mc, train=train)))
+    opt, sched = plain_adamw(model, train)
     # Global batch k is samples [8k, 8k + 8) whatever the layout: read them as one batch.
     ds = gpt_dataset(RunConfig(model=mc, train=train, data=DataConfig(data_path=(data,))), 8).train
     batches = micro_batches(ds, 8, 8, 1, 0, 0, mc.vocab_size)
@@ -57,11 +52,7 @@ def reference_run(data: str, steps: int = 5, state: Optional[dict] = None):
         inputs, (labels, _) = next(batches)
         logits = model(inputs).logits
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-        opt.zero_grad()
-        loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip).item())
-        opt.step()
-        sched.step()
+        norms.append(plain_step(model, opt, sched, loss, train.grad_clip))
         losses.append(loss.item())
     return losses, norms
 
