@@ -86,7 +86,7 @@ def timed_run(prefix: str, seq: int, pack: bool, rows: int, steps: int) -> tuple
     times = []
     for step in range(steps + 2):
         t0 = time.perf_counter()
-        engine.train_batch(data_iter=step_batches(batches, 1, True, engine, rt.device))
+        engine.train_batch(data_iter=step_batches(batches, 1, True, engine, rt.device)[0])
         times.append(time.perf_counter() - t0)
     real = statistics.mean(sum(ds.real_tokens(k * rows + i) for i in range(rows)) for k in range(steps + 2))
     return statistics.median(times[2:]), real

@@ -68,7 +68,8 @@ def main() -> None:
                     ("packed_act_ckpt", sft_config(args.data, True, 2, activation_checkpointing=True)),
                     ("unpacked", sft_config(args.data, False, 3))):
         r = train(c)
-        results[name] = {"losses": r.losses, "grad_norms": r.grad_norms, "evals": r.evals}
+        results[name] = {"losses": r.losses, "grad_norms": r.grad_norms, "evals": r.evals,
+                         "loss_tokens": r.loss_tokens}
 
     # 3. Preempted after step 1 (a STOP file) at tp2 pp2 dp2, resumed at tp1 pp2 dp4 (DeepSpeed's universal
     # checkpoint): the packed rows' order depends only on the global batch, so steps 2-5 are the uninterrupted ones.

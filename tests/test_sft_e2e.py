@@ -58,6 +58,8 @@ def test_sft_from_hf_to_hf_through_the_recipe(tmp_path):
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-5000:]
     assert "SFT data, response-only loss, packed sequence" in log, log[-3000:]
+    counted = [int(n) for n in re.findall(r"\| (\d+) loss tokens \(\d+/s\) \|", log)]
+    assert len(counted) == 4 and all(n > 0 for n in counted), log[-3000:]  # the response tokens of each step
     valid = [float(v) for v in re.findall(r"validation at step \d+ \| loss ([0-9.]+)", log)]
     assert len(valid) == 2 and all(np.isfinite(valid)), log[-3000:]
 

@@ -12,6 +12,7 @@ One launch of 8 gloo ranks runs them all (tests/sft_worker.py).
 from __future__ import annotations
 
 import json
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -48,13 +49,16 @@ def example_loss_sum(model, tokens: np.ndarray, mask: np.ndarray) -> tuple[torch
     return (F.cross_entropy(logits, x[1:], reduction="none") * m).sum(), m.sum().item()
 
 
-def masked_loss(model, dataset, rows: range):
-    """sum of response-token losses / their count over `rows`, each example run alone."""
+def masked_loss(model, dataset, rows: range, counts: Optional[list] = None):
+    """sum of response-token losses / their count over `rows`, each example run alone (the count appended to
+    `counts`)."""
     total, count = 0.0, 0.0
     for row in rows:
         for example in dataset.examples(row).tolist():
             s, c = example_loss_sum(model, dataset.dataset.tokens[example], dataset.dataset.mask[example])
             total, count = total + s, count + c
+    if counts is not None:
+        counts.append(int(count))
     return total / count
 
 
@@ -67,14 +71,14 @@ def reference_run(data: str, pack: bool, steps: int):
     model.load_state_dict(random_hf_state(model_config("gqa31"), cfg.train.seed))
     opt, sched = plain_adamw(model, cfg.train)
     datasets = gpt_dataset(cfg, GLOBAL_BATCH)  # the rows threed train reads, built in this process
-    losses, norms = [], []
+    losses, norms, counts = [], [], []
     for step in range(steps):
-        loss = masked_loss(model, datasets.train, range(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH))
+        loss = masked_loss(model, datasets.train, range(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH), counts)
         norms.append(plain_step(model, opt, sched, loss, cfg.train.grad_clip))
         losses.append(loss.item())
     with torch.no_grad():
         valid = masked_loss(model.eval(), datasets.valid, range(GLOBAL_BATCH)).item()
-    return losses, norms, valid
+    return losses, norms, valid, counts
 
 
 def test_packed_logits_at_tp2_pp2_match_hf_per_example(run):
@@ -100,7 +104,7 @@ def test_packed_logits_at_tp2_pp2_match_hf_per_example(run):
 
 @pytest.mark.parametrize("name,pack,steps", [("packed", True, 5), ("unpacked", False, 3)])
 def test_sft_training_matches_single_process_hf(run, name, pack, steps):
-    ref_losses, ref_norms, ref_valid = reference_run(run["data"], pack, steps)
+    ref_losses, ref_norms, ref_valid, ref_counts = reference_run(run["data"], pack, steps)
     got = run["ranks"][0][name]
     print(name, "3D losses", got["losses"], "\nref losses", ref_losses)
     print(name, "3D norms ", got["grad_norms"], "\nref norms ", ref_norms)
@@ -111,6 +115,9 @@ def test_sft_training_matches_single_process_hf(run, name, pack, steps):
         assert abs(a - b) <= FP32_TOL * abs(b), f"step {step + 1}: loss {a} vs reference {b}"
     for step, (a, b) in enumerate(zip(got["grad_norms"], ref_norms)):
         assert abs(a - b) <= FP32_TOL * abs(b), f"step {step + 1}: grad norm {a} vs reference {b}"
+    # The response tokens each step's loss counted (reported as loss-tokens in the metrics), on the loss rank.
+    loss_rank = run["ranks"][4]  # last stage, tp 0, dp 0 at tp2 pp2 dp2
+    assert loss_rank[name]["loss_tokens"] == ref_counts
     (ev,) = got["evals"]
     assert abs(ev["loss"] - ref_valid) <= FP32_TOL * ref_valid
 

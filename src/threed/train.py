@@ -45,6 +45,7 @@ class TrainResult:
     consumed_samples: int = 0
     evals: list[dict] = field(default_factory=list)  # {"step", "loss", "tokens", "loss/<dataset>": ...}
     samples_read: int = 0  # train + valid samples this rank read (0 on middle pipeline stages)
+    loss_tokens: list[int] = field(default_factory=list)  # SFT, last stage: the tokens each step's loss counted
 
 
 class StopRequest:
@@ -82,15 +83,17 @@ def checked_data_plan(cfg: RunConfig, rank: int):
     return data_plan(cfg)  # the flags' reading of the splits: cheap, the same on every rank
 
 
-def step_batches(batches, gas: int, sft: bool, engine, device: torch.device):
-    """What DeepSpeed reads for one step. SFT: the step's micro-batches are read first so that the last stage can
-    weigh every response token of the global batch alike (`token_weighted`, one all-reduce over data parallel)."""
+def step_batches(batches, gas: int, sft: bool, engine, device: torch.device) -> tuple[Optional[object], Optional[int]]:
+    """What DeepSpeed reads for one step, and (SFT, last stage) the global batch's loss-token count. SFT: the step's
+    micro-batches are read first so that the last stage can weigh every response token of the global batch alike
+    (`token_weighted`, one all-reduce over data parallel)."""
     if batches is None or not sft:
-        return batches
+        return batches, None
     step = [next(batches) for _ in range(gas)]
+    loss_tokens = None
     if engine.is_last_stage():
-        step = token_weighted(step, engine.grid.get_data_parallel_group(), device)
-    return iter(step)
+        step, loss_tokens = token_weighted(step, engine.grid.get_data_parallel_group(), device)
+    return iter(step), loss_tokens
 
 
 def log(is_logger: bool, msg: str) -> None:
@@ -137,15 +140,18 @@ def train(cfg: RunConfig) -> TrainResult:
                             counter=counter) if reads_data else None
     metrics = RunMetrics(cfg, engine, rt, start)  # every rank: times its stage; the loss rank writes
     for step in range(start, cfg.train.steps):
-        loss = engine.train_batch(data_iter=step_batches(batches, gas, plan.sft, engine, rt.device)).item()
+        step_iter, loss_tokens = step_batches(batches, gas, plan.sft, engine, rt.device)
+        loss = engine.train_batch(data_iter=step_iter).item()
         consumed += glob
         norm = engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else float("nan")
         result.losses.append(loss)
         result.grad_norms.append(norm)
+        if loss_tokens is not None:
+            result.loss_tokens.append(loss_tokens)
         result.end_step = step + 1
         result.consumed_samples = consumed
-        metrics.step(step + 1, loss, norm, samples=consumed)  # every rank (one all-gather per log interval)
+        metrics.step(step + 1, loss, norm, samples=consumed, loss_tokens=loss_tokens)  # every rank (one all-gather per log interval)
         guard.after_step(step + 1, loss, norm)  # exit 3 on divergence; may raise the stop request
         last = step + 1 == cfg.train.steps
         if plan.eval_interval and ((step + 1) % plan.eval_interval == 0 or last):

@@ -134,14 +134,16 @@ def collate(samples: Sequence[dict], vocab_size: int, num_datasets: int = 0) -> 
     return inputs, (labels, loss_mask, torch.nn.functional.one_hot(ids, num_datasets).float())
 
 
-def token_weighted(step: list[tuple], dp_group=None, device: Optional[torch.device] = None) -> list[tuple]:
+def token_weighted(step: list[tuple], dp_group=None,
+                   device: Optional[torch.device] = None) -> tuple[list[tuple], int]:
     """One step's micro-batches `(inputs, (labels, loss_mask))` -> `(inputs, (labels, weights))` where every loss
     token of the global batch weighs the same: weights = loss_mask x (gas x dp) / (loss tokens of the global batch,
     summed over `dp_group`). DeepSpeed then divides the summed micro-batch losses by gas and averages gradients over
     dp, so the step minimises sum(token loss x mask) / count over the whole global batch (Megatron-LM's
     --calculate-per-token-loss), and the loss it reports is that masked mean. Needed for SFT, where the response
     tokens per micro-batch vary a lot; a per-micro-batch mean would weigh a token of a short answer more.
-    Called on the last pipeline stage only (it holds the loss); collective over `dp_group` when given."""
+    Called on the last pipeline stage only (it holds the loss); collective over `dp_group` when given. Returns the
+    weighted micro-batches and the global batch's loss-token count."""
     import torch.distributed as dist
 
     count = torch.zeros(1, dtype=torch.float64, device=device)  # the group's backend decides where it lives
@@ -152,4 +154,4 @@ def token_weighted(step: list[tuple], dp_group=None, device: Optional[torch.devi
         dist.all_reduce(count, group=dp_group)
         dp = dist.get_world_size(dp_group)
     scale = len(step) * dp / max(count.item(), 1.0)
-    return [(inputs, (labels, mask * scale)) for inputs, (labels, mask) in step]
+    return [(inputs, (labels, mask * scale)) for inputs, (labels, mask) in step], int(count.item())

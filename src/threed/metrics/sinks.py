@@ -110,6 +110,8 @@ def stdout_line(record: dict[str, Any], total_steps: int, eta_s: Optional[float]
              f"grad norm {r['grad-norm']:.3f}", f"{r['iteration-time'] * 1000:.0f} ms",
              f"{r['tokens-per-sec']:.0f} tokens/s", f"{r['throughput']:.3g} TFLOP/s/GPU", f"MFU {mfu}",
              f"mem {_mb(r['mem-allocated-bytes'])}/{_mb(r['mem-max-allocated-bytes'])} MB"]
+    if "loss-tokens" in r:  # SFT: the response tokens the loss counted, of all the positions above
+        parts.insert(6, f"{r['loss-tokens']} loss tokens ({r['loss-tokens-per-sec']:.0f}/s)")
     stages = [s for s in range(pp) if f"stage{s}/mem-max-allocated-bytes" in r]
 
     def join(key: str, fmt) -> str:

@@ -132,14 +132,20 @@ class RunMetrics:
         return {"iteration": iteration, "samples": samples, "tokens": samples * self.seq, "time": time.time()}
 
     def step(self, iteration: int, loss: float, grad_norm: Optional[float] = None,
-             samples: Optional[int] = None) -> Optional[dict[str, Any]]:
+             samples: Optional[int] = None, loss_tokens: Optional[int] = None) -> Optional[dict[str, Any]]:
         """Every rank, once per training step, right after `train_batch`. `iteration` counts steps done (1-based),
         `samples` the samples consumed so far (default iteration x global batch). Returns the record on the writer
-        rank, None elsewhere."""
+        rank, None elsewhere. `loss_tokens` (SFT: the tokens the loss counted in this global batch, known on the
+        writer rank) adds `loss-tokens` and `loss-tokens-per-sec`: with padding or prompts, tokens/s counts every
+        position, this counts what was trained on."""
         t0 = time.perf_counter()
         record: Optional[dict[str, Any]] = None
         if self.is_writer:
             record = self._step_record(iteration, loss, grad_norm, samples)
+            if loss_tokens is not None:
+                dt = record["iteration-time"]
+                record["loss-tokens"] = int(loss_tokens)
+                record["loss-tokens-per-sec"] = loss_tokens / dt if dt > 0 else 0.0
         if iteration % self.log_interval == 0 or iteration == self.total_steps:
             t_gather = time.perf_counter()
             rows = gather_rows(self.timer, self.device)
