@@ -16,16 +16,8 @@ import time
 import torch
 
 from threed.model.init import shard_of
-from threed.model.sharding import SHARDING
+from threed.model.sharding import SHARDING, parameter_shapes
 from threed.presets import get_model_config
-
-
-def block_shapes(m, tp: int) -> dict[str, tuple[int, ...]]:
-    h, f, d = m.hidden_size, m.ffn_hidden_size, m.head_dim
-    return {"input_layernorm.weight": (h,), "pre_mlp_layernorm.weight": (h,),
-            "self_attention.linear_qkv.weight": ((m.num_heads + 2 * m.num_kv_heads) * d // tp, h),
-            "self_attention.linear_proj.weight": (h, m.num_heads * d // tp),
-            "mlp.linear_fc1.weight": (2 * f // tp, h), "mlp.linear_fc2.weight": (h, f // tp)}
 
 
 def main() -> None:
@@ -36,7 +28,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     a = p.parse_args()
     m = get_model_config(a.model)
-    shapes = block_shapes(m, a.tp)
+    shapes = parameter_shapes(m, "block", a.tp)
     blocks_per_stage = m.num_layers // a.pp
     kinds = SHARDING["block"]
 

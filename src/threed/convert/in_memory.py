@@ -21,26 +21,13 @@ def random_hf_state(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     started from random weights with this seed gives at any tp and pp, before its first step."""
     from threed.convert.mapping import layer_to_hf
     from threed.model.init import shard_of
-    from threed.model.sharding import SHARDING
+    from threed.model.sharding import SHARDING, parameter_shapes
 
     out: dict[str, torch.Tensor] = {}
     for layer in pipeline_layers(cfg):
-        shapes = _our_shapes(cfg, layer.kind)
+        shapes = parameter_shapes(cfg, layer.kind)
         ours = {name: shard_of(cfg, layer.index, name, kind, shapes[name], 1, 0, seed)
                 for name, kind in SHARDING[layer.kind].items()}
         out.update(layer_to_hf(cfg, layer, [ours]))
     return out
 
-
-def _our_shapes(cfg: ModelConfig, kind: str) -> dict[str, tuple[int, ...]]:
-    h, f, d = cfg.hidden_size, cfg.ffn_hidden_size, cfg.head_dim
-    v = cfg.padded_vocab_size(1)
-    return {
-        "embedding": {"word_embeddings.weight": (v, h)},
-        "block": {"input_layernorm.weight": (h,), "pre_mlp_layernorm.weight": (h,),
-                  "self_attention.linear_qkv.weight": ((cfg.num_heads + 2 * cfg.num_kv_heads) * d, h),
-                  "self_attention.linear_proj.weight": (h, cfg.num_heads * d),
-                  "mlp.linear_fc1.weight": (2 * f, h), "mlp.linear_fc2.weight": (h, f)},
-        "final_norm": {"norm.weight": (h,)},
-        "lm_head": {"lm_head.weight": (v, h)},
-    }[kind]

@@ -11,7 +11,10 @@
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from threed.config import ModelConfig
 
 ShardKind = Literal["vocab", "column", "row", "replicated", "qkv", "gate_up"]
 
@@ -28,3 +31,27 @@ SHARDING: dict[str, dict[str, ShardKind]] = {
     "final_norm": {"norm.weight": "replicated"},
     "lm_head": {"lm_head.weight": "vocab"},
 }
+
+
+def parameter_shapes(cfg: "ModelConfig", kind: str, tp: int = 1) -> dict[str, tuple[int, ...]]:
+    """Shapes of a pipeline layer's parameters (our names) on one of `tp` ranks; tp=1: the full tensors, the
+    vocabulary padded for tp 1. What the random init draws and what a converted checkpoint holds."""
+    h, f, d = cfg.hidden_size, cfg.ffn_hidden_size, cfg.head_dim
+    v = cfg.padded_vocab_size(tp)
+    full = {
+        "word_embeddings.weight": (v, h), "lm_head.weight": (v, h), "norm.weight": (h,),
+        "input_layernorm.weight": (h,), "pre_mlp_layernorm.weight": (h,),
+        "self_attention.linear_qkv.weight": ((cfg.num_heads + 2 * cfg.num_kv_heads) * d, h),
+        "self_attention.linear_proj.weight": (h, cfg.num_heads * d),
+        "mlp.linear_fc1.weight": (2 * f, h), "mlp.linear_fc2.weight": (h, f),
+    }
+    out = {}
+    for name, how in SHARDING[kind].items():
+        rows, *rest = full[name]
+        if how == "replicated":
+            out[name] = full[name]
+        elif how == "row":
+            out[name] = (rows, rest[0] // tp)
+        else:  # vocab, column, qkv, gate_up: split by rows
+            out[name] = (rows // tp, *rest)
+    return out
