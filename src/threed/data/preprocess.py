@@ -123,6 +123,20 @@ def _make_tmpdir(prefix: str) -> tuple[str, list[Path]]:
                               f"--output-prefix") from None
 
 
+def _publish(builders: dict, tmp: dict[str, str], outputs: dict[str, str]) -> None:
+    """Finalize each builder's temporary .idx and move the datasets into place. Old .idx files go first (--force),
+    then the .bin files, then the new .idx files that make each dataset readable: a reader finds the old pair, no
+    .idx, or the new pair, never a mixed or partial one."""
+    for k, b in builders.items():
+        b.finalize(tmp[k] + ".idx")
+    for k in outputs:
+        if os.path.lexists(outputs[k] + ".idx"):
+            os.remove(outputs[k] + ".idx")
+    for suffix in (".bin", ".idx"):
+        for k in outputs:
+            os.replace(tmp[k] + suffix, outputs[k] + suffix)
+
+
 def _remove_dirs(dirs: list[Path]) -> None:
     for d in dirs:  # deepest first
         try:
@@ -195,16 +209,7 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer: Union[str, 
             if n == 0:  # an empty .bin cannot even be memory-mapped by IndexedDataset
                 raise PreprocessError(f"no documents for key {k!r} in {', '.join(inputs)} (all empty); check the "
                                       f"inputs and --json-keys / --text-unit")
-        for k, b in builders.items():
-            b.finalize(tmp[k] + ".idx")
-        # Old .idx files go first (--force), then the .bin files, then the new .idx files that make each dataset
-        # readable: a reader finds the old pair, no .idx, or the new pair, never a mixed or partial one.
-        for k in keys:
-            if os.path.lexists(outputs[k] + ".idx"):
-                os.remove(outputs[k] + ".idx")
-        for suffix in (".bin", ".idx"):
-            for k in keys:
-                os.replace(tmp[k] + suffix, outputs[k] + suffix)
+        _publish(builders, tmp, outputs)
     except BaseException:
         shutil.rmtree(tmpdir, ignore_errors=True)
         _remove_dirs(created)

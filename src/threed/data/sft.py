@@ -203,7 +203,7 @@ def preprocess_sft(inputs: Sequence[str], output_prefix: str, tokenizer: Any, *,
     `tokenizer`: a path (see load_hf_tokenizer) or an HF fast tokenizer object. `long`: "error", "drop" or
     "truncate". PreprocessError (one line) for bad input, with nothing left on disk."""
     from threed.data.encode import indexed_dataset
-    from threed.data.preprocess import _check_output, _make_tmpdir, _remove_dirs, dataset_prefix
+    from threed.data.preprocess import _check_output, _make_tmpdir, _publish, _remove_dirs, dataset_prefix
 
     start = time.perf_counter()
     if seq_length is None or seq_length < 2:
@@ -252,14 +252,7 @@ def preprocess_sft(inputs: Sequence[str], output_prefix: str, tokenizer: Any, *,
         if counts["examples"] == 0:
             raise PreprocessError(f"no examples left in {', '.join(inputs)} (empty inputs, or all dropped as longer "
                                   f"than --seq-length {seq_length})")
-        for k, b in builders.items():
-            b.finalize(tmp[k] + ".idx")
-        for k in outputs:  # as in preprocess(): old .idx first, then .bin, then the new .idx
-            if os.path.lexists(outputs[k] + ".idx"):
-                os.remove(outputs[k] + ".idx")
-        for suffix in (".bin", ".idx"):
-            for k in outputs:
-                os.replace(tmp[k] + suffix, outputs[k] + suffix)
+        _publish(builders, tmp, outputs)
     except BaseException:
         shutil.rmtree(tmpdir, ignore_errors=True)
         _remove_dirs(created)
