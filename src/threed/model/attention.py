@@ -50,28 +50,30 @@ class SDPACoreAttention(torch.nn.Module):
 
             # [s, b, h, d] -> [b*s, h, d]: each row's documents become sequences of one flat batch.
             q, k, v = (t.transpose(0, 1).reshape(b * s, t.shape[2], d) for t in (query, key, value))
-            cu, max_len = _per_segments(segments, "varlen", cumulative_lengths)  # one host sync per micro-batch
+            cu, max_len = reuse_per_tensor(segments, "varlen", cumulative_lengths)  # one host sync per micro-batch
             out = varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=self.softmax_scale, window_size=(-1, 0),
                               enable_gqa=gqa)
             return out.reshape(b, s, heads * d).transpose(0, 1).contiguous()
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
-        mask = _per_segments(segments, "mask", block_causal_mask)
+        mask = reuse_per_tensor(segments, "mask", block_causal_mask)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale, enable_gqa=gqa)
         return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
 
 
-# What the attention derives from a micro-batch's segment ids, kept while the same segments tensor comes back (the
-# next block of the stage, or the recompute of activation checkpointing: `threed.model.layers._packed_geometry`
-# hands every block the same object). One entry per kind; it holds the tensor, so identity cannot be recycled.
-_SEGMENT_CACHE: dict[str, tuple] = {}
+# What is derived from a micro-batch's document ids (segments, RoPE angles: threed.model.layers) and from its
+# segments (mask, varlen lengths: here) is kept while the same tensor object comes back: the next block of the
+# stage, or activation checkpointing's recompute, gets the very object the previous block passed on. One entry per
+# kind; it holds the tensor, so an identity match cannot be a recycled object.
+_PER_TENSOR: dict = {}
 
 
-def _per_segments(segments: torch.Tensor, kind: str, build):
-    hit = _SEGMENT_CACHE.get(kind)
-    if hit is not None and hit[0] is segments:
+def reuse_per_tensor(key: torch.Tensor, kind, build):
+    """`build(key)`, or its value from the last call with this `kind` when `key` is the same tensor object."""
+    hit = _PER_TENSOR.get(kind)
+    if hit is not None and hit[0] is key:
         return hit[1]
-    value = build(segments)
-    _SEGMENT_CACHE[kind] = (segments, value)
+    value = build(key)
+    _PER_TENSOR[kind] = (key, value)
     return value
 
 

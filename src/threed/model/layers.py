@@ -25,7 +25,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
 from threed.config import ModelConfig
-from threed.model.attention import SDPACoreAttention, document_segments
+from threed.model.attention import SDPACoreAttention, document_segments, reuse_per_tensor
 from threed.model.rope import RotaryAngles, document_positions
 
 
@@ -124,21 +124,14 @@ class LlamaBlock(TransformerLayer):
         return out, doc_ids
 
 
-# The blocks of a stage all receive the same doc_ids tensor for a micro-batch (and again when activation
-# checkpointing recomputes it): segments and RoPE angles are built once per micro-batch, not once per block, so the
-# core attention's own cache (mask / cumulative lengths, keyed on the segments tensor) hits as well. One entry; it
-# holds the tensor, so an identity match cannot be a recycled object.
-_PACKED_CACHE: list = [None, None, None]  # doc_ids, inv_freq, (segments, angles)
-
-
 def _packed_geometry(doc_ids: torch.Tensor, rotary: RotaryAngles, device: torch.device):
-    ids, inv_freq, value = _PACKED_CACHE
-    if ids is doc_ids and torch.equal(inv_freq, rotary.inv_freq):
-        return value
-    segments = document_segments(doc_ids.to(device))
-    value = (segments, rotary.at_positions(document_positions(segments)))
-    _PACKED_CACHE[:] = [doc_ids, rotary.inv_freq, value]
-    return value
+    """Segments and RoPE angles of a micro-batch, built once per stage (not per block); the same segments object
+    then lets the core attention reuse its mask / varlen lengths too."""
+    def build(ids: torch.Tensor):
+        segments = document_segments(ids.to(device))
+        return segments, rotary.at_positions(document_positions(segments))
+
+    return reuse_per_tensor(doc_ids, ("rope", rotary.key, str(device)), build)
 
 
 class FinalNormPipe(torch.nn.Module):

@@ -34,6 +34,7 @@ class RotaryAngles:
 
     def __init__(self, cfg: ModelConfig):
         self.inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.key = (cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)  # what the angles depend on (hashable)
         self._cache: dict[tuple[int, str], torch.Tensor] = {}
 
     def __call__(self, seq_len: int, device: torch.device) -> torch.Tensor:
