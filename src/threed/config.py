@@ -11,9 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
-
-class ConfigError(ValueError):
-    """A configuration that cannot run. The message names the numbers and how to fix them."""
+from threed.errors import ConfigError  # noqa: F401  (re-exported: the config's own error)
 
 
 @dataclass(frozen=True)
