@@ -16,7 +16,7 @@ import time
 import torch
 
 from threed.model.init import shard_of
-from threed.model.sharding import SHARDING, parameter_shapes
+from threed.model.spec import full_shape, layer_parameters
 from threed.presets import get_model_config
 
 
@@ -28,27 +28,22 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     a = p.parse_args()
     m = get_model_config(a.model)
-    shapes = parameter_shapes(m, "block", a.tp)
+    params = layer_parameters("block")
     blocks_per_stage = m.num_layers // a.pp
-    kinds = SHARDING["block"]
 
     os.environ["THREED_INIT_THREADS"] = str(a.threads)
     t0 = time.perf_counter()
     ours_bytes = 0
-    for name, shape in shapes.items():
-        t = shard_of(m, 1, name, kinds[name], shape, a.tp, 0, seed=1234)
+    for param in params:
+        t = shard_of(m, 1, param, a.tp, 0, seed=1234)
         ours_bytes += t.numel() * 4
     ours = time.perf_counter() - t0
 
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     peak = 0
-    for name, shape in shapes.items():
-        full = list(shape)
-        if len(full) == 2:
-            split = 1 if kinds[name] == "row" else 0
-            full[split] *= a.tp
-        master = torch.empty(*full).normal_(0, 0.02)  # megatron's _initialize_affine_weight_cpu
+    for param in params:
+        master = torch.empty(*full_shape(m, param, a.tp)).normal_(0, 0.02)  # megatron's _initialize_affine_weight_cpu
         peak = max(peak, master.numel() * 4)
         del master
     base = time.perf_counter() - t0

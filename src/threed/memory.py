@@ -5,7 +5,7 @@
 Per rank of pipeline stage s. tests/test_memory.py checks the static terms against the tensors of real CPU
 engines (within 2%; they agree to the byte) and reports the activation estimate against a measured CPU peak.
 
-  stages       `threed.partition` (the run's --partition-method) over `threed.pipeline.pipeline_layers`:
+  stages       `threed.partition` (the run's --partition-method) over `threed.model.spec.pipeline_layers`:
                stage 0 adds the embedding, the last stage the final norm and LM head, both [padded V / tp, h].
                Matrices are split over TP; norms are replicated.
   weights      2 B/param bf16 in BF16_Optimizer's flat buffer per param group (matrices / norms), each padded
@@ -52,7 +52,9 @@ import sys
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
-from threed.config import ConfigError, ModelConfig
+from threed.config import ConfigError, ModelConfig, TrainConfig
+from threed.model.spec import LayerKind, largest_parameter, stage_parameters
+from threed.partition import resolve_partition
 
 GB = 1e9
 BF16 = 2
@@ -71,9 +73,6 @@ class Stage:
 @functools.lru_cache(maxsize=1024)
 def stage_bounds(model: ModelConfig, pp: int, tp: int, seq: int, method: str | None = None) -> tuple[int, ...]:
     """Where each stage starts in `pipeline_layers(model)`, as the run splits it (`threed.partition`)."""
-    from threed.config import TrainConfig
-    from threed.partition import resolve_partition
-
     # DeepSpeed, imported on the way, logs to stdout; ours is parsed (recipes/launch.sh captures the estimate).
     with contextlib.redirect_stdout(sys.stderr):
         return tuple(resolve_partition(method or TrainConfig().partition_method, model, pp, seq, tp))
@@ -97,14 +96,14 @@ def stages(model: ModelConfig, pp: int, tp: int, seq: int, method: str | None = 
     return out
 
 
+def stage_kinds(stage: Stage) -> list[LayerKind]:
+    """The layer kinds a stage holds, one entry per layer."""
+    return ["embedding"] * stage.first + ["block"] * stage.blocks + ["final_norm", "lm_head"] * stage.last
+
+
 def stage_params(model: ModelConfig, tp: int, stage: Stage) -> tuple[int, int]:
     """(matrices, norms) parameters on one rank of `stage`: `threed.engine.make_optimizer`'s two groups."""
-    h, d, f = model.hidden_size, model.head_dim, model.ffn_hidden_size
-    q, kv = model.num_heads * d, model.num_kv_heads * d
-    block = h * (q + 2 * kv) // tp + q * h // tp + 2 * f * h // tp + f * h // tp
-    vocab = model.padded_vocab_size(tp) // tp * h
-    matrices = stage.blocks * block + vocab * (stage.first + stage.last)
-    return matrices, stage.blocks * 2 * h + h * stage.last
+    return stage_parameters(model, tp, stage_kinds(stage))
 
 
 @dataclass(frozen=True)
@@ -225,8 +224,7 @@ def stage_memory(model: ModelConfig, tp: int, pp: int, dp: int, micro: int, gas:
         buffers += BF16 * tokens * h if tp == 1 else BF16 * tokens * (h // tp) + 72
     if stage.last:
         buffers += min(2, gas) * BF16 * tokens * (v + (0 if stage.first else 2 * h))  # stale logits + input
-    max_param = max(v * h if stage.first or stage.last else 0, 2 * f * h // tp,
-                    h * (model.num_heads + 2 * model.num_kv_heads) * d // tp)
+    max_param = largest_parameter(model, tp, stage_kinds(stage))
     adamw_temps = 0 if _switches(device).fused_adamw else 2 if device == "cpu" else 1
     return Memory(
         stage=stage, params=sum(groups), weights=float(BF16 * sum(padded)), grads=float(4 * sum(padded)),

@@ -1,8 +1,9 @@
 """Which pipeline stage holds which layers: `--partition-method`.
 
-    balanced          (default) contiguous stages minimising the largest stage's estimated training FLOPs per token:
-                      a block costs its matmuls plus attention scores, the LM head 6·h·V; the embedding (a lookup)
-                      and the norms count as zero. Every stage keeps at least one transformer block.
+    balanced          (default) contiguous stages minimising the largest stage's training FLOPs per token
+                      (`threed.model.spec.layer_training_flops`: a block costs its matmuls plus attention scores,
+                      the LM head 6·h·V; the embedding (a lookup) and the norms count as zero). Every stage keeps
+                      at least one transformer block.
     layers:5,3        explicit transformer blocks per stage (one number per stage, summing to num_layers); the
                       embedding goes with the first stage, the final norm and LM head with the last.
     parameters        balance parameter counts (DeepSpeed's method; counted from the config, nothing is built).
@@ -22,8 +23,9 @@ from __future__ import annotations
 import functools
 import re
 
-from threed.config import ConfigError, ModelConfig
-from threed.pipeline import PipelineLayer, pipeline_layers
+from threed.config import ModelConfig
+from threed.errors import ConfigError
+from threed.model.spec import PipelineLayer, layer_training_flops, pipeline_layers, stage_parameters
 
 PARTS_PREFIX = "parts:"
 CLASS_NAMES = {"embedding": "EmbeddingPipe", "block": "LlamaBlock", "final_norm": "FinalNormPipe",
@@ -31,26 +33,10 @@ CLASS_NAMES = {"embedding": "EmbeddingPipe", "block": "LlamaBlock", "final_norm"
 METHODS = "balanced, layers:N1,N2,..., parameters, uniform, type:REGEX"
 
 
-def layer_flops(model: ModelConfig, layer: PipelineLayer, seq_length: int, tp: int) -> float:
-    """Training (forward + backward) FLOPs per token of one pipeline layer (the cost model of `balanced`)."""
-    h, d = model.hidden_size, model.head_dim
-    if layer.kind == "block":
-        matmul = h * (model.num_heads * d) + 2 * h * (model.num_kv_heads * d) + model.num_heads * d * h \
-            + 3 * h * model.ffn_hidden_size
-        return 3.0 * (2.0 * matmul + 4.0 * seq_length * h)
-    if layer.kind == "lm_head":
-        return 6.0 * h * model.padded_vocab_size(tp)
-    return 0.0
-
-
 def layer_params(model: ModelConfig, layer: PipelineLayer, tp: int) -> int:
-    h, d = model.hidden_size, model.head_dim
-    if layer.kind in ("embedding", "lm_head"):
-        return model.padded_vocab_size(tp) * h
-    if layer.kind == "final_norm":
-        return h
-    return h * (model.num_heads * d) + 2 * h * (model.num_kv_heads * d) + model.num_heads * d * h \
-        + 3 * h * model.ffn_hidden_size + 2 * h
+    """Elements of one pipeline layer's parameters on one TP rank (DeepSpeed's `parameters` method balances these)."""
+    matrices, norms = stage_parameters(model, tp, [layer.kind])
+    return matrices + norms
 
 
 def min_max_partition(costs: list[float], parts: int, has_block: list[bool]) -> list[int]:
@@ -106,7 +92,8 @@ def resolve_partition(method: str, model: ModelConfig, pp: int, seq_length: int,
     is_block = [layer.kind == "block" for layer in layers]
     m = method.strip()
     if m.lower() == "balanced":
-        return min_max_partition([layer_flops(model, la, seq_length, tp) for la in layers], pp, is_block)
+        return min_max_partition([layer_training_flops(model, la.kind, seq_length, tp) for la in layers], pp,
+                                 is_block)
     if m.lower().startswith("layers:"):
         return _explicit(m[len("layers:"):], model, pp)
     # DeepSpeed's own methods, computed with its own split functions (imported here: the two above need no

@@ -10,12 +10,14 @@ A layout fits when its heaviest stage's peak (threed.memory, CUDA kernels) is at
 Step time model (a ranking, not a promise; bf16, no sequence parallelism, no compute/communication overlap):
 
     step = (gas + pp - 1) x max over stages of t_micro(stage)  + t_dp + t_optimizer
-    t_micro(stage) = tokens x (blocks x F_block x (1 + recompute / 3) + last x 6 h V) / (tp x R)     compute
+    t_micro(stage) = tokens x (blocks x F_block x (1 + recompute / 3) + last x F_head) / (tp x R)    compute
                    + n_allreduce x 2 (tp - 1) / tp x 2 s b h / B_tp                                TP all-reduces
                    + 2 x 2 s b h / tp / B_pp + 2 x all-gather of it over TP                           PP p2p (pp > 1)
 
-  F_block = 6 x (block parameters) + 6 s h: training FLOPs per token (matmuls, causal attention); activation
-  checkpointing recomputes the forward (+1/3). The first factor is the 1F1B schedule: the bubble is
+  F_block, F_head: training FLOPs per token of a block and of the LM head, `threed.model.spec.layer_training_flops`
+  (the repo's one FLOPs convention: 6 x matmul parameters, attention scores over the full seq x seq square, so
+  causal attention's cost is overstated by 6 s h per block, as in every MFU figure); activation checkpointing
+  recomputes the forward (+1/3). The first factor is the 1F1B schedule: the bubble is
   (pp - 1) / (gas + pp - 1) of the step, and the slowest stage sets the pace. n_allreduce per block: 2 forward
   (attention and MLP outputs) + 2 backward (their inputs' gradients) + 2 more when recomputing; plus the
   embedding's and the LM head's one each. DeepSpeed partitions what crosses stages over TP and gathers it on
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from threed.config import ConfigError, ModelConfig
+from threed.model.spec import layer_training_flops
 from threed.memory import GB, Memory, estimate, heaviest, quiet_deepspeed_import, stages
 
 
@@ -83,10 +86,9 @@ def step_time(model: ModelConfig, hw: Hardware, tp: int, pp: int, dp: int, micro
               act_ckpt: bool, params: int) -> float:
     """Predicted seconds per optimizer step (the model in the module docstring); `params`: the largest stage's
     parameters per GPU."""
-    h, d, f = model.hidden_size, model.head_dim, model.ffn_hidden_size
-    v = model.padded_vocab_size(tp)
-    block_params = h * (model.num_heads + 2 * model.num_kv_heads) * d + model.num_heads * d * h + 3 * h * f
-    f_block = (6 * block_params + 6 * seq * h) * (4 / 3 if act_ckpt else 1)
+    h = model.hidden_size
+    f_block = layer_training_flops(model, "block", seq, tp) * (4 / 3 if act_ckpt else 1)
+    f_head = layer_training_flops(model, "lm_head", seq, tp)
     tokens = seq * micro
     act_bytes = 2 * tokens * h
     rate = hw.tflops * 1e12
@@ -97,7 +99,7 @@ def step_time(model: ModelConfig, hw: Hardware, tp: int, pp: int, dp: int, micro
 
     slowest = 0.0
     for st in stages(model, pp, tp, seq):
-        flops = tokens * (st.blocks * f_block + st.last * 6 * h * v)
+        flops = tokens * (st.blocks * f_block + st.last * f_head)
         n_allreduce = st.blocks * (6 if act_ckpt else 4) + st.first + st.last
         t = flops / (tp * rate) + n_allreduce * allreduce
         if pp > 1:  # activations forward, gradients backward: a TP partition each, gathered over TP

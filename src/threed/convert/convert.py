@@ -31,9 +31,9 @@ from threed.convert.ds_checkpoint import (HF_EXTRA_DIR, TAG, layer_file, model_t
                                           write_metadata)
 from threed.convert.hf_source import SIDE_FILES, HFSource
 from threed.convert.io_utils import ConvertError, atomic_output_dir, check_free_space, dtype_name, human, progress
-from threed.convert.mapping import hf_names
+from threed.hf.names import hf_names
 from threed.convert.plan import BufferPool, PartReader, materialize, rank_plan
-from threed.pipeline import PipelineLayer, pipeline_layers
+from threed.model.spec import PipelineLayer, pipeline_layers
 
 StateDict = OrderedDict[str, Any]
 

@@ -26,9 +26,10 @@ import torch
 
 from threed.config import ModelConfig, RunConfig
 from threed.convert.io_utils import ConvertError
-from threed.convert.mapping import hf_shapes, layer_from_hf
+from threed.convert.mapping import layer_from_hf
+from threed.hf.names import hf_shapes
 from threed.convert.plan import ShardReader
-from threed.pipeline import PipelineLayer, pipeline_layers
+from threed.model.spec import PipelineLayer, pipeline_layers
 
 TAG = "global_step0"
 RUN_JSON = "threed_run.json"  # the name threed.train writes beside its checkpoints

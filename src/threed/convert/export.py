@@ -25,7 +25,7 @@ from threed.convert.hf_source import TOKENIZER_FILES
 from threed.convert.hf_writer import (Planned, ShardedSafetensorsWriter, copy_files, plan_shards,
                                       write_config, write_sentencepiece_tokenizer)
 from threed.convert.io_utils import ConvertError, atomic_output_dir, check_free_space, human, progress
-from threed.convert.mapping import hf_names, hf_shapes
+from threed.hf.names import hf_names, hf_shapes
 from threed.convert.plan import Piece
 
 

@@ -21,14 +21,13 @@ import torch
 
 from threed.config import ModelConfig
 from threed.convert.io_utils import ConvertError
-from threed.convert.mapping import hf_shapes
+from threed.hf.names import IGNORED_SUFFIXES, hf_shapes
 from threed.convert.plan import Piece
-from threed.pipeline import pipeline_layers
+from threed.model.spec import pipeline_layers
 
 ST_DTYPES: dict[str, torch.dtype] = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
                                      "F64": torch.float64}
 # Buffers some HF versions saved; they are recomputed from the config, so they are skipped, not converted.
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "added_tokens.json", "chat_template.jinja")
 SIDE_FILES = TOKENIZER_FILES + ("generation_config.json", "config.json")  # carried into a converted checkpoint

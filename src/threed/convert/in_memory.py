@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from threed.config import ModelConfig
-from threed.convert.mapping import layer_from_hf
-from threed.pipeline import pipeline_layers
+from threed.convert.mapping import layer_from_hf, layer_to_hf
+from threed.model.init import shard_of
+from threed.model.spec import layer_parameters, pipeline_layers
 
 
 def load_hf_state(module, cfg: ModelConfig, hf_state: dict[str, torch.Tensor], tp: int, tp_rank: int) -> None:
@@ -19,15 +20,9 @@ def load_hf_state(module, cfg: ModelConfig, hf_state: dict[str, torch.Tensor], t
 def random_hf_state(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     """The HF state dict of a random init with `seed` (`threed.model.init`): what `threed export` of a run that
     started from random weights with this seed gives at any tp and pp, before its first step."""
-    from threed.convert.mapping import layer_to_hf
-    from threed.model.init import shard_of
-    from threed.model.sharding import SHARDING, parameter_shapes
-
     out: dict[str, torch.Tensor] = {}
     for layer in pipeline_layers(cfg):
-        shapes = parameter_shapes(cfg, layer.kind)
-        ours = {name: shard_of(cfg, layer.index, name, kind, shapes[name], 1, 0, seed)
-                for name, kind in SHARDING[layer.kind].items()}
+        ours = {p.name: shard_of(cfg, layer.index, p, 1, 0, seed) for p in layer_parameters(layer.kind)}
         out.update(layer_to_hf(cfg, layer, [ours]))
     return out
 

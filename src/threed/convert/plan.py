@@ -18,8 +18,9 @@ from typing import Callable, Iterator, Optional, Protocol
 import torch
 
 from threed.config import ModelConfig
-from threed.convert.mapping import TEMPLATES, hf_names, hf_shapes
-from threed.pipeline import PipelineLayer
+from threed.hf.names import hf_names, hf_shapes
+from threed.model.spec import (PipelineLayer, full_shape, layer_parameters, shard_shape, split_axis,
+                               tp_segments)
 
 
 @dataclass(frozen=True)
@@ -61,57 +62,50 @@ class DictReader:
         out.copy_(self.tensors[piece.hf_name].narrow(piece.dim, piece.start, piece.length))
 
 
-def _rows(n: int, tp: int, rank: int) -> tuple[int, int]:
-    """torch.chunk's split of n rows into tp pieces (tp divides n for every validated layout)."""
-    size = -(-n // tp)
-    start = min(rank * size, n)
-    return start, min(size, n - start)
-
-
 def rank_plan(cfg: ModelConfig, layer: PipelineLayer, tp: int, rank: int) -> list[ShardSpec]:
+    """The slices of HF tensors that make TP rank `rank`'s state dict of `layer`: the spec's TP segments of each
+    unsharded tensor (`threed.model.spec.tp_segments`), mapped onto the HF tensors it is fused from."""
     shapes = hf_shapes(cfg, layer)
+    names_of = hf_names(layer)
     specs = []
-    for ours, (kind, _) in TEMPLATES[layer.kind].items():
-        names = hf_names(layer)[ours]
-        shape = shapes[names[0]]
-        if kind == "replicated":
-            specs.append(ShardSpec(ours, shape, (Piece(names[0], 0, 0, shape[0]),), names[0]))
-        elif kind == "vocab":
-            per_rank = cfg.padded_vocab_size(tp) // tp
-            start = rank * per_rank
-            real = max(0, min(per_rank, shape[0] - start))  # rows past the true vocab stay zero (padding)
-            pieces = (Piece(names[0], 0, start, real),) if real else ()
-            specs.append(ShardSpec(ours, (per_rank, shape[1]), pieces, names[0]))
-        elif kind == "column":
-            start, n = _rows(shape[0], tp, rank)
-            specs.append(ShardSpec(ours, (n, shape[1]), (Piece(names[0], 0, start, n),), names[0]))
-        elif kind == "row":
-            start, n = _rows(shape[1], tp, rank)
-            specs.append(ShardSpec(ours, (shape[0], n), (Piece(names[0], 1, start, n),), names[0]))
-        elif kind == "gate_up":
-            start, n = _rows(shape[0], tp, rank)
-            specs.append(ShardSpec(ours, (2 * n, shape[1]), (Piece(names[0], 0, start, n),
-                                                               Piece(names[1], 0, start, n, dst=n)), names[0]))
-        elif kind == "qkv":
+    for p in layer_parameters(layer.kind):
+        ours, names = p.name, names_of[p.name]
+        shape = shard_shape(cfg, p, tp)
+        axis = split_axis(p.split)
+        if p.split == "qkv":
             specs.append(_qkv_spec(cfg, ours, names, tp, rank))
-        else:
-            raise ValueError(f"unknown shard kind {kind!r}")
+            continue
+        pieces = []
+        n = full_shape(cfg, p, tp)[axis or 0]
+        for seg in tp_segments(p.split, n, tp, rank):
+            if p.split == "gate_up":  # [gate; up]: the second half of the unsharded rows is the up tensor
+                half = n // 2
+                src, start = (names[0], seg.start) if seg.start < half else (names[1], seg.start - half)
+                pieces.append(Piece(src, 0, start, seg.length, dst=seg.local))
+            elif p.split == "vocab":  # rows past the true vocab stay zero (padding)
+                real = max(0, min(seg.length, shapes[names[0]][0] - seg.start))
+                if real:
+                    pieces.append(Piece(names[0], 0, seg.start, real, dst=seg.local))
+            else:  # replicated (whole tensor), column (rows), row (columns: dim 1)
+                pieces.append(Piece(names[0], axis or 0, seg.start, seg.length, dst=seg.local))
+        specs.append(ShardSpec(ours, shape, tuple(pieces), names[0]))
     return specs
 
 
 def _qkv_spec(cfg: ModelConfig, ours: str, names: tuple[str, ...], tp: int, rank: int) -> ShardSpec:
-    """Megatron's grouped layout: for each KV group of this rank, [its q heads | its k head | its v head]."""
+    """Megatron's grouped layout: the rank's row range of the fused tensor (`tp_segments`) is whole KV groups,
+    each [its q heads | its k head | its v head]; every group is three contiguous reads."""
     d, h = cfg.head_dim, cfg.hidden_size
-    groups = cfg.num_kv_heads // tp
     q_rows = cfg.num_heads // cfg.num_kv_heads * d
     block = q_rows + 2 * d
+    (seg,) = tp_segments("qkv", cfg.num_kv_heads * block, tp, rank)
     q, k, v = names
     pieces = []
-    for j in range(groups):
-        g = rank * groups + j
+    for j in range(seg.length // block):
+        g = seg.start // block + j
         pieces += [Piece(q, 0, g * q_rows, q_rows, j * block), Piece(k, 0, g * d, d, j * block + q_rows),
                    Piece(v, 0, g * d, d, j * block + q_rows + d)]
-    return ShardSpec(ours, (groups * block, h), tuple(pieces), q)
+    return ShardSpec(ours, (seg.length, h), tuple(pieces), q)
 
 
 class ShardReader:

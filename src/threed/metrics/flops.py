@@ -5,18 +5,17 @@ import os
 from typing import Optional
 
 from threed.config import ModelConfig
+from threed.model.spec import training_flops_per_token
 
 # Dense bf16 peak TFLOPs per device (no sparsity), by substring of torch.cuda.get_device_name().
 _PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
 
 
-def flops_per_token(model: ModelConfig, seq_length: int) -> float:
-    """Training FLOPs per token (forward + backward, no recompute): 6 x matmul params + attention scores.
-
-    Matmul params exclude the input embedding (a lookup) but include the LM head; the attention term is
-    6 * layers * seq * hidden * 2 (QK^T and AV, full square as in the PaLM / Megatron MFU convention)."""
-    matmul_params = model.num_params() - model.vocab_size * model.hidden_size
-    return 6.0 * matmul_params + 12.0 * model.num_layers * seq_length * model.hidden_size
+def flops_per_token(model: ModelConfig, seq_length: int, tp: int = 1) -> float:
+    """Training FLOPs per token (forward + backward, no recompute), in the repo's one convention:
+    `threed.model.spec.training_flops_per_token` (matmuls incl. the LM head over the vocabulary padded for `tp`,
+    attention scores over the full square, as Megatron-LM's MFU)."""
+    return training_flops_per_token(model, seq_length, tp)
 
 
 def peak_tflops_per_device() -> Optional[float]:

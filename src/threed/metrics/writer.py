@@ -72,7 +72,7 @@ def run_summary(cfg: RunConfig, world_size: int, start_iteration: int) -> dict[s
     micro, gas, glob = cfg.train.resolve_batch(dp)
     return {"config": cfg.to_dict(), "world_size": world_size, "tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": dp,
             "micro_batch_size": micro, "grad_accum_steps": gas, "global_batch_size": glob,
-            "start_iteration": start_iteration, "flops_per_token": flops_per_token(cfg.model, cfg.train.seq_length),
+            "start_iteration": start_iteration, "flops_per_token": flops_per_token(cfg.model, cfg.train.seq_length, cfg.parallel.tp),
             "peak_tflops_per_device": peak_tflops_per_device(), "deepspeed_config": deepspeed_config(cfg, world_size),
             "versions": {"python": platform.python_version(), "torch": torch.__version__,
                          "deepspeed": deepspeed.__version__}}
@@ -93,7 +93,7 @@ class RunMetrics:
         self.engine = engine
         self.is_writer = (engine.is_last_stage() and grid.get_data_parallel_rank() == 0
                           and grid.get_slice_parallel_rank() == 0)
-        self.flops_per_token = flops_per_token(cfg.model, self.seq)
+        self.flops_per_token = flops_per_token(cfg.model, self.seq, cfg.parallel.tp)
         self.peak_tflops = peak_tflops_per_device()
         self.timer = StageTimer(engine, rt.device, instructions=cfg.metrics.stage_timing)
         self.timer.install()

@@ -27,7 +27,8 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from threed.config import ModelConfig
-from threed.model.sharding import SHARDING, ShardKind
+from threed.model.spec import (LayerKind, Param, full_shape, layer_parameters, shard_shape, split_axis,
+                               tp_segments)
 
 # Rows drawn per task: large enough that the pool's overhead is small, small enough to balance the threads.
 _ROWS_PER_TASK = 64
@@ -60,53 +61,54 @@ def draw_rows(seed: int, layer_index: int, name: str, indices: Sequence[int], le
     return out
 
 
-def _std(model: ModelConfig, name: str) -> float:
-    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+def _std(model: ModelConfig, p: Param) -> float:
+    if p.init == "scaled":  # the output projections: Megatron-LM's scaled init
         return model.init_std / math.sqrt(2.0 * model.num_layers)
     return model.init_std
 
 
-def shard_of(model: ModelConfig, layer_index: int, name: str, kind: ShardKind, shape: Sequence[int], tp: int,
-             tp_rank: int, seed: int) -> torch.Tensor:
-    """This TP rank's shard (shape `shape`) of the unsharded tensor `name` of pipeline layer `layer_index`."""
-    std = _std(model, name)
-    if kind == "replicated":
+def shard_of(model: ModelConfig, layer_index: int, p: Param, tp: int, tp_rank: int, seed: int) -> torch.Tensor:
+    """This TP rank's shard of the unsharded parameter `p` of pipeline layer `layer_index`: the rows (columns for
+    a row-parallel weight) that `spec.tp_segments` gives the rank, each from its own generator."""
+    shape = shard_shape(model, p, tp)
+    if p.init == "ones":
         return torch.ones(*shape)
-    rows, cols = shape
-    if kind == "vocab":
-        first = tp_rank * rows
-        real = [i for i in range(first, first + rows) if i < model.vocab_size]
-        out = torch.zeros(rows, cols)
-        if real:
-            out[:len(real)] = draw_rows(seed, layer_index, name, real, cols, std)
-        return out
-    if kind in ("column", "qkv"):
-        # qkv: megatron's grouped layout [q heads of group | k | v] makes each TP shard a contiguous row range.
-        return draw_rows(seed, layer_index, name, range(tp_rank * rows, (tp_rank + 1) * rows), cols, std)
-    if kind == "gate_up":
-        # Each rank holds [gate_r; up_r]: its slice of the gate rows, then its slice of the up rows.
-        half = rows // 2
-        own = range(tp_rank * half, (tp_rank + 1) * half)
-        return torch.cat([draw_rows(seed, layer_index, name + ":gate", own, cols, std),
-                          draw_rows(seed, layer_index, name + ":up", own, cols, std)])
-    if kind == "row":
-        # Keyed by column (the split axis): draw this rank's columns as rows, then transpose.
-        return draw_rows(seed, layer_index, name, range(tp_rank * cols, (tp_rank + 1) * cols), rows, std).t()
-    raise ValueError(f"unknown shard kind {kind!r}")
+    std = _std(model, p)
+    axis = split_axis(p.split)
+    full = full_shape(model, p, tp)
+    segments = tp_segments(p.split, full[axis], tp, tp_rank)
+    other = full[1 - axis]  # the length of each drawn row: the axis TP does not split
+    if p.split == "gate_up":
+        # [gate; up]: each half keyed on its own (name:gate / name:up, index within the half).
+        half = full[0] // 2
+        gate, up = segments
+        return torch.cat([draw_rows(seed, layer_index, p.name + ":gate", range(gate.start, gate.start + gate.length),
+                                    other, std),
+                          draw_rows(seed, layer_index, p.name + ":up",
+                                    range(up.start - half, up.start - half + up.length), other, std)])
+    (seg,) = segments
+    out = torch.zeros(seg.length, other)
+    real = [i for i in range(seg.start, seg.start + seg.length) if p.split != "vocab" or i < model.vocab_size]
+    if real:  # vocabulary padding rows stay zero (the LM head masks them)
+        out[:len(real)] = draw_rows(seed, layer_index, p.name, real, other, std)
+    return out.t() if axis == 1 else out  # row-parallel: keyed by column, drawn as rows
 
 
 @torch.no_grad()
-def init_layer_(module: torch.nn.Module, layer_kind: str, layer_index: int, model: ModelConfig, tp: int,
+def init_layer_(module: torch.nn.Module, layer_kind: LayerKind, layer_index: int, model: ModelConfig, tp: int,
                 tp_rank: int, seed: int) -> None:
     """Fill every parameter of one pipeline layer's module (on any device) with its layout-independent init."""
-    kinds = SHARDING[layer_kind]
+    table = {p.name: p for p in layer_parameters(layer_kind)}
     params = dict(module.named_parameters())
-    unknown = set(params) - set(kinds)
+    unknown = set(params) - set(table)
     if unknown:
         raise RuntimeError(f"no initialisation rule for {sorted(unknown)} in a {layer_kind} layer; add it to "
-                           f"threed.model.sharding.SHARDING")
+                           f"threed.model.spec.PARAMETERS")
     for name, param in params.items():
-        value = shard_of(model, layer_index, name, kinds[name], tuple(param.shape), tp, tp_rank, seed)
+        value = shard_of(model, layer_index, table[name], tp, tp_rank, seed)
+        if tuple(value.shape) != tuple(param.shape):
+            raise RuntimeError(f"{layer_kind} layer {layer_index}: {name} is {list(param.shape)} in the module, "
+                               f"{list(value.shape)} in threed.model.spec")
         param.copy_(value)
 
 

@@ -1,0 +1,57 @@
+"""HF transformers' Llama names for threed's parameters: ONE table, read in both directions (convert: HF -> ours,
+export: ours -> HF), in the manner of torchtitan's state_dict_adapter.
+
+Each row of `threed.model.spec.PARAMETERS` is made of one or more HF tensors, fused in the order listed:
+  qkv       q_proj, k_proj, v_proj   -> megatron's grouped layout (threed.convert.mapping.fuse_qkv)
+  gate_up   gate_proj, up_proj       -> [gate; up] (cat on rows)
+  others    one tensor, same shape (vocab unpadded)
+HF already uses rotate-half RoPE, so no q/k permutation is needed (Meta's raw weights would need one).
+"""
+from __future__ import annotations
+
+from threed.config import ModelConfig
+from threed.model.spec import PARAMETERS, LayerKind, PipelineLayer, full_shape, layer_parameters
+
+# (layer kind, our name) -> HF name templates; "{i}" is the block number.
+HF_NAMES: dict[tuple[LayerKind, str], tuple[str, ...]] = {
+    ("embedding", "word_embeddings.weight"): ("model.embed_tokens.weight",),
+    ("block", "input_layernorm.weight"): ("model.layers.{i}.input_layernorm.weight",),
+    ("block", "self_attention.linear_qkv.weight"): ("model.layers.{i}.self_attn.q_proj.weight",
+                                                    "model.layers.{i}.self_attn.k_proj.weight",
+                                                    "model.layers.{i}.self_attn.v_proj.weight"),
+    ("block", "self_attention.linear_proj.weight"): ("model.layers.{i}.self_attn.o_proj.weight",),
+    ("block", "pre_mlp_layernorm.weight"): ("model.layers.{i}.post_attention_layernorm.weight",),
+    ("block", "mlp.linear_fc1.weight"): ("model.layers.{i}.mlp.gate_proj.weight",
+                                         "model.layers.{i}.mlp.up_proj.weight"),
+    ("block", "mlp.linear_fc2.weight"): ("model.layers.{i}.mlp.down_proj.weight",),
+    ("final_norm", "norm.weight"): ("model.norm.weight",),
+    ("lm_head", "lm_head.weight"): ("lm_head.weight",),
+}
+# HF checkpoint entries that are not weights (older transformers saved the RoPE frequencies as buffers).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+assert set(HF_NAMES) == {(p.layer, p.name) for p in PARAMETERS}, "every parameter of the spec needs its HF names"
+
+
+def hf_names(layer: PipelineLayer) -> dict[str, tuple[str, ...]]:
+    """our name -> the HF names it is made of, for one pipeline layer."""
+    return {p.name: tuple(t.format(i=layer.block) for t in HF_NAMES[(layer.kind, p.name)])
+            for p in layer_parameters(layer.kind)}
+
+
+def hf_shapes(cfg: ModelConfig, layer: PipelineLayer) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> its shape, for one pipeline layer (to check a source, or to lay out an export)."""
+    out: dict[str, tuple[int, ...]] = {}
+    for p in layer_parameters(layer.kind):
+        names = hf_names(layer)[p.name]
+        rows, *rest = full_shape(cfg, p, None)
+        if p.split == "qkv":
+            d = cfg.head_dim
+            parts = [cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d]
+        elif p.split == "gate_up":
+            parts = [rows // 2, rows // 2]
+        else:
+            parts = [rows]
+        assert sum(parts) == rows and len(parts) == len(names), (p.name, parts, names)
+        out.update({n: (r, *rest) for n, r in zip(names, parts)})
+    return out

@@ -1,0 +1,291 @@
+"""The Llama as threed builds it: the pipeline layer list and ONE parameter table.
+
+Every fact about a parameter is a column of `PARAMETERS` (which pipeline layer holds it, its unsharded shape, how
+tensor parallelism splits it, how it is initialised, what it is tied to); everything else is derived here from
+that table, so adding a parameter kind is one row:
+
+    shard_shapes(model, "block", tp)   what one TP rank holds (the init, the converter, the checkpoint reader)
+    tp_segments(split, n, tp, rank)    which rows / columns of the unsharded tensor are rank r's (convert, init)
+    parameter_count(model)             the HF model's count (tokens/s, MFU, logs, checkpoint size)
+    stage_parameters(model, tp, ...)   per-rank (matrices, norms) of a stage (memory model, optimizer groups)
+    layer_training_flops(...)          FLOPs per token, one convention (partition, planner, metrics)
+    universal_checkpoint_info(model)   DeepSpeed's patterns to merge / split TP shards (resume at another layout)
+
+Where a layer lives among the stages is `threed.partition`'s job (from this layer list); the HF names of each row
+are `threed.hf.names`' (the one table used in both directions).
+
+FLOPs convention (stated once, used everywhere): training = forward + backward = 3 x forward; forward = 2 FLOPs
+per multiply-accumulate of every matmul parameter (the LM head over the padded vocabulary: that is the matmul
+that runs; the input embedding is a lookup and counts zero), plus the attention scores QK^T and AV over the full
+seq x seq square, 4 * seq * hidden per token per block (Megatron-LM's and PaLM's MFU convention, no causal
+halving, no recompute).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from typing import Literal, Optional
+
+from threed.config import ModelConfig
+
+LayerKind = Literal["embedding", "block", "final_norm", "lm_head"]
+LAYER_KINDS: tuple[LayerKind, ...] = ("embedding", "block", "final_norm", "lm_head")
+
+# How tensor parallelism splits a parameter (megatron-core's layers decide; this names what they do):
+#   vocab       rows; the vocabulary is padded to a multiple of make_vocab_size_divisible_by x tp (padding last)
+#   column      rows (ColumnParallelLinear)
+#   qkv         rows of megatron's grouped [q heads of group | k | v] layout: a rank owns whole KV groups, so its
+#               shard is a contiguous row range, like `column`
+#   gate_up     [gate_r; up_r] per rank: megatron's SwiGLU chunks its fc1 output in two halves
+#   row         columns (RowParallelLinear)
+#   replicated  the same on every rank (norms)
+Split = Literal["vocab", "column", "qkv", "gate_up", "row", "replicated"]
+# How a parameter is drawn from scratch (Megatron-LM's choices; threed.model.init draws them):
+#   normal   N(0, init_std)      scaled   N(0, init_std / sqrt(2 * num_layers)) (the two output projections)
+#   ones     norms
+Init = Literal["normal", "scaled", "ones"]
+
+
+@dataclass(frozen=True)
+class PipelineLayer:
+    index: int  # position in the PipelineModule's layer list == DeepSpeed checkpoint file index (layer_XX-...)
+    kind: LayerKind
+    block: int = -1  # transformer block number (0-based) for kind == "block"
+
+
+def pipeline_layers(model: ModelConfig) -> list[PipelineLayer]:
+    """The one layer list: embedding, the blocks, final norm, LM head. File indices, stage boundaries, the
+    LayerSpecs and the converters all come from it, so they can never disagree."""
+    kinds: list[tuple[LayerKind, int]] = [("embedding", -1)]
+    kinds += [("block", i) for i in range(model.num_layers)]
+    kinds += [("final_norm", -1), ("lm_head", -1)]
+    return [PipelineLayer(index=i, kind=k, block=b) for i, (k, b) in enumerate(kinds)]
+
+
+@dataclass(frozen=True)
+class Param:
+    layer: LayerKind  # the pipeline layer kind whose module holds it
+    name: str  # its key in that module's state dict (megatron-core's names)
+    split: Split
+    init: Init
+    # Shape of the unsharded tensor as a function of the model (vocab: padded by the caller), see `full_shape`.
+    dims: tuple[str, ...]
+    # True for megatron-core linear layers: their state dicts also hold `<module>._extra_state` (None).
+    megatron_linear: bool = False
+    # Parameters sharing a tie key are one weight when the model ties them (Llama 3.2's embedding and LM head);
+    # counted once, drawn once. None: never tied.
+    tie: Optional[str] = None
+
+    @property
+    def module(self) -> str:
+        """The owning submodule's path (`mlp.linear_fc1` for `mlp.linear_fc1.weight`)."""
+        return self.name.rsplit(".", 1)[0]
+
+
+PARAMETERS: tuple[Param, ...] = (
+    Param("embedding", "word_embeddings.weight", "vocab", "normal", ("vocab", "hidden"), tie="embedding"),
+    Param("block", "input_layernorm.weight", "replicated", "ones", ("hidden",)),
+    Param("block", "self_attention.linear_qkv.weight", "qkv", "normal", ("qkv", "hidden"), megatron_linear=True),
+    Param("block", "self_attention.linear_proj.weight", "row", "scaled", ("hidden", "q"), megatron_linear=True),
+    Param("block", "pre_mlp_layernorm.weight", "replicated", "ones", ("hidden",)),
+    Param("block", "mlp.linear_fc1.weight", "gate_up", "normal", ("2ffn", "hidden"), megatron_linear=True),
+    Param("block", "mlp.linear_fc2.weight", "row", "scaled", ("hidden", "ffn"), megatron_linear=True),
+    Param("final_norm", "norm.weight", "replicated", "ones", ("hidden",)),
+    Param("lm_head", "lm_head.weight", "vocab", "normal", ("vocab", "hidden"), megatron_linear=True,
+          tie="embedding"),
+)
+
+
+@cache
+def layer_parameters(kind: LayerKind) -> tuple[Param, ...]:
+    return tuple(p for p in PARAMETERS if p.layer == kind)
+
+
+def parameter(kind: LayerKind, name: str) -> Param:
+    for p in layer_parameters(kind):
+        if p.name == name:
+            return p
+    raise KeyError(f"no parameter {name!r} in a {kind} layer; the table is threed.model.spec.PARAMETERS")
+
+
+def _dim(model: ModelConfig, dim: str, vocab: int) -> int:
+    d = model.head_dim
+    return {"vocab": vocab, "hidden": model.hidden_size, "q": model.num_heads * d,
+            "qkv": (model.num_heads + 2 * model.num_kv_heads) * d, "ffn": model.ffn_hidden_size,
+            "2ffn": 2 * model.ffn_hidden_size}[dim]
+
+
+def full_shape(model: ModelConfig, p: Param, tp: Optional[int] = 1) -> tuple[int, ...]:
+    """The unsharded tensor's shape: the vocabulary padded for `tp`, or the true (HF) vocabulary with tp=None."""
+    vocab = model.vocab_size if tp is None else model.padded_vocab_size(tp)
+    return tuple(_dim(model, d, vocab) for d in p.dims)
+
+
+def split_axis(split: Split) -> Optional[int]:
+    """The axis TP splits (None: replicated)."""
+    return None if split == "replicated" else 1 if split == "row" else 0
+
+
+def shard_shape(model: ModelConfig, p: Param, tp: int) -> tuple[int, ...]:
+    shape = list(full_shape(model, p, tp))
+    axis = split_axis(p.split)
+    if axis is not None:
+        shape[axis] //= tp
+    return tuple(shape)
+
+
+def shard_shapes(model: ModelConfig, kind: LayerKind, tp: int = 1) -> dict[str, tuple[int, ...]]:
+    """Shapes of a pipeline layer's parameters on one of `tp` ranks (tp=1: the full tensors, vocab padded for 1):
+    what the random init draws, what a converted or trained checkpoint's layer file holds."""
+    return {p.name: shard_shape(model, p, tp) for p in layer_parameters(kind)}
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Indices [start, start + length) of the unsharded tensor along the split axis, held by the rank at
+    [local, local + length) of its shard along the same axis."""
+
+    start: int
+    length: int
+    local: int
+
+
+def tp_segments(split: Split, n: int, tp: int, rank: int) -> tuple[Segment, ...]:
+    """Which part of the unsharded tensor (n = its length along `split_axis`, vocab padded) TP rank `rank` holds.
+    The one definition of every TP slice: the converter's shard/unshard and streaming slices, and the random
+    init, all read it."""
+    if split == "replicated":
+        return (Segment(0, n, 0),)
+    if n % tp:
+        raise ValueError(f"tp={tp} does not divide {n} (a {split} split); the layout checks should have caught it")
+    if split == "gate_up":  # [gate; up] unsharded, [gate_r; up_r] on rank r
+        half = n // 2 // tp
+        return (Segment(rank * half, half, 0), Segment(n // 2 + rank * half, half, half))
+    size = n // tp
+    return (Segment(rank * size, size, 0),)
+
+
+# ------------------------------------------------------------------------------------------------ counts
+
+def _tied(model: ModelConfig) -> bool:
+    # Llama 3.2 ties the LM head to the embedding; the config flag arrives with that issue (17).
+    return bool(getattr(model, "tie_word_embeddings", False))
+
+
+def parameter_count(model: ModelConfig) -> int:
+    """Parameters of the (unpadded, HF) model; a tied weight counts once."""
+    total, seen = 0, set()
+    for layer in pipeline_layers(model):
+        for p in layer_parameters(layer.kind):
+            if p.tie and _tied(model):
+                if p.tie in seen:
+                    continue
+                seen.add(p.tie)
+            n = 1
+            for s in full_shape(model, p, None):
+                n *= s
+            total += n
+    return total
+
+
+def stage_parameters(model: ModelConfig, tp: int, kinds: list[LayerKind]) -> tuple[int, int]:
+    """(matrices, norms) elements on one TP rank of a stage holding these layers (one entry per layer, a block
+    once per block): `threed.engine`'s two optimizer groups (decay / no decay). Vocabulary padded for `tp`."""
+    matrices = norms = 0
+    for kind in kinds:
+        for name, shape in shard_shapes(model, kind, tp).items():
+            n = 1
+            for s in shape:
+                n *= s
+            if len(shape) > 1:
+                matrices += n
+            else:
+                norms += n
+    return matrices, norms
+
+
+def largest_parameter(model: ModelConfig, tp: int, kinds: list[LayerKind]) -> int:
+    """Elements of the largest single parameter one TP rank of such a stage holds (its bf16 .grad is the
+    transient the memory model adds)."""
+    sizes = [0]
+    for kind in set(kinds):
+        for shape in shard_shapes(model, kind, tp).values():
+            n = 1
+            for s in shape:
+                n *= s
+            sizes.append(n)
+    return max(sizes)
+
+
+# ------------------------------------------------------------------------------------------------ FLOPs
+
+def matmul_parameters(model: ModelConfig, kind: LayerKind, tp: int = 1) -> int:
+    """Unsharded elements of a layer's matmul weights (2-D parameters, vocab padded for `tp`); the embedding is
+    a lookup, not a matmul."""
+    if kind == "embedding":
+        return 0
+    n = 0
+    for p in layer_parameters(kind):
+        shape = full_shape(model, p, tp)
+        if len(shape) == 2:
+            n += shape[0] * shape[1]
+    return n
+
+
+def layer_training_flops(model: ModelConfig, kind: LayerKind, seq_length: int, tp: int = 1) -> float:
+    """Training FLOPs per token of one pipeline layer, the whole layer (all TP ranks): see the module docstring."""
+    flops = 6.0 * matmul_parameters(model, kind, tp)
+    if kind == "block":
+        flops += 3.0 * 4.0 * seq_length * model.hidden_size  # QK^T and AV, forward 4·s·h, x3 for training
+    return flops
+
+
+def training_flops_per_token(model: ModelConfig, seq_length: int, tp: int = 1) -> float:
+    """The whole model's training FLOPs per token (what MFU divides by)."""
+    return sum(layer_training_flops(model, layer.kind, seq_length, tp) for layer in pipeline_layers(model))
+
+
+# ------------------------------------------------------------------------------ DeepSpeed universal checkpoint
+
+# Which DeepSpeed universal-checkpoint rule merges / splits each split kind over TP. `column` and `qkv` shards
+# are plain row ranges: DeepSpeed's default (concatenate on dim 0) is right for them, so they are named nowhere.
+# A 2-D parameter of any other split that no pattern names would be concatenated on dim 0 silently
+# (DeepSpeed #6503): `universal_checkpoint_info` derives every pattern from the table, so none can be missed.
+_UNIVERSAL_KEY: dict[Split, Optional[str]] = {
+    "replicated": "TP_REPLICATED_PARAMETER_PATTERNS",
+    "row": "PARAMETER_WITH_ROW_PARALLELISM_PATTERNS",
+    "gate_up": "PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0",
+    "vocab": "VOCABULARY_PARAMETER_PATTERNS",
+    "column": None,
+    "qkv": None,
+}
+
+
+def universal_patterns() -> dict[str, list[str]]:
+    """DeepSpeed constant name -> regexes (`re.match` on names like `3.self_attention.linear_proj.weight`: the
+    pipeline layer index, then the parameter's name)."""
+    out: dict[str, list[str]] = {}
+    for p in PARAMETERS:
+        key = _UNIVERSAL_KEY[p.split]
+        if key is not None:
+            pattern = r"\d+\." + p.name.replace(".", r"\.") + "$"
+            if pattern not in out.setdefault(key, []):
+                out[key].append(pattern)
+    return out
+
+
+def universal_checkpoint_info(model: ModelConfig) -> dict[str, object]:
+    """What `deepspeed.checkpoint.ds_to_universal` needs to know about our parameters (the PipelineModule carries
+    it as `universal_checkpoint_info`; DeepSpeed saves it in every mp_rank file)."""
+    # deepspeed: heavy (imported where a model is built anyway); its constants are the keys it reads.
+    from deepspeed.checkpoint import constants
+
+    info: dict[str, object] = {
+        # 0.2: the version Megatron-DeepSpeed's GPT model declares; our patterns use no newer feature.
+        constants.UNIVERSAL_CHECKPOINT_VERSION_KEY: 0.2,
+        # Padding rows of the vocabulary are cut to the true size and re-added for the new tp on load.
+        "original_vocab_size": model.vocab_size,
+    }
+    for name, patterns in universal_patterns().items():
+        info[getattr(constants, name)] = patterns
+    return info
