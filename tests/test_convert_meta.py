@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from threed.config import ModelConfig, ParallelConfig
-from threed.convert.convert import convert_stream
+from threed.convert.from_hf import convert_stream
 from threed.convert.ds_checkpoint import EXTRA_STATE, checkpoint_files, layer_file
 from threed.convert.mapping import hf_names, hf_shapes
-from threed.convert.plan import DictReader
+from threed.convert.slices import DictReader
 from threed.model.sharding import parameter_shapes
 from threed.pipeline import pipeline_layers
 from threed.presets import PRESETS

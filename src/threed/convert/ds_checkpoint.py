@@ -27,7 +27,7 @@ import torch
 from threed.config import ModelConfig, RunConfig
 from threed.convert.io_utils import ConvertError
 from threed.convert.mapping import hf_shapes, layer_from_hf
-from threed.convert.plan import ShardReader
+from threed.convert.slices import ShardReader
 from threed.pipeline import PipelineLayer, pipeline_layers
 
 TAG = "global_step0"
