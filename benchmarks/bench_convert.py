@@ -28,10 +28,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def make_source(out: Path, layers: int, shard_gb: float) -> int:
     """Write the synthetic model with the converter's own streaming writer (one tensor in memory at a time)."""
-    from threed.convert.hf_writer import Planned, ShardedSafetensorsWriter, plan_shards
-    from threed.convert.mapping import hf_names, hf_shapes
-    from threed.pipeline import pipeline_layers
-    from threed.presets import PRESETS, to_hf_config
+    from threed.hf.names import hf_names, hf_shapes
+    from threed.hf.config import to_hf_config
+    from threed.hf.write import Planned, ShardedSafetensorsWriter, plan_shards
+    from threed.model.spec import pipeline_layers
+    from threed.presets import PRESETS
 
     cfg = dataclasses.replace(PRESETS["llama3-8b"], num_layers=layers, name="synthetic-llama3-8b-shapes")
     out.mkdir(parents=True)
@@ -100,7 +101,7 @@ def main() -> int:
     # cp and convert alternate, each after dropping the page cache; the best of --repeat runs is kept
     # (this VM shares its disk and 2 cores with other jobs, and the first run after a cache drop pays extra).
     cold = drop_caches()
-    _, import_rss = timed([sys.executable, "-c", "import threed.convert.convert, threed.presets"], env)
+    _, import_rss = timed([sys.executable, "-c", "import threed.convert.from_hf, threed.presets"], env)
     cp_walls: list[float] = []
     dd_walls: list[float] = []
     results: dict[int, list[tuple[float, int, int, float]]] = {}

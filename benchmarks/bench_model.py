@@ -56,8 +56,8 @@ def main() -> None:
     from threed.config import ParallelConfig, RunConfig, TrainConfig
     from threed.convert.in_memory import load_hf_state
     from threed.distributed import init_distributed, init_megatron_parallel_state
+    from threed.hf.config import from_hf_config
     from threed.pipeline import build_pipeline_module
-    from threed.presets import from_hf_config
 
     hf_cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, num_hidden_layers=a.layers,
                          num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, intermediate_size=a.ffn,

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from threed.config import ModelConfig
-from threed.presets import from_hf_config
+from threed.hf.config import from_hf_config
 
 TESTS = Path(__file__).resolve().parent
 LLAMA31_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -11,7 +11,8 @@ from threed.cli import parse_run_config
 from threed.config import (CheckpointConfig, ConfigError, ParallelConfig, RunConfig, TrainConfig,
                            deepspeed_config)
 from threed.checkpoint import check_layout
-from threed.presets import PRESETS, from_hf_config, to_hf_config
+from threed.hf.config import from_hf_config, to_hf_config
+from threed.presets import PRESETS
 
 LLAMA2_70B = PRESETS["llama2-70b"]
 

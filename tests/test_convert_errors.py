@@ -110,7 +110,7 @@ def test_existing_output_needs_force(good, tmp_path, capsys):
 
 
 def test_failure_while_writing_leaves_nothing(good, tmp_path, capsys, monkeypatch):
-    import threed.convert.convert as conv
+    import threed.convert.from_hf as conv
 
     calls = []
     real = conv.save_rank
@@ -170,7 +170,7 @@ def test_layout_or_model_mismatch_is_named_before_deepspeed_loads(good_ckpt):
 
 
 def test_verify_exit_status_follows_tolerance(good, good_ckpt, monkeypatch, capsys):
-    import threed.convert.verify as verify
+    import threed.verify.parity as verify
 
     def fake_logits(ckpt, tokens, timeout=None):  # the multi-rank path is tested in test_convert_parity
         logits = verify.hf_logits(good, tokens)

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from threed.config import ModelConfig, ParallelConfig
-from threed.convert.convert import convert_stream
+from threed.convert.from_hf import convert_stream
 from threed.convert.ds_checkpoint import EXTRA_STATE, checkpoint_files, layer_file
-from threed.convert.mapping import hf_names, hf_shapes
-from threed.convert.plan import DictReader
-from threed.model.sharding import parameter_shapes
-from threed.pipeline import pipeline_layers
+from threed.hf.names import hf_names, hf_shapes
+from threed.convert.slices import DictReader
+from threed.model.spec import shard_shapes
+from threed.model.spec import pipeline_layers
 from threed.presets import PRESETS
 
 
@@ -71,7 +71,7 @@ def test_meta_conversion_at_real_shapes(preset, tp, pp):
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before < 100_000  # KiB: < 100 MB
     # The shape table the random init and the in-memory loaders use says the same.
     for kind in ("embedding", "block", "final_norm", "lm_head"):
-        assert parameter_shapes(cfg, kind, tp) == expected(cfg, kind, tp), kind
+        assert shard_shapes(cfg, kind, tp) == expected(cfg, kind, tp), kind
 
 
 def test_hf_names_cover_every_hf_tensor_once():

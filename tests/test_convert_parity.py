@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from convert_fixtures import DIVISIBLE_BY, GQA4, assert_identical, hf_model, hf_tensors, save_hf, write_tokens
 from threed.cli import main
-from threed.convert.verify import compare, hf_logits
+from threed.verify.parity import compare, hf_logits
 from helpers import gpt_dataset
 from threed.config import DataConfig, ModelConfig, RunConfig, TrainConfig
 from threed.data.loader import micro_batches

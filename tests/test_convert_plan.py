@@ -1,4 +1,4 @@
-"""The converter's streaming per-rank path (threed.convert.plan) equals the reference mapping
+"""The converter's streaming per-rank path (threed.convert.slices) equals the reference mapping
 `layer_from_hf` bit for bit, for every layer kind, tp, dtype and source reader.
 
     .venv/bin/python -m pytest -q tests/test_convert_plan.py
@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from convert_fixtures import GQA4, GQA8, hf_model, save_hf
-from threed.convert.convert import convert_rank
-from threed.convert.hf_source import HFSource
-from threed.convert.mapping import hf_shapes, layer_from_hf
-from threed.convert.plan import DictReader, Piece, ShardReader
-from threed.pipeline import pipeline_layers
-from threed.presets import from_hf_config
+from threed.convert.from_hf import convert_rank
+from threed.convert.mapping import layer_from_hf
+from threed.hf.names import hf_shapes
+from threed.convert.slices import DictReader, Piece, ShardReader
+from threed.hf.config import from_hf_config
+from threed.hf.read import HFSource
+from threed.model.spec import pipeline_layers
 
 MHA = dict(GQA4, num_key_value_heads=8, vocab_size=333)  # no GQA; a vocab far from any padding multiple
 

@@ -14,7 +14,7 @@ from helpers import TESTS, model_config
 from threed.convert.in_memory import random_hf_state
 from threed.convert.mapping import layer_to_hf
 from threed.launch import run_ranks
-from threed.pipeline import pipeline_layers
+from threed.model.spec import pipeline_layers
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (1, 4), (2, 2)]
 

@@ -14,14 +14,15 @@ import torch
 from threed import memory, partition
 from threed.config import ModelConfig, ParallelConfig
 from threed.convert.mapping import layer_from_hf
-from threed.convert.plan import rank_plan
+from threed.convert.slices import rank_plan
 from threed.hf import names as hf_names_module
 from threed.hf.names import hf_shapes
 from threed.model import spec
 from threed.model.init import shard_of
 from threed.model.spec import (PARAMETERS, Param, layer_parameters, parameter_count, pipeline_layers, shard_shapes,
                                stage_parameters, universal_patterns)
-from threed.presets import PRESETS, to_hf_config
+from threed.hf.config import to_hf_config
+from threed.presets import PRESETS
 
 # A vocabulary of 1000 pads to 1024 at tp 1 (multiple 128) and to 1024 at tp 2 (256) / tp 4 (512): padding rows
 # exist at every tp. GQA 8 heads / 2 KV heads; MHA 6 / 6 with an odd head_dim.

@@ -20,7 +20,7 @@ from threed.config import (CheckpointConfig, ConfigError, DataConfig, MetricsCon
 
 # Modules that add subcommands: each defines `register(subparsers)` and sets `run` on its parsers.
 COMMAND_MODULES = (
-    "threed.convert.cli",  # convert / export / reshard / verify / make-tiny-hf
+    "threed.commands.convert",  # convert / export / reshard / verify / make-tiny-hf
     "threed.data.preprocess",
     "threed.check_config",  # check-config: training's checks at a world size, nothing built (recipes/launch.sh)
     "threed.report",  # report: plots and a summary from a run's metrics.jsonl
@@ -157,7 +157,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sub = p.add_subparsers(dest="command", required=True)
     train_p = sub.add_parser("train", help="train (run under torchrun for several ranks)", allow_abbrev=False)
     add_run_flags(train_p)
-    from threed.convert.cli import positive_int
+    from threed.commands.convert import positive_int
 
     tok_p = sub.add_parser("tokenizer", help="train a sentencepiece tokenizer")
     tok_p.add_argument("--text", nargs="+", required=True)

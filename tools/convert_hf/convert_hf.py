@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Thin CLI over threed.convert (the same commands as `threed convert|export|reshard|verify|make-tiny-hf`).
+"""Thin CLI over threed.commands.convert (the same commands as `threed convert|export|reshard|verify|make-tiny-hf`).
 
     python tools/convert_hf/convert_hf.py convert --hf Meta-Llama-3-8B --tp 2 --pp 2 --out ckpt/l3-8b
     python tools/convert_hf/convert_hf.py export --ckpt runs/l3-8b --out runs/l3-8b-hf

@@ -27,8 +27,8 @@ import torch
 from threed.config import ModelConfig, RunConfig
 from threed.convert.io_utils import ConvertError
 from threed.convert.mapping import layer_from_hf
+from threed.convert.slices import ShardReader
 from threed.hf.names import hf_shapes
-from threed.convert.plan import ShardReader
 from threed.model.spec import PipelineLayer, pipeline_layers
 
 TAG = "global_step0"

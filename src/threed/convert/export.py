@@ -11,6 +11,7 @@ tokenizer.json), else the HF files a converted checkpoint carried along. HF toke
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -21,12 +22,12 @@ from typing import Any, Optional
 import torch
 
 from threed.convert.ds_checkpoint import HF_EXTRA_DIR, Checkpoint, open_checkpoint, read_run_json
-from threed.convert.hf_source import TOKENIZER_FILES
-from threed.convert.hf_writer import (Planned, ShardedSafetensorsWriter, copy_files, plan_shards,
-                                      write_config, write_sentencepiece_tokenizer)
 from threed.convert.io_utils import ConvertError, atomic_output_dir, check_free_space, human, progress
+from threed.convert.slices import Piece
+from threed.hf.config import write_config
+from threed.hf.format import TOKENIZER_FILES
 from threed.hf.names import hf_names, hf_shapes
-from threed.convert.plan import Piece
+from threed.hf.write import Planned, ShardedSafetensorsWriter, copy_files, plan_shards, write_sentencepiece_tokenizer
 
 
 def _plan(ck: Checkpoint, dtype: Optional[torch.dtype]) -> list[Planned]:
@@ -110,8 +111,6 @@ def source_config(ck: Checkpoint) -> Optional[dict]:
 
 
 def _has_protobuf() -> bool:
-    import importlib.util
-
     try:
         return importlib.util.find_spec("google.protobuf") is not None
     except ModuleNotFoundError:

@@ -2,7 +2,7 @@
 
     threed reshard --ckpt ckpt/llama3-70b-tp8pp4 --tp 4 --pp 8 --out ckpt/llama3-70b-tp4pp8
 
-Each new TP file is built like `threed convert` builds it (threed.convert.plan), reading the HF tensors'
+Each new TP file is built like `threed convert` builds it (threed.convert.slices), reading the HF tensors'
 slices out of the old TP files instead of HF files: no layer is merged in memory, and a round trip is the
 identity. The output holds weights only (tag global_step0): train from it with --init-from. Vocab padding rows
 are re-created as zeros for the new tp (their values never reach a logit).
@@ -17,11 +17,11 @@ from typing import Any, Optional
 import torch
 
 from threed.config import ParallelConfig
-from threed.convert.convert import convert_rank, layer_hf_names, save_rank
+from threed.convert.from_hf import convert_rank, layer_hf_names, save_rank
 from threed.convert.export import write_side_files
 from threed.convert.ds_checkpoint import HF_EXTRA_DIR, TAG, model_to_dict, open_checkpoint, write_metadata
 from threed.convert.io_utils import ConvertError, atomic_output_dir, check_free_space, dtype_name, human, progress
-from threed.convert.plan import BufferPool
+from threed.convert.slices import BufferPool
 
 
 def reshard(ckpt: str | os.PathLike, out: str | os.PathLike, tp: int, pp: int,

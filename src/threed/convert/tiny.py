@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any, Optional
@@ -12,12 +13,13 @@ import torch
 
 from threed.config import ModelConfig
 from threed.convert.io_utils import ConvertError, atomic_output_dir, parse_dtype
+from threed.hf.config import to_hf_config
+from threed.hf.write import write_sentencepiece_tokenizer
+from threed.presets import PRESETS
 
 
 def hf_config_kwargs(cfg: ModelConfig) -> dict[str, Any]:
     """LlamaConfig kwargs for a ModelConfig (through to_hf_config, the mapping export uses)."""
-    from threed.presets import to_hf_config
-
     hf = to_hf_config(cfg)
     for key in ("architectures", "model_type", "torch_dtype"):
         hf.pop(key, None)
@@ -28,12 +30,7 @@ def make_tiny_hf(out: str | os.PathLike, like: str = "tiny", vocab_size: Optiona
                  dtype: str = "fp32", tokenizer: Optional[str] = None, max_shard_size: str = "50GB",
                  force: bool = False) -> Path:
     """Save a random `transformers.LlamaForCausalLM` with the shape of preset `like` to `out`."""
-    import dataclasses
-
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from threed.convert.hf_writer import write_sentencepiece_tokenizer
-    from threed.presets import PRESETS
+    from transformers import LlamaConfig, LlamaForCausalLM  # transformers: heavy, only to build the model
 
     if like not in PRESETS:
         raise ConvertError(f"unknown preset {like!r}: use one of {', '.join(PRESETS)}")

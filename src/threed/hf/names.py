@@ -5,7 +5,8 @@ Each row of `threed.model.spec.PARAMETERS` is made of one or more HF tensors, fu
   qkv       q_proj, k_proj, v_proj   -> megatron's grouped layout (threed.convert.mapping.fuse_qkv)
   gate_up   gate_proj, up_proj       -> [gate; up] (cat on rows)
   others    one tensor, same shape (vocab unpadded)
-HF already uses rotate-half RoPE, so no q/k permutation is needed (Meta's raw weights would need one).
+HF already uses rotate-half RoPE, so no q/k permutation is needed (Meta's raw weights would need one). Entries of
+an HF checkpoint that are not weights (`IGNORED_SUFFIXES`) are `threed.hf.format`'s.
 """
 from __future__ import annotations
 
@@ -27,8 +28,6 @@ HF_NAMES: dict[tuple[LayerKind, str], tuple[str, ...]] = {
     ("final_norm", "norm.weight"): ("model.norm.weight",),
     ("lm_head", "lm_head.weight"): ("lm_head.weight",),
 }
-# HF checkpoint entries that are not weights (older transformers saved the RoPE frequencies as buffers).
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 assert set(HF_NAMES) == {(p.layer, p.name) for p in PARAMETERS}, "every parameter of the spec needs its HF names"
 

@@ -6,6 +6,8 @@ Starts the checkpoint's tp x pp local ranks (torchrun) that build the engine and
 as `threed train --init-from` does, runs the same random tokens through HF's model in this process (fp32), and
 prints the max absolute and relative difference. Exit status 1 above --tol (relative). HF's model is loaded
 whole in this process: verify is a check for models that fit in RAM (or for a tiny copy of a recipe).
+
+It lives above training, not in threed.convert: its ranks (threed.verify.worker) build the training engine.
 """
 from __future__ import annotations
 
@@ -19,6 +21,10 @@ import torch
 
 from threed.convert.ds_checkpoint import open_checkpoint
 from threed.convert.io_utils import ConvertError
+from threed.hf.config import from_hf_config
+from threed.launch import run_ranks
+
+WORKER = "threed.verify.worker"  # the module each of the tp x pp ranks runs (python -m)
 
 
 @dataclass
@@ -42,14 +48,12 @@ class VerifyResult:
 def checkpoint_logits(ckpt: str | os.PathLike, tokens: torch.Tensor,
                       timeout: Optional[float] = 900) -> tuple[torch.Tensor, int, int]:
     """fp32 logits [b, s, vocab] of a checkpoint, computed by its own tp x pp ranks."""
-    from threed.launch import run_ranks
-
     ck = open_checkpoint(ckpt)
     pp = ck.pp
     with tempfile.TemporaryDirectory(prefix="threed-verify-") as d:
         torch.save(tokens, Path(d) / "tokens.pt")
         try:
-            run_ranks(ck.tp * pp, "threed.convert.verify_worker",
+            run_ranks(ck.tp * pp, WORKER,
                       ["--ckpt", str(Path(ckpt).absolute()), "--tp", str(ck.tp), "--pp", str(pp),
                        "--tokens", str(Path(d) / "tokens.pt"), "--out", str(Path(d) / "logits.pt")],
                       timeout=timeout)
@@ -59,7 +63,7 @@ def checkpoint_logits(ckpt: str | os.PathLike, tokens: torch.Tensor,
 
 
 def hf_logits(hf_dir: str | os.PathLike, tokens: torch.Tensor) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # transformers: heavy, only to run the HF model
 
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
     with torch.no_grad():
@@ -77,8 +81,6 @@ def compare(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
 def verify(hf_dir: str | os.PathLike, ckpt: str | os.PathLike, tol: float = 1e-5, seq_length: int = 32,
            batch: int = 2, seed: int = 0) -> VerifyResult:
     ck = open_checkpoint(ckpt)
-    from threed.presets import from_hf_config
-
     hf_cfg = from_hf_config(hf_dir)
     if hf_cfg.vocab_size != ck.model.vocab_size or hf_cfg.num_layers != ck.model.num_layers:
         raise ConvertError(f"{hf_dir} (vocab {hf_cfg.vocab_size}, {hf_cfg.num_layers} layers) is not the model "

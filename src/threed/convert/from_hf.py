@@ -8,7 +8,7 @@
 ds_checkpoint.read_model_config.)
 
 Peak memory is one TP rank's shard of one pipeline layer (read slice by slice straight into place, saved,
-freed; see threed.convert.plan), never the model. Nothing is written before the whole source has been checked
+freed; see threed.convert.slices), never the model. Nothing is written before the whole source has been checked
 against its config.json, and the output appears under its name only when complete (io_utils.atomic_output_dir).
 """
 from __future__ import annotations
@@ -26,13 +26,15 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from threed.config import ModelConfig, ParallelConfig
+from threed.config import ModelConfig, ParallelConfig, RunConfig
 from threed.convert.ds_checkpoint import (HF_EXTRA_DIR, TAG, layer_file, model_to_dict, with_extra_state,
                                           write_metadata)
-from threed.convert.hf_source import SIDE_FILES, HFSource
 from threed.convert.io_utils import ConvertError, atomic_output_dir, check_free_space, dtype_name, human, progress
-from threed.hf.names import hf_names
-from threed.convert.plan import BufferPool, PartReader, materialize, rank_plan
+from threed.convert.slices import BufferPool, PartReader, materialize, rank_plan
+from threed.hf.config import from_hf_config
+from threed.hf.format import SIDE_FILES
+from threed.hf.names import hf_names, hf_shapes
+from threed.hf.read import HFSource
 from threed.model.spec import PipelineLayer, pipeline_layers
 
 StateDict = OrderedDict[str, Any]
@@ -40,6 +42,14 @@ StateDict = OrderedDict[str, Any]
 
 def layer_hf_names(layer: PipelineLayer) -> list[str]:
     return [n for names in hf_names(layer).values() for n in names]
+
+
+def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of every tensor an HF directory of this model holds (what HFSource.check compares)."""
+    expected: dict[str, tuple[int, ...]] = {}
+    for layer in pipeline_layers(cfg):
+        expected.update(hf_shapes(cfg, layer))
+    return expected
 
 
 def convert_rank(cfg: ModelConfig, layer: PipelineLayer, reader: PartReader, tp: int, rank: int,
@@ -88,8 +98,6 @@ _WORKER: dict[str, Any] = {}
 
 
 def _worker_init(hf_dir: str, cfg_json: str, tp: int, dtype: Optional[str], step_dir: str) -> None:
-    from threed.config import RunConfig
-
     torch.set_num_threads(1)  # the parallelism is across processes
     _WORKER.update(source=HFSource(hf_dir), cfg=RunConfig.from_dict({"model": json.loads(cfg_json)}).model,
                    tp=tp, dtype=getattr(torch, dtype) if dtype else None, step_dir=Path(step_dir), pool=BufferPool())
@@ -127,12 +135,11 @@ def _run_workers(source: HFSource, cfg: ModelConfig, tp: int, dtype: Optional[to
 
 # --------------------------------------------------------------------------------------------------- main
 
-def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, tp: int, pp: int,
-            dtype: Optional[torch.dtype] = None, make_vocab_size_divisible_by: int = 128, workers: int = 1,
-            force: bool = False, show_progress: bool = True) -> dict[str, Any]:
-    """Convert; returns the manifest written to OUT/threed_convert.json."""
-    from threed.presets import from_hf_config
-
+def convert_hf_checkpoint(hf_dir: str | os.PathLike, out: str | os.PathLike, tp: int, pp: int,
+                          dtype: Optional[torch.dtype] = None, make_vocab_size_divisible_by: int = 128,
+                          workers: int = 1, force: bool = False, show_progress: bool = True) -> dict[str, Any]:
+    """`threed convert`: the HF directory as a tp x pp checkpoint at `out`; returns the manifest written to
+    OUT/threed_convert.json."""
     t0 = time.time()
     hf_dir = Path(hf_dir).absolute()
     cfg = from_hf_config(hf_dir)
@@ -141,7 +148,7 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, tp: int, pp: int,
     if Path(out).exists() and not force:  # fail before reading anything
         raise ConvertError(f"{Path(out).absolute()} already exists; choose a new --out or pass --force")
     source = HFSource(hf_dir)
-    source.check(cfg)
+    source.check(cfg, expected_hf_shapes(cfg))
     layers = pipeline_layers(cfg)
     total = sum(source.nbytes(layer_hf_names(l)) for l in layers)
     scale = (dtype.itemsize / min(t.dtype.itemsize for t in source.tensors.values())) if dtype else 1.0

@@ -1,5 +1,5 @@
-"""Streaming writer of an HF model directory: sharded safetensors + `model.safetensors.index.json`,
-`config.json`, tokenizer files.
+"""Streaming writer of an HF model directory: sharded safetensors + `model.safetensors.index.json`, tokenizer
+files (`config.json`: threed.hf.config.write_config).
 
     w = ShardedSafetensorsWriter(out_dir, plan_shards(planned, max_bytes=5 << 30))
     for name, tensor in tensors_in_plan_order:  w.write(name, tensor)
@@ -19,15 +19,13 @@ from typing import Any, BinaryIO, Optional
 
 import torch
 
-from threed.config import ModelConfig
-from threed.convert.io_utils import ConvertError, dtype_name
-
-ST_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
-INDEX = "model.safetensors.index.json"
+from threed.hf.format import SAFETENSORS_INDEX, ST_NAMES, HFError
 
 
 @dataclass(frozen=True)
 class Planned:
+    """One tensor of the output, known (name, dtype, shape) before its data."""
+
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
@@ -54,6 +52,7 @@ def plan_shards(tensors: list[Planned], max_bytes: int) -> list[list[Planned]]:
 
 
 def parse_size(s: str) -> int:
+    """'5GB' / '500MB' / '2GiB' / '1000000' -> bytes (--max-shard-size)."""
     units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
     s = s.strip().upper()
     for unit, mult in sorted(units.items(), key=lambda kv: -len(kv[0])):
@@ -75,6 +74,8 @@ def _header(shard: list[Planned]) -> bytes:
 
 
 class ShardedSafetensorsWriter:
+    """Writes the planned shards' files in order, tensor by tensor (or part by part), then the index."""
+
     def __init__(self, out_dir: Path, shards: list[list[Planned]]):
         self.out_dir = out_dir
         self.shards = shards
@@ -90,16 +91,16 @@ class ShardedSafetensorsWriter:
         """The whole of the next planned tensor."""
         planned = self.order[self.next][1] if self.next < len(self.order) else None
         if planned is None or planned.name != name or tuple(tensor.shape) != planned.shape:
-            raise ConvertError(f"internal: wrote {name} {list(tensor.shape)}, planned {planned}")
+            raise HFError(f"internal: wrote {name} {list(tensor.shape)}, planned {planned}")
         self.write_part(name, tensor)
 
     def write_part(self, name: str, chunk: torch.Tensor) -> None:
         """The next bytes of the next planned tensor (e.g. one TP shard's rows): no assembly buffer needed."""
         if self.next >= len(self.order):
-            raise ConvertError(f"internal: {name} written after the planned tensors")
+            raise HFError(f"internal: {name} written after the planned tensors")
         shard, planned = self.order[self.next]
         if planned.name != name:
-            raise ConvertError(f"internal: wrote {name}, planned {planned.name}")
+            raise HFError(f"internal: wrote {name}, planned {planned.name}")
         if shard != self.current_shard:
             if self.current is not None:
                 self.current.close()
@@ -109,7 +110,7 @@ class ShardedSafetensorsWriter:
         assert self.current is not None
         data = chunk.to(planned.dtype).contiguous().reshape(-1).view(torch.uint8)
         if self.part_bytes + data.numel() > planned.nbytes:
-            raise ConvertError(f"internal: {name} got more than its {planned.nbytes} bytes")
+            raise HFError(f"internal: {name} got more than its {planned.nbytes} bytes")
         self.current.write(data.numpy().data)
         self.part_bytes += data.numel()
         if self.part_bytes == planned.nbytes:
@@ -121,31 +122,15 @@ class ShardedSafetensorsWriter:
             self.current.close()
             self.current = None
         if self.next != len(self.order):
-            raise ConvertError(f"internal: {len(self.order) - self.next} planned tensors were not written")
+            raise HFError(f"internal: {len(self.order) - self.next} planned tensors were not written")
         weight_map = {t.name: self.file_names[i] for i, t in self.order}
         total = sum(t.nbytes for _, t in self.order)
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (self.out_dir / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-
-
-# Keys of the source's config.json that describe tokens, not the weights' layout: carried over on export.
-_TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
-
-
-def write_config(out_dir: Path, cfg: ModelConfig, dtype: torch.dtype, source_config: Optional[dict] = None) -> None:
-    from threed.presets import to_hf_config
-
-    hf = to_hf_config(cfg)
-    hf.pop("torch_dtype", None)
-    hf["dtype"] = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(
-        dtype, dtype_name(dtype))
-    for key in _TOKEN_KEYS:
-        if source_config and key in source_config:
-            hf[key] = source_config[key]
-    (out_dir / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+        (self.out_dir / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
 def copy_files(files: list[Path], out_dir: Path) -> list[str]:
+    """Copy those of `files` that exist into out_dir; returns their names."""
     copied = []
     for f in files:
         if f.is_file():
@@ -156,7 +141,7 @@ def copy_files(files: list[Path], out_dir: Path) -> list[str]:
 
 def write_sentencepiece_tokenizer(model_file: Path, out_dir: Path) -> list[str]:
     """A sentencepiece model from `threed tokenizer` as an HF Llama tokenizer (tokenizer.model + config)."""
-    import sentencepiece as spm
+    import sentencepiece as spm  # sentencepiece: optional, only for a sentencepiece tokenizer
 
     sp = spm.SentencePieceProcessor(model_file=str(model_file))
     shutil.copyfile(model_file, out_dir / "tokenizer.model")

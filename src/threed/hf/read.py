@@ -1,12 +1,15 @@
 """Lazy reading of an HF Llama directory: sharded or single safetensors, or old `pytorch_model*.bin` files.
 
     src = HFSource("Meta-Llama-3-8B")          # reads headers only: names, dtypes, shapes, offsets
-    src.check(model_cfg)                       # missing / unexpected / wrong-shaped tensors, named
-    src.read_into(Piece(name, dim, start, length), out)   # a slice, read now (threed.convert.plan)
+    src.check(model_cfg, expected_shapes)      # missing / unexpected / wrong-shaped tensors, named
+    src.read_slice(name, dim, start, length, out)   # a slice, read now (threed.convert.slices reads through this)
 
 Safetensors are read with our own header parser and positioned reads straight into the output tensor's
 memory: one copy from the page cache, no memory map that would keep the whole shard resident (and counted in
 RSS), and a truncated or corrupt file is detected from its header before any tensor is converted.
+
+This module knows files and tensor names, not our model: which tensors a ModelConfig implies is passed in
+(threed.convert computes it from the HF name table).
 """
 from __future__ import annotations
 
@@ -15,23 +18,30 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Protocol
 
 import torch
 
 from threed.config import ModelConfig
-from threed.convert.io_utils import ConvertError
-from threed.hf.names import IGNORED_SUFFIXES, hf_shapes
-from threed.convert.plan import Piece
-from threed.model.spec import pipeline_layers
+from threed.hf.format import BIN_INDEX, IGNORED_SUFFIXES, SAFETENSORS_INDEX, ST_DTYPES, HFError
 
-ST_DTYPES: dict[str, torch.dtype] = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
-                                     "F64": torch.float64}
-# Buffers some HF versions saved; they are recomputed from the config, so they are skipped, not converted.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "added_tokens.json", "chat_template.jinja")
-SIDE_FILES = TOKENIZER_FILES + ("generation_config.json", "config.json")  # carried into a converted checkpoint
 _MAX_READ = 1 << 30  # Linux reads at most ~2 GiB per call; read big tensors in 1 GiB pieces
+
+
+class TensorSlice(Protocol):
+    """[start, start + length) of HF tensor `hf_name` along `dim` (threed.convert.slices.Piece is one)."""
+
+    @property
+    def hf_name(self) -> str: ...
+
+    @property
+    def dim(self) -> int: ...
+
+    @property
+    def start(self) -> int: ...
+
+    @property
+    def length(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -50,14 +60,14 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise ConvertError(f"{path} is truncated ({size} bytes): not a safetensors file")
+            raise HFError(f"{path} is truncated ({size} bytes): not a safetensors file")
         (n,) = struct.unpack("<Q", head)
         if n > size - 8 or n > 100_000_000:
-            raise ConvertError(f"{path} is truncated or corrupt: its header claims {n} bytes, the file has {size}")
+            raise HFError(f"{path} is truncated or corrupt: its header claims {n} bytes, the file has {size}")
         try:
             header = json.loads(f.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ConvertError(f"{path} has a corrupt safetensors header ({e}); re-download the file") from None
+            raise HFError(f"{path} has a corrupt safetensors header ({e}); re-download the file") from None
     data_start, data_size = 8 + n, size - 8 - n
     out: dict[str, TensorInfo] = {}
     for name, meta in header.items():
@@ -66,34 +76,34 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
         try:
             dtype, shape, (begin, end) = meta["dtype"], tuple(int(s) for s in meta["shape"]), meta["data_offsets"]
         except (KeyError, TypeError, ValueError):
-            raise ConvertError(f"{path}: corrupt header entry for {name}: {meta!r}") from None
+            raise HFError(f"{path}: corrupt header entry for {name}: {meta!r}") from None
         if dtype not in ST_DTYPES:
-            raise ConvertError(f"{path}: {name} has dtype {dtype}; only float tensors (F32/BF16/F16) convert")
+            raise HFError(f"{path}: {name} has dtype {dtype}; only float tensors (F32/BF16/F16) convert")
         numel = 1
         for s in shape:
             numel *= s
         if end - begin != numel * ST_DTYPES[dtype].itemsize or begin < 0:
-            raise ConvertError(f"{path}: corrupt header: {name} {dtype}{list(shape)} spans bytes {begin}..{end}")
+            raise HFError(f"{path}: corrupt header: {name} {dtype}{list(shape)} spans bytes {begin}..{end}")
         if end > data_size:
-            raise ConvertError(f"{path} is truncated: {name} ends at byte {end} of the data, the file holds "
+            raise HFError(f"{path} is truncated: {name} ends at byte {end} of the data, the file holds "
                                f"{data_size}; re-download or re-copy it")
         out[name] = TensorInfo(name, path, ST_DTYPES[dtype], shape, data_start + begin, end - begin)
     return out
 
 
-def read_into(fd: int, info: TensorInfo, piece: Piece, out: torch.Tensor) -> None:
-    """Positioned reads of a row range (one read) or a column range (one read per row) of a safetensors
-    tensor straight into `out`, a contiguous tensor of the same dtype."""
+def read_range(fd: int, info: TensorInfo, dim: int, start: int, length: int, out: torch.Tensor) -> None:
+    """Positioned reads of a row range (dim 0: one read) or a column range (dim 1: one read per row) of a
+    safetensors tensor straight into `out`, a contiguous tensor of the same dtype."""
     if out.dtype != info.dtype or not out.is_contiguous():
         raise ValueError(f"internal: read_into {info.name} needs a contiguous {info.dtype} output")
     view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
     row_bytes = info.nbytes // info.shape[0] if info.shape else info.nbytes
-    if piece.dim == 0:
-        _pread(fd, view, info.offset + piece.start * row_bytes, info)
+    if dim == 0:
+        _pread(fd, view, info.offset + start * row_bytes, info)
         return
     item = info.dtype.itemsize
-    size = piece.length * item
-    base = info.offset + piece.start * item
+    size = length * item
+    base = info.offset + start * item
     for i in range(info.shape[0]):
         _pread(fd, view[i * size:(i + 1) * size], base + i * row_bytes, info)
 
@@ -103,7 +113,7 @@ def _pread(fd: int, view: memoryview, offset: int, info: TensorInfo) -> None:
     while done < len(view):
         n = os.preadv(fd, [view[done:done + _MAX_READ]], offset + done)
         if n <= 0:
-            raise ConvertError(f"{info.file} ended while reading {info.name}: the file is truncated")
+            raise HFError(f"{info.file} ended while reading {info.name}: the file is truncated")
         done += n
 
 
@@ -113,7 +123,7 @@ class HFSource:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         if not self.path.is_dir():
-            raise ConvertError(f"--hf {self.path} is not a directory: pass an HF model directory "
+            raise HFError(f"--hf {self.path} is not a directory: pass an HF model directory "
                                f"(config.json + *.safetensors or pytorch_model*.bin)")
         self.format, files = self._find_files()
         self.files = files
@@ -124,45 +134,43 @@ class HFSource:
             infos = read_safetensors_header(f) if self.format == "safetensors" else self._bin_infos(f)
             for name, info in infos.items():
                 if name in self.tensors:
-                    raise ConvertError(f"{name} is stored twice: in {self.tensors[name].file.name} and {f.name}")
+                    raise HFError(f"{name} is stored twice: in {self.tensors[name].file.name} and {f.name}")
                 self.tensors[name] = info
         self._check_index()
 
     # ------------------------------------------------------------------------------------------- discovery
     def _find_files(self) -> tuple[str, list[Path]]:
         p = self.path
-        for fmt, index, single, pattern in (("safetensors", "model.safetensors.index.json", "model.safetensors",
-                                             "*.safetensors"),
-                                            ("bin", "pytorch_model.bin.index.json", "pytorch_model.bin",
-                                             "pytorch_model*.bin")):
+        for fmt, index, single, pattern in (("safetensors", SAFETENSORS_INDEX, "model.safetensors", "*.safetensors"),
+                                            ("bin", BIN_INDEX, "pytorch_model.bin", "pytorch_model*.bin")):
             if (p / index).is_file():
                 self.index = self._read_index(p / index)
                 files = sorted({p / f for f in self.index.values()})
                 missing = [f.name for f in files if not f.is_file()]
                 if missing:
-                    raise ConvertError(f"{index} names files that are not in {p}: {', '.join(missing)}")
+                    raise HFError(f"{index} names files that are not in {p}: {', '.join(missing)}")
                 return fmt, files
             found = [p / single] if (p / single).is_file() else sorted(p.glob(pattern))
             if found:
                 self.index = {}
                 return fmt, found
         if list(p.glob("consolidated.*.pth")):
-            raise ConvertError(f"{p} holds Meta's original consolidated.*.pth weights; convert them to HF format "
+            raise HFError(f"{p} holds Meta's original consolidated.*.pth weights; convert them to HF format "
                                f"first (transformers' convert_llama_weights_to_hf.py), which also permutes q/k")
-        raise ConvertError(f"{p} holds no model.safetensors[.index.json] and no pytorch_model*.bin")
+        raise HFError(f"{p} holds no model.safetensors[.index.json] and no pytorch_model*.bin")
 
     @staticmethod
     def _read_index(path: Path) -> dict[str, str]:
         try:
             return dict(json.loads(path.read_text())["weight_map"])
         except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
-            raise ConvertError(f"{path} is not a valid index (needs a weight_map): {e}") from None
+            raise HFError(f"{path} is not a valid index (needs a weight_map): {e}") from None
 
     def _check_index(self) -> None:
         for name, fname in self.index.items():
             info = self.tensors.get(name)
             if info is None or info.file.name != fname:
-                raise ConvertError(f"the index maps {name} to {fname}, but {fname} does not hold it: the "
+                raise HFError(f"the index maps {name} to {fname}, but {fname} does not hold it: the "
                                    f"download is incomplete or the index is stale")
 
     def _load_bin(self, path: Path) -> dict[str, torch.Tensor]:
@@ -174,14 +182,14 @@ class HFSource:
             sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except RuntimeError as e:
             if "mmap" not in str(e):
-                raise ConvertError(f"cannot read {path}: {_first_sentence(e)} (the file is truncated or "
+                raise HFError(f"cannot read {path}: {_first_sentence(e)} (the file is truncated or "
                                    f"corrupt)") from None
             sd = self._load_bin_plain(path)  # legacy (pre-zip) format: cannot be mapped, read whole
         except Exception as e:  # pickle/zip errors of many kinds: a truncated or corrupt file
-            raise ConvertError(f"cannot read {path}: {_first_sentence(e)} (the file is truncated or "
+            raise HFError(f"cannot read {path}: {_first_sentence(e)} (the file is truncated or "
                                f"corrupt)") from None
         if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
-            raise ConvertError(f"{path} is not a state dict of tensors")
+            raise HFError(f"{path} is not a state dict of tensors")
         self._bin_cache = (path, sd)
         return sd
 
@@ -190,13 +198,13 @@ class HFSource:
         try:
             return torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:
-            raise ConvertError(f"cannot read {path}: {_first_sentence(e)}") from None
+            raise HFError(f"cannot read {path}: {_first_sentence(e)}") from None
 
     def _bin_infos(self, path: Path) -> dict[str, TensorInfo]:
         sd = self._load_bin(path)
         for name, t in sd.items():
             if not t.is_floating_point():
-                raise ConvertError(f"{path}: {name} has dtype {t.dtype}; only float tensors convert")
+                raise HFError(f"{path}: {name} has dtype {t.dtype}; only float tensors convert")
         return {n: TensorInfo(n, path, t.dtype, tuple(t.shape), 0, t.numel() * t.element_size())
                 for n, t in sd.items()}
 
@@ -207,15 +215,19 @@ class HFSource:
     def dtype(self, name: str) -> torch.dtype:
         return self.tensors[name].dtype
 
-    def read_into(self, piece: Piece, out: torch.Tensor) -> None:
-        """Fill `out` with a slice of an HF tensor (the PartReader protocol of threed.convert.plan)."""
-        info = self.tensors[piece.hf_name]
+    def read_slice(self, name: str, dim: int, start: int, length: int, out: torch.Tensor) -> None:
+        """Fill `out` with [start, start + length) of HF tensor `name` along `dim` (0 or 1)."""
+        info = self.tensors[name]
         if self.format != "safetensors":
-            out.copy_(self._load_bin(info.file)[piece.hf_name].narrow(piece.dim, piece.start, piece.length))
+            out.copy_(self._load_bin(info.file)[name].narrow(dim, start, length))
             return
         if info.file not in self._fds:
             self._fds[info.file] = os.open(info.file, os.O_RDONLY)
-        read_into(self._fds[info.file], info, piece, out)
+        read_range(self._fds[info.file], info, dim, start, length, out)
+
+    def read_into(self, piece: TensorSlice, out: torch.Tensor) -> None:
+        """read_slice for a Piece: the PartReader protocol of threed.convert.slices."""
+        self.read_slice(piece.hf_name, piece.dim, piece.start, piece.length, out)
 
     def prefetch(self, names: Iterable[str]) -> None:
         """Ask the kernel to start reading these tensors now (asynchronously, in large sequential requests):
@@ -232,7 +244,7 @@ class HFSource:
     def read(self, name: str) -> torch.Tensor:
         info = self.tensors[name]
         out = torch.empty(info.shape, dtype=info.dtype)
-        self.read_into(Piece(name, 0, 0, info.shape[0] if info.shape else 1), out)
+        self.read_slice(name, 0, 0, info.shape[0] if info.shape else 1, out)
         return out
 
     def read_many(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
@@ -245,11 +257,9 @@ class HFSource:
         self._fds = {}
 
     # ------------------------------------------------------------------------------------------- validation
-    def check(self, cfg: ModelConfig) -> None:
-        """Every tensor the config implies is present with the right shape, and nothing else is."""
-        expected: dict[str, tuple[int, ...]] = {}
-        for layer in pipeline_layers(cfg):
-            expected.update(hf_shapes(cfg, layer))
+    def check(self, cfg: ModelConfig, expected: dict[str, tuple[int, ...]]) -> None:
+        """Every tensor the config implies (`expected`: HF name -> shape) is present with the right shape, and
+        nothing else is (but IGNORED_SUFFIXES)."""
         present = {n for n in self.tensors if not n.endswith(IGNORED_SUFFIXES)}
         problems = []
         missing = sorted(set(expected) - present)
@@ -263,7 +273,7 @@ class HFSource:
         if wrong:
             problems.append(f"{len(wrong)} wrong-shaped: {_names(wrong)}")
         if problems:
-            raise ConvertError(f"{self.path} does not match its config.json ({cfg.num_layers} layers, hidden "
+            raise HFError(f"{self.path} does not match its config.json ({cfg.num_layers} layers, hidden "
                                f"{cfg.hidden_size}, vocab {cfg.vocab_size}): " + "; ".join(problems))
 
 

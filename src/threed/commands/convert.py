@@ -7,6 +7,8 @@
     threed verify --hf Meta-Llama-3-8B --ckpt ckpt/l3-8b                    # logits parity, exit 1 if off
 
 Each command prints one line per failure naming the file / tensor and exits 2; verify exits 1 above --tol.
+The work is imported when a command runs (torch, and megatron / deepspeed through the checkpoint layout): `threed
+--help` and the other commands do not pay for it.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import argparse
 import sys
 from typing import Callable
 
-from threed.config import ConfigError
+from threed.errors import ThreedError
 
 
 def _guard(name: str, fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -22,7 +24,7 @@ def _guard(name: str, fn: Callable[[argparse.Namespace], int]) -> Callable[[argp
     def run(ns: argparse.Namespace) -> int:
         try:
             return fn(ns)
-        except (ConfigError, OSError) as e:  # OSError: disk full, permissions, a file vanishing meanwhile
+        except (ThreedError, OSError) as e:  # OSError: disk full, permissions, a file vanishing meanwhile
             print(f"threed {name}: error: {e}", file=sys.stderr)
             return 2
         except KeyboardInterrupt:
@@ -32,19 +34,19 @@ def _guard(name: str, fn: Callable[[argparse.Namespace], int]) -> Callable[[argp
 
 
 def _convert(ns: argparse.Namespace) -> int:
-    from threed.convert.convert import convert
-    from threed.convert.io_utils import parse_dtype
+    from threed.convert.from_hf import convert_hf_checkpoint  # torch, megatron: heavy, only when it runs
+    from threed.convert.io_utils import parse_dtype  # torch: heavy, only when a command runs
 
-    convert(ns.hf, ns.out, ns.tp, ns.pp, dtype=parse_dtype(ns.dtype),
-            make_vocab_size_divisible_by=ns.make_vocab_size_divisible_by, workers=ns.workers, force=ns.force,
-            show_progress=not ns.quiet)
+    convert_hf_checkpoint(ns.hf, ns.out, ns.tp, ns.pp, dtype=parse_dtype(ns.dtype),
+                          make_vocab_size_divisible_by=ns.make_vocab_size_divisible_by, workers=ns.workers,
+                          force=ns.force, show_progress=not ns.quiet)
     return 0
 
 
 def _export(ns: argparse.Namespace) -> int:
-    from threed.convert.export import export
-    from threed.convert.hf_writer import parse_size
-    from threed.convert.io_utils import parse_dtype
+    from threed.convert.export import export  # torch, megatron: heavy, only when it runs
+    from threed.convert.io_utils import parse_dtype  # torch: heavy, only when a command runs
+    from threed.hf.write import parse_size  # torch: heavy, only when a command runs
 
     export(ns.ckpt, ns.out, dtype=parse_dtype(ns.dtype), max_shard_bytes=parse_size(ns.max_shard_size),
            tokenizer=ns.tokenizer, force=ns.force, show_progress=not ns.quiet)
@@ -52,15 +54,15 @@ def _export(ns: argparse.Namespace) -> int:
 
 
 def _reshard(ns: argparse.Namespace) -> int:
-    from threed.convert.io_utils import parse_dtype
-    from threed.convert.reshard import reshard
+    from threed.convert.io_utils import parse_dtype  # torch: heavy, only when a command runs
+    from threed.convert.reshard import reshard  # torch, megatron: heavy, only when it runs
 
     reshard(ns.ckpt, ns.out, ns.tp, ns.pp, dtype=parse_dtype(ns.dtype), force=ns.force, show_progress=not ns.quiet)
     return 0
 
 
 def _verify(ns: argparse.Namespace) -> int:
-    from threed.convert.verify import verify
+    from threed.verify.parity import verify  # torch, transformers: heavy, only when it runs
 
     result = verify(ns.hf, ns.ckpt, tol=ns.tol, seq_length=ns.seq_length, batch=ns.batch, seed=ns.seed)
     print(result.line())
@@ -68,7 +70,7 @@ def _verify(ns: argparse.Namespace) -> int:
 
 
 def _make_tiny(ns: argparse.Namespace) -> int:
-    from threed.convert.tiny import make_tiny_hf
+    from threed.convert.tiny import make_tiny_hf  # torch, transformers: heavy, only when it runs
 
     print(make_tiny_hf(ns.out, like=ns.like, vocab_size=ns.vocab_size, seed=ns.seed, dtype=ns.dtype,
                        tokenizer=ns.tokenizer, force=ns.force))
@@ -98,7 +100,7 @@ def positive_float(text: str) -> float:
 
 def shard_size(text: str) -> str:
     """argparse type for --max-shard-size: 5GB, 500MB, 2GiB, 1000000 (bytes)."""
-    from threed.convert.hf_writer import parse_size
+    from threed.hf.write import parse_size  # torch: heavy, only when export's flags are parsed
 
     try:
         ok = parse_size(text) > 0

@@ -2,7 +2,7 @@
 `load_checkpoint(load_module_only=True)` (the path `threed train --init-from` takes), run the tokens, and save
 the full-vocab fp32 logits from the last stage.
 
-    python -m torch.distributed.run --nproc-per-node 4 -m threed.convert.verify_worker \
+    python -m torch.distributed.run --nproc-per-node 4 -m threed.verify.worker \
         --ckpt DIR --tp 2 --pp 2 --tokens tokens.pt --out logits.pt
 """
 from __future__ import annotations
@@ -13,21 +13,21 @@ from typing import Optional, Sequence
 
 import torch
 
+from threed.config import CheckpointConfig, ParallelConfig, RunConfig, TrainConfig
+from threed.convert.ds_checkpoint import check_loadable, read_model_config
+from threed.distributed import init_distributed
+from threed.engine import build_engine
+from threed.logits import pipeline_logits
+
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="threed.convert.verify_worker")
+    p = argparse.ArgumentParser(prog="threed.verify.worker")
     p.add_argument("--ckpt", required=True)
     p.add_argument("--tp", type=int, required=True)
     p.add_argument("--pp", type=int, required=True)
     p.add_argument("--tokens", required=True, help="a torch file holding int64 tokens [b, s]")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-
-    from threed.config import CheckpointConfig, ParallelConfig, RunConfig, TrainConfig
-    from threed.convert.ds_checkpoint import check_loadable, read_model_config
-    from threed.distributed import init_distributed
-    from threed.engine import build_engine
-    from threed.logits import pipeline_logits
 
     tokens = torch.load(args.tokens)
     model = read_model_config(args.ckpt)
