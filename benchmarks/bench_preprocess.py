@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from threed.data.encode import indexed_dataset
+from threed.data.indexed_output import indexed_dataset
 from threed.data.preprocess import preprocess
 from threed.data.tokenizer import Tokenizer, train_tokenizer
 

@@ -18,8 +18,9 @@ import torch.distributed as dist
 from helpers import hf_model, model_config
 from threed.config import CheckpointConfig, DataConfig, ParallelConfig, RunConfig, TrainConfig
 from threed.convert.in_memory import load_hf_state
-from threed.data.datasets import data_plan
-from threed.data.loader import build_datasets, micro_batches
+from threed.data.datasets import build_datasets
+from threed.data.loader import micro_batches
+from threed.data.splits import read_data_flags
 from threed.distributed import GroupMismatch, check_groups_agree, init_distributed
 from threed.engine import build_engine
 from threed.logits import pipeline_logits
@@ -68,7 +69,7 @@ def parity(args) -> None:
 
 def train_dataset(cfg: RunConfig, world_size: int):
     """The train split `threed train` reads for cfg (built on every rank here; only stages 0 and -1 read it)."""
-    return build_datasets(cfg, data_plan(cfg), cfg.train.resolve_batch(cfg.parallel.dp(world_size))[2], True).train
+    return build_datasets(cfg, read_data_flags(cfg), cfg.train.resolve_batch(cfg.parallel.dp(world_size))[2], True).train
 
 
 def run_steps(engine, cfg: RunConfig, ds, start: int, stop: int) -> tuple[list[float], list[float]]:

@@ -64,10 +64,10 @@ def write_dataset(prefix: Path | str, tokens: np.ndarray, vocab_size: int, doc_l
 def gpt_dataset(cfg, global_batch: int):
     """The train dataset `threed train` builds for `cfg` (a RunConfig), built here in one process: the reference
     side of data-order tests."""
-    from threed.data.datasets import data_plan
-    from threed.data.loader import build_datasets
+    from threed.data.datasets import build_datasets
+    from threed.data.splits import read_data_flags
 
-    return build_datasets(cfg, data_plan(cfg), global_batch, builds_here=True)
+    return build_datasets(cfg, read_data_flags(cfg), global_batch, builds_here=True)
 
 
 def learnable_tokens(n: int, alphabet: int = 16, seed: int = 0) -> np.ndarray:

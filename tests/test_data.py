@@ -11,7 +11,8 @@ import torch
 
 from helpers import gpt_dataset, write_dataset
 from threed.config import ConfigError, DataConfig, ModelConfig, RunConfig, TrainConfig
-from threed.data.datasets import check_data, data_plan, parse_blend
+from threed.data.checks import check_data
+from threed.data.splits import parse_blend, read_data_flags
 from threed.data.loader import micro_batches
 
 MODEL = ModelConfig(name="t", vocab_size=1000, hidden_size=8, num_layers=1, num_heads=1, num_kv_heads=1,
@@ -176,6 +177,6 @@ def test_bad_data_inputs_are_one_clear_error_before_anything_is_built(two_source
 
 def test_eval_interval_defaults_like_megatron(two_sources):
     a, _ = two_sources
-    assert data_plan(run_cfg(DataConfig(data_path=(a,)))).eval_interval == 1000
-    assert data_plan(run_cfg(DataConfig(data_path=(a,), split="100,0,0"))).eval_interval == 0
-    assert data_plan(run_cfg(DataConfig(data_path=(a,)), eval_interval=0)).eval_interval == 0
+    assert read_data_flags(run_cfg(DataConfig(data_path=(a,)))).eval_interval == 1000
+    assert read_data_flags(run_cfg(DataConfig(data_path=(a,), split="100,0,0"))).eval_interval == 0
+    assert read_data_flags(run_cfg(DataConfig(data_path=(a,)), eval_interval=0)).eval_interval == 0

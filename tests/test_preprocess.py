@@ -14,7 +14,10 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import pytest
 
-from threed.data.preprocess import PreprocessError, dataset_prefix, preprocess, register
+from threed.data.chunks import PreprocessError
+from threed.data.cli import register
+from threed.data.prefixes import dataset_prefix
+from threed.data.preprocess import preprocess
 from threed.data.tokenizer import Tokenizer, train_tokenizer
 from threed.demo_text import write_demo_text
 

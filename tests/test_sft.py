@@ -14,8 +14,8 @@ from typing import Sequence
 import numpy as np
 import pytest
 
-from threed.data.preprocess import register
-from threed.data.sft import LLAMA2_CHAT_TEMPLATE, ChatRenderer, to_messages
+from threed.data.chat import LLAMA2_CHAT_TEMPLATE, ChatRenderer, to_messages
+from threed.data.cli import register
 
 # Meta-Llama-3-8B-Instruct's chat template.
 LLAMA3_CHAT_TEMPLATE = (

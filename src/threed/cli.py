@@ -21,7 +21,7 @@ from threed.config import (CheckpointConfig, ConfigError, DataConfig, MetricsCon
 # Modules that add subcommands: each defines `register(subparsers)` and sets `run` on its parsers.
 COMMAND_MODULES = (
     "threed.commands.convert",  # convert / export / reshard / verify / make-tiny-hf
-    "threed.data.preprocess",
+    "threed.data.cli",  # preprocess
     "threed.check_config",  # check-config: training's checks at a world size, nothing built (recipes/launch.sh)
     "threed.report",  # report: plots and a summary from a run's metrics.jsonl
     "threed.plan",

@@ -26,8 +26,10 @@ import torch.distributed as dist
 
 from threed.checkpoint import save, start as checkpoint_start
 from threed.config import ConfigError, RunConfig
-from threed.data.datasets import check_cache_visible, check_data, data_plan
-from threed.data.loader import SampleCounter, build_datasets, micro_batches, token_weighted
+from threed.data.checks import check_cache_visible, check_data
+from threed.data.datasets import build_datasets
+from threed.data.loader import SampleCounter, micro_batches, token_weighted
+from threed.data.splits import read_data_flags
 from threed.distributed import grid_coordinates, init_distributed, shutdown_distributed
 from threed.engine import build_engine
 from threed.guard import RunGuard
@@ -80,7 +82,7 @@ def checked_data_plan(cfg: RunConfig, rank: int):
     dist.broadcast_object_list(verdict, src=0)
     if verdict[0] is not None:
         raise ConfigError(verdict[0])
-    return data_plan(cfg)  # the flags' reading of the splits: cheap, the same on every rank
+    return read_data_flags(cfg)  # the flags' reading of the splits: cheap, the same on every rank
 
 
 def step_batches(batches, gas: int, sft: bool, engine, device: torch.device) -> tuple[Optional[object], Optional[int]]:

@@ -9,23 +9,16 @@ import os
 import signal
 import sys
 import threading
-import warnings
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, Iterator, Optional, Protocol, Union
 
-from threed.data.readers import Chunk, PreprocessError, line_of, read_records
+from threed.data.chunks import Chunk, PreprocessError
+from threed.data.formats import TextUnit
+from threed.data.indexed_output import indexed_dataset
+from threed.data.inputs import documents, where
 
 _BATCH_DOCS, _BATCH_CHARS = 256, 1 << 20  # per native encode call: amortises Python overhead, bounds memory
-
-
-def indexed_dataset() -> Any:
-    """megatron-core's indexed_dataset module. Importing it loads all of megatron.core, which warns four times
-    that Transformer Engine and Apex are absent: irrelevant to writing token files, so kept off the console."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
-        from megatron.core.datasets import indexed_dataset
-    return indexed_dataset
 
 
 class TokenizerLike(Protocol):
@@ -40,7 +33,7 @@ class TokenizerLike(Protocol):
 class Options:
     """What every worker needs to turn a chunk into documents (sent once, at pool start)."""
     keys: tuple[str, ...]
-    unit: str
+    unit: TextUnit
     bos: Optional[int]
     eod: Optional[int]
     dtype: Any  # numpy scalar type
@@ -56,23 +49,17 @@ class ChunkStats:
     parts: Optional[dict[str, str]] = None  # key -> partial prefix written by a worker
 
 
-def _where(chunk: Chunk, local: int) -> str:
-    if chunk.source.format == "parquet":
-        return f"{chunk.source.path} row {local} (from 0)"
-    return f"{chunk.source.path} line {line_of(chunk, local)}"
-
-
-def _encode(tok: TokenizerLike, texts: list[str], chunk: Chunk, where: list[int]) -> list[list[int]]:
+def _encode(tok: TokenizerLike, texts: list[str], chunk: Chunk, positions: list[int]) -> list[list[int]]:
     try:
         batch = getattr(tok, "encode_batch", None)
         return batch(texts) if batch is not None else [tok.encode(t) for t in texts]
     except Exception:  # find the document that broke it, to name its line
-        for text, local in zip(texts, where):
+        for text, local in zip(texts, positions):
             try:
                 tok.encode(text)
             except Exception as e:
                 msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
-                raise PreprocessError(f"{_where(chunk, local)}: the tokenizer failed ({msg}); fix or drop that "
+                raise PreprocessError(f"{where(chunk, local)}: the tokenizer failed ({msg}); fix or drop that "
                                       f"document") from None
         raise
 
@@ -85,10 +72,10 @@ def encode_chunk(chunk: Chunk, tok: TokenizerLike, opts: Options, builders: dict
     tail = [opts.eod] if opts.eod is not None else []
 
     def flush(batch: list[tuple[int, list[str]]]) -> None:
-        where = [local for local, _ in batch]
+        positions = [local for local, _ in batch]
         for ki, key in enumerate(opts.keys):
             builder = builders[key]
-            for ids in _encode(tok, [texts[ki] for _, texts in batch], chunk, where):
+            for ids in _encode(tok, [texts[ki] for _, texts in batch], chunk, positions):
                 if not ids:
                     stats.skipped[key] += 1
                     continue
@@ -99,7 +86,7 @@ def encode_chunk(chunk: Chunk, tok: TokenizerLike, opts: Options, builders: dict
 
     batch: list[tuple[int, list[str]]] = []
     chars = 0
-    for record in read_records(chunk, opts.keys, opts.unit):  # type: ignore[arg-type]
+    for record in documents(chunk, opts.keys, opts.unit):
         batch.append(record)
         chars += sum(len(t) for t in record[1])
         if len(batch) >= _BATCH_DOCS or chars >= _BATCH_CHARS:

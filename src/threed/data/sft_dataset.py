@@ -20,7 +20,6 @@ of the data-parallel layout, like GPTDataset's, so resume at another layout read
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -29,21 +28,9 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.megatron_dataset import MegatronDataset
 from megatron.core.datasets.utils import Split
 
-TEXT_SUFFIX, MASK_SUFFIX = "_text_document", "_mask_document"
+from threed.data.prefixes import mask_prefix
+
 PAD_TOKEN = 0  # any valid id: padding positions are masked out of the loss and attend only among themselves
-
-
-def mask_prefix(text_prefix: str) -> Optional[str]:
-    """The loss-mask dataset that `threed preprocess --sft` writes beside PREFIX_text_document, or None when the
-    prefix does not have that form."""
-    if not text_prefix.endswith(TEXT_SUFFIX):
-        return None
-    return text_prefix[: -len(TEXT_SUFFIX)] + MASK_SUFFIX
-
-
-def is_sft_prefix(text_prefix: str) -> bool:
-    mask = mask_prefix(text_prefix)
-    return mask is not None and Path(mask + ".idx").is_file()
 
 
 @dataclass

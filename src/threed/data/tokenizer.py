@@ -16,7 +16,7 @@ _EOS_NAMES = ("<|end_of_text|>", "</s>", "<eos>", "<|endoftext|>")
 
 def train_tokenizer(text_files: Sequence[str], vocab_size: int, out_prefix: str) -> str:
     """Train a BPE sentencepiece model with Llama's special ids (unk 0, bos 1, eos 2). Returns the .model path."""
-    import sentencepiece as spm
+    import sentencepiece as spm  # sentencepiece: native, only for sentencepiece tokenizers
 
     Path(out_prefix).parent.mkdir(parents=True, exist_ok=True)
     spm.SentencePieceTrainer.train(
@@ -60,13 +60,14 @@ class Tokenizer:
         self._sp: Any = None  # sentencepiece processor, when that is the kind
         self._fast: Any = None  # the Rust `tokenizers.Tokenizer` behind an HF fast tokenizer, for batch encoding
         if Path(path).is_file() and path.endswith(".model"):
-            import sentencepiece as spm
+            import sentencepiece as spm  # sentencepiece: native, only for sentencepiece tokenizers
 
             sp = spm.SentencePieceProcessor(model_file=path)
             self.vocab_size, self.bos_id, self.eos_id = sp.get_piece_size(), sp.bos_id(), sp.eos_id()
             self._sp = sp
             self._encode = sp.encode
         elif Path(path).exists():
+            # transformers: heavy (seconds to import), only for HF tokenizers
             from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
             tok = (PreTrainedTokenizerFast(tokenizer_file=path) if Path(path).is_file()

@@ -1,0 +1,162 @@
+"""The training data checked before anything expensive: every problem megatron-core would meet deep inside its
+builder (a missing prefix, a truncated .bin, a token beyond the vocabulary, a split too small for one sample, an
+SFT mask that does not match its tokens, an unwritable or unshared index cache) as one ConfigError naming the fix.
+
+    check_data(cfg)                      every bad input, before any process group or model exists (rank 0)
+    check_cache_visible(cache, rank)     every rank sees the index cache rank 0 builds (multi-node runs)
+
+Why ours: megatron-core does not check its inputs (they fail with an assert or an IndexError), and on a multi-node
+run whose cache is not shared it fails on the other nodes with a bare FileNotFoundError (Megatron-LM #907).
+"""
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch.distributed as dist
+
+from threed.config import DataConfig, RunConfig
+from threed.data.prefixes import mask_prefix
+from threed.data.splits import Blend, DataSplits, read_data_flags
+from threed.errors import ConfigError
+
+# Above this many tokens per dataset, the vocabulary check reads a sample of documents instead of every token.
+_FULL_VOCAB_SCAN_TOKENS = 256 * 2**20
+
+
+def check_data(cfg: RunConfig) -> DataSplits:
+    """Every data problem as one ConfigError naming the fix, before any expensive work: the flags, every
+    prefix's .bin/.idx, the token ids against the model's vocabulary, enough tokens for one sample, the cache."""
+    # megatron: heavy (all of megatron.core), only when the data is checked
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    splits = read_data_flags(cfg)
+    seq = cfg.train.seq_length
+    for blend in {b for b in splits.blends if b is not None}:
+        for prefix in blend.prefixes:
+            missing = [p for p in (prefix + ".idx", prefix + ".bin") if not Path(p).is_file()]
+            if missing:
+                raise ConfigError(f"dataset {prefix}: {', '.join(missing)} not found; a dataset is a PREFIX.bin + "
+                                  f"PREFIX.idx pair made by `threed preprocess` (give the prefix, without the suffix)")
+            try:
+                ds = IndexedDataset(prefix, mmap=True)
+            except Exception as e:  # megatron asserts on a bad header; name the file instead
+                raise ConfigError(f"dataset {prefix}: cannot read {prefix}.idx ({type(e).__name__}: {e}); rebuild it "
+                                  f"with `threed preprocess`") from None
+            tokens = int(ds.sequence_lengths.sum())
+            if splits.sft:
+                _check_sft_dataset(prefix, ds, seq)
+            _check_split_ranges(splits, blend, prefix, ds, seq)
+            expect = int(ds.index.sequence_pointers[-1] + ds.sequence_lengths[-1] * ds.index.dtype_size) if len(ds) else 0
+            if os.path.getsize(prefix + ".bin") < expect:
+                raise ConfigError(f"dataset {prefix}: {prefix}.bin holds fewer bytes than {prefix}.idx describes "
+                                  f"(truncated copy?); copy or rebuild it")
+            if tokens < seq + 1 and not splits.sft:
+                raise ConfigError(f"dataset {prefix} holds {tokens} tokens, fewer than one sample of seq_length "
+                                  f"{seq} + 1; use more data or a shorter --seq-length")
+            top = _max_token(ds, tokens)
+            if top >= cfg.model.vocab_size:
+                raise ConfigError(f"dataset {prefix} contains token id {top}, beyond the model's vocab_size "
+                                  f"{cfg.model.vocab_size}: it was made with another tokenizer; re-run "
+                                  f"`threed preprocess` with the model's tokenizer")
+    check_cache_writable(cfg.data, splits)
+    return splits
+
+
+def _check_sft_dataset(prefix: str, ds: Any, seq: int) -> None:
+    """The loss mask must describe the same examples as the tokens, and every example must fit one sample."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset  # megatron: heavy
+
+    mask = mask_prefix(prefix)
+    redo = "re-make both with `threed preprocess --sft` (one run writes the pair)"
+    if not Path(mask + ".bin").is_file():
+        raise ConfigError(f"SFT dataset {prefix}: {mask}.bin not found; {redo}")
+    try:
+        mds = IndexedDataset(mask, mmap=True)
+    except Exception as e:
+        raise ConfigError(f"SFT dataset {prefix}: cannot read {mask}.idx ({type(e).__name__}: {e}); {redo}") from None
+    if len(mds) != len(ds) or not np.array_equal(mds.sequence_lengths, ds.sequence_lengths):
+        raise ConfigError(f"SFT dataset {prefix}: its loss mask {mask} describes other examples ({len(mds)} vs "
+                          f"{len(ds)} examples, or other lengths); {redo}")
+    longest = int(ds.sequence_lengths.max()) if len(ds) else 0
+    if longest - 1 > seq:
+        at = int(ds.sequence_lengths.argmax())
+        raise ConfigError(f"SFT dataset {prefix}: example {at} has {longest} tokens, more than one sample of "
+                          f"seq_length {seq} + 1 holds; re-run `threed preprocess --sft --seq-length {seq}` with "
+                          f"--drop-long or --truncate-long, or raise --seq-length")
+
+
+def _check_split_ranges(splits: DataSplits, blend: Blend, prefix: str, ds: Any, seq: int) -> None:
+    """Each split this run reads must hold one sample of this dataset (megatron-core loops forever building a split
+    whose document range is empty, and fails obscurely on one shorter than a sample)."""
+    names = ("train", "valid")
+    if splits.split is not None:
+        # megatron: heavy; its own split arithmetic, so the ranges checked are the ones it builds
+        from megatron.core.datasets.blended_megatron_dataset_config import convert_split_vector_to_split_matrix
+        from megatron.core.datasets.utils import normalize
+
+        matrix = convert_split_vector_to_split_matrix(normalize([float(x) for x in splits.split.split(",")]))
+        docs = len(ds.document_indices) - 1
+        per_doc = np.add.reduceat(ds.sequence_lengths, ds.document_indices[:-1]) if docs else np.zeros(0)
+        for i, name in enumerate(names):
+            if splits.blends[i] is None or matrix[i] is None:
+                continue
+            beg, end = (int(round(b * docs)) for b in matrix[i])
+            got = int(per_doc[beg:end].sum())
+            if splits.sft and end <= beg:
+                raise ConfigError(f"SFT dataset {prefix}: its {name} split (--split {splits.split}: documents "
+                                  f"{beg}..{end} of {docs}) holds no example; use more data, another --split, or "
+                                  f"--train-data-path/--valid-data-path")
+            if got < seq + 1 and not splits.sft:
+                raise ConfigError(f"dataset {prefix}: its {name} split (--split {splits.split}: documents {beg}..{end} "
+                                  f"of {docs}) holds {got} tokens, fewer than one sample of seq_length {seq} + 1; "
+                                  f"use more data, another --split, or --train-data-path/--valid-data-path")
+
+
+def _max_token(ds: Any, tokens: int) -> int:
+    """Largest token id: every token of a small dataset; of large ones, 1,000 documents spread evenly through it
+    (a full scan of a TB corpus would take longer than many runs; the training batches are checked as well)."""
+    if tokens <= _FULL_VOCAB_SCAN_TOKENS:
+        return int(np.frombuffer(ds.bin_reader._bin_buffer, dtype=ds.index.dtype).max()) if tokens else 0
+    picks = np.linspace(0, len(ds) - 1, num=min(1000, len(ds))).astype(np.int64)
+    return max(int(ds[int(i)].max()) for i in picks)
+
+
+def check_cache_writable(data: DataConfig, splits: DataSplits) -> None:
+    """megatron writes its sample-index cache on first use: the directory must be writable (or creatable)."""
+    if data.data_cache_path:
+        where = Path(data.data_cache_path)
+        fix = "give a writable --data-cache-path on a filesystem every node sees"
+    else:
+        # Without a cache path GPTDataset writes its index cache beside the data (PREFIX_DIR/cache/...).
+        prefixes = [p for b in splits.blends if b for p in b.prefixes]
+        where = Path(prefixes[0]).resolve().parent / "cache"
+        fix = "pass --data-cache-path DIR (shared by all nodes), or make the data directory writable"
+    probe_dir = where
+    while not probe_dir.exists():
+        probe_dir = probe_dir.parent
+    if not probe_dir.is_dir() or not os.access(probe_dir, os.W_OK | os.X_OK):
+        raise ConfigError(f"dataset index cache {where} is not writable ({probe_dir} is not a writable "
+                          f"directory); {fix}")
+
+
+def check_cache_visible(cache_dir: str, rank: int) -> None:
+    """Rank 0 writes a probe file into the cache directory; every rank must then see it. Called by every rank,
+    between two barriers, before megatron builds (rank 0) and loads (everyone else) its index caches."""
+    probe = Path(cache_dir) / f".threed-visible-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}"
+    if rank == 0:
+        probe.parent.mkdir(parents=True, exist_ok=True)
+        probe.write_text(socket.gethostname())
+    dist.barrier()
+    seen = probe.is_file()
+    flags = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, (seen, socket.gethostname()))
+    if rank == 0:
+        probe.unlink(missing_ok=True)
+    blind = [f"{r} ({host})" for r, (ok, host) in enumerate(flags) if not ok]
+    if blind:
+        raise ConfigError(f"the dataset index cache {cache_dir} built by rank 0 is not visible to rank(s) "
+                          f"{', '.join(blind)}: --data-cache-path must be on a filesystem shared by all nodes")

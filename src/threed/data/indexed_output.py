@@ -1,0 +1,118 @@
+"""The one way `threed preprocess` (plain and `--sft`) writes its datasets: megatron-core's own
+`IndexedDatasetBuilder` (so Megatron-LM reads ours and we read theirs), into a temporary directory beside the
+output, published only when complete.
+
+    check_output(prefix, outputs, force)                      # before any work: refuse a directory or old files
+    with indexed_output(prefix, outputs, dtypes) as out:      # temp dir + one builder per output
+        out.builders["text"].add_document(...)
+    # on success: every .idx finalized, then renamed into place (old .idx first, .bin, new .idx last)
+    # on any exception (Ctrl-C included): the temp dir and any directory created for it removed, old output intact
+
+A reader finds the old pair, no .idx, or the new pair, never a mixed or partial one. The renames are flushed to
+disk like every other publish (`threed.atomic`).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Iterator
+
+from threed.atomic import fsync_dir
+from threed.data.chunks import PreprocessError
+
+
+def indexed_dataset() -> Any:
+    """megatron-core's indexed_dataset module. Importing it loads all of megatron.core, which warns four times
+    that Transformer Engine and Apex are absent: irrelevant to writing token files, so kept off the console."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+        # megatron: heavy (seconds to import), only once the inputs have been checked
+        from megatron.core.datasets import indexed_dataset
+    return indexed_dataset
+
+
+def check_output(prefix: str, outputs: dict[str, str], force: bool) -> None:
+    """`prefix` names files, not a directory; the outputs (key -> PREFIX_{key}_document) exist only with force."""
+    if prefix.endswith(("/", os.sep)) or Path(prefix).is_dir() or not Path(prefix).name:
+        raise PreprocessError(f"--output-prefix {prefix} is a directory; give a file prefix like "
+                              f"{prefix.rstrip('/')}/corpus")
+    for out in outputs.values():
+        for path in (out + ".bin", out + ".idx"):
+            if os.path.lexists(path) and not force:
+                raise PreprocessError(f"output exists: {path}; pass --force to replace it or choose another "
+                                      f"--output-prefix")
+
+
+@dataclasses.dataclass
+class IndexedOutput:
+    """What is being written: the temporary directory (workers put their partial files there too) and one
+    `IndexedDatasetBuilder` per output key."""
+    tmpdir: str
+    builders: dict[str, Any]
+
+
+@contextlib.contextmanager
+def indexed_output(prefix: str, outputs: dict[str, str], dtypes: dict[str, Any]) -> Iterator[IndexedOutput]:
+    """Builders for `outputs` (key -> final prefix) with `dtypes` (key -> numpy type), published when the block
+    ends without an exception, and nothing left behind when it raises."""
+    idx = indexed_dataset()
+    tmpdir, created = _make_tmpdir(prefix)
+    try:
+        tmp = {k: os.path.join(tmpdir, Path(p).name) for k, p in outputs.items()}
+        builders = {k: idx.IndexedDatasetBuilder(tmp[k] + ".bin", dtype=dtypes[k]) for k in outputs}
+        yield IndexedOutput(tmpdir, builders)
+        _publish(builders, tmp, outputs)
+    except BaseException:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+        _remove_dirs(created)
+        raise
+    shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _make_tmpdir(prefix: str) -> tuple[str, list[Path]]:
+    """The output's parent directory and a temporary directory in it (same file system: renames are atomic).
+    Returns the temporary directory and the directories created here (removed again on failure)."""
+    parent = Path(prefix).absolute().parent
+    created: list[Path] = []
+    d = parent
+    while not os.path.lexists(d) and d != d.parent:
+        created.append(d)
+        d = d.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        return tempfile.mkdtemp(prefix=f".{Path(prefix).name}.", suffix=".preprocess-tmp", dir=parent), created
+    except OSError as e:
+        _remove_dirs(created)
+        raise PreprocessError(f"cannot write to {parent} ({e.strerror or e}); choose a writable "
+                              f"--output-prefix") from None
+
+
+def _publish(builders: dict[str, Any], tmp: dict[str, str], outputs: dict[str, str]) -> None:
+    """Finalize each builder's temporary .idx, flush the files, and move the datasets into place. Old .idx files go
+    first (--force), then the .bin files, then the new .idx files that make each dataset readable."""
+    for k, b in builders.items():
+        b.finalize(tmp[k] + ".idx")
+    for path in (tmp[k] + suffix for k in outputs for suffix in (".bin", ".idx")):
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())  # the data on disk before the names that make it visible
+    for k in outputs:
+        if os.path.lexists(outputs[k] + ".idx"):
+            os.remove(outputs[k] + ".idx")
+    for suffix in (".bin", ".idx"):
+        for k in outputs:
+            os.replace(tmp[k] + suffix, outputs[k] + suffix)
+    for parent in {str(Path(p).absolute().parent) for p in outputs.values()}:
+        fsync_dir(parent)
+
+
+def _remove_dirs(dirs: list[Path]) -> None:
+    for d in dirs:  # deepest first
+        try:
+            d.rmdir()
+        except OSError:
+            pass
