@@ -17,7 +17,7 @@ import torch
 
 from threed.model.init import shard_of
 from threed.model.sharding import SHARDING, parameter_shapes
-from threed.presets import get_model_config
+from threed.flags import model_config
 
 
 def main() -> None:
@@ -27,7 +27,7 @@ def main() -> None:
     p.add_argument("--pp", type=int, default=4)
     p.add_argument("--threads", type=int, default=2)
     a = p.parse_args()
-    m = get_model_config(a.model)
+    m = model_config(a.model)
     shapes = parameter_shapes(m, "block", a.tp)
     blocks_per_stage = m.num_layers // a.pp
     kinds = SHARDING["block"]

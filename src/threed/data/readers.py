@@ -20,6 +20,8 @@ import zlib
 from pathlib import Path
 from typing import Iterator, Literal, Optional, Sequence
 
+from threed.errors import ThreedError
+
 Format = Literal["jsonl", "parquet", "text"]
 TextUnit = Literal["paragraph", "line"]
 FORMATS = ("auto", "jsonl", "parquet", "text")
@@ -30,7 +32,7 @@ _TEXT_SUFFIXES = (".txt", ".text", ".md")
 _PARQUET_BATCH_ROWS = 1024  # rows per Arrow batch: bounds memory inside a (possibly large) row group
 
 
-class PreprocessError(Exception):
+class PreprocessError(ThreedError):
     """Bad input or output: the message is one line naming the problem and the fix."""
 
 
