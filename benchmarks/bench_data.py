@@ -27,12 +27,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from helpers import gpt_dataset, write_dataset  # noqa: E402
 from threed.config import DataConfig, RunConfig, TrainConfig  # noqa: E402
 from threed.data.loader import micro_batches  # noqa: E402
-from threed.presets import get_model_config  # noqa: E402
+from threed.flags import model_config  # noqa: E402
 
 
 def loader_seconds(prefix: str, seq: int, gbs: int, micro: int, dp: int, steps: int, vocab: int) -> float:
     """Median seconds for one rank to read its share of one global batch."""
-    cfg = RunConfig(model=get_model_config("tiny"), train=TrainConfig(seq_length=seq, steps=steps, eval_interval=0),
+    cfg = RunConfig(model=model_config("tiny"), train=TrainConfig(seq_length=seq, steps=steps, eval_interval=0),
                     data=DataConfig(data_path=(prefix,), split="100,0,0"))
     ds = gpt_dataset(cfg, gbs).train
     it = micro_batches(ds, gbs, micro, dp, 0, 0, vocab)
@@ -46,7 +46,7 @@ def loader_seconds(prefix: str, seq: int, gbs: int, micro: int, dp: int, steps: 
 
 
 def main() -> None:
-    vocab = get_model_config("tiny").vocab_size
+    vocab = model_config("tiny").vocab_size
     with tempfile.TemporaryDirectory() as d:
         rng = np.random.default_rng(0)
         prefix = write_dataset(Path(d) / "tiny", rng.integers(0, vocab, 400_000), vocab)

@@ -16,8 +16,8 @@ import time
 import torch
 
 from threed.model.init import shard_of
+from threed.flags import model_config
 from threed.model.spec import full_shape, layer_parameters
-from threed.presets import get_model_config
 
 
 def main() -> None:
@@ -27,7 +27,7 @@ def main() -> None:
     p.add_argument("--pp", type=int, default=4)
     p.add_argument("--threads", type=int, default=2)
     a = p.parse_args()
-    m = get_model_config(a.model)
+    m = model_config(a.model)
     params = layer_parameters("block")
     blocks_per_stage = m.num_layers // a.pp
 

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from helpers import gpt_dataset, write_sft_dataset  # noqa: E402
 from threed.config import DataConfig, RunConfig, TrainConfig  # noqa: E402
-from threed.presets import get_model_config  # noqa: E402
+from threed.flags import model_config  # noqa: E402
 
 DISTRIBUTIONS = {"chat": (350, 1.0), "short": (120, 0.7)}  # median tokens, log-normal sigma
 
@@ -47,7 +47,7 @@ def examples(lens: np.ndarray, vocab: int, seed: int = 0) -> list[tuple]:
 
 
 def config(prefix: str, seq: int, pack: bool, rows: int, steps: int) -> RunConfig:
-    return RunConfig(model=get_model_config("tiny"),
+    return RunConfig(model=model_config("tiny"),
                      train=TrainConfig(dtype="fp32", seq_length=seq, micro_batch_size=rows, steps=steps,
                                        eval_interval=0),
                      data=DataConfig(data_path=(prefix,), split="100,0,0", pack=pack))

@@ -40,9 +40,10 @@ def worker(a: argparse.Namespace) -> None:
 
     rt = init_distributed()
     steps = 2 + a.repeats * a.steps
-    cfg = RunConfig(model=ModelConfig(name="bench", **MODEL), parallel=ParallelConfig(tp=1, pp=a.pp),
+    cfg = RunConfig(model=ModelConfig(name="bench", **MODEL),
+                    parallel=ParallelConfig(tp=1, pp=a.pp, partition_method=a.partition),
                     train=TrainConfig(dtype="fp32", micro_batch_size=a.micro, grad_accum_steps=a.gas,
-                                      seq_length=a.seq, steps=steps, log_interval=1, partition_method=a.partition),
+                                      seq_length=a.seq, steps=steps, log_interval=1),
                     metrics=MetricsConfig(tensorboard_dir=str(Path(a.out) / f"pp{a.pp}" / "tensorboard")))
     engine = build_engine(cfg, rt).engine
     reads = engine.is_first_stage() or engine.is_last_stage()

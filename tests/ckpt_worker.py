@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from threed.config import CheckpointConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
+from threed.config import CheckpointConfig, ModelConfig, ParallelConfig, RunConfig, RunControlConfig, TrainConfig
 
 MODEL = ModelConfig(name="ckpt-test", vocab_size=200, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
                     ffn_hidden_size=176, max_position_embeddings=64, make_vocab_size_divisible_by=16)
@@ -124,10 +124,11 @@ def main() -> int:
                                       seq_length=SEQ, steps=a.steps, lr=a.lr, min_lr=a.lr / 10, warmup_steps=2,
                                       grad_clip=1.0),
                     checkpoint=CheckpointConfig(save=a.save, load=a.load, save_interval=a.save_interval,
-                                                keep_last=a.keep_last, skip_nonfinite=a.skip_nonfinite,
-                                                watchdog_factor=3.0, watchdog_min_seconds=a.watchdog_min_seconds,
-                                                exit_duration_in_mins=a.exit_duration_in_mins))
-    rt = init_distributed(cfg.checkpoint.dist_timeout_minutes)
+                                                keep_last=a.keep_last),
+                    control=RunControlConfig(skip_nonfinite=a.skip_nonfinite, watchdog_factor=3.0,
+                                             watchdog_min_seconds=a.watchdog_min_seconds,
+                                             exit_duration_in_mins=a.exit_duration_in_mins))
+    rt = init_distributed(cfg.control.dist_timeout_minutes)
     built = build_engine(cfg, rt)
     engine = built.engine
     out = Path(a.out)

@@ -13,9 +13,9 @@ import torch.distributed as dist
 
 import threed.engine
 from helpers import model_config
-from threed.config import ParallelConfig, RunConfig, TrainConfig, deepspeed_config
+from threed.config import ParallelConfig, RunConfig, TrainConfig
 from threed.distributed import init_distributed
-from threed.engine import build_engine
+from threed.engine import build_engine, deepspeed_config
 
 LAYOUTS = ((1, 1), (2, 1), (1, 2), (1, 4), (2, 2))
 

@@ -28,7 +28,7 @@ from threed.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from threed.distributed import init_distributed
 from threed.engine import build_engine
 from threed.memory import Stage, stage_activations, stage_bounds, stage_memory, stages
-from threed.presets import get_model_config
+from threed.flags import model_config
 
 STATIC = dict(model="tiny", micro=2, gas=2, seq=32)
 # Wide enough that activations dwarf everything else allocated during a step.
@@ -107,7 +107,7 @@ def measure_static(engine) -> dict[str, int]:
 
 def static(args) -> None:
     rt = init_distributed()
-    mc = get_model_config(STATIC["model"])
+    mc = model_config(STATIC["model"])
     for layout in args.layouts:
         tp, pp = (int(x) for x in layout.split("x"))
         dp = rt.world_size // (tp * pp)

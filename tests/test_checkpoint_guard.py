@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from threed import guard
-from threed.config import CheckpointConfig, RunConfig
+from threed.config import CheckpointConfig, RunConfig, RunControlConfig
 from threed.presets import PRESETS
 
 
@@ -24,8 +24,9 @@ class Stop:
     flag = False
 
 
-def make(tmp_path, **ck) -> tuple[guard.RunGuard, FakeEngine, Stop]:
-    cfg = RunConfig(model=PRESETS["tiny"], checkpoint=CheckpointConfig(save=str(tmp_path), watchdog_factor=0, **ck))
+def make(tmp_path, **control) -> tuple[guard.RunGuard, FakeEngine, Stop]:
+    cfg = RunConfig(model=PRESETS["tiny"], checkpoint=CheckpointConfig(save=str(tmp_path)),
+                    control=RunControlConfig(watchdog_factor=0, **control))
     engine, stop = FakeEngine(), Stop()
     return guard.RunGuard(cfg, 0, engine, stop), engine, stop
 

@@ -7,10 +7,11 @@ import re
 
 import pytest
 
-from threed.cli import parse_run_config
-from threed.config import (CheckpointConfig, ConfigError, ParallelConfig, RunConfig, TrainConfig,
-                           deepspeed_config)
 from threed.checkpoint import check_layout
+from threed.config import (CheckpointConfig, ConfigError, ParallelConfig, RunConfig, RunControlConfig, TrainConfig,
+                           check_ranges, meta)
+from threed.engine import deepspeed_config
+from threed.flags import parse_run_config
 from threed.hf.config import from_hf_config, to_hf_config
 from threed.presets import PRESETS
 
@@ -149,10 +150,66 @@ def test_missing_checkpoint_fails_before_building(tmp_path):
 
 
 def test_deepspeed_json_for_bf16_reduces_in_fp32_and_frees_bf16_grads():
-    from threed.config import deepspeed_config
-
     ds = deepspeed_config(run(tp=2, pp=2, model=PRESETS["tiny"]), 8)
     assert ds["bf16"] == {"enabled": True, "immediate_grad_update": True}
     assert ds["data_types"] == {"grad_accum_dtype": "fp32"}
     assert ds["communication_data_type"] == "fp32"
     assert ds["zero_optimization"] == {"stage": 1}
+
+
+def test_run_control_and_partition_flags_land_in_their_sections():
+    cfg = parse_run_config(["--model", "tiny", "--skip-nonfinite", "2", "--exit-duration-in-mins", "5",
+                            "--dist-timeout-minutes", "3", "--watchdog-factor", "0", "--watchdog-min-seconds", "9",
+                            "--partition-method", "uniform", "--tensor-model-parallel-size", "2"])
+    assert cfg.control == RunControlConfig(skip_nonfinite=2, exit_duration_in_mins=5.0, dist_timeout_minutes=3.0,
+                                           watchdog_factor=0.0, watchdog_min_seconds=9.0)
+    assert cfg.parallel == ParallelConfig(tp=2, partition_method="uniform")
+
+
+def test_run_configs_written_before_the_sections_moved_still_load():
+    """threed_run.json / manifests written before run control left `checkpoint` and partition_method left `train`."""
+    cfg = run(model=PRESETS["tiny"], seq_length=64)
+    old = cfg.to_dict()
+    control, parallel = old.pop("control"), old["parallel"]
+    old["checkpoint"].update(control, skip_nonfinite=3, watchdog_factor=0.0)
+    old["train"]["partition_method"] = parallel.pop("partition_method")
+    old["train"]["partition_method"] = "layers:1,3"
+    back = RunConfig.from_dict(old)
+    assert back.control == RunControlConfig(skip_nonfinite=3, watchdog_factor=0.0)
+    assert back.parallel.partition_method == "layers:1,3" and back.train == cfg.train
+    assert back.checkpoint == cfg.checkpoint
+    assert RunConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_a_range_is_stated_on_its_field_not_by_name():
+    """Ranges come from each field's metadata: a field named like a ranged one elsewhere gets only the default."""
+    @dataclasses.dataclass(frozen=True)
+    class Section:
+        factor: float = -1.0  # RopeScaling.factor must be > 0; this one only gets the default (>= 0)
+        tp: int = dataclasses.field(default=0, metadata=meta("x"))
+        ratio: float = dataclasses.field(default=0.5, metadata=meta("x", above=0, below=1))
+
+    with pytest.raises(ConfigError, match=r"^--factor must be >= 0, got -1.0$"):
+        check_ranges("train", Section())
+    check_ranges("train", Section(factor=0.0))  # tp 0 is fine here: ParallelConfig.tp's range is its own
+    with pytest.raises(ConfigError, match=r"--ratio must be in \[0, 1\), got 1.0"):
+        check_ranges("train", Section(factor=0.0, ratio=1.0))
+    with pytest.raises(ConfigError, match=r"model field factor must be > 0, got 0.0"):
+        RunConfig(model=dataclasses.replace(PRESETS["llama3.1-8b"], rope_scaling=dataclasses.replace(
+            PRESETS["llama3.1-8b"].rope_scaling, factor=0.0))).validate(1)
+
+
+def test_megatron_aliases_and_help_come_from_the_fields():
+    import argparse
+
+    from threed.flags import add_run_flags
+
+    p = argparse.ArgumentParser()
+    add_run_flags(p)
+    names = {a.dest: a.option_strings for a in p._actions}
+    assert names["parallel.tp"] == ["--tp", "--tensor-model-parallel-size"]
+    assert names["parallel.pp"] == ["--pp", "--pipeline-model-parallel-size"]
+    assert names["train.steps"] == ["--steps", "--train-iters"]
+    assert names["train.grad_clip"] == ["--grad-clip", "--clip-grad"]
+    assert names["control.skip_nonfinite"] == ["--skip-nonfinite"]
+    assert names["parallel.partition_method"] == ["--partition-method"]

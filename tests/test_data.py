@@ -113,7 +113,7 @@ def test_megatron_flag_grammar():
     assert parse_blend(["0.3", "a", "0.7", "b"], "--data-path").weights == (0.3, 0.7)
     assert parse_blend(["a", "b"], "--data-path").weights is None
     assert parse_blend(["a"], "--data-path").prefixes == ("a",)
-    from threed.cli import parse_run_config
+    from threed.flags import parse_run_config
 
     cfg = parse_run_config(["--model", "tiny", "--data-path", "0.3", "A", "0.7", "B", "--split", "969,30,1",
                             "--data-cache-path", "/c", "--eval-interval", "5", "--eval-iters", "2",
@@ -125,7 +125,7 @@ def test_megatron_flag_grammar():
 def test_every_train_flag_has_help():
     import argparse
 
-    from threed.cli import add_run_flags
+    from threed.flags import add_run_flags
 
     p = argparse.ArgumentParser()
     add_run_flags(p)

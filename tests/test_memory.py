@@ -15,7 +15,7 @@ from threed.launch import run_ranks
 from threed.memory import (GB, block_bytes_per_token, estimate, reduce_copy_bytes, stage_activations,
                            stage_params, stages)
 from threed.plan import Hardware, plan
-from threed.presets import get_model_config
+from threed.flags import model_config
 
 LAYOUTS = {"1x1x1": (1, "1x1"), "1x4x1": (4, "1x4"), "2x2x2": (8, "2x2")}
 STATIC_TOL = 0.02
@@ -68,7 +68,7 @@ def test_activation_estimate_against_cpu_peak(measured) -> None:
 
 def test_stage_params_add_up_to_the_padded_model() -> None:
     for name, tp, pp, seq in (("llama3.1-70b", 8, 4, 8192), ("llama3.1-405b", 8, 16, 8192), ("llama2-7b", 2, 2, 4096)):
-        m = get_model_config(name)
+        m = model_config(name)
         matrices = norms = 0
         for st in stages(m, pp, tp, seq):
             mat, nrm = stage_params(m, tp, st)
@@ -78,7 +78,7 @@ def test_stage_params_add_up_to_the_padded_model() -> None:
 
 
 def test_block_activation_terms_at_70b_shapes() -> None:
-    m = get_model_config("llama3.1-70b")  # h 8192, 64 heads, 8 KV heads of 128, ffn 28672
+    m = model_config("llama3.1-70b")  # h 8192, 64 heads, 8 KV heads of 128, ffn 28672
     h, kv, f, a = 8192, 8 * 128, 28672, 64
     attention = (2 * (h + 2 * kv) + 2 * h + 2 * kv + 2 * h + 4 * a) // 8
     # CUDA: fused RMSNorm (bf16 input + fp32 rstd + bf16 output kept by the next linear), fused SwiGLU (3f).
@@ -88,7 +88,7 @@ def test_block_activation_terms_at_70b_shapes() -> None:
 
 
 def test_model_state_terms_at_405b_shapes() -> None:
-    m = get_model_config("llama3.1-405b")
+    m = model_config("llama3.1-405b")
     mems = estimate(m, 8, 16, 2, 1, 256, 4096, True)
     for mem in mems:
         n = mem.params
@@ -101,7 +101,7 @@ def test_model_state_terms_at_405b_shapes() -> None:
 
 
 def test_in_flight_micro_batches_and_checkpointing() -> None:
-    m = get_model_config("llama3.1-70b")
+    m = model_config("llama3.1-70b")
     st = stages(m, 4, 8, 8192)
     act = {(s.index, ckpt, gas): stage_activations(m, 8, 4, s, 1, gas, 8192, ckpt)
            for s in st for ckpt in (False, True) for gas in (1, 64)}
@@ -120,7 +120,7 @@ def test_dp_all_reduce_copy_follows_deepspeed_buckets() -> None:
 # --- threed plan ---
 
 def test_plan_picks_tp8_pp4_or_better_for_70b() -> None:
-    m = get_model_config("llama3.1-70b")
+    m = model_config("llama3.1-70b")
     best, every = plan(m, Hardware(nodes=4, gpus_per_node=8, gpu_memory_gb=80), 8192, 512)
     tp8pp4 = [la for la in every if (la.tp, la.pp) == (8, 4) and la.fits]
     print(f"best: {best.name()} {best.step_s:.1f} s, {best.memory.peak / GB:.1f} GB; tp8 pp4: "
@@ -180,4 +180,4 @@ def test_plan_refuses_with_one_line(capsys, args: list[str], words: list[str]) -
 
 def test_plan_function_raises_config_error() -> None:
     with pytest.raises(ConfigError, match="nothing fits"):
-        plan(get_model_config("llama3.1-405b"), Hardware(nodes=1, gpus_per_node=8, gpu_memory_gb=80), 8192, 512)
+        plan(model_config("llama3.1-405b"), Hardware(nodes=1, gpus_per_node=8, gpu_memory_gb=80), 8192, 512)

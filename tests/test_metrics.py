@@ -157,11 +157,11 @@ def test_wandb_asked_for_but_missing_is_a_config_error():
     import importlib.util
 
     from threed.metrics.writer import check_metrics_config
-    from threed.presets import get_model_config
+    from threed.flags import model_config
 
     if importlib.util.find_spec("wandb") is not None:
         pytest.skip("wandb is installed here")
-    cfg = RunConfig(model=get_model_config("tiny"), metrics=MetricsConfig(wandb_project="p"))
+    cfg = RunConfig(model=model_config("tiny"), metrics=MetricsConfig(wandb_project="p"))
     with pytest.raises(ConfigError, match="pip install wandb"):
         check_metrics_config(cfg)
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from threed.cli import parse_run_config
-from threed.config import deepspeed_config
+from threed.engine import deepspeed_config
+from threed.flags import parse_run_config
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH = REPO / "recipes" / "launch.sh"

@@ -11,15 +11,14 @@ Exit status 0 when the run would start, 2 (and one `threed: configuration error:
 from __future__ import annotations
 
 import argparse
-import sys
 
-from threed.config import ConfigError
+from threed.config import ConfigError, RunConfig
+from threed.errors import guarded
+from threed.flags import add_run_flags, run_config_from_args
 
 
 def check(ns: argparse.Namespace) -> str:
     """Raise ConfigError, or return the one-line summary of the run."""
-    from threed.cli import run_config_from_args
-
     if ns.world < 1:
         raise ConfigError(f"--world must be >= 1 (the number of ranks), got {ns.world}")
     cfg = run_config_from_args(ns)
@@ -34,8 +33,10 @@ def check(ns: argparse.Namespace) -> str:
             f"{gas} x dp {dp}, seq {cfg.train.seq_length}, {cfg.train.steps} steps; start: {plan}")
 
 
-def check_paths(cfg, world: int) -> str:
+def check_paths(cfg: RunConfig, world: int) -> str:
     """What `threed.checkpoint.start` decides, without its side effects (nothing is created or converted)."""
+    # torch, deepspeed (the checkpoint package reads checkpoints with them): only with --paths, so that the plain
+    # check stays a second without torch.
     from threed.checkpoint.resume import check_save_dir, plan_start
 
     plan = plan_start(cfg, world)
@@ -44,17 +45,10 @@ def check_paths(cfg, world: int) -> str:
 
 
 def _run(ns: argparse.Namespace) -> int:
-    try:
-        print(check(ns))
-    except ConfigError as e:
-        print(f"threed: configuration error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return guarded("threed", lambda: print(check(ns)), prefix="configuration error: ")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from threed.cli import add_run_flags
-
     p = sub.add_parser("check-config", help="run training's config checks at a world size, build nothing")
     add_run_flags(p)
     p.add_argument("--world", type=int, required=True, help="number of ranks (nodes x ranks per node)")

@@ -1,8 +1,13 @@
-"""Typed, validated configuration for a 3D-parallel Llama run.
+"""Typed, validated configuration for a 3D-parallel Llama run: the one place a setting is said.
 
-One `RunConfig` holds everything; `RunConfig.validate(world_size)` checks the parallel and batch arithmetic with
-messages that name the numbers and the fix; `deepspeed_config()` derives the DeepSpeed JSON (nothing else in the
-repo writes it).
+One `RunConfig` holds everything, in sections (model, parallel, train, data, checkpoint, control, metrics). Each
+field carries its own metadata (`meta(...)`): the one-line `threed train --help` text, Megatron-LM's name for the
+flag where it differs (accepted as an alias), and its range. `RunConfig.validate(world_size)` checks every range,
+then the parallel and batch arithmetic, with messages that name the numbers and the fix. The command line is
+generated from these fields (`threed.flags`); the DeepSpeed JSON is derived in `threed.engine`.
+
+Ranges: every int / float field must be finite and >= `at_least` (0 unless the field says otherwise), and,
+where the field says so, > `above` or < `below`. A range is stated on its field, never by name elsewhere.
 """
 from __future__ import annotations
 
@@ -15,33 +20,64 @@ from threed.errors import ConfigError  # noqa: F401  (re-exported: the config's 
 
 
 @dataclass(frozen=True)
+class Meta:
+    """What a field says about itself besides its type and default."""
+
+    help: str = ""  # the one line of `threed train --help`
+    alias: Optional[str] = None  # Megatron-LM's flag, where it differs from ours
+    metavar: Optional[str] = None  # argparse metavar (default: from the type)
+    nargs: Optional[str] = None  # "+" for the Megatron blends (WEIGHT PREFIX ...)
+    at_least: float = 0  # numeric fields: value >= at_least
+    above: Optional[float] = None  # value > above
+    below: Optional[float] = None  # value < below
+
+
+def meta(help: str = "", **kw: Any) -> dict[str, Meta]:
+    """Field metadata: `field(default=1, metadata=meta("help", at_least=1, alias="--megatron-name"))`."""
+    return {"threed": Meta(help=help, **kw)}
+
+
+def field_meta(f: dataclasses.Field) -> Meta:
+    return f.metadata.get("threed", Meta())
+
+
+def flag_name(f: dataclasses.Field) -> str:
+    """The command-line flag of a field: `--micro-batch-size` for micro_batch_size."""
+    return "--" + f.name.replace("_", "-")
+
+
+AT_LEAST_ONE = meta(at_least=1)
+POSITIVE = meta(above=0)
+
+
+@dataclass(frozen=True)
 class RopeScaling:
     """Llama 3.1 frequency-dependent RoPE scaling (HF `rope_type: llama3`)."""
 
-    factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+    factor: float = field(default=8.0, metadata=POSITIVE)
+    low_freq_factor: float = field(default=1.0, metadata=POSITIVE)
+    high_freq_factor: float = field(default=4.0, metadata=POSITIVE)
+    original_max_position_embeddings: int = field(default=8192, metadata=AT_LEAST_ONE)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     name: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    ffn_hidden_size: int
-    max_position_embeddings: int
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-5
+    vocab_size: int = field(metadata=AT_LEAST_ONE)
+    hidden_size: int = field(metadata=AT_LEAST_ONE)
+    num_layers: int = field(metadata=AT_LEAST_ONE)
+    num_heads: int = field(metadata=AT_LEAST_ONE)
+    num_kv_heads: int = field(metadata=AT_LEAST_ONE)
+    ffn_hidden_size: int = field(metadata=AT_LEAST_ONE)
+    max_position_embeddings: int = field(metadata=AT_LEAST_ONE)
+    rope_theta: float = field(default=10000.0, metadata=POSITIVE)
+    rms_norm_eps: float = field(default=1e-5, metadata=POSITIVE)
     rope_scaling: Optional[RopeScaling] = None
     # The embedding and LM head are padded to a multiple of this times TP so every TP rank holds an equal slice
     # (Megatron's --make-vocab-size-divisible-by). The LM head masks padded logits to -inf, so the loss and its
     # gradients are exactly those of the unpadded (HF) model.
-    make_vocab_size_divisible_by: int = 128
-    init_std: float = 0.02
+    make_vocab_size_divisible_by: int = field(default=128, metadata=AT_LEAST_ONE)
+    init_std: float = field(default=0.02, metadata=POSITIVE)
 
     @property
     def head_dim(self) -> int:
@@ -73,10 +109,16 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Degrees of parallelism. dp is derived from the world size: dp = world / (tp * pp)."""
+    """Degrees of parallelism, and which stage holds which layers. dp is derived: dp = world / (tp * pp)."""
 
-    tp: int = 1
-    pp: int = 1
+    tp: int = field(default=1, metadata=meta("tensor-parallel size (divides heads and KV heads)", at_least=1,
+                                             alias="--tensor-model-parallel-size"))
+    pp: int = field(default=1, metadata=meta("pipeline-parallel size (stages; <= layers)", at_least=1,
+                                             alias="--pipeline-model-parallel-size"))
+    # threed.partition: balanced | layers:N1,N2,... | parameters | uniform | type:REGEX
+    partition_method: str = field(default="balanced", metadata=meta(
+        "which stage holds which layers: balanced (evens out the LM head) | layers:N1,N2,... | parameters | "
+        "uniform | type:REGEX", metavar="METHOD"))
 
     def dp(self, world_size: int) -> int:
         return world_size // (self.tp * self.pp)
@@ -108,31 +150,38 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    micro_batch_size: int = 1
-    grad_accum_steps: Optional[int] = None  # derived from global_batch_size when None
-    global_batch_size: Optional[int] = None  # derived as micro * gas * dp when None
-    seq_length: int = 128
-    steps: int = 10
-    lr: float = 3e-4
-    min_lr: float = 3e-5
-    warmup_steps: int = 0
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    adam_eps: float = 1e-8
-    grad_clip: float = 1.0
-    dtype: Literal["bf16", "fp32"] = "bf16"
-    grad_accum_dtype: Literal["fp32"] = "fp32"  # bf16 accumulation drifts under PP x GAS (DeepSpeed #1800)
-    seed: int = 1234
-    log_interval: int = 1
-    activation_checkpointing: bool = False
-    # Which stage holds which layers (threed.partition): balanced | layers:N1,N2,... | parameters | uniform | type:REGEX
-    partition_method: str = "balanced"
-    zero_stage: int = 1
+    micro_batch_size: int = field(default=1, metadata=meta(
+        "sequences per micro-batch per data-parallel rank", at_least=1))
+    grad_accum_steps: Optional[int] = field(default=None, metadata=meta(  # None: derived from global_batch_size
+        "micro-batches per step (or give --global-batch-size)", at_least=1))
+    global_batch_size: Optional[int] = field(default=None, metadata=meta(  # None: micro * gas * dp
+        "sequences per step = micro x grad-accum x dp, dp = world / (tp x pp)", at_least=1))
+    seq_length: int = field(default=128, metadata=meta("tokens per sequence", at_least=1))
+    steps: int = field(default=10, metadata=meta("optimizer steps to train to", alias="--train-iters"))
+    lr: float = field(default=3e-4, metadata=meta("peak learning rate"))
+    min_lr: float = field(default=3e-5, metadata=meta("learning rate at the end of the cosine decay"))
+    warmup_steps: int = field(default=0, metadata=meta("linear warmup steps", alias="--lr-warmup-iters"))
+    weight_decay: float = field(default=0.1, metadata=meta("AdamW weight decay (not on norms)"))
+    beta1: float = field(default=0.9, metadata=meta("AdamW beta1", below=1, alias="--adam-beta1"))
+    beta2: float = field(default=0.95, metadata=meta("AdamW beta2", below=1, alias="--adam-beta2"))
+    adam_eps: float = field(default=1e-8, metadata=meta("AdamW epsilon", above=0))
+    grad_clip: float = field(default=1.0, metadata=meta("clip the global gradient norm to this (0: off)",
+                                                        alias="--clip-grad"))
+    dtype: Literal["bf16", "fp32"] = field(default="bf16", metadata=meta(
+        "compute dtype; bf16 keeps fp32 master weights and gradient accumulation"))
+    # bf16 accumulation drifts under PP x GAS (DeepSpeed #1800)
+    grad_accum_dtype: Literal["fp32"] = field(default="fp32", metadata=meta(
+        "gradient accumulation dtype (fp32 only)"))
+    seed: int = field(default=1234, metadata=meta("seed of the weights' random init and the data order"))
+    log_interval: int = field(default=1, metadata=meta("steps between log lines", at_least=1))
+    activation_checkpointing: bool = field(default=False, metadata=meta(
+        "recompute each block in backward (less memory, ~1/3 more compute)"))
+    zero_stage: int = field(default=1, metadata=meta("ZeRO stage (0 or 1; DeepSpeed pipelines allow no more)"))
     # Evaluation on the valid split (Megatron's flags). eval_interval None: every 1000 steps (Megatron's default)
     # when there is a valid split, else never; given explicitly without a valid split it is an error.
-    eval_interval: Optional[int] = None
-    eval_iters: int = 100
+    eval_interval: Optional[int] = field(default=None, metadata=meta(
+        "steps between validations (default 1000 with a valid split)"))
+    eval_iters: int = field(default=100, metadata=meta("global batches per validation"))
 
     def resolve_batch(self, dp: int) -> tuple[int, int, int]:
         """(micro, gas, global) with global = micro * gas * dp, checked, where dp is the data-parallel size."""
@@ -180,63 +229,69 @@ class TrainConfig:
             )
 
 
-def _help(text: str, **extra: Any) -> dict[str, Any]:
-    """Field metadata: the one-line `threed train --help` text (and `flag`, `nargs`, `metavar` where needed)."""
-    return {"help": text, **extra}
-
-
 @dataclass(frozen=True)
 class DataConfig:
     """Megatron-LM's data flags, verbatim (a Megatron command line's data fragment works unchanged); read with
     megatron-core's own datasets (`threed.data.datasets`)."""
 
-    data_path: Optional[tuple[str, ...]] = field(default=None, metadata=_help(
+    data_path: Optional[tuple[str, ...]] = field(default=None, metadata=meta(
         "PREFIX, or a blend WEIGHT PREFIX WEIGHT PREFIX ... of .bin/.idx datasets split by --split",
         nargs="+", metavar="[WEIGHT] PREFIX"))
-    split: str = field(default="969,30,1", metadata=_help(
+    split: str = field(default="969,30,1", metadata=meta(
         "train,valid,test proportions of each --data-path dataset's documents", metavar="T,V,T"))
-    train_data_path: Optional[tuple[str, ...]] = field(default=None, metadata=_help(
+    train_data_path: Optional[tuple[str, ...]] = field(default=None, metadata=meta(
         "train blend (instead of --data-path + --split)", nargs="+", metavar="[WEIGHT] PREFIX"))
-    valid_data_path: Optional[tuple[str, ...]] = field(default=None, metadata=_help(
+    valid_data_path: Optional[tuple[str, ...]] = field(default=None, metadata=meta(
         "validation blend (instead of --data-path + --split)", nargs="+", metavar="[WEIGHT] PREFIX"))
-    test_data_path: Optional[tuple[str, ...]] = field(default=None, metadata=_help(
+    test_data_path: Optional[tuple[str, ...]] = field(default=None, metadata=meta(
         "test blend (instead of --data-path + --split)", nargs="+", metavar="[WEIGHT] PREFIX"))
-    data_cache_path: Optional[str] = field(default=None, metadata=_help(
+    data_cache_path: Optional[str] = field(default=None, metadata=meta(
         "where dataset index caches go (shared by all nodes); default: a cache/ folder beside the data",
         metavar="DIR"))
-    eod_mask_loss: bool = field(default=False, metadata=_help("no loss on end-of-document tokens"))
-    tokenizer: Optional[str] = field(default=None, metadata=_help(
+    eod_mask_loss: bool = field(default=False, metadata=meta("no loss on end-of-document tokens"))
+    tokenizer: Optional[str] = field(default=None, metadata=meta(
         "the data's tokenizer (sentencepiece .model, HF dir or tokenizer.json): its EOD id, recorded for export",
         metavar="PATH"))
     # SFT data (`threed preprocess --sft`: PREFIX_text_document + PREFIX_mask_document) is recognised by its mask
     # dataset and trained with the response-only loss; --pack is how its examples fill the sequences.
-    pack: bool = field(default=False, metadata=_help(
+    pack: bool = field(default=False, metadata=meta(
         "SFT data: fill each sequence with whole examples (attention never crosses an example, RoPE restarts at "
         "each); without it, one example per sequence, padded"))
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    save: Optional[str] = None
-    save_interval: int = 0  # 0: only at the end
-    load: Optional[str] = None  # full resume (weights, optimizer, scheduler, step); must exist
-    init_from: Optional[str] = None  # weights only, e.g. a converted HF checkpoint; must exist
-    auto_resume: bool = True  # resume from `save` when it already holds a checkpoint (preemption / requeue)
+    """Where checkpoints go and come from (`threed.checkpoint`)."""
+
+    save: Optional[str] = field(default=None, metadata=meta(
+        "checkpoint directory (a run there is resumed)", metavar="DIR"))
+    save_interval: int = field(default=0, metadata=meta("steps between checkpoints (0: only at the end)"))
+    load: Optional[str] = field(default=None, metadata=meta(  # full resume; must exist
+        "resume from this checkpoint directory (weights, optimizer, step, data position)", metavar="DIR"))
+    init_from: Optional[str] = field(default=None, metadata=meta(  # weights only; must exist
+        "start from these weights only (e.g. `threed convert` output)", metavar="DIR"))
+    auto_resume: bool = field(default=True, metadata=meta(  # preemption / requeue
+        "resume from --save when it holds a checkpoint"))
     # Training from scratch into a `save` that holds a run is refused unless asked for in so many words.
-    overwrite: bool = field(default=False, metadata=_help(
+    overwrite: bool = field(default=False, metadata=meta(
         "delete the checkpoints in --save and start over (otherwise a run there is resumed, never overwritten)"))
-    keep_last: int = field(default=0, metadata=_help("keep the newest N complete checkpoints in --save; 0: all"))
-    # Run control (threed.guard): what stops a run, and how loudly.
-    skip_nonfinite: int = field(default=0, metadata=_help(
+    keep_last: int = field(default=0, metadata=meta("keep the newest N complete checkpoints in --save; 0: all"))
+
+
+@dataclass(frozen=True)
+class RunControlConfig:
+    """Run control (`threed.guard`, `threed.distributed`): what stops a run, and how loudly."""
+
+    skip_nonfinite: int = field(default=0, metadata=meta(
         "batches with a non-finite loss / grad norm to skip (step not applied) before the run stops with exit 3"))
-    exit_duration_in_mins: float = field(default=0.0, metadata=_help(
+    exit_duration_in_mins: float = field(default=0.0, metadata=meta(
         "save and exit 0 before this much wall time has passed (slurm/ passes the job's limit); 0: no limit"))
-    dist_timeout_minutes: float = field(default=30.0, metadata=_help(
-        "a collective waiting longer than this for its peers fails instead of hanging"))
-    watchdog_factor: float = field(default=20.0, metadata=_help(
+    dist_timeout_minutes: float = field(default=30.0, metadata=meta(
+        "a collective waiting longer than this for its peers fails instead of hanging", above=0))
+    watchdog_factor: float = field(default=20.0, metadata=meta(
         "a step longer than this x the median step (and --watchdog-min-seconds) prints every rank's Python "
         "stacks and exits 4; 0: off"))
-    watchdog_min_seconds: float = field(default=600.0, metadata=_help("the watchdog never fires sooner than this"))
+    watchdog_min_seconds: float = field(default=600.0, metadata=meta("the watchdog never fires sooner than this"))
 
 
 @dataclass(frozen=True)
@@ -244,12 +299,47 @@ class MetricsConfig:
     """Where a run's metrics go (see `threed.metrics.writer`): stdout always; metrics.jsonl and run_config.json in
     the run directory (--save, else the parent of --tensorboard-dir); TensorBoard; W&B when asked for."""
 
-    tensorboard_dir: Optional[str] = None  # default: <save>/tensorboard when --save is given
-    tensorboard: bool = True  # false: no TensorBoard events (metrics.jsonl and stdout stay)
-    wandb_project: Optional[str] = None  # Weights & Biases project; needs `pip install wandb` (optional)
-    wandb_name: Optional[str] = None  # W&B run name (Megatron's --wandb-exp-name)
-    wandb_mode: Optional[str] = None  # online | offline (no network; `wandb sync` later) | disabled; None: wandb's own
-    stage_timing: bool = True  # time pipeline instructions per stage (compute / p2p wait / idle fraction)
+    tensorboard_dir: Optional[str] = field(default=None, metadata=meta(
+        "TensorBoard event directory (default: SAVE/tensorboard)", metavar="DIR"))
+    tensorboard: bool = field(default=True, metadata=meta(  # false: metrics.jsonl and stdout stay
+        "write TensorBoard events"))
+    wandb_project: Optional[str] = field(default=None, metadata=meta(
+        "Weights & Biases project (optional; needs `pip install wandb`)"))
+    wandb_name: Optional[str] = field(default=None, metadata=meta(  # Megatron's --wandb-exp-name
+        "Weights & Biases run name"))
+    wandb_mode: Optional[str] = field(default=None, metadata=meta(  # None: wandb's own
+        "Weights & Biases mode: online, offline or disabled"))
+    stage_timing: bool = field(default=True, metadata=meta(
+        "time compute and pipeline waits per stage (idle fraction vs the ideal bubble)"))
+
+
+# The sections a command line sets (the model comes from --model), in `threed train --help` order.
+SECTIONS: dict[str, type] = {"parallel": ParallelConfig, "train": TrainConfig, "data": DataConfig,
+                             "checkpoint": CheckpointConfig, "control": RunControlConfig, "metrics": MetricsConfig}
+# Fields that moved section: where configs written before (threed_run.json, manifests) had them.
+_MOVED = {"checkpoint": ("control", [f.name for f in dataclasses.fields(RunControlConfig)]),
+          "train": ("parallel", ["partition_method"])}
+
+
+def check_ranges(section: str, obj: Any) -> None:
+    """Raise a ConfigError naming the first numeric field of `obj` outside its range (its metadata)."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            check_ranges(section, value)  # e.g. the model's rope_scaling
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        m = field_meta(f)
+        name = f"model field {f.name}" if section == "model" else flag_name(f)
+        if not math.isfinite(value):
+            raise ConfigError(f"{name} must be a finite number, got {value}")
+        if m.above is not None and value <= m.above:
+            raise ConfigError(f"{name} must be > {m.above:g}, got {value}")
+        if value < m.at_least:
+            raise ConfigError(f"{name} must be >= {m.at_least:g}, got {value}")
+        if m.below is not None and value >= m.below:
+            raise ConfigError(f"{name} must be in [{m.at_least:g}, {m.below:g}), got {value}")
 
 
 @dataclass(frozen=True)
@@ -259,12 +349,18 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    control: RunControlConfig = field(default_factory=RunControlConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def validate(self, world_size: int) -> None:
-        from threed.ranges import check_ranges  # every numeric field's range, before the arithmetic below
-
-        check_ranges(self)
+        """Every field's range, then the arithmetic: what training, the dry run and `threed check-config` check
+        before anything is built."""
+        for f in dataclasses.fields(self):
+            check_ranges(f.name, getattr(self, f.name))
+        t = self.train
+        if t.min_lr > t.lr:
+            raise ConfigError(f"--min-lr {t.min_lr} is above --lr {t.lr}: the schedule decays from lr to min_lr; "
+                              f"use --min-lr <= {t.lr}")
         self.model.validate()
         self.parallel.validate(self.model, world_size)
         self.train.validate(self.model)
@@ -277,53 +373,13 @@ class RunConfig:
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> "RunConfig":
+        """The inverse of `to_dict`; also reads configs written before a field moved section (see `_MOVED`)."""
         m = dict(d["model"])
         if m.get("rope_scaling"):
             m["rope_scaling"] = RopeScaling(**m["rope_scaling"])
-        return RunConfig(
-            model=ModelConfig(**m),
-            parallel=ParallelConfig(**d.get("parallel", {})),
-            train=TrainConfig(**d.get("train", {})),
-            data=DataConfig(**d.get("data", {})),
-            checkpoint=CheckpointConfig(**d.get("checkpoint", {})),
-            metrics=MetricsConfig(**d.get("metrics", {})),
-        )
-
-
-def deepspeed_config(cfg: RunConfig, world_size: int, load_universal: bool = False) -> dict[str, Any]:
-    """The one place that writes DeepSpeed's config. The optimizer and LR schedule are client objects
-    (see `threed.optim`), so they are not in here."""
-    micro, gas, glob = cfg.train.resolve_batch(cfg.parallel.dp(world_size))
-    ds: dict[str, Any] = {
-        "train_batch_size": glob,
-        "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": gas,
-        "gradient_clipping": cfg.train.grad_clip,
-        "zero_optimization": {"stage": cfg.train.zero_stage},
-        # A torch AdamW under ZeRO-1 is exact (elementwise on flat partitions) and matches a plain torch run.
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 10**9,  # we log ourselves, with tokens/s and MFU
-        "wall_clock_breakdown": False,
-    }
-    if cfg.train.dtype == "bf16":
-        ds["bf16"] = {
-            "enabled": True,
-            # Each micro-batch's bf16 gradient is added into the fp32 accumulator by a hook as soon as it is
-            # produced and the bf16 .grad is freed (DeepSpeed 0.19's default, stated so it cannot change under
-            # us): 2 B/param less at the peak, and the same sums in the same order as the deferred copy.
-            "immediate_grad_update": True,
-        }
-        # fp32 gradient accumulation selects DeepSpeed's BF16_Optimizer (fp32 master weights and grads).
-        ds["data_types"] = {"grad_accum_dtype": cfg.train.grad_accum_dtype}
-    # The data-parallel all-reduce runs on the fp32 accumulated gradients. DeepSpeed's default is the compute
-    # dtype (bf16 when bf16 is on), which rounds the fp32 sums to bf16 before reducing and allocates a 2 B/param
-    # temporary every step; fp32 keeps dp2 x gas1 equal to dp1 x gas2 (tests/test_training.py).
-    ds["communication_data_type"] = "fp32"
-    if cfg.data.pack:
-        # Packed rows send (hidden, doc_ids) between stages: DeepSpeed's reentrant activation checkpointing needs
-        # every input of a checkpointed block to require grad, which the integer ids cannot (the first stage fails
-        # with "element 0 of tensors does not require grad"); the non-reentrant variant takes them as they are.
-        ds["pipeline"] = {"use_reentrant": False}
-    if load_universal:  # resuming at another layout: threed.checkpoint.universal
-        ds["checkpoint"] = {"load_universal": True}
-    return ds
+        sections = {name: dict(d.get(name) or {}) for name in SECTIONS}
+        for old, (new, names) in _MOVED.items():
+            for name in names:
+                if name in sections[old]:
+                    sections[new].setdefault(name, sections[old].pop(name))
+        return RunConfig(model=ModelConfig(**m), **{name: cls(**sections[name]) for name, cls in SECTIONS.items()})

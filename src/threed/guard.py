@@ -115,7 +115,7 @@ _watchdog: Optional[Watchdog] = None
 class RunGuard:
     def __init__(self, cfg, rank: int, engine, stop=None, device: Optional[torch.device] = None):
         global _watchdog
-        ck = cfg.checkpoint
+        ck = cfg.control
         self.cfg, self.rank, self.engine, self.stop = cfg, rank, engine, stop
         self.device = device or torch.device("cpu")
         self.skipped = 0
@@ -155,7 +155,7 @@ class RunGuard:
         norm = float("nan") if grad_norm is None else float(grad_norm)
         applied = getattr(self.engine, "was_step_applied", lambda: True)()
         bad = not (math.isfinite(loss) and math.isfinite(norm) and applied)
-        budget = self.cfg.checkpoint.exit_duration_in_mins * 60
+        budget = self.cfg.control.exit_duration_in_mins * 60
         late = bool(budget) and (time.time() - _STARTED) + self.step_seconds + _last_save_seconds >= budget
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             # Every rank must take the same branch (an abort or a save is collective): agree on both flags.
@@ -165,7 +165,7 @@ class RunGuard:
         if bad:
             self.skipped += 1
             what = f"loss {loss} / grad norm {norm} at step {step}"
-            allowed = self.cfg.checkpoint.skip_nonfinite
+            allowed = self.cfg.control.skip_nonfinite
             if self.skipped > allowed:
                 self._log(f"threed: error: non-finite {what}: stopping without saving (the run diverged; "
                           f"{self.skipped} non-finite step(s), --skip-nonfinite {allowed}). Last good checkpoint: "
@@ -176,7 +176,7 @@ class RunGuard:
                       f"{self.skipped} of --skip-nonfinite {allowed}")
         if late and not self.out_of_time:
             self.out_of_time = True
-            self._log(f"threed: --exit-duration-in-mins {self.cfg.checkpoint.exit_duration_in_mins:g} is near "
+            self._log(f"threed: --exit-duration-in-mins {self.cfg.control.exit_duration_in_mins:g} is near "
                       f"({(time.time() - _STARTED) / 60:.1f} min elapsed): saving and exiting")
             if self.stop is not None:
                 self.stop.flag = True

@@ -52,7 +52,9 @@ import sys
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
-from threed.config import ConfigError, ModelConfig, TrainConfig
+from threed.config import ConfigError, ModelConfig, ParallelConfig
+from threed.errors import guarded
+from threed.flags import model_config
 from threed.model.spec import LayerKind, largest_parameter, stage_parameters
 from threed.partition import resolve_partition
 
@@ -75,7 +77,7 @@ def stage_bounds(model: ModelConfig, pp: int, tp: int, seq: int, method: str | N
     """Where each stage starts in `pipeline_layers(model)`, as the run splits it (`threed.partition`)."""
     # DeepSpeed, imported on the way, logs to stdout; ours is parsed (recipes/launch.sh captures the estimate).
     with contextlib.redirect_stdout(sys.stderr):
-        return tuple(resolve_partition(method or TrainConfig().partition_method, model, pp, seq, tp))
+        return tuple(resolve_partition(method or ParallelConfig().partition_method, model, pp, seq, tp))
 
 
 def quiet_deepspeed_import() -> None:
@@ -150,6 +152,7 @@ class Memory:
 
 
 def _switches(device: Device):
+    # torch: only for the estimate itself, so `threed --help` stays fast.
     import torch
 
     from threed.distributed import cuda_only  # the one place that decides the CUDA-only kernels
@@ -239,9 +242,7 @@ def estimate(model: ModelConfig | str, tp: int, pp: int, dp: int, micro: int, ga
              act_ckpt: bool, device: Device = "cuda", partition_method: str | None = None) -> list[Memory]:
     """Memory of every stage (one rank each; the TP ranks of a stage hold equal shards)."""
     if isinstance(model, str):
-        from threed.presets import get_model_config
-
-        model = get_model_config(model)
+        model = model_config(model)
     return [stage_memory(model, tp, pp, dp, micro, gas, seq, act_ckpt, s, device)
             for s in stages(model, pp, tp, seq, partition_method)]
 
@@ -261,16 +262,15 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     ckpt = a.act_ckpt.lower() in ("1", "true", "yes", "on")
     quiet_deepspeed_import()
-    try:
+
+    def run() -> None:
         if min(a.tp, a.pp, a.dp, a.micro, a.gas, a.seq) < 1:
             raise ConfigError("tp, pp, dp, micro, gas and seq must all be positive integers")
         mems = estimate(a.model, a.tp, a.pp, a.dp, a.micro, a.gas, a.seq, ckpt)
-    except ConfigError as err:
-        print(f"threed memory: {err}", file=sys.stderr)
-        return 2
-    for m in (mems if a.all_stages else [heaviest(mems)]):
-        print(m.line(a.pp))
-    return 0
+        for m in (mems if a.all_stages else [heaviest(mems)]):
+            print(m.line(a.pp))
+
+    return guarded("threed memory", run, prefix="")
 
 
 if __name__ == "__main__":

@@ -133,8 +133,8 @@ def describe(bounds: list[int], model: ModelConfig) -> str:
 
 
 def stage_boundaries(cfg) -> str:
-    """The `partition_method` argument for `StagedPipelineModule`, resolved from cfg.train.partition_method."""
-    bounds = resolve_partition(cfg.train.partition_method, cfg.model, cfg.parallel.pp, cfg.train.seq_length,
+    """The `partition_method` argument for `StagedPipelineModule`, resolved from cfg.parallel.partition_method."""
+    bounds = resolve_partition(cfg.parallel.partition_method, cfg.model, cfg.parallel.pp, cfg.train.seq_length,
                                cfg.parallel.tp)
     return PARTS_PREFIX + ",".join(str(b) for b in bounds)
 

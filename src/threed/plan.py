@@ -36,6 +36,8 @@ from typing import Optional
 
 from threed.config import ConfigError, ModelConfig
 from threed.model.spec import layer_training_flops
+from threed.errors import guarded
+from threed.flags import model_config
 from threed.memory import GB, Memory, estimate, heaviest, quiet_deepspeed_import, stages
 
 
@@ -234,10 +236,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(ns: argparse.Namespace) -> int:
-    from threed.presets import get_model_config
-
     quiet_deepspeed_import()
-    model = get_model_config(ns.model)
+    model = model_config(ns.model)
     hw = Hardware(ns.nodes, ns.gpus_per_node, ns.gpu_memory, ns.reserve, ns.tflops, ns.nvlink_gbps, ns.network_gbps,
                   ns.hbm_gbps)
     if ns.top < 1:
@@ -273,11 +273,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="threed plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
-    try:
-        return run(p.parse_args(argv))
-    except ConfigError as e:
-        print(f"threed plan: {e}", file=sys.stderr)
-        return 2
+    ns = p.parse_args(argv)
+    return guarded("threed plan", lambda: run(ns), prefix="")
 
 
 if __name__ == "__main__":

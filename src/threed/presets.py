@@ -45,20 +45,3 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
-def get_model_config(name_or_path: str) -> ModelConfig:
-    """A preset name; a converted or trained checkpoint directory (its recorded model, vocab padding included);
-    or a path to an HF config.json / model directory."""
-    if name_or_path in PRESETS:
-        return PRESETS[name_or_path]
-    if (Path(name_or_path) / "threed_run.json").is_file():
-        from threed.convert.ds_checkpoint import read_model_config
-
-        recorded = read_model_config(name_or_path)
-        if recorded is not None:
-            return recorded
-    if Path(name_or_path).exists():
-        return from_hf_config(name_or_path)
-    raise ConfigError(
-        f"unknown model {name_or_path!r}: use one of {', '.join(PRESETS)}, a checkpoint directory or a path "
-        f"to an HF config.json"
-    )

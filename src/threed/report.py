@@ -13,17 +13,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from threed.errors import ThreedError, guarded
 from threed.metrics.sinks import CONFIG_FILE, METRICS_FILE
 
 PLOTS = ("loss.png", "learning_rate.png", "throughput.png", "memory.png", "idle.png")
 
 
-class ReportError(ValueError):
+class ReportError(ThreedError):
     """Input that cannot be reported on; the message is the one line shown to the user."""
 
 
@@ -119,7 +119,7 @@ def _no_data(ax) -> None:
 
 
 def write_plots(runs: list[Run], out: Path) -> list[Path]:
-    import matplotlib
+    import matplotlib  # heavy and optional for everything but the plots: imported only to draw them
 
     matplotlib.use("Agg")  # files only: no display on a login node
     import matplotlib.pyplot as plt
@@ -195,24 +195,21 @@ def report(run_dirs: list[str], out: Optional[str]) -> list[Path]:
     return paths
 
 
-def _run(ns: argparse.Namespace) -> int:
+def _report(ns: argparse.Namespace) -> None:
+    if len(ns.run_dirs) > 2:
+        raise ReportError(f"at most two run directories, got {len(ns.run_dirs)}")
     try:
         report(ns.run_dirs, ns.out)
-    except (ReportError, OSError) as e:
-        print(f"threed report: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    except OSError as e:  # a file vanishing or unreadable meanwhile, a disk full: bad input, one line
+        raise ReportError(str(e)) from e
+
+
+def _run(ns: argparse.Namespace) -> int:
+    return guarded("threed report", lambda: _report(ns))
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("report", help="plots and a summary from a run's metrics.jsonl (one or two runs)")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="directory holding metrics.jsonl (at most two)")
     p.add_argument("--out", help="where the PNGs go (default: RUN_DIR/report)")
-    p.set_defaults(run=lambda ns: 2 if _too_many(ns) else _run(ns))
-
-
-def _too_many(ns: argparse.Namespace) -> bool:
-    if len(ns.run_dirs) > 2:
-        print(f"threed report: error: at most two run directories, got {len(ns.run_dirs)}", file=sys.stderr)
-        return True
-    return False
+    p.set_defaults(run=_run)

@@ -14,7 +14,6 @@ run resumes from it.
 """
 from __future__ import annotations
 
-import os
 import signal
 import sys
 from dataclasses import dataclass, field
@@ -32,6 +31,8 @@ from threed.data.loader import SampleCounter, micro_batches, token_weighted
 from threed.data.splits import read_data_flags
 from threed.distributed import grid_coordinates, init_distributed, shutdown_distributed
 from threed.engine import build_engine
+from threed.errors import guarded
+from threed.flags import parse_run_config
 from threed.guard import RunGuard
 from threed.evaluate import evaluate
 from threed.metrics import RunMetrics
@@ -104,7 +105,7 @@ def log(is_logger: bool, msg: str) -> None:
 
 
 def train(cfg: RunConfig) -> TrainResult:
-    rt = init_distributed(cfg.checkpoint.dist_timeout_minutes)
+    rt = init_distributed(cfg.control.dist_timeout_minutes)
     cfg.validate(rt.world_size)
     plan = checked_data_plan(cfg, rt.rank)  # every data problem, before datasets or the model are built
     # Where the run starts (resume / refuse / universal conversion) and --save checks, before any dataset.
@@ -185,16 +186,12 @@ def train(cfg: RunConfig) -> TrainResult:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from threed.cli import parse_run_config
-
-    try:
+    def run() -> None:
         train(parse_run_config(sys.argv[1:] if argv is None else argv))
         shutdown_distributed()
-    except ConfigError as e:  # as `threed train`: one line from rank 0, no traceback per rank
-        if os.environ.get("RANK", "0") == "0":
-            print(f"threed: configuration error: {e}", file=sys.stderr)
-        return 2
-    return 0
+
+    # as `threed train`: one line from rank 0, no traceback per rank
+    return guarded("threed", run, prefix="configuration error: ")
 
 
 if __name__ == "__main__":

@@ -13,24 +13,21 @@ The work is imported when a command runs (torch, and megatron / deepspeed throug
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Callable
 
-from threed.errors import ThreedError
+from threed.errors import ThreedError, guarded
 
 
 def _guard(name: str, fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     """Bad input becomes one clear line and exit status 2 (the output directory was never created)."""
-    def run(ns: argparse.Namespace) -> int:
+    def command(ns: argparse.Namespace) -> int:
         try:
             return fn(ns)
-        except (ThreedError, OSError) as e:  # OSError: disk full, permissions, a file vanishing meanwhile
-            print(f"threed {name}: error: {e}", file=sys.stderr)
-            return 2
-        except KeyboardInterrupt:
-            print(f"threed {name}: interrupted; no output was left behind", file=sys.stderr)
-            return 130
-    return run
+        except OSError as e:  # disk full, permissions, a file vanishing meanwhile: one line, as bad input
+            raise ThreedError(str(e)) from e
+
+    return lambda ns: guarded(f"threed {name}", lambda: command(ns),
+                              interrupted="interrupted; no output was left behind")
 
 
 def _convert(ns: argparse.Namespace) -> int:

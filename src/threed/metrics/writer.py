@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from threed.config import ConfigError, RunConfig, deepspeed_config
+from threed.config import ConfigError, RunConfig
+from threed.engine import deepspeed_config
 from threed.metrics.flops import flops_per_token, peak_tflops_per_device
 from threed.metrics.sinks import CONFIG_FILE, METRICS_FILE, JsonlSink, TensorBoardSink, WandbSink, stdout_line
 from threed.metrics.stages import StageTimer, gather_rows, ideal_bubble, memory_bytes, per_stage

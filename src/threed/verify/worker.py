@@ -38,6 +38,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                       steps=1),
                     checkpoint=CheckpointConfig(init_from=args.ckpt))
     rt = init_distributed()
+    cfg.validate(rt.world_size)
     built = build_engine(cfg, rt)
     engine = built.engine
     with torch.no_grad():
