@@ -27,7 +27,7 @@ import torch.distributed as dist
 from threed.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from threed.distributed import init_distributed
 from threed.engine import build_engine
-from threed.memory import Stage, stage_activations, stage_bounds, stage_memory, stages
+from threed.memory.model import Stage, stage_activations, stage_bounds, stage_memory, stages
 from threed.flags import model_config
 
 STATIC = dict(model="tiny", micro=2, gas=2, seq=32)

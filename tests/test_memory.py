@@ -12,9 +12,9 @@ import pytest
 from helpers import TESTS
 from threed.config import ConfigError
 from threed.launch import run_ranks
-from threed.memory import (GB, block_bytes_per_token, estimate, reduce_copy_bytes, stage_activations,
+from threed.memory.model import (GB, block_bytes_per_token, estimate, reduce_copy_bytes, stage_activations,
                            stage_params, stages)
-from threed.plan import Hardware, plan
+from threed.planner import Hardware, plan
 from threed.flags import model_config
 
 LAYOUTS = {"1x1x1": (1, "1x1"), "1x4x1": (4, "1x4"), "2x2x2": (8, "2x2")}
@@ -139,7 +139,7 @@ def run_cli(capsys, *args: str, via_threed: bool = False) -> tuple[int, str, str
 
         code = main(["plan", *args])
     else:
-        from threed.plan import main
+        from threed.planner import main
 
         code = main(list(args))
     out, err = capsys.readouterr()

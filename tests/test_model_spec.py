@@ -11,7 +11,8 @@ import re
 import pytest
 import torch
 
-from threed import memory, partition
+from threed import partition
+from threed.memory import model as memory
 from threed.config import ModelConfig, ParallelConfig
 from threed.convert.mapping import layer_from_hf
 from threed.convert.slices import rank_plan

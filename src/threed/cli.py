@@ -23,7 +23,7 @@ from threed.data.tokenizer import train_tokenizer
 from threed.demo_text import write_demo_text
 from threed.errors import guarded
 from threed.flags import add_run_flags, run_config_from_args
-from threed.plan import register as register_plan
+from threed.planner import register as register_plan
 from threed.report import register as register_report
 
 # Modules that add sub-commands: each `register(subparsers)` sets `run(ns)` on its parsers.

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from threed.config import SECTIONS, ConfigError, ModelConfig, RunConfig, field_meta, flag_name
-from threed.presets import PRESETS, from_hf_config
+from threed.hf.config import from_hf_config
+from threed.presets import PRESETS
 
 _METAVARS = {int: "N", float: "X", str: "STR"}
 

@@ -4,10 +4,7 @@ Sources: the `config.json` of each meta-llama/* checkpoint on the HF hub (Llama 
 """
 from __future__ import annotations
 
-from pathlib import Path
-
-from threed.config import ConfigError, ModelConfig, RopeScaling
-from threed.hf.config import from_hf_config
+from threed.config import ModelConfig, RopeScaling
 
 _LLAMA31_SCALING = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                original_max_position_embeddings=8192)

@@ -38,7 +38,7 @@ from threed.config import ConfigError, ModelConfig
 from threed.model.spec import layer_training_flops
 from threed.errors import guarded
 from threed.flags import model_config
-from threed.memory import GB, Memory, estimate, heaviest, quiet_deepspeed_import, stages
+from threed.memory.model import GB, Memory, estimate, heaviest, quiet_deepspeed_import, stages
 
 
 @dataclass(frozen=True)

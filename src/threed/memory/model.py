@@ -43,7 +43,6 @@ DeepSpeed's ZeRO optimizer instead of BF16_Optimizer and are not modelled.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import io
@@ -52,8 +51,7 @@ import sys
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
-from threed.config import ConfigError, ModelConfig, ParallelConfig
-from threed.errors import guarded
+from threed.config import ModelConfig, ParallelConfig
 from threed.flags import model_config
 from threed.model.spec import LayerKind, largest_parameter, stage_parameters
 from threed.partition import resolve_partition
@@ -217,7 +215,7 @@ def reduce_copy_bytes(groups: Sequence[int]) -> int:
 
 def stage_memory(model: ModelConfig, tp: int, pp: int, dp: int, micro: int, gas: int, seq: int, act_ckpt: bool,
                  stage: Stage, device: Device = "cuda") -> Memory:
-    h, d, f = model.hidden_size, model.head_dim, model.ffn_hidden_size
+    h, d = model.hidden_size, model.head_dim
     tokens, v = seq * micro, model.padded_vocab_size(tp) // tp
     groups = [n for n in stage_params(model, tp, stage) if n]  # make_optimizer drops empty groups
     align = 2 * dp  # BF16_Optimizer aligns each flat group to nccl_start_alignment_factor (2) x dp
@@ -249,29 +247,3 @@ def estimate(model: ModelConfig | str, tp: int, pp: int, dp: int, micro: int, ga
 
 def heaviest(mems: list[Memory]) -> Memory:
     return max(mems, key=lambda m: m.peak)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="threed memory", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True)
-    for name in ("tp", "pp", "dp", "micro", "gas", "seq"):
-        p.add_argument(f"--{name}", type=int, required=True)
-    p.add_argument("--act-ckpt", default="0", help="1/true: activation checkpointing")
-    p.add_argument("--all-stages", action="store_true", help="one line per pipeline stage")
-    a = p.parse_args(argv)
-    ckpt = a.act_ckpt.lower() in ("1", "true", "yes", "on")
-    quiet_deepspeed_import()
-
-    def run() -> None:
-        if min(a.tp, a.pp, a.dp, a.micro, a.gas, a.seq) < 1:
-            raise ConfigError("tp, pp, dp, micro, gas and seq must all be positive integers")
-        mems = estimate(a.model, a.tp, a.pp, a.dp, a.micro, a.gas, a.seq, ckpt)
-        for m in (mems if a.all_stages else [heaviest(mems)]):
-            print(m.line(a.pp))
-
-    return guarded("threed memory", run, prefix="")
-
-
-if __name__ == "__main__":
-    sys.exit(main())
