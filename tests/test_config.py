@@ -10,7 +10,7 @@ import pytest
 from threed.cli import parse_run_config
 from threed.config import (CheckpointConfig, ConfigError, ParallelConfig, RunConfig, TrainConfig,
                            deepspeed_config)
-from threed.checkpoint import check_layout
+from threed.checkpoint.format import check_layout
 from threed.presets import PRESETS, from_hf_config, to_hf_config
 
 LLAMA2_70B = PRESETS["llama2-70b"]

@@ -13,7 +13,8 @@ import torch
 
 from threed.config import ModelConfig, ParallelConfig
 from threed.convert.convert import convert_stream
-from threed.convert.ds_checkpoint import EXTRA_STATE, checkpoint_files, layer_file
+from threed.checkpoint.format import layer_file
+from threed.convert.ds_checkpoint import EXTRA_STATE, checkpoint_files
 from threed.convert.mapping import hf_names, hf_shapes
 from threed.convert.plan import DictReader
 from threed.model.sharding import parameter_shapes

@@ -35,10 +35,11 @@ def check(ns: argparse.Namespace) -> str:
 
 
 def check_paths(cfg, world: int) -> str:
-    """What `threed.checkpoint.start` decides, without its side effects (nothing is created or converted)."""
-    from threed.checkpoint.resume import check_save_dir, plan_start
+    """What `threed.checkpoint.start.start` decides, without its side effects (nothing is created or converted)."""
+    # torch: threed.checkpoint.start pulls it in; check-config without --paths runs without it
+    from threed.checkpoint.start import check_save_dir, decide_start
 
-    plan = plan_start(cfg, world)
+    plan = decide_start(cfg, world)
     check_save_dir(cfg, plan, create=False)
     return plan.describe() + (" (converted once)" if plan.universal else "")
 

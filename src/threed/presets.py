@@ -118,7 +118,7 @@ def get_model_config(name_or_path: str) -> ModelConfig:
     if name_or_path in PRESETS:
         return PRESETS[name_or_path]
     if (Path(name_or_path) / "threed_run.json").is_file():
-        from threed.convert.ds_checkpoint import read_model_config
+        from threed.checkpoint.format import read_model_config
 
         recorded = read_model_config(name_or_path)
         if recorded is not None:

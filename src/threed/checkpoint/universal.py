@@ -20,20 +20,23 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-from threed.checkpoint.layout import MP_RE
-from threed.checkpoint.manifest import UNIVERSAL_DIR, Found, write_atomic
-from threed.config import ConfigError, ModelConfig
+import torch
+
+from threed.atomic import atomic_dir, write_atomic
+from threed.checkpoint.format import MP_RE, UNIVERSAL_DIR
+from threed.checkpoint.manifest import Found
+from threed.config import ModelConfig
+from threed.errors import ConfigError
 
 DONE = "threed_universal.json"  # written last: a conversion cut short is redone, a finished one reused
 
 
 def universal_info(model: ModelConfig) -> dict[str, Any]:
+    # deepspeed: heavy, imported only where a model is built or converted
     from deepspeed.checkpoint.constants import (PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0,
                                                 PARAMETER_WITH_ROW_PARALLELISM_PATTERNS,
                                                 TP_REPLICATED_PARAMETER_PATTERNS, UNIVERSAL_CHECKPOINT_VERSION_KEY,
@@ -60,8 +63,6 @@ def layout_name(found: Found, dtype: str) -> str:
 def check_convertible(found: Found) -> None:
     """ds_to_universal needs `universal_checkpoint_info` in the mp_rank files (checkpoints saved before threed
     declared it lack it) and the optimizer shards."""
-    import torch
-
     step_dir = Path(found.path) / found.tag
     if not found.has_optimizer:
         raise ConfigError(f"{step_dir} holds weights only (no optimizer state), so it cannot be resumed at another "
@@ -75,8 +76,9 @@ def check_convertible(found: Found) -> None:
 
 
 def convert(found: Found, root: Path, dtype: str, log: Callable[[str], None]) -> tuple[str, str]:
-    """Convert `found` into `root/universal/` (once) and return (load_dir, tag) for engine.load_checkpoint."""
-    from deepspeed.checkpoint import ds_to_universal
+    """Convert `found` into `root/universal/` (once) and return (load_dir, tag) for engine.load_checkpoint. The
+    conversion is built under a temporary name and renamed into place, its `threed_universal.json` written last."""
+    from deepspeed.checkpoint import ds_to_universal  # deepspeed: heavy, only on the rank-0 conversion path
 
     load_dir = root / UNIVERSAL_DIR
     tag = layout_name(found, dtype)
@@ -85,30 +87,27 @@ def convert(found: Found, root: Path, dtype: str, log: Callable[[str], None]) ->
         log(f"universal checkpoint {out} already exists (converted from {found.tag}); loading it")
         return str(load_dir), tag
     check_convertible(found)
-    tmp = load_dir / f".{tag}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
-        tmp.mkdir(parents=True)
+        load_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"cannot write the universal checkpoint under {load_dir} ({e.strerror or e}); give a "
                           f"writable --save") from None
-    args = argparse.Namespace(input_folder=str(Path(found.path) / found.tag), output_folder=str(tmp),
-                              num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
-                              inject_missing_state=False)
     t0 = time.time()
     log(f"converting {Path(found.path) / found.tag} ({found.layout.describe()}) to a universal checkpoint in {out}")
-    try:
-        # DeepSpeed prints every step and a progress bar per tensor: keep that in a log file beside the output.
-        with open(tmp / "convert.log", "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
-            ds_to_universal.main(args)
-    except Exception as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise ConfigError(f"converting {found.path}/{found.tag} to a universal checkpoint failed: "
-                          f"{type(e).__name__}: {e}; resume at its own layout ({found.layout.describe()})") from e
-    (load_dir / "latest_universal").unlink(missing_ok=True)  # ds_to_universal's pointer at the temporary name
-    write_atomic(tmp / DONE, json.dumps({"source": str(Path(found.path) / found.tag),
-                                         "layout": found.layout.describe(), "seconds": round(time.time() - t0, 1)}))
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
+    with atomic_dir(out) as tmp:
+        args = argparse.Namespace(input_folder=str(Path(found.path) / found.tag), output_folder=str(tmp),
+                                  num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                  inject_missing_state=False)
+        try:
+            # DeepSpeed prints every step and a progress bar per tensor: keep that in a log file beside the output.
+            with open(tmp / "convert.log", "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+                ds_to_universal.main(args)
+        except Exception as e:
+            raise ConfigError(f"converting {found.path}/{found.tag} to a universal checkpoint failed: "
+                              f"{type(e).__name__}: {e}; resume at its own layout ({found.layout.describe()})") from e
+        (load_dir / "latest_universal").unlink(missing_ok=True)  # ds_to_universal's pointer at the temporary name
+        write_atomic(tmp / DONE, json.dumps({"source": str(Path(found.path) / found.tag),
+                                             "layout": found.layout.describe(),
+                                             "seconds": round(time.time() - t0, 1)}))
     log(f"converted in {time.time() - t0:.1f} s")
     return str(load_dir), tag

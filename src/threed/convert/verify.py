@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from threed.convert.ds_checkpoint import open_checkpoint
+from threed.checkpoint.format import open_checkpoint
 from threed.convert.io_utils import ConvertError
 
 

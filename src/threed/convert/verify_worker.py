@@ -24,7 +24,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = p.parse_args(argv)
 
     from threed.config import CheckpointConfig, ParallelConfig, RunConfig, TrainConfig
-    from threed.convert.ds_checkpoint import check_loadable, read_model_config
+    from threed.checkpoint.format import check_loadable, read_model_config
     from threed.distributed import init_distributed
     from threed.engine import build_engine
     from threed.logits import pipeline_logits
