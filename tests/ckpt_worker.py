@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+import threed.checkpoint.save as ckpt
 from threed.config import CheckpointConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
 
 MODEL = ModelConfig(name="ckpt-test", vocab_size=200, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
@@ -50,8 +51,6 @@ def kill_self() -> None:
 
 
 def install_kill(spec: str, engine, rank: int) -> None:
-    import threed.checkpoint.save as ckpt
-
     where, step, who = (spec.split(":") + ["all"])[:3]
     step_n = int(step)
     mine = who == "all" or int(who) == rank
@@ -156,8 +155,6 @@ def main() -> int:
                                                      "universal": bool(built.plan and built.plan.universal)}))
     it = batches(start, micro, gas, dp, dp_rank) if engine.is_first_stage() or engine.is_last_stage() else None
     guard = RunGuard(cfg, rt.rank, engine, None, rt.device)
-    import threed.checkpoint.save as ckpt
-
     for step in range(start, cfg.train.steps):
         loss = engine.train_batch(data_iter=it).item()
         norm = engine.get_global_grad_norm()

@@ -4,14 +4,13 @@ run on request (a signal, a STOP file, the time budget) with a checkpoint first.
     stop = StopRequest(cfg.checkpoint.save)             # installs the SIGUSR1 / SIGTERM handlers
     guard = RunGuard(cfg, rt.rank, engine, stop)        # before the training loop
     stop_now = guard.after_step(step + 1, loss, grad_norm)   # once per step, on every rank
-    guard.saved(save(...).seconds)                      # after each checkpoint save (threed.checkpoint.save)
+    guard.saved(save(...).seconds)                      # after each save (threed.checkpoint.save.save)
 
 - One control all-reduce per step: `after_step` agrees on [stop requested, step not finite, out of time] across
   all ranks in one tiny MAX all-reduce, so every rank takes the same branch (an abort or a save is collective).
   A stop request raised after that point in a step (during validation, say) is acted on at the next step.
 - Stop request: SIGUSR1 / SIGTERM (Slurm's --signal, scancel, torchrun's forwarded SIGTERM) or a file named `STOP`
   in the save directory on any rank: every rank saves at the step boundary and exits 0.
-
 - Non-finite loss or gradient norm: DeepSpeed already skips the optimizer step when the gradient norm is not
   finite (ZeRO's overflow check in fp32, BF16_Optimizer's invalid-norm check in bf16), so the weights are
   unchanged; up to `--skip-nonfinite N` such batches are skipped with a warning, the next one stops the run with
