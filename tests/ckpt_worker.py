@@ -1,5 +1,5 @@
 """Multi-rank checkpoint scenarios for tests/test_checkpoint*.py, run under torchrun. The loop is threed.train's
-(build_engine, RunGuard.after_step, threed.checkpoint.save with a consumed-sample count), fed fixed synthetic
+(build_engine, RunGuard.after_step, threed.checkpoint.save.save with a consumed-sample count), fed fixed synthetic
 batches whose global order does not depend on dp: global batch k is samples [k*G, (k+1)*G), sample i drawn from
 a generator seeded with i, and each dp rank takes its contiguous slice (Megatron's order).
 
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+import threed.checkpoint.save as ckpt
 from threed.config import CheckpointConfig, ModelConfig, ParallelConfig, RunConfig, RunControlConfig, TrainConfig
 
 MODEL = ModelConfig(name="ckpt-test", vocab_size=200, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
@@ -50,8 +51,6 @@ def kill_self() -> None:
 
 
 def install_kill(spec: str, engine, rank: int) -> None:
-    import threed.checkpoint as ckpt
-
     where, step, who = (spec.split(":") + ["all"])[:3]
     step_n = int(step)
     mine = who == "all" or int(who) == rank
@@ -157,8 +156,6 @@ def main() -> int:
                                                      "universal": bool(built.plan and built.plan.universal)}))
     it = batches(start, micro, gas, dp, dp_rank) if engine.is_first_stage() or engine.is_last_stage() else None
     guard = RunGuard(cfg, rt.rank, engine, None, rt.device)
-    import threed.checkpoint as ckpt
-
     for step in range(start, cfg.train.steps):
         loss = engine.train_batch(data_iter=it).item()
         norm = engine.get_global_grad_norm()
@@ -168,7 +165,7 @@ def main() -> int:
                 f.write(json.dumps({"step": step + 1, "loss": loss, "norm": norm}) + "\n")
         late = guard.after_step(step + 1, loss, norm)
         if a.save and (late or (step + 1) % a.save_interval == 0 or step + 1 == cfg.train.steps):
-            ckpt.save(engine, cfg, rt.rank, {"consumed_samples": (step + 1) * glob})
+            guard.saved(ckpt.save(engine, cfg, rt.rank, {"consumed_samples": (step + 1) * glob}).seconds)
         if late:
             break
     weights = {f"{idx}.{k}": v.detach().clone() for idx, m in

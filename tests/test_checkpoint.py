@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from threed.checkpoint import layout, manifest
-from threed.checkpoint.manifest import MANIFEST_NAME, find_resumable, prune, write_manifest
-from threed.checkpoint.resume import check_save_dir, checkpoint_bytes, plan_start
+from threed import atomic
+from threed.checkpoint import manifest
+from threed.checkpoint.format import MANIFEST_NAME, read_latest
+from threed.checkpoint.manifest import find_resumable, prune, write_manifest
+from threed.checkpoint.start import check_save_dir, checkpoint_bytes, decide_start
 from threed.config import CheckpointConfig, ConfigError, ParallelConfig, RunConfig, TrainConfig
 from threed.presets import PRESETS
 
@@ -112,16 +114,16 @@ def test_keep_last_prunes_old_and_unfinished_checkpoints(tmp_path):
 
 
 def test_write_atomic_leaves_no_temporary_file(tmp_path):
-    manifest.write_atomic(tmp_path / "latest", "global_step3")
+    atomic.write_atomic(tmp_path / "latest", "global_step3")
     assert [p.name for p in tmp_path.iterdir()] == ["latest"]
-    assert layout.read_latest(tmp_path) == "global_step3"
+    assert read_latest(tmp_path) == "global_step3"
 
 
 # ------------------------------------------------------------------------------------------ where a run starts
 
 def test_existing_run_is_resumed_and_other_sources_are_noted(tmp_path):
     fake_checkpoint(tmp_path / "run", 4)
-    plan = plan_start(cfg(tmp_path / "run", init_from=str(tmp_path / "elsewhere")), world_size=2)
+    plan = decide_start(cfg(tmp_path / "run", init_from=str(tmp_path / "elsewhere")), world_size=2)
     assert (plan.mode, plan.tag, plan.universal) == ("resume", "global_step4", False)
     assert any("--init-from" in n and "resumes from it" in n for n in plan.notes)
 
@@ -129,8 +131,8 @@ def test_existing_run_is_resumed_and_other_sources_are_noted(tmp_path):
 def test_auto_resume_false_on_a_run_is_refused_naming_overwrite(tmp_path):
     fake_checkpoint(tmp_path / "run", 4)
     with pytest.raises(ConfigError, match="already holds a checkpoint.*--overwrite true"):
-        plan_start(cfg(tmp_path / "run", auto_resume=False), world_size=2)
-    plan = plan_start(cfg(tmp_path / "run", auto_resume=False, overwrite=True), world_size=2)
+        decide_start(cfg(tmp_path / "run", auto_resume=False), world_size=2)
+    plan = decide_start(cfg(tmp_path / "run", auto_resume=False, overwrite=True), world_size=2)
     assert plan.mode == "fresh" and plan.clear_save
     assert manifest.clear_run(tmp_path / "run") == ["global_step4"]
     assert not list((tmp_path / "run").iterdir())
@@ -140,46 +142,46 @@ def test_run_with_only_broken_checkpoints_is_refused_not_restarted(tmp_path):
     d = fake_checkpoint(tmp_path / "run", 4)
     (d / "mp_rank_00_model_states.pt").unlink()
     with pytest.raises(ConfigError, match="holds no complete checkpoint.*mp_rank_00_model_states.pt is missing"):
-        plan_start(cfg(tmp_path / "run"), world_size=2)
+        decide_start(cfg(tmp_path / "run"), world_size=2)
 
 
 def test_first_save_cut_short_starts_fresh(tmp_path):
     fake_checkpoint(tmp_path / "run", 2, complete=False)
-    plan = plan_start(cfg(tmp_path / "run"), world_size=2)
+    plan = decide_start(cfg(tmp_path / "run"), world_size=2)
     assert plan.mode == "fresh" and "never finished" in plan.notes[0]
 
 
 def test_other_layout_or_dtype_resumes_through_a_universal_checkpoint(tmp_path):
     fake_checkpoint(tmp_path / "run", 4, tp=1, pp=2, dp=2)
-    assert not plan_start(cfg(tmp_path / "run"), world_size=4).universal  # tp1 pp2 dp2: native
-    assert plan_start(cfg(tmp_path / "run"), world_size=2).universal  # dp 1
-    assert plan_start(cfg(tmp_path / "run", tp=2, pp=1), world_size=4).universal  # tp 2 pp 1 dp 2
-    assert plan_start(cfg(tmp_path / "run", dtype="bf16"), world_size=4).universal  # dtype
+    assert not decide_start(cfg(tmp_path / "run"), world_size=4).universal  # tp1 pp2 dp2: native
+    assert decide_start(cfg(tmp_path / "run"), world_size=2).universal  # dp 1
+    assert decide_start(cfg(tmp_path / "run", tp=2, pp=1), world_size=4).universal  # tp 2 pp 1 dp 2
+    assert decide_start(cfg(tmp_path / "run", dtype="bf16"), world_size=4).universal  # dtype
 
 
 def test_another_model_is_refused(tmp_path):
     fake_checkpoint(tmp_path / "run", 4)
     other = dataclasses.replace(cfg(tmp_path / "run"), model=dataclasses.replace(TINY, num_layers=2))
     with pytest.raises(ConfigError, match="holds another model.*num_layers 4 != 2"):
-        plan_start(other, world_size=2)
+        decide_start(other, world_size=2)
 
 
 def test_load_without_checkpoint_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="load=.* holds no DeepSpeed checkpoint"):
-        plan_start(cfg(load=str(tmp_path / "nothing")), world_size=2)
+        decide_start(cfg(load=str(tmp_path / "nothing")), world_size=2)
 
 
 # ------------------------------------------------------------------------------------------ the save directory
 
 def test_save_dir_is_created_and_probed(tmp_path):
-    check_save_dir(cfg(tmp_path / "a" / "b"), plan_start(cfg(tmp_path / "a" / "b"), 2))
+    check_save_dir(cfg(tmp_path / "a" / "b"), decide_start(cfg(tmp_path / "a" / "b"), 2))
     assert (tmp_path / "a" / "b").is_dir() and not list((tmp_path / "a" / "b").iterdir())
 
 
 def test_save_dir_that_is_a_file_is_refused(tmp_path):
     (tmp_path / "f").write_text("")
     with pytest.raises(ConfigError, match="is a file, not a directory"):
-        check_save_dir(cfg(tmp_path / "f"), plan_start(cfg(), 2))
+        check_save_dir(cfg(tmp_path / "f"), decide_start(cfg(), 2))
 
 
 def test_read_only_save_dir_is_refused(tmp_path, monkeypatch):
@@ -188,13 +190,13 @@ def test_read_only_save_dir_is_refused(tmp_path, monkeypatch):
 
     monkeypatch.setattr(Path, "mkdir", refuse)
     with pytest.raises(ConfigError, match=r"--save .*ck is not writable \(Permission denied\); choose a directory"):
-        check_save_dir(cfg(tmp_path / "ck"), plan_start(cfg(), 2))
+        check_save_dir(cfg(tmp_path / "ck"), decide_start(cfg(), 2))
 
 
 def test_too_little_free_space_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**12, 10**12 - 1000, 1000))
     with pytest.raises(ConfigError, match=r"has 1000\.0 B free; one checkpoint of tiny needs about"):
-        check_save_dir(cfg(tmp_path / "ck"), plan_start(cfg(), 2))
+        check_save_dir(cfg(tmp_path / "ck"), decide_start(cfg(), 2))
     assert not (tmp_path / "ck").exists()
 
 

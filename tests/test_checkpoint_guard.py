@@ -23,6 +23,9 @@ class FakeEngine:
 class Stop:
     flag = False
 
+    def requested(self) -> bool:
+        return self.flag
+
 
 def make(tmp_path, **control) -> tuple[guard.RunGuard, FakeEngine, Stop]:
     cfg = RunConfig(model=PRESETS["tiny"], checkpoint=CheckpointConfig(save=str(tmp_path)),

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from threed.checkpoint import check_layout
+from threed.checkpoint.format import check_layout
 from threed.config import (CheckpointConfig, ConfigError, ParallelConfig, RunConfig, RunControlConfig, TrainConfig,
                            check_ranges, meta)
 from threed.engine import deepspeed_config

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from convert_fixtures import GQA4, save_hf
 from threed.cli import main
-from threed.convert.ds_checkpoint import check_loadable, read_model_config
+from threed.checkpoint.format import check_loadable, read_model_config
 
 
 @pytest.fixture(scope="module")

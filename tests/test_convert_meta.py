@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from threed.config import ModelConfig, ParallelConfig
+from threed.checkpoint.format import layer_file
 from threed.convert.from_hf import convert_stream
-from threed.convert.ds_checkpoint import EXTRA_STATE, checkpoint_files, layer_file
-from threed.hf.names import hf_names, hf_shapes
+from threed.convert.ds_checkpoint import EXTRA_STATE, checkpoint_files
 from threed.convert.slices import DictReader
-from threed.model.spec import shard_shapes
-from threed.model.spec import pipeline_layers
+from threed.hf.names import hf_names, hf_shapes
+from threed.model.spec import pipeline_layers, shard_shapes
 from threed.presets import PRESETS
 
 

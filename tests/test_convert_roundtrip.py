@@ -13,7 +13,8 @@ import torch
 
 from convert_fixtures import DIVISIBLE_BY, GQA8, assert_identical, hf_tensors, save_hf
 from threed.cli import main
-from threed.convert.ds_checkpoint import checkpoint_files, open_checkpoint, read_model_config
+from threed.checkpoint.format import open_checkpoint, read_model_config
+from threed.convert.ds_checkpoint import checkpoint_files
 
 # (source format, shard size KB, dtype): sharded safetensors + index, single file, old .bin shards + index, ...
 SOURCES = {"st-sharded": ("safetensors", 60, torch.float32), "st-single": ("safetensors", 0, torch.bfloat16),

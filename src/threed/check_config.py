@@ -34,12 +34,11 @@ def check(ns: argparse.Namespace) -> str:
 
 
 def check_paths(cfg: RunConfig, world: int) -> str:
-    """What `threed.checkpoint.start` decides, without its side effects (nothing is created or converted)."""
-    # torch, deepspeed (the checkpoint package reads checkpoints with them): only with --paths, so that the plain
-    # check stays a second without torch.
-    from threed.checkpoint.resume import check_save_dir, plan_start
+    """What `threed.checkpoint.start.start` decides, without its side effects (nothing is created or converted)."""
+    # torch: threed.checkpoint.start pulls it in; check-config without --paths runs without it
+    from threed.checkpoint.start import check_save_dir, decide_start
 
-    plan = plan_start(cfg, world)
+    plan = decide_start(cfg, world)
     check_save_dir(cfg, plan, create=False)
     return plan.describe() + (" (converted once)" if plan.universal else "")
 

@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 import torch
 
-from threed.checkpoint import StartPlan, start
+from threed.checkpoint.start import StartDecision, start
 from threed.config import RunConfig
 from threed.distributed import Runtime, check_groups_agree, init_megatron_parallel_state
 from threed.pipeline import build_pipeline_module
@@ -88,16 +88,17 @@ def make_optimizer(model: torch.nn.Module, cfg: RunConfig,
 class Built:
     engine: "deepspeed.runtime.pipe.engine.PipelineEngine"  # noqa: F821
     resumed_from: Optional[str]  # the checkpoint directory of a full resume, else None
-    # What the caller passed to threed.checkpoint.save (e.g. {"consumed_samples": n}) when this run resumed;
+    # What the caller passed to threed.checkpoint.save.save (e.g. {"consumed_samples": n}) when this run resumed;
     # empty otherwise.
     client_state: dict = field(default_factory=dict)
-    plan: Optional[StartPlan] = None  # where the run started, and the log lines about it
+    plan: Optional[StartDecision] = None  # where the run started, and the log lines about it
 
 
-def build_engine(cfg: RunConfig, rt: Runtime, plan: Optional[StartPlan] = None, token_weighted: bool = False) -> Built:
+def build_engine(cfg: RunConfig, rt: Runtime, plan: Optional[StartDecision] = None,
+                 token_weighted: bool = False) -> Built:
     """Builds from a validated `cfg` (`RunConfig.validate`: threed.train validates once, before anything else).
     Where the run starts (and whether --save can take a checkpoint) is decided on rank 0 and shared before the
-    model is built (`threed.checkpoint.start`; threed.train calls it even before the datasets and passes its
+    model is built (`threed.checkpoint.start.start`; threed.train calls it even before the datasets and passes its
     `plan`), so a bad checkpoint directory costs seconds."""
     import deepspeed  # heavy: only where a model is built
 

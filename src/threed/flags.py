@@ -82,9 +82,9 @@ def model_config(name_or_path: str) -> ModelConfig:
     if name_or_path in PRESETS:
         return PRESETS[name_or_path]
     if Path(name_or_path).is_dir():
-        # torch (and deepspeed, until the format module stands alone): only for a checkpoint directory, so that
+        # torch (threed.checkpoint.format reads .pt files): only for a checkpoint directory, so that
         # `threed --help` and a preset name stay fast.
-        from threed.convert.ds_checkpoint import read_model_config
+        from threed.checkpoint.format import read_model_config
 
         recorded = read_model_config(name_or_path)
         if recorded is not None:

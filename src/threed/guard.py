@@ -1,36 +1,48 @@
-"""Stop loudly: what ends a run that has gone wrong, instead of letting it burn the allocation.
+"""Stop loudly: what ends a run that has gone wrong, instead of letting it burn the allocation, and what ends a
+run on request (a signal, a STOP file, the time budget) with a checkpoint first.
 
-    guard = RunGuard(cfg, rt.rank, engine, stop)       # before the training loop
-    guard.after_step(step + 1, loss, grad_norm)         # once per step, on every rank, before the stop check
+    stop = StopRequest(cfg.checkpoint.save)             # installs the SIGUSR1 / SIGTERM handlers
+    guard = RunGuard(cfg, rt.rank, engine, stop)        # before the training loop
+    stop_now = guard.after_step(step + 1, loss, grad_norm)   # once per step, on every rank
+    guard.saved(save(...).seconds)                      # after each save (threed.checkpoint.save.save)
 
+- One control all-reduce per step: `after_step` agrees on [stop requested, step not finite, out of time] across
+  all ranks in one tiny MAX all-reduce, so every rank takes the same branch (an abort or a save is collective).
+  A stop request raised after that point in a step (during validation, say) is acted on at the next step.
+- Stop request: SIGUSR1 / SIGTERM (Slurm's --signal, scancel, torchrun's forwarded SIGTERM) or a file named `STOP`
+  in the save directory on any rank: every rank saves at the step boundary and exits 0.
 - Non-finite loss or gradient norm: DeepSpeed already skips the optimizer step when the gradient norm is not
   finite (ZeRO's overflow check in fp32, BF16_Optimizer's invalid-norm check in bf16), so the weights are
   unchanged; up to `--skip-nonfinite N` such batches are skipped with a warning, the next one stops the run with
   exit status 3 and a message naming the step and the last good checkpoint. Nothing is saved on that path.
-- `--exit-duration-in-mins M`: once the time since start plus one more step and one save would pass M minutes,
-  the guard raises the run's stop request, so the loop saves and exits 0 like after SIGUSR1.
+- `--exit-duration-in-mins M`: once the time since start plus one more step and one save (the last save's
+  duration, which the loop reports through `saved`) would pass M minutes, the guard raises the run's stop request,
+  so the loop saves and exits 0 like after SIGUSR1.
 - Watchdog: a thread per rank that, when a step runs far longer than usual (max(--watchdog-min-seconds,
   --watchdog-factor x the median step)), prints every thread's Python stack (faulthandler) and exits with status
   4, so `srun --kill-on-bad-exit` ends the job. Every rank of a stuck collective times out the same way, so every
   rank's stacks are printed. Only the engine's train_batch / eval_batch calls are timed: validation bookkeeping
-  and saving between steps never count.
+  and saving between steps never count. The RunGuard owns its watchdog thread (`close` stops it).
 """
 from __future__ import annotations
 
-import contextlib
 import faulthandler
 import io
 import math
 import os
+import signal
 import statistics
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from threed.checkpoint.format import read_latest
+from threed.config import RunConfig
 
 EXIT_DIVERGED = 3
 EXIT_HUNG = 4
@@ -41,18 +53,22 @@ class RunAborted(SystemExit):
     """Ends every rank with a non-zero status and no traceback (the reason was printed once, by rank 0)."""
 
 
-_last_save_seconds = 0.0
+class StopRequest:
+    """Set by SIGUSR1 / SIGTERM on this rank, or by a `STOP` file in the save directory; RunGuard.after_step
+    agrees on it across ranks."""
 
+    def __init__(self, save_dir: Optional[str]):
+        self.flag = False
+        self.stop_file = Path(save_dir) / "STOP" if save_dir else None
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, self._handler)
 
-@contextlib.contextmanager
-def saving() -> Iterator[None]:
-    """Around a checkpoint save: remember how long it took (the time budget keeps room for one more)."""
-    global _last_save_seconds
-    t0 = time.time()
-    try:
-        yield
-    finally:
-        _last_save_seconds = time.time() - t0
+    def _handler(self, signum, frame) -> None:
+        self.flag = True
+
+    def requested(self) -> bool:
+        """This rank's view: a signal arrived, or the STOP file exists."""
+        return self.flag or bool(self.stop_file and self.stop_file.exists())
 
 
 class Watchdog(threading.Thread):
@@ -66,6 +82,7 @@ class Watchdog(threading.Thread):
         self.durations: dict[str, list[float]] = {}
         self.current: Optional[tuple[str, float]] = None  # (kind, start) of the call in flight
         self.step = 0
+        self.stopped = threading.Event()
 
     def enter(self, kind: str) -> None:
         self.current = (kind, time.monotonic())
@@ -90,9 +107,11 @@ class Watchdog(threading.Thread):
                 self.leave()
         setattr(engine, name, timed)
 
+    def stop(self) -> None:
+        self.stopped.set()
+
     def run(self) -> None:
-        while True:
-            time.sleep(self.poll)
+        while not self.stopped.wait(self.poll):
             current = self.current
             if current is None or current[0] not in self.durations:
                 continue
@@ -109,30 +128,38 @@ class Watchdog(threading.Thread):
                 os._exit(EXIT_HUNG)
 
 
-_watchdog: Optional[Watchdog] = None
-
-
 class RunGuard:
-    def __init__(self, cfg, rank: int, engine, stop=None, device: Optional[torch.device] = None):
-        global _watchdog
-        ck = cfg.control
+    """The run's control point, once per step on every rank: divergence (exit 3), the time budget and the stop
+    request (save and exit 0), and the watchdog (exit 4) it owns."""
+
+    def __init__(self, cfg: RunConfig, rank: int, engine, stop: Optional[StopRequest] = None,
+                 device: Optional[torch.device] = None):
+        ctl = cfg.control  # the run-control fields
         self.cfg, self.rank, self.engine, self.stop = cfg, rank, engine, stop
+        self.skip_nonfinite = ctl.skip_nonfinite
+        self.exit_duration_in_mins = ctl.exit_duration_in_mins
         self.device = device or torch.device("cpu")
         self.skipped = 0
         self.last_step_time = time.monotonic()
         self.step_seconds = 0.0
+        self.save_seconds = 0.0  # the last checkpoint save's duration on this rank (told through `saved`)
         self.out_of_time = False
         try:
             faulthandler.enable()  # a crash in native code prints the Python stacks too
         except (ValueError, io.UnsupportedOperation):  # stderr without a file descriptor (captured by a test)
             pass
-        if ck.watchdog_factor > 0:
-            if _watchdog is None:
-                _watchdog = Watchdog(rank, ck.watchdog_factor, ck.watchdog_min_seconds)
-                _watchdog.start()
+        self.watchdog: Optional[Watchdog] = None
+        if ctl.watchdog_factor > 0:
+            self.watchdog = Watchdog(rank, ctl.watchdog_factor, ctl.watchdog_min_seconds)
+            self.watchdog.start()
             for name in ("train_batch", "eval_batch"):
                 if hasattr(engine, name):
-                    _watchdog.wrap(engine, name)
+                    self.watchdog.wrap(engine, name)
+
+    def close(self) -> None:
+        """Stop the watchdog thread (the run is over)."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
 
     def _log(self, msg: str) -> None:
         if self.rank == 0:
@@ -142,30 +169,40 @@ class RunGuard:
         save = self.cfg.checkpoint.save
         if not save:
             return "none (the run has no --save)"
-        latest = Path(save) / "latest"
-        return f"{save}/{latest.read_text().strip()}" if latest.is_file() else f"none yet in {save}"
+        latest = read_latest(save)
+        return f"{save}/{latest}" if latest is not None else f"none yet in {save}"
+
+    def saved(self, seconds: float) -> None:
+        """A checkpoint save took `seconds`: the time budget keeps room for one more."""
+        self.save_seconds = seconds
+
+    def _agree(self, *flags: bool) -> list[bool]:
+        """The step's one control all-reduce: each flag is true on every rank if it is true on any."""
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return list(flags)
+        t = torch.tensor([float(f) for f in flags], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return [bool(v) for v in t.tolist()]
 
     def after_step(self, step: int, loss: float, grad_norm: Optional[float]) -> bool:
         """Call on every rank after each step. Raises RunAborted on a non-finite step beyond the allowance;
-        returns True (and raises the stop request) when the time budget says save and exit now."""
+        returns True when every rank should save and exit now (a stop request on any rank, or the time budget,
+        which also raises the stop request)."""
         now = time.monotonic()
         self.step_seconds, self.last_step_time = now - self.last_step_time, now
-        if _watchdog is not None:
-            _watchdog.step = step
+        if self.watchdog is not None:
+            self.watchdog.step = step
         norm = float("nan") if grad_norm is None else float(grad_norm)
         applied = getattr(self.engine, "was_step_applied", lambda: True)()
         bad = not (math.isfinite(loss) and math.isfinite(norm) and applied)
-        budget = self.cfg.control.exit_duration_in_mins * 60
-        late = bool(budget) and (time.time() - _STARTED) + self.step_seconds + _last_save_seconds >= budget
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            # Every rank must take the same branch (an abort or a save is collective): agree on both flags.
-            flags = torch.tensor([float(bad), float(late)], device=self.device)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-            bad, late = bool(flags[0].item()), bool(flags[1].item())
+        budget = self.exit_duration_in_mins * 60
+        late = bool(budget) and (time.time() - _STARTED) + self.step_seconds + self.save_seconds >= budget
+        stop = self.stop is not None and self.stop.requested()
+        stop, bad, late = self._agree(stop, bad, late)
         if bad:
             self.skipped += 1
             what = f"loss {loss} / grad norm {norm} at step {step}"
-            allowed = self.cfg.control.skip_nonfinite
+            allowed = self.skip_nonfinite
             if self.skipped > allowed:
                 self._log(f"threed: error: non-finite {what}: stopping without saving (the run diverged; "
                           f"{self.skipped} non-finite step(s), --skip-nonfinite {allowed}). Last good checkpoint: "
@@ -176,8 +213,8 @@ class RunGuard:
                       f"{self.skipped} of --skip-nonfinite {allowed}")
         if late and not self.out_of_time:
             self.out_of_time = True
-            self._log(f"threed: --exit-duration-in-mins {self.cfg.control.exit_duration_in_mins:g} is near "
+            self._log(f"threed: --exit-duration-in-mins {self.exit_duration_in_mins:g} is near "
                       f"({(time.time() - _STARTED) / 60:.1f} min elapsed): saving and exiting")
             if self.stop is not None:
                 self.stop.flag = True
-        return late
+        return stop or late

@@ -14,7 +14,6 @@ run resumes from it.
 """
 from __future__ import annotations
 
-import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +22,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from threed.checkpoint import save, start as checkpoint_start
+from threed.checkpoint.save import save
+from threed.checkpoint.start import start as checkpoint_start
 from threed.config import ConfigError, RunConfig
 from threed.data.checks import check_cache_visible, check_data
 from threed.data.datasets import build_datasets
@@ -33,7 +33,7 @@ from threed.distributed import grid_coordinates, init_distributed, shutdown_dist
 from threed.engine import build_engine
 from threed.errors import guarded
 from threed.flags import parse_run_config
-from threed.guard import RunGuard
+from threed.guard import RunGuard, StopRequest
 from threed.evaluate import evaluate
 from threed.metrics import RunMetrics
 
@@ -49,25 +49,6 @@ class TrainResult:
     evals: list[dict] = field(default_factory=list)  # {"step", "loss", "tokens", "loss/<dataset>": ...}
     samples_read: int = 0  # train + valid samples this rank read (0 on middle pipeline stages)
     loss_tokens: list[int] = field(default_factory=list)  # SFT, last stage: the tokens each step's loss counted
-
-
-class StopRequest:
-    """Set by a signal on any rank; agreed on by all ranks with one tiny all-reduce per step."""
-
-    def __init__(self, save_dir: Optional[str]):
-        self.flag = False
-        self.stop_file = Path(save_dir) / "STOP" if save_dir else None
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
-            signal.signal(sig, self._handler)
-
-    def _handler(self, signum, frame) -> None:
-        self.flag = True
-
-    def agreed(self, device: torch.device) -> bool:
-        local = self.flag or bool(self.stop_file and self.stop_file.exists())
-        t = torch.tensor([1.0 if local else 0.0], device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
 
 
 def checked_data_plan(cfg: RunConfig, rank: int):
@@ -109,7 +90,7 @@ def train(cfg: RunConfig) -> TrainResult:
     cfg.validate(rt.world_size)
     plan = checked_data_plan(cfg, rt.rank)  # every data problem, before datasets or the model are built
     # Where the run starts (resume / refuse / universal conversion) and --save checks, before any dataset.
-    start_plan = checkpoint_start(cfg, rt.rank, rt.world_size)
+    start_decision = checkpoint_start(cfg, rt.rank, rt.world_size)
     tp, pp, dp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp(rt.world_size)
     micro, gas, glob = cfg.train.resolve_batch(dp)
     stage, dp_rank, _ = grid_coordinates(rt.rank, tp, dp)
@@ -121,9 +102,9 @@ def train(cfg: RunConfig) -> TrainResult:
         check_cache_visible(cfg.data.data_cache_path, rt.rank)
     data = build_datasets(cfg, plan, glob, builds_here=reads_data)
     stop = StopRequest(cfg.checkpoint.save)
-    built = build_engine(cfg, rt, start_plan, token_weighted=plan.sft)
+    built = build_engine(cfg, rt, start_decision, token_weighted=plan.sft)
     engine = built.engine
-    guard = RunGuard(cfg, rt.rank, engine, stop, rt.device)  # non-finite steps, time budget, watchdog
+    guard = RunGuard(cfg, rt.rank, engine, stop, rt.device)  # stop request, non-finite steps, time budget, watchdog
     start = engine.global_steps
     # Consumed samples position the sampler; a checkpoint from before they were recorded had a constant batch.
     consumed = int(built.client_state.get("consumed_samples", start * glob))
@@ -155,7 +136,8 @@ def train(cfg: RunConfig) -> TrainResult:
         result.end_step = step + 1
         result.consumed_samples = consumed
         metrics.step(step + 1, loss, norm, samples=consumed, loss_tokens=loss_tokens)  # every rank (one all-gather per log interval)
-        guard.after_step(step + 1, loss, norm)  # exit 3 on divergence; may raise the stop request
+        # The step's one control all-reduce: exit 3 on divergence; True: every rank saves and exits after this step.
+        stop_now = guard.after_step(step + 1, loss, norm)
         last = step + 1 == cfg.train.steps
         if plan.eval_interval and ((step + 1) % plan.eval_interval == 0 or last):
             # Evaluation k reads the k-th block of eval_iters valid batches (the last one may be off-interval).
@@ -170,16 +152,18 @@ def train(cfg: RunConfig) -> TrainResult:
             log(logger, f"validation at step {step + 1} | loss {ev.loss:.4f} | perplexity {ev.perplexity:.2f} | "
                          f"{ev.tokens} tokens{per}")
         interval = cfg.checkpoint.save_interval
-        state = {"consumed_samples": consumed}
-        if stop.agreed(rt.device):
+        due = last or bool(interval and (step + 1) % interval == 0)
+        if cfg.checkpoint.save and (stop_now or due):
+            saved = save(engine, cfg, rt.rank, {"consumed_samples": consumed})
+            guard.saved(saved.seconds)  # the time budget keeps room for one more save
+            result.saved_to = saved.path
+        if stop_now:
             result.preempted = True
-            if cfg.checkpoint.save:
-                result.saved_to = save(engine, cfg, rt.rank, state)
             log(logger, f"stop requested: saved step {step + 1} to {result.saved_to}; exiting for a restart")
             break
-        if cfg.checkpoint.save and (last or (interval and (step + 1) % interval == 0)):
-            result.saved_to = save(engine, cfg, rt.rank, state)
+        if cfg.checkpoint.save and due:
             log(logger, f"saved checkpoint step {step + 1} to {cfg.checkpoint.save}")
+    guard.close()
     metrics.close()
     result.samples_read = counter.samples
     return result

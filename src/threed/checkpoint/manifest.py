@@ -3,50 +3,22 @@ checkpoint found on load, and old ones pruned (`--keep-last N`).
 
 A save is complete only when every rank has written its files: `threed.checkpoint.save` waits for all of them
 (a barrier), then rank 0 writes `<tag>/threed_manifest.json` and only then `latest`, each through a temporary
-file renamed into place. A kill at any moment therefore leaves either no manifest (the save is ignored) or a
-manifest that names every file: `find_resumable` checks the files against it and falls back to the newest
-checkpoint whose files are all there at their recorded sizes, saying which file was missing or short.
+file renamed into place (threed.atomic). A kill at any moment therefore leaves either no manifest (the save is
+ignored) or a manifest that names every file: `find_resumable` checks the files against it and falls back to the
+newest checkpoint whose files are all there at their recorded sizes, saying which file was missing or short.
 """
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from threed.checkpoint.layout import (LATEST, CheckpointLayout, layout_of_files, list_tags, missing_files,
-                                      read_latest, step_of)
-
-MANIFEST_NAME = "threed_manifest.json"
-UNIVERSAL_DIR = "universal"  # <save>/universal/<tag>: universal conversions made to resume at another layout
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` so that a reader sees the old content or the new, never a torn file: a temporary
-    file beside it, flushed to disk, renamed over it, and the directory entry flushed too."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some file systems refuse fsync on directories; the rename is still atomic
-        pass
-    finally:
-        os.close(fd)
+from threed.atomic import write_atomic
+from threed.checkpoint.format import (LATEST, MANIFEST_NAME, UNIVERSAL_DIR, CheckpointLayout, layout_of_files,
+                                      list_tags, missing_files, read_latest, step_of)
 
 
 def write_manifest(step_dir: Path, files: dict[str, int], meta: dict[str, Any]) -> dict[str, Any]:

@@ -1,16 +1,9 @@
 """Resume at another tp, pp, dp (or dtype) through DeepSpeed's universal checkpoint, optimizer state included.
 
-`universal_info(model)` tells `deepspeed.checkpoint.ds_to_universal` how each of our parameters is split over TP
-(the PipelineModule carries it as `universal_checkpoint_info`; DeepSpeed stores it in every mp_rank file). Names are
-`<pipeline layer index>.<module path>`, e.g. `3.self_attention.linear_proj.weight`, matched with `re.match`. A
-parameter no pattern names is concatenated on dim 0 (right for column-parallel weights: fused QKV, whose TP shards
-are whole query groups, and the LM head); anything else must be named (DeepSpeed #6503):
-
-- RMSNorm weights are replicated on every TP rank;
-- row-parallel `linear_proj` and `linear_fc2` are split on dim 1;
-- SwiGLU `linear_fc1` holds [gate_r; up_r] on each rank r, two sub-parameters to concatenate separately;
-- the embedding and LM head are padded to a multiple of 128 x tp: the padding is cut to the true vocab size and
-  re-added for the new tp on load (padded logits are masked to -inf, so their values never matter).
+How each of our parameters is split over TP is `threed.model.spec.universal_checkpoint_info(model)`, derived from
+the parameter table (the PipelineModule carries it as `universal_checkpoint_info`; DeepSpeed stores it in every
+mp_rank file, and `ds_to_universal` reads it from there): norms replicated, row-parallel weights on dim 1, SwiGLU's
+[gate_r; up_r] as two sub-parameters, the vocabulary padding cut to the true size and re-added for the new tp.
 
 `convert` runs once per (checkpoint, old layout) on rank 0 and writes `<save>/universal/<tag>-from-<layout>/`,
 which DeepSpeed loads with `"checkpoint": {"load_universal": true}`; it is deleted once a newer checkpoint exists.
@@ -20,36 +13,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
-from threed.checkpoint.layout import MP_RE
-from threed.checkpoint.manifest import UNIVERSAL_DIR, Found, write_atomic
-from threed.config import ConfigError, ModelConfig
+import torch
+
+from threed.atomic import atomic_dir, write_atomic
+from threed.checkpoint.format import MP_RE, UNIVERSAL_DIR
+from threed.checkpoint.manifest import Found
+from threed.errors import ConfigError
 
 DONE = "threed_universal.json"  # written last: a conversion cut short is redone, a finished one reused
-
-
-def universal_info(model: ModelConfig) -> dict[str, Any]:
-    from deepspeed.checkpoint.constants import (PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0,
-                                                PARAMETER_WITH_ROW_PARALLELISM_PATTERNS,
-                                                TP_REPLICATED_PARAMETER_PATTERNS, UNIVERSAL_CHECKPOINT_VERSION_KEY,
-                                                VOCABULARY_PARAMETER_PATTERNS)
-
-    return {
-        # 0.2: the version Megatron-DeepSpeed's GPT model declares; our patterns use no newer feature.
-        UNIVERSAL_CHECKPOINT_VERSION_KEY: 0.2,
-        TP_REPLICATED_PARAMETER_PATTERNS: [r"\d+\.input_layernorm\.weight$", r"\d+\.pre_mlp_layernorm\.weight$",
-                                           r"\d+\.norm\.weight$"],
-        PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: [r"\d+\.self_attention\.linear_proj\.weight$",
-                                                  r"\d+\.mlp\.linear_fc2\.weight$"],
-        PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0: [r"\d+\.mlp\.linear_fc1\.weight$"],
-        VOCABULARY_PARAMETER_PATTERNS: [r"\d+\.word_embeddings\.weight$", r"\d+\.lm_head\.weight$"],
-        "original_vocab_size": model.vocab_size,
-    }
 
 
 def layout_name(found: Found, dtype: str) -> str:
@@ -60,8 +35,6 @@ def layout_name(found: Found, dtype: str) -> str:
 def check_convertible(found: Found) -> None:
     """ds_to_universal needs `universal_checkpoint_info` in the mp_rank files (checkpoints saved before threed
     declared it lack it) and the optimizer shards."""
-    import torch
-
     step_dir = Path(found.path) / found.tag
     if not found.has_optimizer:
         raise ConfigError(f"{step_dir} holds weights only (no optimizer state), so it cannot be resumed at another "
@@ -75,8 +48,9 @@ def check_convertible(found: Found) -> None:
 
 
 def convert(found: Found, root: Path, dtype: str, log: Callable[[str], None]) -> tuple[str, str]:
-    """Convert `found` into `root/universal/` (once) and return (load_dir, tag) for engine.load_checkpoint."""
-    from deepspeed.checkpoint import ds_to_universal
+    """Convert `found` into `root/universal/` (once) and return (load_dir, tag) for engine.load_checkpoint. The
+    conversion is built under a temporary name and renamed into place, its `threed_universal.json` written last."""
+    from deepspeed.checkpoint import ds_to_universal  # deepspeed: heavy, only on the rank-0 conversion path
 
     load_dir = root / UNIVERSAL_DIR
     tag = layout_name(found, dtype)
@@ -85,30 +59,27 @@ def convert(found: Found, root: Path, dtype: str, log: Callable[[str], None]) ->
         log(f"universal checkpoint {out} already exists (converted from {found.tag}); loading it")
         return str(load_dir), tag
     check_convertible(found)
-    tmp = load_dir / f".{tag}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
-        tmp.mkdir(parents=True)
+        load_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"cannot write the universal checkpoint under {load_dir} ({e.strerror or e}); give a "
                           f"writable --save") from None
-    args = argparse.Namespace(input_folder=str(Path(found.path) / found.tag), output_folder=str(tmp),
-                              num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
-                              inject_missing_state=False)
     t0 = time.time()
     log(f"converting {Path(found.path) / found.tag} ({found.layout.describe()}) to a universal checkpoint in {out}")
-    try:
-        # DeepSpeed prints every step and a progress bar per tensor: keep that in a log file beside the output.
-        with open(tmp / "convert.log", "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
-            ds_to_universal.main(args)
-    except Exception as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise ConfigError(f"converting {found.path}/{found.tag} to a universal checkpoint failed: "
-                          f"{type(e).__name__}: {e}; resume at its own layout ({found.layout.describe()})") from e
-    (load_dir / "latest_universal").unlink(missing_ok=True)  # ds_to_universal's pointer at the temporary name
-    write_atomic(tmp / DONE, json.dumps({"source": str(Path(found.path) / found.tag),
-                                         "layout": found.layout.describe(), "seconds": round(time.time() - t0, 1)}))
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
+    with atomic_dir(out) as tmp:
+        args = argparse.Namespace(input_folder=str(Path(found.path) / found.tag), output_folder=str(tmp),
+                                  num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                  inject_missing_state=False)
+        try:
+            # DeepSpeed prints every step and a progress bar per tensor: keep that in a log file beside the output.
+            with open(tmp / "convert.log", "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+                ds_to_universal.main(args)
+        except Exception as e:
+            raise ConfigError(f"converting {found.path}/{found.tag} to a universal checkpoint failed: "
+                              f"{type(e).__name__}: {e}; resume at its own layout ({found.layout.describe()})") from e
+        (load_dir / "latest_universal").unlink(missing_ok=True)  # ds_to_universal's pointer at the temporary name
+        write_atomic(tmp / DONE, json.dumps({"source": str(Path(found.path) / found.tag),
+                                             "layout": found.layout.describe(),
+                                             "seconds": round(time.time() - t0, 1)}))
     log(f"converted in {time.time() - t0:.1f} s")
     return str(load_dir), tag

@@ -21,20 +21,22 @@ from typing import Any, Optional
 
 import torch
 
-from threed.convert.ds_checkpoint import HF_EXTRA_DIR, Checkpoint, open_checkpoint, read_run_json
+from threed.checkpoint.format import HF_EXTRA_DIR, Checkpoint, open_checkpoint, read_run_json
+from threed.convert.ds_checkpoint import shard_reader
 from threed.convert.io_utils import ConvertError, atomic_output_dir, check_free_space, human, progress
 from threed.convert.slices import Piece
 from threed.hf.config import write_config
 from threed.hf.format import TOKENIZER_FILES
 from threed.hf.names import hf_names, hf_shapes
 from threed.hf.write import Planned, ShardedSafetensorsWriter, copy_files, plan_shards, write_sentencepiece_tokenizer
+from threed.model.spec import pipeline_layers
 
 
 def _plan(ck: Checkpoint, dtype: Optional[torch.dtype]) -> list[Planned]:
     """Every HF tensor in write order with its dtype: reading each layer file's header (memory-mapped, no
     data) also checks names and shapes of the whole checkpoint before anything is written."""
     planned = []
-    for layer in ck.layers:
+    for layer in pipeline_layers(ck.model):
         shards = ck.load_layer(layer)
         shapes = hf_shapes(ck.model, layer)
         for ours, names in hf_names(layer).items():
@@ -131,9 +133,10 @@ def export(ckpt: str | os.PathLike, out: str | os.PathLike, dtype: Optional[torc
     with atomic_output_dir(out, force) as tmp:
         writer = ShardedSafetensorsWriter(tmp, plan_shards(planned, max_shard_bytes))
         buffers: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = {}
-        with progress(sum(ck.nbytes(l.index) for l in ck.layers), "export", show_progress) as bar:
-            for layer in ck.layers:
-                reader = ck.reader(layer)
+        layers = pipeline_layers(ck.model)
+        with progress(sum(ck.nbytes(l.index) for l in layers), "export", show_progress) as bar:
+            for layer in layers:
+                reader = shard_reader(ck, layer)
                 for name, shape in hf_shapes(ck.model, layer).items():
                     if reader.split_dim(name) == 0:  # rows: each shard's slice goes straight to the file
                         for part, _ in reader.parts(name, 0, 0, shape[0]):

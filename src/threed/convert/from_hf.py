@@ -5,7 +5,7 @@
 
 (`--model` must pad the vocab as the conversion did: the HF directory does at the default
 --make-vocab-size-divisible-by 128; `threed_run.json` in the output records the exact ModelConfig, see
-ds_checkpoint.read_model_config.)
+threed.checkpoint.format.read_model_config.)
 
 Peak memory is one TP rank's shard of one pipeline layer (read slice by slice straight into place, saved,
 freed; see threed.convert.slices), never the model. Nothing is written before the whole source has been checked
@@ -26,9 +26,9 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from threed.checkpoint.format import CONVERT_TAG, HF_EXTRA_DIR, layer_file
 from threed.config import ModelConfig, ParallelConfig, RunConfig
-from threed.convert.ds_checkpoint import (HF_EXTRA_DIR, TAG, layer_file, model_to_dict, with_extra_state,
-                                          write_metadata)
+from threed.convert.ds_checkpoint import model_to_dict, with_extra_state, write_metadata
 from threed.convert.io_utils import ConvertError, atomic_output_dir, check_free_space, dtype_name, human, progress
 from threed.convert.slices import BufferPool, PartReader, materialize, rank_plan
 from threed.hf.config import from_hf_config
@@ -156,7 +156,7 @@ def convert_hf_checkpoint(hf_dir: str | os.PathLike, out: str | os.PathLike, tp:
     check_free_space(Path(out).absolute().parent, int(total * scale))
     dtypes = sorted({dtype_name(dtype)} if dtype else {dtype_name(t.dtype) for t in source.tensors.values()})
     with atomic_output_dir(out, force) as tmp, contextlib.closing(source):
-        step_dir = tmp / TAG
+        step_dir = tmp / CONVERT_TAG
         step_dir.mkdir()
         with progress(total, "convert", show_progress) as bar:
             if workers > 1:  # each worker process holds its own rank shard: memory x workers
@@ -180,7 +180,7 @@ def convert_hf_checkpoint(hf_dir: str | os.PathLike, out: str | os.PathLike, tp:
             "model": model_to_dict(cfg), "tp": tp, "pp": pp, "vocab_size": cfg.vocab_size,
             "padded_vocab_size": cfg.padded_vocab_size(tp),
             "make_vocab_size_divisible_by": cfg.make_vocab_size_divisible_by, "dtype": "/".join(dtypes),
-            "tag": TAG, "num_pipeline_layers": len(layers),
+            "tag": CONVERT_TAG, "num_pipeline_layers": len(layers),
             "source": {"path": str(hf_dir), "format": source.format, "files": [f.name for f in source.files],
                        "bytes": total},
             "hf_files": copied, "seconds": round(time.time() - t0, 2),

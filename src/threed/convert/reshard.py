@@ -19,9 +19,11 @@ import torch
 from threed.config import ParallelConfig
 from threed.convert.from_hf import convert_rank, layer_hf_names, save_rank
 from threed.convert.export import write_side_files
-from threed.convert.ds_checkpoint import HF_EXTRA_DIR, TAG, model_to_dict, open_checkpoint, write_metadata
+from threed.checkpoint.format import CONVERT_TAG, HF_EXTRA_DIR, open_checkpoint
+from threed.convert.ds_checkpoint import model_to_dict, shard_reader, write_metadata
 from threed.convert.io_utils import ConvertError, atomic_output_dir, check_free_space, dtype_name, human, progress
 from threed.convert.slices import BufferPool
+from threed.model.spec import pipeline_layers
 
 
 def reshard(ckpt: str | os.PathLike, out: str | os.PathLike, tp: int, pp: int,
@@ -32,17 +34,18 @@ def reshard(ckpt: str | os.PathLike, out: str | os.PathLike, tp: int, pp: int,
     ck = open_checkpoint(ckpt)
     cfg = ck.model
     ParallelConfig(tp=tp, pp=pp).validate(cfg, tp * pp)
-    total = sum(ck.nbytes(l.index) for l in ck.layers)
+    layers = pipeline_layers(cfg)
+    total = sum(ck.nbytes(l.index) for l in layers)
     Path(out).absolute().parent.mkdir(parents=True, exist_ok=True)
     check_free_space(Path(out).absolute().parent, total)
     with atomic_output_dir(out, force) as tmp:
-        step_dir = tmp / TAG
+        step_dir = tmp / CONVERT_TAG
         step_dir.mkdir()
         dtypes: set[str] = set()
         pool = BufferPool()
         with progress(total, "reshard", show_progress) as bar:
-            for layer in ck.layers:
-                reader = ck.reader(layer)  # slices of the HF tensors, read out of the old TP files
+            for layer in layers:
+                reader = shard_reader(ck, layer)  # slices of the HF tensors, read out of the old TP files
                 for rank in range(tp):
                     save_rank(step_dir, layer, rank, convert_rank(cfg, layer, reader, tp, rank, dtype, pool=pool))
                 dtypes.update(dtype_name(reader.dtype(n)) for n in layer_hf_names(layer))
@@ -55,8 +58,8 @@ def reshard(ckpt: str | os.PathLike, out: str | os.PathLike, tp: int, pp: int,
             "model": model_to_dict(cfg), "tp": tp, "pp": pp, "vocab_size": cfg.vocab_size,
             "padded_vocab_size": cfg.padded_vocab_size(tp),
             "make_vocab_size_divisible_by": cfg.make_vocab_size_divisible_by,
-            "dtype": dtype_name(dtype) if dtype else "/".join(sorted(dtypes)), "tag": TAG,
-            "num_pipeline_layers": len(ck.layers),
+            "dtype": dtype_name(dtype) if dtype else "/".join(sorted(dtypes)), "tag": CONVERT_TAG,
+            "num_pipeline_layers": len(layers),
             "source": {"path": str(ck.path.absolute()), "format": "deepspeed", "tp": ck.tp, "pp": ck.pp,
                        "tag": ck.tag, "bytes": total},
             "hf_files": side, "seconds": round(time.time() - t0, 2),

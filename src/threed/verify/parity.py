@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from threed.convert.ds_checkpoint import open_checkpoint
+from threed.checkpoint.format import open_checkpoint
 from threed.convert.io_utils import ConvertError
 from threed.hf.config import from_hf_config
 from threed.launch import run_ranks

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 import torch
 
 from threed.config import CheckpointConfig, ParallelConfig, RunConfig, TrainConfig
-from threed.convert.ds_checkpoint import check_loadable, read_model_config
+from threed.checkpoint.format import check_loadable, read_model_config
 from threed.distributed import init_distributed
 from threed.engine import build_engine
 from threed.logits import pipeline_logits

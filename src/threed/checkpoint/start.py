@@ -1,6 +1,11 @@
 """Where a run starts, decided before anything expensive: resume (natively or through a universal checkpoint),
 weights only, or random init; and whether the save directory can take a checkpoint at all.
 
+    decision = start(cfg, rank, world_size)   # every rank, before the model is built (threed.engine)
+
+`decide_start` only reads the file system (threed check-config calls it too); `start` runs it on rank 0, then does
+what it decided (`--overwrite`, the universal conversion) and gives every rank the same `StartDecision`.
+
 The rules (each refusal names the flag that would make it go ahead):
 - `--save` holding a complete checkpoint: resume from it (a requeued job), even if `--load` / `--init-from` name
   another directory (those are for the first start). With `--auto-resume false` that is refused, because
@@ -16,16 +21,22 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional, TypeVar
 
-from threed.checkpoint.layout import (RUN_CONFIG_NAME, check_layout, check_loadable, check_model, read_latest,
-                                      list_tags)
-from threed.checkpoint.manifest import Found, find_resumable
-from threed.config import ConfigError, RunConfig
+import torch.distributed as dist
+
+from threed.checkpoint import universal
+from threed.checkpoint.format import (CONVERT_MANIFEST, RUN_JSON, check_layout, check_loadable, check_model,
+                                      list_tags, read_latest, read_model_config)
+from threed.checkpoint.manifest import Found, clear_run, find_resumable
+from threed.config import ModelConfig, RunConfig
+from threed.errors import ConfigError
+
+T = TypeVar("T")
 
 
 @dataclass
-class StartPlan:
+class StartDecision:
     mode: str = "fresh"  # fresh | resume | weights
     source: Optional[Found] = None
     universal: bool = False  # load through a universal checkpoint (set once converted)
@@ -42,7 +53,8 @@ class StartPlan:
         return f"{what} {self.source.path}/{self.source.tag}{via}"
 
 
-def _dtype_of(found: Found) -> str:
+def dtype_of(found: Found) -> str:
+    """The training dtype a checkpoint was written in."""
     dtype = found.manifest.get("dtype")
     if dtype:
         return dtype
@@ -51,9 +63,7 @@ def _dtype_of(found: Found) -> str:
     return "bf16" if any(step_dir.glob("bf16_zero_pp_rank_*")) else "fp32"
 
 
-def _recorded_model(found: Found):
-    from threed.convert.ds_checkpoint import read_model_config
-
+def _recorded_model(found: Found) -> Optional[ModelConfig]:
     if found.manifest.get("model"):
         return RunConfig.from_dict({"model": found.manifest["model"]}).model
     return read_model_config(found.path)
@@ -70,16 +80,16 @@ def _find(path: str, what: str, notes: list[str]) -> Found:
     return found
 
 
-def plan_start(cfg: RunConfig, world_size: int) -> StartPlan:
+def decide_start(cfg: RunConfig, world_size: int) -> StartDecision:
     """Pure: reads the file system, changes nothing, raises ConfigError with the fix."""
     ck = cfg.checkpoint
-    plan = StartPlan()
+    decision = StartDecision()
     save_found: Optional[Found] = None
     if ck.save and Path(ck.save).is_dir() and (list_tags(ck.save) or read_latest(ck.save)):
         save_found, warnings = find_resumable(ck.save)
         if ck.overwrite:
-            plan.clear_save = True
-            plan.notes.append(f"--overwrite true: deleting the checkpoints in {ck.save} and starting over")
+            decision.clear_save = True
+            decision.notes.append(f"--overwrite true: deleting the checkpoints in {ck.save} and starting over")
             save_found = None
         elif save_found is not None and not ck.auto_resume:
             raise ConfigError(
@@ -90,37 +100,37 @@ def plan_start(cfg: RunConfig, world_size: int) -> StartPlan:
             raise ConfigError(f"--save {ck.save} holds no complete checkpoint ({'; '.join(warnings)}); restore the "
                               f"missing files, or pass --overwrite true to delete them and start over")
         else:
-            plan.notes.extend(warnings)
+            decision.notes.extend(warnings)
     if save_found is not None:
-        plan.mode, plan.source = "resume", save_found
+        decision.mode, decision.source = "resume", save_found
         for flag, value in (("--load", ck.load), ("--init-from", ck.init_from)):
             if value and os.path.abspath(value) != os.path.abspath(ck.save):
-                plan.notes.append(f"{flag} {value} is not used: --save {ck.save} already holds this run's "
-                                  f"checkpoint {save_found.tag}, so the run resumes from it")
+                decision.notes.append(f"{flag} {value} is not used: --save {ck.save} already holds this run's "
+                                      f"checkpoint {save_found.tag}, so the run resumes from it")
     elif ck.load:
-        plan.mode, plan.source = "resume", _find(ck.load, "load", plan.notes)
+        decision.mode, decision.source = "resume", _find(ck.load, "load", decision.notes)
     elif ck.init_from:
-        plan.mode, plan.source = "weights", _find(ck.init_from, "init_from", plan.notes)
-    if plan.source is None:
-        return plan
+        decision.mode, decision.source = "weights", _find(ck.init_from, "init_from", decision.notes)
+    if decision.source is None:
+        return decision
 
-    found = plan.source
+    found = decision.source
     check_model(found.path, _recorded_model(found), cfg.model)
-    plan.load_dir, plan.tag = found.path, found.tag
-    if plan.mode == "weights":
+    decision.load_dir, decision.tag = found.path, found.tag
+    if decision.mode == "weights":
         check_layout(found.path, cfg, world_size, full_resume=False, tag=found.tag)
-        if (Path(found.path) / RUN_CONFIG_NAME).is_file() or (Path(found.path) / "threed_convert.json").is_file():
+        if (Path(found.path) / RUN_JSON).is_file() or (Path(found.path) / CONVERT_MANIFEST).is_file():
             if found.tag == read_latest(found.path):
                 check_loadable(found.path, cfg.model, cfg.parallel.tp, cfg.parallel.pp, weights_only=True)
-        return plan
+        return decision
     if not found.has_optimizer:
         raise ConfigError(f"{found.path} is a converted checkpoint (weights only, no optimizer state): use it with "
                           f"--init-from, not --load or --save")
     lay = found.layout
     same = ((lay.tp, lay.pp, lay.dp) == (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp(world_size))
-            and _dtype_of(found) == cfg.train.dtype)
-    plan.universal = not same
-    return plan
+            and dtype_of(found) == cfg.train.dtype)
+    decision.universal = not same
+    return decision
 
 
 def checkpoint_bytes(cfg: RunConfig) -> int:
@@ -139,7 +149,7 @@ def _human(n: float) -> str:
     raise AssertionError
 
 
-def check_save_dir(cfg: RunConfig, plan: StartPlan, create: bool = True) -> None:
+def check_save_dir(cfg: RunConfig, decision: StartDecision, create: bool = True) -> None:
     """Before the model is built: --save is a directory we can create and write, with room for a checkpoint
     (and for the universal conversion when one is planned). `create=False` (threed check-config) only looks:
     permissions instead of a test write, and nothing is created."""
@@ -157,11 +167,11 @@ def check_save_dir(cfg: RunConfig, plan: StartPlan, create: bool = True) -> None
     if not create and not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"--save {save} is not writable ({existing} does not let this user write); choose a "
                           f"directory you can write to")
-    needed = checkpoint_bytes(cfg) * (2 if plan.universal else 1)
+    needed = checkpoint_bytes(cfg) * (2 if decision.universal else 1)
     free = shutil.disk_usage(existing).free
     if needed > free:
         raise ConfigError(f"--save {save} has {_human(free)} free; one checkpoint of {cfg.model.name} needs about "
-                          f"{_human(needed)}{' (plus its universal conversion)' if plan.universal else ''}. Free "
+                          f"{_human(needed)}{' (plus its universal conversion)' if decision.universal else ''}. Free "
                           f"space or choose --save on a larger file system")
     if not create:
         return
@@ -176,3 +186,59 @@ def check_save_dir(cfg: RunConfig, plan: StartPlan, create: bool = True) -> None
     except OSError as e:
         raise ConfigError(f"--save {save} is not writable ({e.strerror or e}); choose a directory you can write "
                           f"to") from None
+
+
+# ------------------------------------------------------------------------------------------ on every rank
+
+def _multi_rank() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def on_rank0(rank: int, fn: Callable[[], T]) -> T:
+    """Run `fn` on rank 0 only and give every rank its result, or raise its ConfigError on every rank: one rank
+    decides from the (shared) file system, so all ranks agree even when their views of it differ."""
+    if not _multi_rank():
+        return fn()
+    payload: list[Any] = [None]
+    if rank == 0:
+        try:
+            payload[0] = ("ok", fn())
+        except ConfigError as e:
+            payload[0] = ("error", str(e))
+        except BaseException as e:
+            dist.broadcast_object_list([("crash", f"{type(e).__name__}: {e}")], src=0)
+            raise
+    dist.broadcast_object_list(payload, src=0)
+    status, value = payload[0]
+    if status == "error":
+        raise ConfigError(value)
+    if status == "crash":
+        raise RuntimeError(f"rank 0 failed while preparing the checkpoint directory: {value}")
+    return value
+
+
+def start(cfg: RunConfig, rank: int, world_size: int, log: Optional[Callable[[str], None]] = None) -> StartDecision:
+    """Where the run starts, checked and prepared on rank 0 before the model is built: the decision, the save
+    directory (created, writable, room for a checkpoint), `--overwrite`, and the universal conversion. Every rank
+    calls it; `log` (default: print) runs on rank 0 only."""
+    log = log or (lambda m: print(m, flush=True))
+
+    def prepare() -> StartDecision:
+        decision = decide_start(cfg, world_size)
+        check_save_dir(cfg, decision)
+        for note in decision.notes:
+            log(f"threed: {note}")
+        if decision.clear_save:
+            removed = clear_run(Path(cfg.checkpoint.save))
+            log(f"threed: --overwrite true: removed {', '.join(removed) or 'nothing'} from {cfg.checkpoint.save}")
+        if decision.universal:
+            src = decision.source
+            root = Path(cfg.checkpoint.save or src.path)
+            log(f"threed: {src.path}/{src.tag} was written at {src.layout.describe()} {dtype_of(src)}; this run "
+                f"has tp={cfg.parallel.tp}, pp={cfg.parallel.pp}, dp={cfg.parallel.dp(world_size)} "
+                f"{cfg.train.dtype}: resuming through a universal checkpoint (optimizer state kept)")
+            decision.load_dir, decision.tag = universal.convert(src, root, dtype_of(src),
+                                                                lambda m: log(f"threed: {m}"))
+        return decision
+
+    return on_rank0(rank, prepare)

@@ -1,0 +1,321 @@
+"""What a DeepSpeed pipeline checkpoint directory holds, in one place: the file names, reading them back, the model
+it records, and whether a run can load it. `threed train` and the converters (`threed convert / export / reshard /
+verify`) both read and write this layout, so every name and every check of it lives here.
+
+    <dir>/latest                           the tag of the newest complete checkpoint (written last, atomically)
+    <dir>/threed_run.json                  the run config (model, layout): RunConfig.from_dict-compatible
+    <dir>/threed_convert.json              `threed convert` / `threed reshard` only: source, dtype, true/padded vocab
+    <dir>/hf/                              `threed convert` only: the HF source's tokenizer / generation config
+    <dir>/universal/<tag>-from-<layout>/   a universal conversion made to resume at another layout
+    <dir>/<tag>/layer_XX-model_YY-model_states.pt     weights of pipeline layer XX on TP rank YY
+    <dir>/<tag>/mp_rank_MM_model_states.pt            one per stage x TP rank (step, client state, ...)
+    <dir>/<tag>/*zero_pp_rank_D_mp_rank_MM_optim_states.pt   ZeRO-1 optimizer shards (dp x pp x tp)
+    <dir>/<tag>/threed_manifest.json                  `threed train` only: every file above with its size
+
+The tag is `global_step<N>` (`global_step0` for converted checkpoints). Layer file indices are positions in the
+pipeline's layer list (embedding, the blocks, final norm, LM head), so they do not depend on pp or the partition
+method; mp_rank and optimizer files do. DeepSpeed itself loads a checkpoint only at the tp, pp and dp it was
+written at (at another tp it merges/splits layer files with GPT-2 Megatron name rules and fails deep inside):
+`check_layout` / `check_loadable` say so up front, naming `threed reshard`; a full resume at another layout goes
+through a universal checkpoint instead (threed.checkpoint.start).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Optional, Protocol
+
+import torch
+
+from threed.config import ModelConfig, RunConfig
+from threed.errors import ConfigError
+from threed.model.spec import pipeline_layers, shard_shapes
+
+LATEST = "latest"
+RUN_JSON = "threed_run.json"  # beside the checkpoints: written by `threed train` and the converters
+CONVERT_MANIFEST = "threed_convert.json"  # beside the checkpoints: written by `threed convert` / `threed reshard`
+MANIFEST_NAME = "threed_manifest.json"  # inside a tag directory: written last by `threed train`'s save
+UNIVERSAL_DIR = "universal"  # <save>/universal/<tag>-from-<layout>: universal conversions
+HF_EXTRA_DIR = "hf"  # tokenizer / generation config files carried over from the HF source, for export
+CONVERT_TAG = "global_step0"  # the tag `threed convert` and `threed reshard` write
+
+TAG_RE = re.compile(r"^global_step(\d+)$")
+LAYER_RE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
+MP_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+OPTIM_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+
+NO_CHECKPOINT = ("holds no DeepSpeed checkpoint (no 'latest' file); pass the directory that `threed train --save` "
+                 "or `threed convert --out` wrote")
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint directory that is incomplete, damaged, or holds another model than the run's."""
+
+
+class Layer(Protocol):
+    """A pipeline layer as the layer files know it (threed.pipeline.PipelineLayer is one)."""
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def kind(self) -> str: ...
+
+
+def layer_file(idx: int, tp_rank: int) -> str:
+    return f"layer_{idx:02d}-model_{tp_rank:02d}-model_states.pt"
+
+
+def mp_rank_file(stage: int, tp_rank: int, tp: int) -> str:
+    return f"mp_rank_{stage * tp + tp_rank:02d}_model_states.pt"
+
+
+def pipeline_layer_count(model: ModelConfig) -> int:
+    """Layer files per TP rank: one per layer of `threed.model.spec.pipeline_layers`."""
+    return len(pipeline_layers(model))
+
+
+# ------------------------------------------------------------------------------------------- tags and layout
+
+def read_latest(path: str | os.PathLike) -> Optional[str]:
+    f = Path(path) / LATEST
+    return f.read_text().strip() if f.is_file() else None
+
+
+def has_checkpoint(path: Optional[str]) -> bool:
+    return bool(path) and (Path(path) / LATEST).is_file()
+
+
+def step_of(tag: str) -> Optional[int]:
+    m = TAG_RE.match(tag)
+    return int(m.group(1)) if m else None
+
+
+def list_tags(path: str | os.PathLike) -> list[str]:
+    """Tag directories (`global_step<N>`) under `path`, newest step first."""
+    p = Path(path)
+    if not p.is_dir():
+        return []
+    tags = [d.name for d in p.iterdir() if d.is_dir() and TAG_RE.match(d.name)]
+    return sorted(tags, key=lambda t: step_of(t) or 0, reverse=True)
+
+
+def layer_ranks(names: list[str]) -> dict[int, set[int]]:
+    """Layer index -> the TP ranks that have a layer file, from a tag directory's file names."""
+    ranks: dict[int, set[int]] = {}
+    for name in names:
+        m = LAYER_RE.match(name)
+        if m:
+            ranks.setdefault(int(m.group(1)), set()).add(int(m.group(2)))
+    return ranks
+
+
+def incomplete_layers(ranks: dict[int, set[int]], tp: int, count: int) -> list[int]:
+    """Layers 0 .. count-1 that do not have exactly one file per TP rank (all of them when tp is 0)."""
+    return [i for i in range(count) if tp == 0 or ranks.get(i, set()) != set(range(tp))]
+
+
+@dataclass(frozen=True)
+class CheckpointLayout:
+    tag: str
+    tp: int  # files per pipeline layer
+    model_parallel_files: int  # mp_rank_XX files = pp x tp
+    optimizer_files: int  # ZeRO optimizer shards = dp x pp x tp (0 for converted, weights-only checkpoints)
+    layers: int = 0  # distinct layer indices with files
+
+    @property
+    def pp(self) -> int:
+        return self.model_parallel_files // self.tp if self.tp else 0
+
+    @property
+    def dp(self) -> int:
+        return self.optimizer_files // self.model_parallel_files if self.model_parallel_files else 0
+
+    def describe(self) -> str:
+        return f"tp={self.tp}, pp={self.pp}" + (f", dp={self.dp}" if self.optimizer_files else " (weights only)")
+
+
+def layout_of_files(tag: str, names: list[str]) -> CheckpointLayout:
+    ranks = layer_ranks(names)
+    return CheckpointLayout(tag=tag, tp=len(ranks.get(0, ())), layers=len(ranks),
+                            model_parallel_files=sum(1 for n in names if MP_RE.match(n)),
+                            optimizer_files=sum(1 for n in names if OPTIM_RE.match(n)))
+
+
+def checkpoint_layout(path: str | os.PathLike, tag: Optional[str] = None) -> CheckpointLayout:
+    tag = tag or read_latest(path)
+    if tag is None:
+        raise CheckpointError(f"{path} {NO_CHECKPOINT}")
+    step_dir = Path(path) / tag
+    if not step_dir.is_dir():
+        raise CheckpointError(f"{path}/latest names {tag!r}, but {step_dir} does not exist: the checkpoint is "
+                              f"incomplete")
+    return layout_of_files(tag, [f.name for f in step_dir.iterdir()])
+
+
+def missing_files(layout: CheckpointLayout, names: list[str]) -> Optional[str]:
+    """Why a checkpoint without a manifest (written before manifests existed, or by `threed convert`) is not
+    complete, judged by its file counts; None when every layer has every TP rank and the shards divide."""
+    ranks = layer_ranks(names)
+    if not ranks or layout.tp == 0:
+        return "no layer files"
+    bad = incomplete_layers(ranks, layout.tp, max(ranks) + 1)
+    if bad:
+        missing = sorted(set(range(layout.tp)) - ranks.get(bad[0], set()))
+        return f"{layer_file(bad[0], missing[0] if missing else 0)} is missing"
+    if layout.model_parallel_files == 0 or layout.model_parallel_files % layout.tp:
+        return f"{layout.model_parallel_files} mp_rank files for tp={layout.tp}"
+    if layout.optimizer_files % layout.model_parallel_files:
+        return (f"{layout.optimizer_files} optimizer shards is not a multiple of the "
+                f"{layout.model_parallel_files} mp_rank files")
+    return None
+
+
+# ------------------------------------------------------------------------------------------- the recorded model
+
+def read_run_json(path: Path) -> Optional[dict[str, Any]]:
+    """The run description beside the checkpoints: threed_run.json, else a converter's threed_convert.json."""
+    for name in (RUN_JSON, CONVERT_MANIFEST):
+        if (path / name).is_file():
+            try:
+                return json.loads((path / name).read_text())
+            except json.JSONDecodeError as e:
+                raise CheckpointError(f"{path / name} is not valid JSON: {e}") from None
+    return None
+
+
+def read_model_config(path: str | os.PathLike) -> Optional[ModelConfig]:
+    """The ModelConfig recorded in a converted or trained checkpoint directory (None if it records none).
+    This is what lets `threed train --model CKPT_DIR --init-from CKPT_DIR` pad the vocab exactly as converted."""
+    run = read_run_json(Path(path))
+    if run is None or "model" not in run:
+        return None
+    return RunConfig.from_dict({"model": run["model"]}).model
+
+
+# ------------------------------------------------------------------------------------------- reading layer files
+
+@dataclass
+class Checkpoint:
+    path: Path
+    tag: str
+    model: ModelConfig
+    tp: int
+    pp: int  # the pp it was written at (mp_rank files); layer files themselves do not depend on it
+    run: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def step_dir(self) -> Path:
+        return self.path / self.tag
+
+    @property
+    def num_pipeline_layers(self) -> int:
+        return pipeline_layer_count(self.model)
+
+    def layer_path(self, idx: int, tp_rank: int) -> Path:
+        return self.step_dir / layer_file(idx, tp_rank)
+
+    def nbytes(self, idx: int) -> int:
+        return sum(self.layer_path(idx, r).stat().st_size for r in range(self.tp))
+
+    def load_rank(self, layer: Layer, rank: int) -> dict[str, torch.Tensor]:
+        """One layer file, memory-mapped (no data read yet), with its keys and shapes checked."""
+        expected = shard_shapes(self.model, layer.kind, self.tp)
+        path = self.layer_path(layer.index, rank)
+        try:
+            sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:
+            msg = f"{e.__class__.__name__}: {str(e).split('. ')[0][:300]}"
+            raise CheckpointError(f"cannot read {path}: {msg} (truncated or corrupt)") from None
+        tensors = {k: v for k, v in sd.items() if not k.endswith("._extra_state")}
+        if set(tensors) != set(expected):
+            raise CheckpointError(f"{path} holds {sorted(tensors)}, expected {sorted(expected)} for "
+                                  f"layer {layer.index} ({layer.kind})")
+        for k, v in tensors.items():
+            if tuple(v.shape) != expected[k]:
+                raise CheckpointError(f"{path}: {k} is {list(v.shape)}, expected {list(expected[k])} for "
+                                      f"{self.model.name} at tp={self.tp}")
+        return tensors
+
+    def load_layer(self, layer: Layer) -> list[dict[str, torch.Tensor]]:
+        """The layer's state dict on every TP rank, memory-mapped, checked."""
+        return [self.load_rank(layer, rank) for rank in range(self.tp)]
+
+
+def open_checkpoint(path: str | os.PathLike, model: Optional[ModelConfig] = None) -> Checkpoint:
+    """Find the tag, TP size and layer files of a DeepSpeed pipeline checkpoint written by this repo."""
+    p = Path(path)
+    tag = read_latest(p)
+    if tag is None:
+        raise CheckpointError(f"{p} {NO_CHECKPOINT}")
+    step_dir = p / tag
+    if not step_dir.is_dir():
+        raise CheckpointError(f"{p}/latest names {tag!r}, but {step_dir} does not exist")
+    run = read_run_json(p) or {}
+    if model is None:
+        if "model" not in run:
+            raise CheckpointError(f"{p} has no {RUN_JSON} or {CONVERT_MANIFEST}: the model config is unknown")
+        model = RunConfig.from_dict({"model": run["model"]}).model
+    ranks = layer_ranks([f.name for f in step_dir.iterdir()])
+    count = pipeline_layer_count(model)
+    tp = len(ranks.get(0, ()))
+    problems = [f"layer {i}: TP ranks {sorted(ranks.get(i, ()))}" for i in incomplete_layers(ranks, tp, count)]
+    extra = sorted(set(ranks) - set(range(count)))
+    if problems or extra:
+        raise CheckpointError(f"{step_dir} does not hold one file per TP rank for each of the {count} layers "
+                              f"of {model.name}: {'; '.join(problems[:6])}"
+                              + (f"; unexpected layers {extra}" if extra else ""))
+    mp_files = len(list(step_dir.glob("mp_rank_*_model_states.pt")))
+    pp = int(run.get("parallel", {}).get("pp", 0)) or max(1, mp_files // tp)
+    if int(run.get("parallel", {}).get("tp", tp)) != tp:
+        raise CheckpointError(f"{p}: {RUN_JSON} says tp={run['parallel']['tp']}, the layer files are for tp={tp}")
+    return Checkpoint(path=p, tag=tag, model=model, tp=tp, pp=pp, run=run)
+
+
+# ------------------------------------------------------------------------------------------- can this run load it
+
+_IGNORED_FIELDS = {"name", "init_std"}  # do not change the weights' layout
+
+
+def check_model(path: str | os.PathLike, recorded: Optional[ModelConfig], model: ModelConfig) -> None:
+    """The recorded model must equal the run's, or DeepSpeed reports a size mismatch deep in load_state_dict."""
+    if recorded is None:
+        return
+    diffs = [f"{f.name} {getattr(recorded, f.name)} != {getattr(model, f.name)}" for f in fields(ModelConfig)
+             if f.name not in _IGNORED_FIELDS and getattr(recorded, f.name) != getattr(model, f.name)]
+    if diffs:
+        raise CheckpointError(f"checkpoint {path} holds another model than this run's ({'; '.join(diffs)}); pass "
+                              f"--model {path} to train the model it holds")
+
+
+def check_layout(path: str, cfg: RunConfig, world_size: int, full_resume: bool, tag: Optional[str] = None) -> None:
+    """Refuse a checkpoint DeepSpeed cannot load natively at this run's layout, naming both layouts and the fix.
+    (A full resume at another layout goes through a universal checkpoint instead: threed.checkpoint.start.)"""
+    lay = checkpoint_layout(path, tag)
+    tp, pp, dp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp(world_size)
+    if lay.tp != tp or lay.model_parallel_files != tp * pp:
+        written_pp = lay.model_parallel_files // max(lay.tp, 1)
+        raise CheckpointError(
+            f"{path} ({lay.tag}) was written at tp={lay.tp}, pp={written_pp}; this run has tp={tp}, pp={pp}. "
+            f"Reshard it with `threed reshard --ckpt {path} --tp {tp} --pp {pp} --out NEW_DIR`, or run at its layout")
+    if full_resume and lay.optimizer_files != tp * pp * dp:
+        raise CheckpointError(
+            f"{path} ({lay.tag}) holds {lay.optimizer_files} optimizer shards; resuming at tp={tp} x pp={pp} x "
+            f"dp={dp} needs {tp * pp * dp}. Resume with the original data-parallel size, or start from its "
+            f"weights only with --init-from {path}")
+
+
+def check_loadable(path: str | os.PathLike, model: ModelConfig, tp: int, pp: int, weights_only: bool = True) -> None:
+    """Raise a CheckpointError unless `path` holds `model` written at tp x pp (its layer files checked one by
+    one). Used for weights-only loads (`--init-from`, `threed verify`) and before a native resume."""
+    ck = open_checkpoint(path)
+    check_model(path, ck.model, model)
+    if (ck.tp, ck.pp) != (tp, pp):
+        raise CheckpointError(f"checkpoint {path} was written at tp={ck.tp} pp={ck.pp}; this run has tp={tp} "
+                              f"pp={pp}. Reshard it: threed reshard --ckpt {path} --tp {tp} --pp {pp} --out NEW_DIR")
+    if not weights_only and ck.tag == CONVERT_TAG and (Path(path) / CONVERT_MANIFEST).is_file():
+        raise CheckpointError(f"{path} is a converted checkpoint (weights only, no optimizer state): use it with "
+                              f"--init-from, not --load or --save")
