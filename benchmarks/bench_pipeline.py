@@ -33,7 +33,7 @@ def worker(a: argparse.Namespace) -> None:
     from threed.config import MetricsConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
     from threed.distributed import init_distributed
     from threed.engine import build_engine
-    from threed.metrics import RunMetrics
+    from threed.metrics.writer import RunMetrics
     from threed.metrics.stages import StageTimer
 
     import torch.distributed as dist

@@ -23,7 +23,7 @@ from threed.data.loader import micro_batches
 from threed.data.splits import read_data_flags
 from threed.distributed import GroupMismatch, check_groups_agree, init_distributed
 from threed.engine import build_engine
-from threed.logits import pipeline_logits
+from threed.verify.logits import pipeline_logits
 
 PARITY_TOKENS = dict(batch=2, seq=32, seed=1)
 

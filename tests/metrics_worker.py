@@ -19,7 +19,7 @@ import torch
 from threed.config import MetricsConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from threed.distributed import init_distributed
 from threed.engine import build_engine
-from threed.metrics import RunMetrics
+from threed.metrics.writer import RunMetrics
 
 TINY = ModelConfig(name="metrics-tiny", vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
                    ffn_hidden_size=176, max_position_embeddings=128, make_vocab_size_divisible_by=32)

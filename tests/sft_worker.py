@@ -18,7 +18,7 @@ from helpers import hf_model, model_config
 from threed.config import CheckpointConfig, DataConfig, ParallelConfig, RunConfig, TrainConfig
 from threed.distributed import init_distributed
 from threed.engine import build_engine
-from threed.logits import pipeline_logits
+from threed.verify.logits import pipeline_logits
 from threed.train import train
 
 MODEL = "gqa31"

@@ -129,9 +129,17 @@ def _function_imports(path: Path):
                     module = sub.module if isinstance(sub, ast.ImportFrom) else sub.names[0].name
                     if isinstance(sub, ast.ImportFrom) and sub.level:
                         module = "threed." + (module or "")
-                    # The comment may stand on the import line, the line above, or after a multi-line import.
-                    around = lines[max(0, sub.lineno - 2):sub.end_lineno]
-                    yield sub.lineno, module or "", any("#" in line for line in around)
+                    # The comment stands on the import, or above it (a group of imports may share one comment).
+                    commented = any("#" in line for line in lines[sub.lineno - 1:sub.end_lineno])
+                    j = sub.lineno - 2
+                    while not commented and j >= 0:
+                        above = lines[j].strip()
+                        if above.startswith("#"):
+                            commented = True
+                        elif not (above.startswith(("import ", "from ")) or above == "" or above.endswith(")")):
+                            break
+                        j -= 1
+                    yield sub.lineno, module or "", commented
 
 
 def test_imports_inside_functions_are_for_heavy_dependencies_with_a_reason():

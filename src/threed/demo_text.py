@@ -6,7 +6,7 @@ from pathlib import Path
 
 
 def write_demo_text(out: str) -> str:
-    from pydoc_data.topics import topics
+    from pydoc_data.topics import topics  # a 1 MB dict: only when the demo corpus is written
 
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text("\n\n".join(topics[k] for k in sorted(topics)), encoding="utf-8")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
@@ -98,7 +99,7 @@ def init_distributed(timeout_minutes: Optional[float] = None) -> Runtime:
     runs as is. `timeout_minutes` (--dist-timeout-minutes) bounds every collective: a rank that waits longer
     for its peers raises instead of hanging until the job's time limit.
     """
-    import deepspeed
+    import deepspeed  # heavy: pulled in only where process groups are made (not by `threed plan`)
 
     set_cuda_environment()
     device, backend = device_and_backend()
@@ -125,7 +126,6 @@ def shutdown_distributed() -> None:
 
 
 def _free_port() -> int:
-    import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -135,7 +135,7 @@ def _free_port() -> int:
 def init_megatron_parallel_state(tp: int, pp: int, gloo_process_groups: bool = True) -> None:
     """megatron-core's groups, in its default order tp-cp-ep-dp-pp: tp fastest, then dp, then pp, which is
     the rank order of DeepSpeed's PipeModelDataParallelTopology (axes pipe, data, model)."""
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # heavy: as deepspeed above
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
@@ -156,7 +156,7 @@ class GroupMismatch(RuntimeError):
 
 def check_groups_agree(grid) -> dict[str, list[int]]:
     """Assert megatron-core's TP/DP/PP groups equal DeepSpeed's grid groups on this rank. Returns the groups."""
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # heavy: as deepspeed above
 
     ours = {
         "tp": dist.get_process_group_ranks(ps.get_tensor_model_parallel_group()),

@@ -143,6 +143,7 @@ def stage_boundaries(cfg) -> str:
 def staged_pipeline_module():
     """DeepSpeed's PipelineModule, taking explicit stage boundaries (created lazily: DeepSpeed is imported only
     where a model is built)."""
+    # deepspeed, torch: heavy; the planner and check-config resolve stages without them
     import torch.distributed as dist
     from deepspeed.pipe import PipelineModule
 

@@ -122,7 +122,7 @@ def write_plots(runs: list[Run], out: Path) -> list[Path]:
     import matplotlib  # heavy and optional for everything but the plots: imported only to draw them
 
     matplotlib.use("Agg")  # files only: no display on a login node
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # matplotlib: heavy, only when plots are drawn
 
     out.mkdir(parents=True, exist_ok=True)
     paths = []

@@ -35,7 +35,7 @@ from threed.errors import guarded
 from threed.flags import parse_run_config
 from threed.guard import RunGuard, StopRequest
 from threed.evaluate import evaluate
-from threed.metrics import RunMetrics
+from threed.metrics.writer import RunMetrics
 
 @dataclass
 class TrainResult:

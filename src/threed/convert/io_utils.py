@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
+from tqdm import tqdm
 
 from threed.config import ConfigError
 
@@ -47,7 +48,6 @@ def human(n: float) -> str:
 
 def progress(total: int, desc: str, enabled: bool = True):
     """A bytes progress bar (tqdm: bytes/s, unit-scaled) on stderr."""
-    from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=not enabled,
                 file=sys.stderr, dynamic_ncols=True, mininterval=0.5)

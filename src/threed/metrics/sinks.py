@@ -53,7 +53,7 @@ class JsonlSink:
 
 class TensorBoardSink:
     def __init__(self, log_dir: Path, start_iteration: int, config_text: str):
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # tensorboard: heavy, and off with --tensorboard false
 
         # purge_step makes TensorBoard hide the events an earlier run in this directory wrote past our start (the
         # steps a resumed run repeats; all steps of a run started afresh in the same place).
@@ -84,7 +84,7 @@ class WandbSink:
 
     def __init__(self, project: str, name: Optional[str], mode: Optional[str], run_dir: Optional[Path],
                  config: dict[str, Any]):
-        import wandb
+        import wandb  # optional: only with --wandb-project (pip install wandb)
 
         self.run = wandb.init(project=project, name=name, mode=mode, config=config,
                               dir=str(run_dir) if run_dir else None)

@@ -30,7 +30,7 @@ ROW = ("stage", "steps", *BUCKETS, "mem-allocated-bytes", "mem-max-allocated-byt
 
 
 def _instruction_buckets() -> dict[type, str]:
-    from deepspeed.runtime.pipe import schedule as s
+    from deepspeed.runtime.pipe import schedule as s  # deepspeed: heavy; `threed report` reads this module
 
     return {s.LoadMicroBatch: "compute", s.ForwardPass: "compute", s.BackwardPass: "compute",
             s.SendActivation: "p2p", s.RecvActivation: "p2p", s.SendGrad: "p2p", s.RecvGrad: "p2p",

@@ -23,6 +23,9 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+import deepspeed
+import torch
+
 from threed.config import ConfigError, RunConfig
 from threed.engine import deepspeed_config
 from threed.metrics.flops import flops_per_token, peak_tflops_per_device
@@ -66,9 +69,6 @@ def check_metrics_config(cfg: RunConfig) -> None:
 
 def run_summary(cfg: RunConfig, world_size: int, start_iteration: int) -> dict[str, Any]:
     """Everything that defines the run, written once beside the metrics (and as TensorBoard text)."""
-    import deepspeed
-    import torch
-
     dp = cfg.parallel.dp(world_size)
     micro, gas, glob = cfg.train.resolve_batch(dp)
     return {"config": cfg.to_dict(), "world_size": world_size, "tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": dp,

@@ -46,7 +46,7 @@ class SDPACoreAttention(torch.nn.Module):
         s, b, heads, d = query.shape
         gqa = key.shape[2] != heads
         if _varlen_usable(query):
-            from torch.nn.attention.varlen import varlen_attn
+            from torch.nn.attention.varlen import varlen_attn  # CUDA-only kernel module: imported where usable
 
             # [s, b, h, d] -> [b*s, h, d]: each row's documents become sequences of one flat batch.
             q, k, v = (t.transpose(0, 1).reshape(b * s, t.shape[2], d) for t in (query, key, value))

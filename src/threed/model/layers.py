@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state
 from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                            vocab_parallel_cross_entropy)
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
@@ -158,8 +159,6 @@ class LMHeadPipe(torch.nn.Module):
         self.lm_head = ColumnParallelLinear(model.hidden_size, model.padded_vocab_size(tp), config=mcore,
                                             init_method=mcore.init_method, bias=False, gather_output=False)
         mark_tensor_parallel(self)
-        from megatron.core import parallel_state
-
         per_rank = model.padded_vocab_size(tp) // tp
         start, _ = VocabUtility.vocab_range_from_per_partition_vocab_size(
             per_rank, parallel_state.get_tensor_model_parallel_rank(), tp)

@@ -17,7 +17,7 @@ from threed.config import CheckpointConfig, ParallelConfig, RunConfig, TrainConf
 from threed.checkpoint.format import check_loadable, read_model_config
 from threed.distributed import init_distributed
 from threed.engine import build_engine
-from threed.logits import pipeline_logits
+from threed.verify.logits import pipeline_logits
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

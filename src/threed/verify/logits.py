@@ -5,14 +5,13 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
 
 def pipeline_logits(engine, inputs, vocab_size: int) -> Optional[torch.Tensor]:
     """Run `inputs` (tokens `[b, s]`, or packed rows `(tokens, doc_ids)`) through the pipeline as one micro-batch;
     returns fp32 logits `[b, s, vocab]` on the last stage (every TP rank of it, on CPU whatever the device), None on
     other stages. Every rank of the model must call this."""
-    from megatron.core import parallel_state as ps
-
     tokens = inputs[0] if isinstance(inputs, (tuple, list)) else inputs
     batch = (inputs, torch.zeros_like(tokens))  # labels are loaded by the last stage but unused here
     _, logits = engine.eval_batch(iter([batch]), return_logits=True, compute_loss=False, reduce_output=None,
