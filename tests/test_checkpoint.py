@@ -12,6 +12,7 @@ import pytest
 
 from threed import atomic
 from threed.checkpoint import manifest
+from threed.model.spec import parameter_count
 from threed.checkpoint.format import MANIFEST_NAME, read_latest
 from threed.checkpoint.manifest import find_resumable, prune, write_manifest
 from threed.checkpoint.start import check_save_dir, checkpoint_bytes, decide_start
@@ -203,7 +204,7 @@ def test_too_little_free_space_is_refused(tmp_path, monkeypatch):
 def test_checkpoint_size_estimate_matches_a_real_checkpoint_roughly():
     # tiny: 0.33M params (vocab 512 padded to 512): fp32 weights 4 B + optimizer 12 B per param.
     c = cfg(tp=2)
-    n = TINY.num_params() + 2 * (TINY.padded_vocab_size(2) - TINY.vocab_size) * TINY.hidden_size
+    n = parameter_count(TINY, 2)
     assert checkpoint_bytes(c) == n * 16
     assert checkpoint_bytes(dataclasses.replace(c, train=dataclasses.replace(c.train, dtype="bf16"))) == n * 14
 

@@ -17,7 +17,7 @@ from threed.convert.from_hf import convert_stream
 from threed.convert.ds_checkpoint import EXTRA_STATE, checkpoint_files
 from threed.convert.slices import DictReader
 from threed.hf.names import hf_names, hf_shapes
-from threed.model.spec import pipeline_layers, shard_shapes
+from threed.model.spec import parameter_count, pipeline_layers, shard_shapes
 from threed.presets import PRESETS
 
 
@@ -67,7 +67,7 @@ def test_meta_conversion_at_real_shapes(preset, tp, pp):
     assert mp == [f"mp_rank_{r:02d}_model_states.pt" for r in range(tp * pp)]
     # Every parameter of the model (plus vocab padding) lands in exactly one shard.
     padded = math.ceil(cfg.vocab_size / (128 * tp)) * 128 * tp
-    assert n_params == cfg.num_params() + 2 * (padded - cfg.vocab_size) * cfg.hidden_size
+    assert n_params == parameter_count(cfg) + 2 * (padded - cfg.vocab_size) * cfg.hidden_size
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before < 100_000  # KiB: < 100 MB
     # The shape table the random init and the in-memory loaders use says the same.
     for kind in ("embedding", "block", "final_norm", "lm_head"):

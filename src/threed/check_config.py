@@ -15,6 +15,7 @@ import argparse
 from threed.config import ConfigError, RunConfig
 from threed.errors import guarded
 from threed.flags import add_run_flags, run_config_from_args
+from threed.model.spec import parameter_count
 
 
 def check(ns: argparse.Namespace) -> str:
@@ -28,7 +29,7 @@ def check(ns: argparse.Namespace) -> str:
     plan = "random init"
     if ns.paths:
         plan = check_paths(cfg, ns.world)
-    return (f"config ok: {cfg.model.name} ({cfg.model.num_params() / 1e6:.1f}M params), world {ns.world} = "
+    return (f"config ok: {cfg.model.name} ({parameter_count(cfg.model) / 1e6:.1f}M params), world {ns.world} = "
             f"tp {cfg.parallel.tp} x pp {cfg.parallel.pp} x dp {dp}, global batch {glob} = micro {micro} x gas "
             f"{gas} x dp {dp}, seq {cfg.train.seq_length}, {cfg.train.steps} steps; start: {plan}")
 

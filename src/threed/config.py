@@ -87,13 +87,6 @@ class ModelConfig:
         multiple = self.make_vocab_size_divisible_by * tp
         return int(math.ceil(self.vocab_size / multiple) * multiple)
 
-    def num_params(self) -> int:
-        """Parameter count of the unpadded model (untied embeddings, no biases)."""
-        h, f, v, d = self.hidden_size, self.ffn_hidden_size, self.vocab_size, self.head_dim
-        attn = h * (self.num_heads * d) + 2 * h * (self.num_kv_heads * d) + (self.num_heads * d) * h
-        block = attn + 3 * h * f + 2 * h
-        return self.num_layers * block + 2 * v * h + h
-
     def validate(self) -> None:
         if self.hidden_size % self.num_heads:
             raise ConfigError(

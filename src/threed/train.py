@@ -36,6 +36,7 @@ from threed.flags import parse_run_config
 from threed.guard import RunGuard, StopRequest
 from threed.evaluate import evaluate
 from threed.metrics.writer import RunMetrics
+from threed.model.spec import parameter_count
 
 @dataclass
 class TrainResult:
@@ -111,7 +112,7 @@ def train(cfg: RunConfig) -> TrainResult:
     result = TrainResult(start_step=start, end_step=start)
     log(logger, f"threed: world {rt.world_size} = tp {tp} x pp {pp} x dp {dp} on "
                  f"{rt.device.type}/{rt.backend}; global batch {glob} = micro {micro} x gas {gas} x dp {dp}; "
-                 f"{cfg.model.name} {cfg.model.num_params() / 1e6:.1f}M params; dtype {cfg.train.dtype}; "
+                 f"{cfg.model.name} {parameter_count(cfg.model) / 1e6:.1f}M params; dtype {cfg.train.dtype}; "
                  + (f"resumed from {built.resumed_from} at step {start} ({consumed} samples consumed)"
                     if built.resumed_from else
                     f"weights from {cfg.checkpoint.init_from}" if cfg.checkpoint.init_from else "random init")

@@ -31,6 +31,7 @@ from threed.checkpoint.format import (CONVERT_MANIFEST, RUN_JSON, check_layout, 
 from threed.checkpoint.manifest import Found, clear_run, find_resumable
 from threed.config import ModelConfig, RunConfig
 from threed.errors import ConfigError
+from threed.model.spec import parameter_count
 
 T = TypeVar("T")
 
@@ -136,8 +137,7 @@ def decide_start(cfg: RunConfig, world_size: int) -> StartDecision:
 def checkpoint_bytes(cfg: RunConfig) -> int:
     """Bytes of one checkpoint: the weights in the training dtype (vocab padded for this tp) plus ZeRO's fp32
     master copy and AdamW's two moments (12 B/param, in total over the dp shards)."""
-    m = cfg.model
-    padded = m.num_params() + 2 * (m.padded_vocab_size(cfg.parallel.tp) - m.vocab_size) * m.hidden_size
+    padded = parameter_count(cfg.model, cfg.parallel.tp)
     return padded * ((2 if cfg.train.dtype == "bf16" else 4) + 12)
 
 

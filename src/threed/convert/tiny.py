@@ -15,6 +15,7 @@ from threed.config import ModelConfig
 from threed.convert.io_utils import ConvertError, atomic_output_dir, parse_dtype
 from threed.hf.config import to_hf_config
 from threed.hf.write import write_sentencepiece_tokenizer
+from threed.model.spec import parameter_count
 from threed.presets import PRESETS
 
 
@@ -35,8 +36,8 @@ def make_tiny_hf(out: str | os.PathLike, like: str = "tiny", vocab_size: Optiona
     if like not in PRESETS:
         raise ConvertError(f"unknown preset {like!r}: use one of {', '.join(PRESETS)}")
     cfg = PRESETS[like]
-    if cfg.num_params() > 50_000_000:
-        raise ConvertError(f"{like} has {cfg.num_params() / 1e9:.1f}B parameters; make-tiny-hf is for small models")
+    if parameter_count(cfg) > 50_000_000:
+        raise ConvertError(f"{like} has {parameter_count(cfg) / 1e9:.1f}B parameters; make-tiny-hf is for small models")
     if vocab_size:
         cfg = dataclasses.replace(cfg, vocab_size=vocab_size)
     torch.manual_seed(seed)

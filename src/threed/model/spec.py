@@ -172,8 +172,10 @@ def _tied(model: ModelConfig) -> bool:
     return bool(getattr(model, "tie_word_embeddings", False))
 
 
-def parameter_count(model: ModelConfig) -> int:
-    """Parameters of the (unpadded, HF) model; a tied weight counts once."""
+def parameter_count(model: ModelConfig, tp: Optional[int] = None) -> int:
+    """Parameters of the (unpadded, HF) model, or with tp given, of the model a run at that tp holds (its
+    vocabulary padded; each tensor once, however TP splits it): what a checkpoint stores. A tied weight counts
+    once."""
     total, seen = 0, set()
     for layer in pipeline_layers(model):
         for p in layer_parameters(layer.kind):
@@ -182,7 +184,7 @@ def parameter_count(model: ModelConfig) -> int:
                     continue
                 seen.add(p.tie)
             n = 1
-            for s in full_shape(model, p, None):
+            for s in full_shape(model, p, tp):
                 n *= s
             total += n
     return total
