@@ -15,6 +15,7 @@ from typing import Iterator, Optional
 import torch
 from tqdm import tqdm
 
+from threed.atomic import atomic_dir
 from threed.config import ConfigError
 
 
@@ -68,18 +69,5 @@ def atomic_output_dir(out: str | os.PathLike, force: bool = False) -> Iterator[P
     if out.exists() and not force:
         raise ConvertError(f"{out} already exists; choose a new --out or pass --force to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    try:
+    with atomic_dir(out) as tmp:  # with --force an existing `out` is moved aside first, deleted only at the end
         yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
-    if out.exists():  # only with force: move the old one aside first, so a failure here loses nothing
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old.exists():
-        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()

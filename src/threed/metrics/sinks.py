@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any, Optional
+
+from threed.atomic import write_atomic
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "run_config.json"
@@ -37,9 +38,7 @@ class JsonlSink:
                         kept.append(line)
                 except json.JSONDecodeError:  # a line cut off by a crash
                     continue
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, path)
+        write_atomic(path, "".join(line + "\n" for line in kept))
         self.file = path.open("a", buffering=1)
 
     def write(self, record: dict[str, Any]) -> None:
