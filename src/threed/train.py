@@ -28,7 +28,7 @@ from threed.checkpoint import save, start as checkpoint_start
 from threed.config import ConfigError, RunConfig
 from threed.data.datasets import check_cache_visible, check_data, data_plan
 from threed.data.loader import SampleCounter, build_datasets, micro_batches, token_weighted
-from threed.distributed import grid_coordinates, init_distributed, shutdown_distributed
+from threed.distributed import grid_coordinates, init_distributed, loss_rank, shutdown_distributed
 from threed.engine import build_engine
 from threed.guard import RunGuard
 from threed.evaluate import evaluate
@@ -112,7 +112,7 @@ def train(cfg: RunConfig) -> TrainResult:
     stage, dp_rank, _ = grid_coordinates(rt.rank, tp, dp)
     # One rank speaks: the one that holds the loss and writes the metrics (last stage, tp 0, dp 0), so on a
     # multi-node job every line of a run is in one node's log.
-    logger = rt.rank == (pp - 1) * tp * dp
+    logger = rt.rank == loss_rank(tp, pp, dp)
     reads_data = stage in (0, pp - 1)  # the first stage embeds tokens, the last computes the loss
     if cfg.data.data_cache_path:
         check_cache_visible(cfg.data.data_cache_path, rt.rank)
