@@ -7,6 +7,8 @@
 # Data     `bash tools/demo.sh` (or `threed demo-text`, `threed tokenizer`, `threed preprocess`) makes runs/demo/.
 # Run      recipes/launch.sh recipes/tiny.sh
 #          sbatch --nodes=2 --gres=none slurm/train.sh recipes/tiny.sh   (with GPUS_PER_NODE=4 in the environment)
+# Unset here: the launcher's defaults (recipes/launch.sh). The environment overrides any value (VAR=value ...;
+# an empty value clears it).
 MODEL=${MODEL-tiny}
 TP=${TP-2}
 PP=${PP-2}
