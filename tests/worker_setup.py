@@ -24,10 +24,10 @@ from threed.convert.in_memory import load_hf_state
 from threed.distributed import Runtime, init_distributed
 
 Scenario = Callable[[argparse.Namespace, Runtime], Optional[int]]
+AddArguments = Callable[[argparse.ArgumentParser], None]
 
 
-def run_worker(scenarios: dict[str, Scenario], add_arguments: Optional[Callable[[argparse.ArgumentParser], None]]
-               = None) -> int:
+def run_worker(scenarios: dict[str, Scenario], add_arguments: Optional[AddArguments] = None) -> int:
     """Parse `[SCENARIO] --out DIR [flags]` (the scenario word only when there is more than one), make DIR, join the
     process group with training's default timeout (what `threed train` does), and run the scenario: its return
     value (None: 0) is the exit status."""
