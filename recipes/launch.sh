@@ -23,12 +23,14 @@
 #                      as training: `threed check-config`)
 #   EXIT_DURATION  minutes after which the run saves and exits 0 (--exit-duration-in-mins; slurm/common.sh sets
 #                  it from the job's time limit)
-# Recipe variables (set in the recipe as VAR=${VAR-default}, so the environment overrides each one; an empty
-# value clears it, e.g. GAS= GLOBAL=256): MODEL TP PP MICRO GAS GLOBAL SEQ LR MIN_LR WARMUP STEPS DTYPE ACT_CKPT
-# DATA SPLIT DATA_CACHE_PATH EVAL_INTERVAL EVAL_ITERS (Megatron's --data-path, --split, --data-cache-path,
-# --eval-interval, --eval-iters) PACK (SFT data: --pack true|false) TOKENIZER INIT_FROM LOAD SAVE SAVE_INTERVAL LOG_INTERVAL KEEP_LAST SKIP_NONFINITE.
-# A recipe that sets any
-# other variable is refused (a typo would otherwise be ignored silently); add new ones to RECIPE_VARS below.
+# Recipe variables: MODEL TP PP MICRO GAS GLOBAL SEQ LR MIN_LR WARMUP STEPS DTYPE ACT_CKPT DATA SPLIT
+# DATA_CACHE_PATH EVAL_INTERVAL EVAL_ITERS (Megatron's --data-path, --split, --data-cache-path, --eval-interval,
+# --eval-iters) PACK (SFT data: --pack true|false) TOKENIZER INIT_FROM LOAD SAVE SAVE_INTERVAL LOG_INTERVAL
+# KEEP_LAST SKIP_NONFINITE. The defaults below (DEFAULTS) hold what the recipes share; a recipe states only the
+# values it does differently, each as VAR=${VAR-value}, so the environment overrides a recipe's value and a
+# default alike, and an empty value clears either (e.g. GAS= GLOBAL=256; an empty variable passes no flag). A
+# recipe that sets any other variable is refused (a typo would otherwise be ignored silently); add new ones to
+# RECIPE_VARS below.
 # Before torchrun starts, `threed check-config --paths` runs training's checks once (config, checkpoint
 # directories), so a bad recipe fails with one line instead of one traceback per rank.
 set -euo pipefail
@@ -76,6 +78,18 @@ done < <(grep -noE '^[[:space:]]*(export[[:space:]]+)?[A-Za-z_][A-Za-z0-9_]*=' "
 
 # shellcheck source=/dev/null
 source "$RECIPE"
+
+# DEFAULTS: what every recipe gets unless it (or the environment) says otherwise. MODEL TP PP SEQ have none (the
+# recipe gives them); the other variables default to empty: no flag, training's own default.
+MICRO=${MICRO-1}
+WARMUP=${WARMUP-200}
+STEPS=${STEPS-5000}
+DTYPE=${DTYPE-bf16}
+ACT_CKPT=${ACT_CKPT-false}
+SPLIT=${SPLIT-969,30,1}
+EVAL_INTERVAL=${EVAL_INTERVAL-1000}
+EVAL_ITERS=${EVAL_ITERS-10}
+LOG_INTERVAL=${LOG_INTERVAL-1}
 
 NNODES=${NNODES:-${SLURM_NNODES:-1}}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}

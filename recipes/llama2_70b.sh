@@ -16,28 +16,17 @@
 #          A requeued or resubmitted job resumes from SAVE/latest instead (weights, optimizer, step, data order)
 #          at any TP, PP or DP (another layout or node count goes through a DeepSpeed universal checkpoint).
 # Run      sbatch --nodes=4 slurm/train.sh recipes/llama2_70b.sh
-# Override any line from the environment (VAR=value sbatch ...; an empty value clears it): see recipes/launch.sh.
+# Unset here: the launcher's defaults (recipes/launch.sh). The environment overrides any value
+# (VAR=value sbatch ...; an empty value clears it).
 MODEL=${MODEL-llama2-70b}
 TP=${TP-8}
 PP=${PP-4}
-MICRO=${MICRO-1}
-GAS=${GAS-}
 GLOBAL=${GLOBAL-1024}
 SEQ=${SEQ-4096}
 LR=${LR-1.5e-4}
 MIN_LR=${MIN_LR-1.5e-5}
-WARMUP=${WARMUP-200}
-STEPS=${STEPS-5000}
-DTYPE=${DTYPE-bf16}
 ACT_CKPT=${ACT_CKPT-true}
 DATA=${DATA-data/llama2/corpus_text_document}
-SPLIT=${SPLIT-969,30,1}
-DATA_CACHE_PATH=${DATA_CACHE_PATH-}
-EVAL_INTERVAL=${EVAL_INTERVAL-1000}
-EVAL_ITERS=${EVAL_ITERS-10}
 TOKENIZER=${TOKENIZER-checkpoints/hf/Llama-2-70b-hf/tokenizer.model}
-INIT_FROM=${INIT_FROM-}
-LOAD=${LOAD-}
 SAVE=${SAVE-checkpoints/llama2_70b}
 SAVE_INTERVAL=${SAVE_INTERVAL-100}
-LOG_INTERVAL=${LOG_INTERVAL-1}

@@ -16,28 +16,16 @@
 #          A requeued or resubmitted job resumes from SAVE/latest instead (weights, optimizer, step, data order)
 #          at any TP, PP or DP (another layout or node count goes through a DeepSpeed universal checkpoint).
 # Run      sbatch slurm/train.sh recipes/llama2_7b.sh
-# Override any line from the environment (VAR=value sbatch ...; an empty value clears it): see recipes/launch.sh.
+# Unset here: the launcher's defaults (recipes/launch.sh). The environment overrides any value
+# (VAR=value sbatch ...; an empty value clears it).
 MODEL=${MODEL-llama2-7b}
 TP=${TP-2}
 PP=${PP-2}
-MICRO=${MICRO-1}
-GAS=${GAS-}
 GLOBAL=${GLOBAL-1024}
 SEQ=${SEQ-4096}
 LR=${LR-3e-4}
 MIN_LR=${MIN_LR-3e-5}
-WARMUP=${WARMUP-200}
-STEPS=${STEPS-5000}
-DTYPE=${DTYPE-bf16}
-ACT_CKPT=${ACT_CKPT-false}
 DATA=${DATA-data/llama2/corpus_text_document}
-SPLIT=${SPLIT-969,30,1}
-DATA_CACHE_PATH=${DATA_CACHE_PATH-}
-EVAL_INTERVAL=${EVAL_INTERVAL-1000}
-EVAL_ITERS=${EVAL_ITERS-10}
 TOKENIZER=${TOKENIZER-checkpoints/hf/Llama-2-7b-hf/tokenizer.model}
-INIT_FROM=${INIT_FROM-}
-LOAD=${LOAD-}
 SAVE=${SAVE-checkpoints/llama2_7b}
 SAVE_INTERVAL=${SAVE_INTERVAL-250}
-LOG_INTERVAL=${LOG_INTERVAL-1}

@@ -17,28 +17,17 @@
 #          A requeued or resubmitted job resumes from SAVE/latest instead (weights, optimizer, step, data order)
 #          at any TP, PP or DP (another layout or node count goes through a DeepSpeed universal checkpoint).
 # Run      sbatch slurm/llama405b_tp8_pp16.sh
-# Override any line from the environment (VAR=value sbatch ...; an empty value clears it): see recipes/launch.sh.
+# Unset here: the launcher's defaults (recipes/launch.sh). The environment overrides any value
+# (VAR=value sbatch ...; an empty value clears it).
 MODEL=${MODEL-llama3.1-405b}
 TP=${TP-8}
 PP=${PP-16}
-MICRO=${MICRO-1}
-GAS=${GAS-}
 GLOBAL=${GLOBAL-1024}
 SEQ=${SEQ-4096}
 LR=${LR-8e-5}
 MIN_LR=${MIN_LR-8e-7}
-WARMUP=${WARMUP-200}
-STEPS=${STEPS-5000}
-DTYPE=${DTYPE-bf16}
 ACT_CKPT=${ACT_CKPT-true}
 DATA=${DATA-data/llama3/corpus_text_document}
-SPLIT=${SPLIT-969,30,1}
-DATA_CACHE_PATH=${DATA_CACHE_PATH-}
-EVAL_INTERVAL=${EVAL_INTERVAL-1000}
-EVAL_ITERS=${EVAL_ITERS-10}
 TOKENIZER=${TOKENIZER-checkpoints/hf/Llama-3.1-405B}
-INIT_FROM=${INIT_FROM-}
-LOAD=${LOAD-}
 SAVE=${SAVE-checkpoints/llama31_405b}
 SAVE_INTERVAL=${SAVE_INTERVAL-50}
-LOG_INTERVAL=${LOG_INTERVAL-1}

@@ -22,29 +22,24 @@
 #          the fine-tuning schedule below starts fresh). A requeued job resumes from SAVE/latest instead, at any
 #          layout. `threed export --ckpt $SAVE --out DIR` gives an HF folder whose chat template still applies.
 # Run      sbatch slurm/llama70b_sft_tp8_pp4.sh
-# Override any line from the environment (VAR=value sbatch ...; an empty value clears it): see recipes/launch.sh.
+# Unset here: the launcher's defaults (recipes/launch.sh). The environment overrides any value
+# (VAR=value sbatch ...; an empty value clears it).
 MODEL=${MODEL-llama3.1-70b}
 TP=${TP-8}
 PP=${PP-4}
-MICRO=${MICRO-1}
-GAS=${GAS-}
 GLOBAL=${GLOBAL-64}
 SEQ=${SEQ-8192}
 LR=${LR-1e-5}
 MIN_LR=${MIN_LR-1e-6}
 WARMUP=${WARMUP-30}
 STEPS=${STEPS-1000}
-DTYPE=${DTYPE-bf16}
 ACT_CKPT=${ACT_CKPT-true}
 DATA=${DATA-data/sft/chat_text_document}
 SPLIT=${SPLIT-98,2,0}
-DATA_CACHE_PATH=${DATA_CACHE_PATH-}
 PACK=${PACK-true}
 EVAL_INTERVAL=${EVAL_INTERVAL-100}
 EVAL_ITERS=${EVAL_ITERS-5}
 TOKENIZER=${TOKENIZER-checkpoints/hf/Llama-3.1-70B-Instruct}
 INIT_FROM=${INIT_FROM-checkpoints/llama31_70b_instruct_tp8_pp4}
-LOAD=${LOAD-}
 SAVE=${SAVE-checkpoints/llama31_70b_sft}
 SAVE_INTERVAL=${SAVE_INTERVAL-100}
-LOG_INTERVAL=${LOG_INTERVAL-1}

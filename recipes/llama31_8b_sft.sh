@@ -21,29 +21,23 @@
 #          the fine-tuning schedule below starts fresh). A requeued job resumes from SAVE/latest instead.
 #          `threed export --ckpt $SAVE --out DIR` gives an HF folder whose chat template still applies.
 # Run      sbatch slurm/train.sh recipes/llama31_8b_sft.sh     (one node: GPUS_PER_NODE=8 recipes/launch.sh ...)
-# Override any line from the environment (VAR=value ...; an empty value clears it): see recipes/launch.sh.
+# Unset here: the launcher's defaults (recipes/launch.sh). The environment overrides any value
+# (VAR=value ...; an empty value clears it).
 MODEL=${MODEL-llama3.1-8b}
 TP=${TP-2}
 PP=${PP-2}
-MICRO=${MICRO-1}
-GAS=${GAS-}
 GLOBAL=${GLOBAL-64}
 SEQ=${SEQ-8192}
 LR=${LR-2e-5}
 MIN_LR=${MIN_LR-2e-6}
 WARMUP=${WARMUP-30}
 STEPS=${STEPS-1000}
-DTYPE=${DTYPE-bf16}
-ACT_CKPT=${ACT_CKPT-false}
 DATA=${DATA-data/sft/chat_text_document}
 SPLIT=${SPLIT-98,2,0}
-DATA_CACHE_PATH=${DATA_CACHE_PATH-}
 PACK=${PACK-true}
 EVAL_INTERVAL=${EVAL_INTERVAL-100}
 EVAL_ITERS=${EVAL_ITERS-5}
 TOKENIZER=${TOKENIZER-checkpoints/hf/Llama-3.1-8B-Instruct}
 INIT_FROM=${INIT_FROM-checkpoints/llama31_8b_instruct_tp2_pp2}
-LOAD=${LOAD-}
 SAVE=${SAVE-checkpoints/llama31_8b_sft}
 SAVE_INTERVAL=${SAVE_INTERVAL-100}
-LOG_INTERVAL=${LOG_INTERVAL-1}

@@ -7,27 +7,22 @@
 # Data     `bash tools/demo.sh` (or `threed demo-text`, `threed tokenizer`, `threed preprocess`) makes runs/demo/.
 # Run      recipes/launch.sh recipes/tiny.sh
 #          sbatch --nodes=2 --gres=none slurm/train.sh recipes/tiny.sh   (with GPUS_PER_NODE=4 in the environment)
+# Unset here: the launcher's defaults (recipes/launch.sh). The environment overrides any value (VAR=value ...;
+# an empty value clears it).
 MODEL=${MODEL-tiny}
 TP=${TP-2}
 PP=${PP-2}
 MICRO=${MICRO-4}
 GAS=${GAS-4}
-GLOBAL=${GLOBAL-}
 SEQ=${SEQ-128}
 LR=${LR-3e-3}
 MIN_LR=${MIN_LR-3e-4}
 WARMUP=${WARMUP-5}
 STEPS=${STEPS-150}
-DTYPE=${DTYPE-bf16}
-ACT_CKPT=${ACT_CKPT-false}
 DATA=${DATA-0.3 runs/demo/a_text_document 0.7 runs/demo/b_text_document}
 SPLIT=${SPLIT-95,5,0}
-DATA_CACHE_PATH=${DATA_CACHE_PATH-}
 EVAL_INTERVAL=${EVAL_INTERVAL-25}
 EVAL_ITERS=${EVAL_ITERS-2}
 TOKENIZER=${TOKENIZER-runs/demo/tok.model}
-INIT_FROM=${INIT_FROM-}
-LOAD=${LOAD-}
 SAVE=${SAVE-runs/demo/ckpt}
 SAVE_INTERVAL=${SAVE_INTERVAL-0}
-LOG_INTERVAL=${LOG_INTERVAL-1}

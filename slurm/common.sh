@@ -34,20 +34,18 @@ fail() {
 cd "$ROOT"
 [ -f "$RECIPE" ] || fail "recipe $RECIPE not found under $ROOT"
 
-export NNODES=$SLURM_NNODES
-export GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+export NNODES=$SLURM_NNODES  # GPUS_PER_NODE, DEVICE: the launcher's defaults unless the environment sets them
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export MASTER_ADDR
 export MASTER_PORT=${MASTER_PORT:-$((15000 + SLURM_JOB_ID % 15000))}
 export RDZV_ID=${RDZV_ID:-$SLURM_JOB_ID}
 
 # NCCL: a failed or stuck collective raises (instead of hanging until the time limit), so the rank exits non-zero
-# and srun --kill-on-bad-exit ends the job. Megatron wants one CUDA connection per device so that TP
-# communication and compute keep their order. Set NCCL_SOCKET_IFNAME / NCCL_IB_HCA here if your cluster needs them.
+# and srun --kill-on-bad-exit ends the job (Megatron's one CUDA connection per device: recipes/launch.sh sets it).
+# Set NCCL_SOCKET_IFNAME / NCCL_IB_HCA here if your cluster needs them.
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
 export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
-export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 
 # The run's own wall-clock budget, from the job's time left (squeue %L: [D-]HH:MM:SS, MM:SS or UNLIMITED).
 minutes_left() {
@@ -79,9 +77,16 @@ RESTART=${SLURM_RESTART_COUNT:-0}
 echo "threed slurm: job $SLURM_JOB_ID ($SLURM_JOB_NAME) start $RESTART at $(date '+%F %T') on $SLURM_JOB_NODELIST;" \
      "recipe $RECIPE; master $MASTER_ADDR:$MASTER_PORT; logs in $LOG_DIR (training log: train.log)"
 
-# The recipe's SAVE and STEPS as the nodes will see them (same environment, same recipe).
-SAVE_DIR=$(source "$RECIPE" && echo "${SAVE:-}")
-STEPS_WANTED=$(source "$RECIPE" && echo "${STEPS:-}")
+# The run's --save and --steps as the nodes will see them (same environment, same recipe, the launcher's defaults):
+# read from the dry run's command line, whose words printf %q quoted, so eval gives them back as they are.
+eval "dry_command=($(sed -n 's/^command: //p' <<<"$numbers"))"
+SAVE_DIR="" STEPS_WANTED=""
+for ((i = 1; i < ${#dry_command[@]}; i++)); do
+    case ${dry_command[i - 1]} in
+        --save) SAVE_DIR=${dry_command[i]} ;;
+        --steps) STEPS_WANTED=${dry_command[i]} ;;
+    esac
+done
 if [ -z "$SAVE_DIR" ]; then
     echo "threed slurm: warning: SAVE is empty: a preemption warning cannot save, and a requeue starts over"
 else
@@ -107,9 +112,9 @@ srun --nodes="$SLURM_NNODES" --ntasks-per-node=1 --cpus-per-task="${SLURM_CPUS_O
     bash recipes/launch.sh "$RECIPE" "$@" &
 srun_pid=$!
 
-# c10d numbers the nodes in its own order, so the rank that prints the step lines (threed.metrics: the last
-# pipeline stage's first rank) can be on any node: point train.log at the node log that has them; until the first
-# step, at the one with global rank 0's start-up line. Succeeds once step lines are found.
+# c10d numbers the nodes in its own order, so the rank that prints the step lines (threed.distributed.loss_rank:
+# the last pipeline stage's first rank) can be on any node: point train.log at the node log that has them; until
+# the first step, at the one with global rank 0's start-up line. Succeeds once step lines are found.
 link_train_log() {
     local f
     f=$(grep -lE '^step [0-9]+/' "$LOG_DIR"/start"$RESTART"-node*.log 2>/dev/null | head -n 1) || true

@@ -18,12 +18,15 @@ import argparse
 import json
 import os
 import signal
-from pathlib import Path
 
 import torch
 
 import threed.checkpoint.save as ckpt
 from threed.config import CheckpointConfig, ModelConfig, ParallelConfig, RunConfig, RunControlConfig, TrainConfig
+from threed.distributed import Runtime
+from threed.engine import build_engine
+from threed.guard import RunGuard
+from worker_setup import local_weights, reads_data, run_worker, write_json
 
 MODEL = ModelConfig(name="ckpt-test", vocab_size=200, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
                     ffn_hidden_size=176, max_position_embeddings=64, make_vocab_size_divisible_by=16)
@@ -92,9 +95,7 @@ def install_kill(spec: str, engine, rank: int) -> None:
         raise SystemExit(f"unknown kill point {where}")
 
 
-def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save")
     p.add_argument("--load")
     p.add_argument("--tp", type=int, default=1)
@@ -112,12 +113,9 @@ def main() -> int:
     p.add_argument("--sleep-step", type=int, default=0, help="rank 0 sleeps 30 s in this step (watchdog)")
     p.add_argument("--watchdog-min-seconds", type=float, default=600.0)
     p.add_argument("--exit-duration-in-mins", type=float, default=0.0)
-    a = p.parse_args()
 
-    from threed.distributed import init_distributed
-    from threed.engine import build_engine
-    from threed.guard import RunGuard
 
+def main(a: argparse.Namespace, rt: Runtime) -> None:
     cfg = RunConfig(model=MODEL, parallel=ParallelConfig(tp=a.tp, pp=a.pp),
                     train=TrainConfig(dtype=a.dtype, micro_batch_size=a.micro, global_batch_size=a.global_batch,
                                       seq_length=SEQ, steps=a.steps, lr=a.lr, min_lr=a.lr / 10, warmup_steps=2,
@@ -127,11 +125,9 @@ def main() -> int:
                     control=RunControlConfig(skip_nonfinite=a.skip_nonfinite, watchdog_factor=3.0,
                                              watchdog_min_seconds=a.watchdog_min_seconds,
                                              exit_duration_in_mins=a.exit_duration_in_mins))
-    rt = init_distributed(cfg.control.dist_timeout_minutes)
     built = build_engine(cfg, rt)
     engine = built.engine
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = a.out
     if a.kill:
         install_kill(a.kill, engine, rt.rank)
     if a.poison_step and engine.is_last_stage():
@@ -151,10 +147,10 @@ def main() -> int:
     micro, gas, glob = cfg.train.resolve_batch(dp)
     start = engine.global_steps
     if rt.rank == 0:
-        (out / "result.json").write_text(json.dumps({"start": start, "client_state": built.client_state,
-                                                     "resumed_from": built.resumed_from,
-                                                     "universal": bool(built.plan and built.plan.universal)}))
-    it = batches(start, micro, gas, dp, dp_rank) if engine.is_first_stage() or engine.is_last_stage() else None
+        write_json(out / "result.json", {"start": start, "client_state": built.client_state,
+                                         "resumed_from": built.resumed_from,
+                                         "universal": bool(built.plan and built.plan.universal)})
+    it = batches(start, micro, gas, dp, dp_rank) if reads_data(engine) else None
     guard = RunGuard(cfg, rt.rank, engine, None, rt.device)
     for step in range(start, cfg.train.steps):
         loss = engine.train_batch(data_iter=it).item()
@@ -168,12 +164,8 @@ def main() -> int:
             guard.saved(ckpt.save(engine, cfg, rt.rank, {"consumed_samples": (step + 1) * glob}).seconds)
         if late:
             break
-    weights = {f"{idx}.{k}": v.detach().clone() for idx, m in
-               zip(range(engine.module._local_start, engine.module._local_stop), engine.module.forward_funcs)
-               for k, v in m.state_dict().items() if isinstance(v, torch.Tensor)}
-    torch.save(weights, out / f"weights_rank{rt.rank}.pt")
-    return 0
+    torch.save(local_weights(engine), out / f"weights_rank{rt.rank}.pt")
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_worker({"main": main}, add_arguments))

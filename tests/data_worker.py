@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-from pathlib import Path
-
-import torch.distributed as dist
 
 from helpers import model_config
 from threed.config import CheckpointConfig, DataConfig, ParallelConfig, RunConfig, TrainConfig
+from threed.distributed import Runtime
 from threed.train import train
+from worker_setup import rank_json, run_worker, stopped_then_resumed
 
 
 def base_config(a: str, b: str) -> RunConfig:
@@ -23,13 +21,13 @@ def base_config(a: str, b: str) -> RunConfig:
                      data=DataConfig(data_path=("0.4", a, "0.6", b), split="90,10,0"))
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--a", required=True)
     p.add_argument("--b", required=True)
-    args = p.parse_args()
-    out = Path(args.out)
+
+
+def main(args: argparse.Namespace, rt: Runtime) -> None:
+    out = args.out
     base = base_config(args.a, args.b)
     results = {}
 
@@ -45,17 +43,8 @@ def main() -> None:
 
     # Interrupted after step 1 (a STOP file), then the same command resumes from the checkpoint.
     resumed_dir = out / "resumed"
-    if dist.get_rank() == 0:
-        resumed_dir.mkdir()
-        (resumed_dir / "STOP").write_text("")
-    dist.barrier()
     cfg = dataclasses.replace(base, checkpoint=CheckpointConfig(save=str(resumed_dir), save_interval=2))
-    first = train(cfg)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        (resumed_dir / "STOP").unlink()
-    dist.barrier()
-    second = train(cfg)
+    first, second = stopped_then_resumed(train, resumed_dir, cfg, cfg)
     results["resumed"] = {"first": first.losses, "preempted": first.preempted, "second": second.losses,
                           "start": second.start_step, "evals": second.evals}
 
@@ -63,8 +52,8 @@ def main() -> None:
     r = train(dataclasses.replace(base, parallel=ParallelConfig(tp=2, pp=4),
                                   train=dataclasses.replace(base.train, steps=1, eval_interval=1, eval_iters=1)))
     results["pp4_samples_read"] = r.samples_read
-    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
+    rank_json(out, "", results)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_worker({"main": main}, add_arguments))

@@ -9,44 +9,24 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from helpers import hf_model, model_config
 from threed.config import CheckpointConfig, DataConfig, ParallelConfig, RunConfig, TrainConfig
-from threed.convert.in_memory import load_hf_state
 from threed.data.datasets import build_datasets
 from threed.data.loader import micro_batches
 from threed.data.splits import read_data_flags
-from threed.distributed import GroupMismatch, check_groups_agree, init_distributed
+from threed.distributed import GroupMismatch, Runtime, check_groups_agree
 from threed.engine import build_engine
 from threed.verify.logits import pipeline_logits
+from worker_setup import keeps_logits, load_hf_weights, local_weights, rank_json, reads_data, run_worker
 
 PARITY_TOKENS = dict(batch=2, seq=32, seed=1)
 
 
-def local_layers(engine):
-    mod = engine.module
-    return zip(range(mod._local_start, mod._local_stop), mod.forward_funcs)
-
-
-def load_hf_weights(engine, cfg: RunConfig, hf_state: dict) -> None:
-    """Each rank copies its own layers' TP shards of the HF weights, then refreshes the optimizer's fp32 masters."""
-    load_hf_state(engine.module, cfg.model, hf_state, cfg.parallel.tp, engine.grid.get_slice_parallel_rank())
-    engine.optimizer.refresh_fp32_params()
-
-
-def weights(engine) -> dict[str, torch.Tensor]:
-    # megatron's linears also hold `_extra_state` (None) entries: compare tensors only.
-    return {f"{idx}.{k}": v.detach().clone() for idx, m in local_layers(engine)
-            for k, v in m.state_dict().items() if isinstance(v, torch.Tensor)}
-
-
-def parity(args) -> None:
-    rt = init_distributed()
+def parity(args: argparse.Namespace, rt: Runtime) -> None:
     gen = torch.Generator().manual_seed(PARITY_TOKENS["seed"])
     for name in ("gqa31", "mha2"):
         hf_state = hf_model(name).state_dict()
@@ -61,9 +41,8 @@ def parity(args) -> None:
             engine = build_engine(cfg, rt).engine
             load_hf_weights(engine, cfg, hf_state)
             logits = pipeline_logits(engine, tokens, mc.vocab_size)
-            if logits is not None and engine.grid.get_slice_parallel_rank() == 0 and \
-                    engine.grid.get_data_parallel_rank() == 0:
-                torch.save({"tokens": tokens, "logits": logits}, Path(args.out) / f"{name}_tp{tp}_pp{pp}.pt")
+            if logits is not None and keeps_logits(engine):
+                torch.save({"tokens": tokens, "logits": logits}, args.out / f"{name}_tp{tp}_pp{pp}.pt")
             dist.barrier()
 
 
@@ -75,8 +54,7 @@ def train_dataset(cfg: RunConfig, world_size: int):
 def run_steps(engine, cfg: RunConfig, ds, start: int, stop: int) -> tuple[list[float], list[float]]:
     dp, dp_rank = engine.grid.get_data_parallel_world_size(), engine.grid.get_data_parallel_rank()
     micro, gas, glob = cfg.train.resolve_batch(dp)
-    reads = engine.is_first_stage() or engine.is_last_stage()
-    it = micro_batches(ds, glob, micro, dp, dp_rank, start * glob, cfg.model.vocab_size) if reads else None
+    it = micro_batches(ds, glob, micro, dp, dp_rank, start * glob, cfg.model.vocab_size) if reads_data(engine) else None
     losses, norms = [], []
     for _ in range(start, stop):
         losses.append(engine.train_batch(data_iter=it).item())
@@ -84,9 +62,8 @@ def run_steps(engine, cfg: RunConfig, ds, start: int, stop: int) -> tuple[list[f
     return losses, norms
 
 
-def train(args) -> None:
-    rt = init_distributed()
-    out = Path(args.out)
+def train(args: argparse.Namespace, rt: Runtime) -> None:
+    out = args.out
     mc = model_config("gqa31")
     hf_state = hf_model("gqa31").state_dict()
     base = RunConfig(model=mc, parallel=ParallelConfig(tp=2, pp=2),
@@ -104,14 +81,14 @@ def train(args) -> None:
     load_hf_weights(engine, cfg, hf_state)
     l1, n1 = run_steps(engine, cfg, ds, 0, 3)
     engine.save_checkpoint(ckpt)
-    saved = weights(engine)
+    saved = local_weights(engine)
     l2, n2 = run_steps(engine, cfg, ds, 3, 5)
     results["fp32"] = {"losses": l1 + l2, "grad_norms": n1 + n2}
 
     # 2. Resume from the checkpoint: bit-identical weights, the same next losses.
     cfg_resume = dataclasses.replace(base, checkpoint=CheckpointConfig(load=ckpt))
     built = build_engine(cfg_resume, rt)
-    loaded = weights(built.engine)
+    loaded = local_weights(built.engine)
     results["resume"] = {
         "step": built.engine.global_steps,
         "weights_equal": all(torch.equal(saved[k], loaded[k]) for k in saved) and saved.keys() == loaded.keys(),
@@ -150,15 +127,14 @@ def train(args) -> None:
     except GroupMismatch:
         results["mismatch_detected"] = True
 
-    (out / f"train_rank{rt.rank}.json").write_text(json.dumps(results))
+    rank_json(out, "train", results)
 
 
-if __name__ == "__main__":
-    p = argparse.ArgumentParser()
-    p.add_argument("scenario", choices=["parity", "train"])
-    p.add_argument("--out", required=True)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data")
     p.add_argument("--learnable")
     p.add_argument("--bf16-steps", type=int, default=20)
-    a = p.parse_args()
-    {"parity": parity, "train": train}[a.scenario](a)
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_worker({"parity": parity, "train": train}, add_arguments))

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
@@ -14,8 +13,9 @@ import torch.distributed as dist
 import threed.engine
 from helpers import model_config
 from threed.config import ParallelConfig, RunConfig, TrainConfig
-from threed.distributed import init_distributed
+from threed.distributed import Runtime
 from threed.engine import build_engine, deepspeed_config
+from worker_setup import local_layers, run_worker, write_json
 
 LAYOUTS = ((1, 1), (2, 1), (1, 2), (1, 4), (2, 2))
 
@@ -32,15 +32,15 @@ def save_init_weights(rt, out: Path) -> None:
             from megatron.core import parallel_state as ps
 
             mlp = next(m for m in mod.modules() if type(m).__name__ == "MLP")
-            (out / "cpu_switches.json").write_text(json.dumps({
+            write_json(out / "cpu_switches.json", {
                 "fused_adamw": bool(engine.optimizer.optimizer.defaults.get("fused")),
                 "fused_swiglu": mlp.config.bias_activation_fusion,
                 "device": str(next(mod.parameters()).device),
                 "megatron_gloo_groups": ps.get_data_parallel_group_gloo() is not None,
-            }))
+            })
         if engine.grid.get_data_parallel_rank() == 0:
             layers = {idx: {k: v.detach().cpu() for k, v in m.state_dict().items() if isinstance(v, torch.Tensor)}
-                      for idx, m in zip(range(mod._local_start, mod._local_stop), mod.forward_funcs)}
+                      for idx, m in local_layers(engine)}
             torch.save(layers, out / f"init_tp{tp}_pp{pp}_t{engine.grid.get_slice_parallel_rank()}"
                                      f"_s{engine.grid.get_stage_id()}.pt")
         dist.barrier()
@@ -72,13 +72,13 @@ def grad_norms(rt, out: Path) -> None:
             results[f"{comm}_{name}"] = float(engine.get_global_grad_norm())
     threed.engine.deepspeed_config = deepspeed_config
     if rt.rank == 0:
-        (out / "grad_norms.json").write_text(json.dumps(results))
+        write_json(out / "grad_norms.json", results)
+
+
+def main(args: argparse.Namespace, rt: Runtime) -> None:
+    save_init_weights(rt, args.out)
+    grad_norms(rt, args.out)
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    a = p.parse_args()
-    runtime = init_distributed()
-    save_init_weights(runtime, Path(a.out))
-    grad_norms(runtime, Path(a.out))
+    raise SystemExit(run_worker({"main": main}))

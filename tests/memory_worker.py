@@ -25,23 +25,18 @@ import torch
 import torch.distributed as dist
 
 from threed.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
-from threed.distributed import init_distributed
+from threed.distributed import Runtime, init_megatron_parallel_state
 from threed.engine import build_engine
-from threed.memory.model import Stage, stage_activations, stage_bounds, stage_memory, stages
 from threed.flags import model_config
+from threed.memory.model import Stage, stage_activations, stage_bounds, stage_memory, stages
+from threed.pipeline import build_pipeline_module
+from worker_setup import rank_json, reads_data, run_worker, synthetic_batches, write_json
 
 STATIC = dict(model="tiny", micro=2, gas=2, seq=32)
 # Wide enough that activations dwarf everything else allocated during a step.
 ACT_MODEL = ModelConfig(name="act", vocab_size=1000, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
                         ffn_hidden_size=704, max_position_embeddings=1024, make_vocab_size_divisible_by=32)
 ACT = dict(micro=2, seq=512)
-
-
-def synthetic_batches(vocab: int, micro: int, seq: int, n: int, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    for _ in range(n):
-        tokens = torch.randint(0, vocab, (micro, seq + 1), generator=gen)
-        yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
 class StorageCounter:
@@ -105,8 +100,7 @@ def measure_static(engine) -> dict[str, int]:
     return out
 
 
-def static(args) -> None:
-    rt = init_distributed()
+def static(args: argparse.Namespace, rt: Runtime) -> None:
     mc = model_config(STATIC["model"])
     for layout in args.layouts:
         tp, pp = (int(x) for x in layout.split("x"))
@@ -115,10 +109,9 @@ def static(args) -> None:
                         train=TrainConfig(dtype="bf16", micro_batch_size=STATIC["micro"],
                                           grad_accum_steps=STATIC["gas"], seq_length=STATIC["seq"]))
         engine = build_engine(cfg, rt).engine
-        data = synthetic_batches(mc.vocab_size, STATIC["micro"], STATIC["seq"], STATIC["gas"],
-                                 seed=engine.grid.get_data_parallel_rank())
-        reads = engine.is_first_stage() or engine.is_last_stage()
-        loss = engine.train_batch(data_iter=data if reads else None).item()
+        data = synthetic_batches(mc.vocab_size, STATIC["micro"], STATIC["seq"],
+                                 seed=engine.grid.get_data_parallel_rank(), n=STATIC["gas"])
+        loss = engine.train_batch(data_iter=data if reads_data(engine) else None).item()
         gc.collect()
         stage = stages(mc, pp, tp, STATIC["seq"])[engine.stage_id]
         mem = stage_memory(mc, tp, pp, dp, STATIC["micro"], STATIC["gas"], STATIC["seq"], False, stage, "cpu")
@@ -129,7 +122,7 @@ def static(args) -> None:
                   "predicted": {"weights": mem.weights, "grads": mem.grads, "optimizer": mem.optimizer,
                                 "model_states": mem.model_states, "buffers": mem.buffers, "static": mem.static,
                                 "params": mem.params}}
-        (Path(args.out) / f"static_{tp}x{pp}x{dp}_rank{rt.rank}.json").write_text(json.dumps(result))
+        rank_json(args.out, f"static_{tp}x{pp}x{dp}", result)
         del engine
         gc.collect()
         dist.barrier()
@@ -155,11 +148,7 @@ def cpu_peak(fn) -> int:
     return peak
 
 
-def activations(args) -> None:
-    from threed.distributed import init_megatron_parallel_state
-    from threed.pipeline import build_pipeline_module
-
-    init_distributed()
+def activations(args: argparse.Namespace) -> None:
     init_megatron_parallel_state(1, 1)
     micro, seq = ACT["micro"], ACT["seq"]
     results = {}
@@ -168,7 +157,7 @@ def activations(args) -> None:
                                                            activation_checkpointing=ckpt))
         module = build_pipeline_module(cfg, 1).bfloat16()
         module._precompute_checkpointable_values()  # what the engine does before the first forward
-        tokens, labels = next(synthetic_batches(ACT_MODEL.vocab_size, micro, seq, 1))
+        tokens, labels = next(synthetic_batches(ACT_MODEL.vocab_size, micro, seq, n=1))
         module.loss_fn(module(tokens), labels).backward()  # grads now exist: backward adds into them
 
         def step() -> None:
@@ -187,15 +176,19 @@ def activations(args) -> None:
         cuda = stage_activations(ACT_MODEL, 1, 1, device="cuda", **kw) + logits
         results["ckpt" if ckpt else "no_ckpt"] = {"measured": measured, "estimate_cpu_kernels": cpu,
                                                   "estimate_cuda_kernels": cuda}
-    (Path(args.out) / "activations.json").write_text(json.dumps(results))
+    write_json(args.out / "activations.json", results)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--layouts", nargs="*", default=[], help="TPxPP, e.g. 2x2")
+    p.add_argument("--activations", action="store_true", help="also the CPU activation peak (one process)")
+
+
+def main(args: argparse.Namespace, rt: Runtime) -> None:
+    static(args, rt)
+    if args.activations:
+        activations(args)
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--layouts", nargs="*", default=[], help="TPxPP, e.g. 2x2")
-    p.add_argument("--activations", action="store_true", help="also the CPU activation peak (one process)")
-    a = p.parse_args()
-    static(a)
-    if a.activations:
-        activations(a)
+    raise SystemExit(run_worker({"main": main}, add_arguments))

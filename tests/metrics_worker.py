@@ -9,17 +9,13 @@ replica read the same samples and a rebuilt run reads the same ones again.
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
-from typing import Iterator
-
-import torch
 
 from threed.config import MetricsConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
-from threed.distributed import init_distributed
+from threed.distributed import Runtime
 from threed.engine import build_engine
 from threed.metrics.writer import RunMetrics
+from worker_setup import rank_json, reads_data, run_worker, synthetic_batches
 
 TINY = ModelConfig(name="metrics-tiny", vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
                    ffn_hidden_size=176, max_position_embeddings=128, make_vocab_size_divisible_by=32)
@@ -30,24 +26,17 @@ BUBBLE = ModelConfig(name="metrics-bubble", vocab_size=128, hidden_size=128, num
                      num_kv_heads=2, ffn_hidden_size=352, max_position_embeddings=128, make_vocab_size_divisible_by=32)
 
 
-def synthetic_batches(vocab: int, micro: int, seq: int, dp_rank: int, seed: int = 0) -> Iterator:
-    gen = torch.Generator().manual_seed(seed * 1000 + dp_rank)
-    while True:
-        tokens = torch.randint(0, vocab, (micro, seq + 1), generator=gen)
-        yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-
 def batches_for(engine, cfg: RunConfig):
-    if not (engine.is_first_stage() or engine.is_last_stage()):
+    """Synthetic batches seeded by the DP rank, for the stages that read data."""
+    if not reads_data(engine):
         return None
     return synthetic_batches(cfg.model.vocab_size, cfg.train.micro_batch_size, cfg.train.seq_length,
-                             engine.grid.get_data_parallel_rank())
+                             seed=engine.grid.get_data_parallel_rank())
 
 
-def train(args) -> None:
+def train(args: argparse.Namespace, rt: Runtime) -> None:
     """3 steps with every sink on, then the same 3 steps on a fresh engine with no metrics at all."""
-    rt = init_distributed()
-    out = Path(args.out)
+    out = args.out
     cfg = RunConfig(model=TINY, parallel=ParallelConfig(tp=2, pp=2),
                     train=TrainConfig(dtype="fp32", micro_batch_size=2, grad_accum_steps=2, seq_length=32, steps=3,
                                       lr=1e-3, warmup_steps=1),
@@ -71,16 +60,14 @@ def train(args) -> None:
     engine = build_engine(cfg, rt).engine
     it = batches_for(engine, cfg)
     plain = [engine.train_batch(data_iter=it).item() for _ in range(cfg.train.steps)]
-    (out / f"train_rank{rt.rank}.json").write_text(json.dumps({
+    rank_json(out, "train", {
         "logged": logged, "plain": plain, "records": records, "writer": metrics.is_writer,
-        "overhead_s": overhead, "step_times": step_times}))
+        "overhead_s": overhead, "step_times": step_times})
 
 
-def bubble(args) -> None:
+def bubble(args: argparse.Namespace, rt: Runtime) -> None:
     """pp2 at gas 2 and gas 16, steps alternating between the two engines so that a change in machine load hits
     both alike: the per-stage idle fraction, the wall clock measured outside the engine, and the CPU time used."""
-    rt = init_distributed()
-    out = Path(args.out)
     steps = 5  # step 1 warms up (buffers, tensor-meta exchange) and is not in the numbers
     runs = {}
     for gas in (2, 16):
@@ -105,12 +92,8 @@ def bubble(args) -> None:
         # The stage numbers live on the writer rank only; every rank reports its own clocks.
         results[f"gas{gas}"] = {"record": run["record"], "wall_per_step": run["wall"] / (steps - 1),
                                 "cpu_per_step": run["cpu"] / (steps - 1), "stage": run["engine"].stage_id}
-    (out / f"bubble_rank{rt.rank}.json").write_text(json.dumps(results))
+    rank_json(args.out, "bubble", results)
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser()
-    p.add_argument("scenario", choices=["train", "bubble"])
-    p.add_argument("--out", required=True)
-    a = p.parse_args()
-    {"train": train, "bubble": bubble}[a.scenario](a)
+    raise SystemExit(run_worker({"train": train, "bubble": bubble}))

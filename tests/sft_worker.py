@@ -7,19 +7,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from dist_worker import load_hf_weights
 from helpers import hf_model, model_config
 from threed.config import CheckpointConfig, DataConfig, ParallelConfig, RunConfig, TrainConfig
-from threed.distributed import init_distributed
+from threed.distributed import Runtime
 from threed.engine import build_engine
 from threed.verify.logits import pipeline_logits
 from threed.train import train
+from worker_setup import keeps_logits, load_hf_weights, rank_json, run_worker, stopped_then_resumed
 
 MODEL = "gqa31"
 SEQ = 64
@@ -43,13 +41,12 @@ def packed_rows() -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, doc_ids.to(torch.int32)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--data", required=True)
-    args = ap.parse_args()
-    out = Path(args.out)
-    rt = init_distributed()
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", required=True)
+
+
+def main(args: argparse.Namespace, rt: Runtime) -> None:
+    out = args.out
 
     # 1. Packed rows through the tp2 pp2 pipeline with HF's weights: logits per example (compared with HF alone).
     cfg = sft_config(args.data, pack=True, steps=1)
@@ -58,7 +55,7 @@ def main() -> None:
     load_hf_weights(engine, cfg, hf_model(MODEL).state_dict())
     tokens, doc_ids = packed_rows()
     logits = pipeline_logits(engine, (tokens, doc_ids), cfg.model.vocab_size)
-    if logits is not None and engine.grid.get_slice_parallel_rank() == 0 and engine.grid.get_data_parallel_rank() == 0:
+    if logits is not None and keeps_logits(engine):
         torch.save({"tokens": tokens, "rows": ROWS, "logits": logits}, out / "packed_logits.pt")
     dist.barrier()
 
@@ -74,24 +71,15 @@ def main() -> None:
     # 3. Preempted after step 1 (a STOP file) at tp2 pp2 dp2, resumed at tp1 pp2 dp4 (DeepSpeed's universal
     # checkpoint): the packed rows' order depends only on the global batch, so steps 2-5 are the uninterrupted ones.
     save = out / "resumed"
-    if rt.rank == 0:
-        save.mkdir()
-        (save / "STOP").write_text("")
-    dist.barrier()
     cfg = sft_config(args.data, True, 5)
     cfg = dataclasses.replace(cfg, checkpoint=CheckpointConfig(save=str(save)))
-    first = train(cfg)
-    dist.barrier()
-    if rt.rank == 0:
-        (save / "STOP").unlink()
-    dist.barrier()
     # The same global batch of 8 rows: micro 2 x gas 1 x dp 4.
-    second = train(dataclasses.replace(cfg, parallel=ParallelConfig(tp=1, pp=2),
-                                       train=dataclasses.replace(cfg.train, grad_accum_steps=1)))
+    first, second = stopped_then_resumed(train, save, cfg, dataclasses.replace(
+        cfg, parallel=ParallelConfig(tp=1, pp=2), train=dataclasses.replace(cfg.train, grad_accum_steps=1)))
     results["resumed"] = {"first": first.losses, "preempted": first.preempted, "second": second.losses,
                           "start": second.start_step}
-    (out / f"sft_rank{rt.rank}.json").write_text(json.dumps(results))
+    rank_json(out, "sft", results)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_worker({"main": main}, add_arguments))

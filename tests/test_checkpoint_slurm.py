@@ -30,8 +30,9 @@ def test_job_resubmitted_on_another_node_count_resumes(local_slurm_factory, tmp_
     data = write_dataset(tmp_path / "data" / "corpus", learnable_tokens(40000), 512)
     save = tmp_path / "ckpt"
     # GLOBAL instead of GAS: the global batch stays 32 when dp halves (gas doubles), so the run continues as is.
+    # Every document trains (SPLIT 100,0,0), so no validation: EVAL_INTERVAL= clears the recipe's (it needs a split).
     env = {"DATA": data, "TOKENIZER": "", "GPUS_PER_NODE": "4", "SAVE": str(save), "STEPS": "6", "GAS": "",
-           "GLOBAL": "32", "SEQ": "64", "DTYPE": "fp32", "THREED_ARGS": "--split 100,0,0"}
+           "GLOBAL": "32", "SEQ": "64", "DTYPE": "fp32", "SPLIT": "100,0,0", "EVAL_INTERVAL": ""}
     job, logs = submit(slurm, "slurm/train.sh", tmp_path / "first", env, "recipes/tiny.sh", nodes=2)
     assert slurm.wait(job, timeout_s=300) == "COMPLETED", job_report(slurm, job, tmp_path / "first")
     first = losses(node_logs(logs))

@@ -18,9 +18,10 @@ REPO = Path(__file__).resolve().parents[1]
 LAUNCH = REPO / "recipes" / "launch.sh"
 MODEL_RECIPES = ["llama2_7b", "llama2_13b", "llama2_70b", "llama3_8b", "llama3_70b", "llama31_8b", "llama31_70b",
                  "llama31_405b"]
-RECIPE_VARS = ["MODEL", "TP", "PP", "MICRO", "GAS", "GLOBAL", "SEQ", "LR", "MIN_LR", "WARMUP", "STEPS", "DTYPE",
-               "ACT_CKPT", "DATA", "SPLIT", "DATA_CACHE_PATH", "PACK", "EVAL_INTERVAL", "EVAL_ITERS", "TOKENIZER", "INIT_FROM",
-               "LOAD", "SAVE", "SAVE_INTERVAL", "LOG_INTERVAL"]
+LAUNCH_TEXT = LAUNCH.read_text()
+# The launcher's list of recipe variables, and its defaults (its VAR=${VAR-default} lines).
+RECIPE_VARS = re.search(r"^RECIPE_VARS=\(([^)]*)\)", LAUNCH_TEXT, re.M)[1].split()
+DEFAULTS = {m[1]: m[3] for m in re.finditer(r"^([A-Z_]+)=\$\{(\w+)-([^}]*)\}$", LAUNCH_TEXT, re.M)}
 SFT_RECIPES = ["llama31_8b_sft", "llama31_70b_sft"]
 SLURM_SCRIPTS = {"llama70b_tp8_pp4.sh": ("llama31_70b", 4), "llama8b_tp2_pp2.sh": ("llama31_8b", 1),
                  "llama70b_sft_tp8_pp4.sh": ("llama31_70b_sft", 4),
@@ -137,18 +138,41 @@ def test_missing_data_fails_before_starting() -> None:
     assert out.returncode == 2 and "DATA=/nonexistent/tokens.bin not found" in out.stderr, out.stderr
 
 
+def test_launcher_defaults_are_recipe_variables() -> None:
+    assert set(DEFAULTS) < set(RECIPE_VARS), DEFAULTS
+    assert not {"MODEL", "TP", "PP", "SEQ"} & set(DEFAULTS), "a recipe gives the model and its layout"
+
+
 @pytest.mark.parametrize("name", MODEL_RECIPES + SFT_RECIPES + ["tiny"])
 def test_recipe_is_only_overridable_variables(name: str) -> None:
+    """A recipe states only what differs from the launcher's defaults, each line overridable from the
+    environment, in the launcher's order."""
     text = (REPO / "recipes" / f"{name}.sh").read_text()
     code = [line for line in text.splitlines() if line.strip() and not line.startswith("#")]
     names = []
     for line in code:
         m = re.fullmatch(r"([A-Z_]+)=\$\{(\w+)-([^}]*)\}", line)
         assert m and m[1] == m[2], f"{name}: not a VAR=${{VAR-default}} line: {line!r}"
+        assert m[3] != DEFAULTS.get(m[1], ""), f"{name}: {line!r} repeats the launcher's default"
         names.append(m[1])
+    assert names == [v for v in RECIPE_VARS if v in names], f"{name}: not in the launcher's order (RECIPE_VARS)"
+    assert {"MODEL", "TP", "PP", "SEQ", "DATA", "TOKENIZER", "SAVE"} <= set(names)
     # PACK is the SFT recipes' own (pretraining data is packed by GPTDataset already).
-    assert names == [v for v in RECIPE_VARS if v != "PACK" or name in SFT_RECIPES]
+    assert ("PACK" in names) == (name in SFT_RECIPES)
     assert text.startswith("# "), "a header comment comes first"
+
+
+def test_launcher_defaults_fill_in_and_clear() -> None:
+    """What a recipe leaves out comes from the launcher's defaults; the environment overrides a default, and an
+    empty value clears it (no flag: training's own default)."""
+    argv = train_argv(launch("llama31_8b", {"GPUS_PER_NODE": "8"}).stdout)
+    for flag, var in (("--dtype", "DTYPE"), ("--warmup-steps", "WARMUP"), ("--steps", "STEPS"),
+                      ("--eval-interval", "EVAL_INTERVAL"), ("--eval-iters", "EVAL_ITERS")):
+        assert argv[argv.index(flag) + 1] == DEFAULTS[var], (flag, argv)
+    out = launch("llama31_8b", {"GPUS_PER_NODE": "8", "EVAL_INTERVAL": "", "STEPS": "7"})
+    assert out.returncode == 0, out.stderr
+    argv = train_argv(out.stdout)
+    assert "--eval-interval" not in argv and argv[argv.index("--steps") + 1] == "7"
 
 
 def _header_layout(text: str) -> tuple[int, int, int, int, int]:

@@ -150,6 +150,16 @@ def grid_coordinates(rank: int, tp: int, dp: int) -> tuple[int, int, int]:
     return rank // (tp * dp), rank // tp % dp, rank % tp
 
 
+def loss_rank(tp: int, pp: int, dp: int, dp_rank: int = 0) -> int:
+    """The global rank that holds data-parallel replica `dp_rank`'s loss: the last pipeline stage computes it and
+    every TP rank of that stage holds the same value, so TP rank 0 of the last stage counts it. Replica 0's (the
+    default) is the one rank that speaks for the run: it prints the log lines and writes the metrics (threed.train,
+    threed.metrics.writer; DeepSpeed has already averaged the loss over DP there), so on a multi-node job every
+    line of a run is in one node's log; threed.evaluate sums each replica's validation loss once, from its loss
+    rank. Rank order as in `grid_coordinates` (tp fastest, then dp, then pp)."""
+    return ((pp - 1) * dp + dp_rank) * tp
+
+
 class GroupMismatch(RuntimeError):
     pass
 

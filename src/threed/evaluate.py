@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from threed.data.loader import SampleCounter, micro_batches
+from threed.distributed import loss_rank
 
 
 @dataclass
@@ -50,8 +51,9 @@ def evaluate(engine, valid_dataset, dataset_names: tuple[str, ...], eval_index: 
         if engine.is_last_stage():
             totals += torch.stack([o.detach().to(device, torch.float64) for o in outputs]).sum(dim=0)
     engine.total_loss = None
-    # Every TP rank of the last stage holds the same sums: count TP rank 0's, once per data-parallel replica.
-    if not (engine.is_last_stage() and engine.grid.get_slice_parallel_rank() == 0):
+    # Every TP rank of the last stage holds the same sums: count them once per data-parallel replica.
+    tp, pp = engine.grid.get_slice_parallel_world_size(), engine.grid.get_pipe_parallel_world_size()
+    if dist.get_rank() != loss_rank(tp, pp, dp, dp_rank):
         totals.zero_()
     # float64 so that a token count stays exact and the sum of losses loses nothing in the reduction.
     dist.all_reduce(totals)

@@ -29,7 +29,7 @@ from threed.data.checks import check_cache_visible, check_data
 from threed.data.datasets import build_datasets
 from threed.data.loader import SampleCounter, micro_batches, token_weighted
 from threed.data.splits import read_data_flags
-from threed.distributed import grid_coordinates, init_distributed, shutdown_distributed
+from threed.distributed import grid_coordinates, init_distributed, loss_rank, shutdown_distributed
 from threed.engine import build_engine
 from threed.errors import guarded
 from threed.flags import parse_run_config
@@ -97,7 +97,7 @@ def train(cfg: RunConfig) -> TrainResult:
     stage, dp_rank, _ = grid_coordinates(rt.rank, tp, dp)
     # One rank speaks: the one that holds the loss and writes the metrics (last stage, tp 0, dp 0), so on a
     # multi-node job every line of a run is in one node's log.
-    logger = rt.rank == (pp - 1) * tp * dp
+    logger = rt.rank == loss_rank(tp, pp, dp)
     reads_data = stage in (0, pp - 1)  # the first stage embeds tokens, the last computes the loss
     if cfg.data.data_cache_path:
         check_cache_visible(cfg.data.data_cache_path, rt.rank)

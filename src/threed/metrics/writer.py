@@ -1,8 +1,8 @@
 """The one metrics writer of a run.
 
 Every rank builds a `RunMetrics` and calls `step` once per training step (the per-stage numbers need one
-all-gather every log interval); only the writer rank, the last pipeline stage at TP rank 0 and DP rank 0, builds
-records and feeds the sinks. That rank holds the loss itself: DeepSpeed averages it over DP on the last stage
+all-gather every log interval); only the writer rank, the last pipeline stage at TP rank 0 and DP rank 0
+(threed.distributed.loss_rank), builds records and feeds the sinks. That rank holds the loss itself: DeepSpeed averages it over DP on the last stage
 and broadcasts it back up the pipe only for the other stages' return value.
 
 The run directory (where `metrics.jsonl` and `run_config.json` go, always) is `--save` when given, else the parent
@@ -27,6 +27,7 @@ import deepspeed
 import torch
 
 from threed.config import ConfigError, RunConfig
+from threed.distributed import loss_rank
 from threed.engine import deepspeed_config
 from threed.metrics.flops import flops_per_token, peak_tflops_per_device
 from threed.metrics.sinks import CONFIG_FILE, METRICS_FILE, JsonlSink, TensorBoardSink, WandbSink, stdout_line
@@ -92,8 +93,7 @@ class RunMetrics:
         self.log_interval = max(1, cfg.train.log_interval)
         self.start = engine.global_steps if start_iteration is None else start_iteration
         self.engine = engine
-        self.is_writer = (engine.is_last_stage() and grid.get_data_parallel_rank() == 0
-                          and grid.get_slice_parallel_rank() == 0)
+        self.is_writer = rt.rank == loss_rank(cfg.parallel.tp, self.pp, grid.get_data_parallel_world_size())
         self.flops_per_token = flops_per_token(cfg.model, self.seq, cfg.parallel.tp)
         self.peak_tflops = peak_tflops_per_device()
         self.timer = StageTimer(engine, rt.device, instructions=cfg.metrics.stage_timing)
