@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from threed.config import CheckpointConfig, RunConfig
+from threed.config import RunConfig, RunControlConfig
 from threed.convert.in_memory import load_hf_state
 from threed.distributed import Runtime, init_distributed
 
@@ -39,7 +39,7 @@ def run_worker(scenarios: dict[str, Scenario], add_arguments: Optional[AddArgume
         add_arguments(p)
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    rt = init_distributed(CheckpointConfig().dist_timeout_minutes)
+    rt = init_distributed(RunControlConfig().dist_timeout_minutes)
     scenario = scenarios[args.scenario] if len(scenarios) > 1 else next(iter(scenarios.values()))
     return scenario(args, rt) or 0
 
