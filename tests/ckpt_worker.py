@@ -149,7 +149,7 @@ def main(a: argparse.Namespace, rt: Runtime) -> None:
     if rt.rank == 0:
         write_json(out / "result.json", {"start": start, "client_state": built.client_state,
                                          "resumed_from": built.resumed_from,
-                                         "universal": bool(built.plan and built.plan.universal)})
+                                         "universal": bool(built.decision and built.decision.universal)})
     it = batches(start, micro, gas, dp, dp_rank) if reads_data(engine) else None
     guard = RunGuard(cfg, rt.rank, engine, None, rt.device)
     for step in range(start, cfg.train.steps):

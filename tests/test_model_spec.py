@@ -15,7 +15,7 @@ from threed import partition
 from threed.memory import model as memory
 from threed.config import ModelConfig, ParallelConfig
 from threed.convert.mapping import layer_from_hf
-from threed.convert.slices import rank_plan
+from threed.convert.slices import rank_slices
 from threed.hf import names as hf_names_module
 from threed.hf.names import hf_shapes
 from threed.model import spec
@@ -73,7 +73,7 @@ def test_shards_stages_and_converter_agree(name, cfg, device):
             per_rank = layer_from_hf(cfg, layer, {n: meta[n] for n in hf_shapes(cfg, layer)}, tp)
             for rank in range(tp):
                 assert {k: tuple(v.shape) for k, v in per_rank[rank].items()} == want, (layer, tp, rank)
-                assert {s.name: s.shape for s in rank_plan(cfg, layer, tp, rank)} == want, (layer, tp, rank)
+                assert {s.name: s.shape for s in rank_slices(cfg, layer, tp, rank)} == want, (layer, tp, rank)
         # Per-stage parameters of every stage, summed over the stages and TP ranks (norms are replicated):
         # the HF count plus the vocabulary padding of the embedding and the LM head.
         for pp in sorted({1, 2, min(cfg.num_layers, 4)}):

@@ -26,12 +26,12 @@ def check(ns: argparse.Namespace) -> str:
     cfg.validate(ns.world)
     dp = cfg.parallel.dp(ns.world)
     micro, gas, glob = cfg.train.resolve_batch(dp)
-    plan = "random init"
+    start = "random init"
     if ns.paths:
-        plan = check_paths(cfg, ns.world)
+        start = check_paths(cfg, ns.world)
     return (f"config ok: {cfg.model.name} ({parameter_count(cfg.model) / 1e6:.1f}M params), world {ns.world} = "
             f"tp {cfg.parallel.tp} x pp {cfg.parallel.pp} x dp {dp}, global batch {glob} = micro {micro} x gas "
-            f"{gas} x dp {dp}, seq {cfg.train.seq_length}, {cfg.train.steps} steps; start: {plan}")
+            f"{gas} x dp {dp}, seq {cfg.train.seq_length}, {cfg.train.steps} steps; start: {start}")
 
 
 def check_paths(cfg: RunConfig, world: int) -> str:
@@ -39,9 +39,9 @@ def check_paths(cfg: RunConfig, world: int) -> str:
     # torch: threed.checkpoint.start pulls it in; check-config without --paths runs without it
     from threed.checkpoint.start import check_save_dir, decide_start
 
-    plan = decide_start(cfg, world)
-    check_save_dir(cfg, plan, create=False)
-    return plan.describe() + (" (converted once)" if plan.universal else "")
+    decision = decide_start(cfg, world)
+    check_save_dir(cfg, decision, create=False)
+    return decision.describe() + (" (converted once)" if decision.universal else "")
 
 
 def _run(ns: argparse.Namespace) -> int:

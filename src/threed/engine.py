@@ -91,42 +91,42 @@ class Built:
     # What the caller passed to threed.checkpoint.save.save (e.g. {"consumed_samples": n}) when this run resumed;
     # empty otherwise.
     client_state: dict = field(default_factory=dict)
-    plan: Optional[StartDecision] = None  # where the run started, and the log lines about it
+    decision: Optional[StartDecision] = None  # where the run started, and the log lines about it
 
 
-def build_engine(cfg: RunConfig, rt: Runtime, plan: Optional[StartDecision] = None,
+def build_engine(cfg: RunConfig, rt: Runtime, decision: Optional[StartDecision] = None,
                  token_weighted: bool = False) -> Built:
     """Builds from a validated `cfg` (`RunConfig.validate`: threed.train validates once, before anything else).
     Where the run starts (and whether --save can take a checkpoint) is decided on rank 0 and shared before the
     model is built (`threed.checkpoint.start.start`; threed.train calls it even before the datasets and passes its
-    `plan`), so a bad checkpoint directory costs seconds."""
+    `decision`), so a bad checkpoint directory costs seconds."""
     import deepspeed  # heavy: only where a model is built
 
-    if plan is None:
-        plan = start(cfg, rt.rank, rt.world_size)
-    resume = plan.mode == "resume"
+    if decision is None:
+        decision = start(cfg, rt.rank, rt.world_size)
+    resume = decision.mode == "resume"
 
     torch.manual_seed(cfg.train.seed)
     init_megatron_parallel_state(cfg.parallel.tp, cfg.parallel.pp, rt.cuda_only.gloo_process_groups)
-    module = build_pipeline_module(cfg, rt.world_size, initialize=plan.mode == "fresh",
+    module = build_pipeline_module(cfg, rt.world_size, initialize=decision.mode == "fresh",
                                    fused_swiglu=rt.cuda_only.fused_swiglu, token_weighted=token_weighted)
     check_groups_agree(module._grid)
     optimizer, scheduler = make_optimizer(module, cfg, fused=rt.cuda_only.fused_adamw)
-    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=deepspeed_config(cfg, rt.world_size, load_universal=plan.universal))
+    ds_config = deepspeed_config(cfg, rt.world_size, load_universal=decision.universal)
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
     client_state: dict = {}
     if resume:
-        path, client_state = engine.load_checkpoint(plan.load_dir, tag=plan.tag)
+        path, client_state = engine.load_checkpoint(decision.load_dir, tag=decision.tag)
         if path is None:
-            raise RuntimeError(f"DeepSpeed could not load the checkpoint {plan.load_dir}/{plan.tag}")
-    elif plan.mode == "weights":
-        path, _ = engine.load_checkpoint(plan.load_dir, tag=plan.tag, load_module_only=True,
+            raise RuntimeError(f"DeepSpeed could not load the checkpoint {decision.load_dir}/{decision.tag}")
+    elif decision.mode == "weights":
+        path, _ = engine.load_checkpoint(decision.load_dir, tag=decision.tag, load_module_only=True,
                                          load_optimizer_states=False, load_lr_scheduler_states=False)
         if path is None:
-            raise RuntimeError(f"DeepSpeed could not load weights from {plan.load_dir}/{plan.tag}")
+            raise RuntimeError(f"DeepSpeed could not load weights from {decision.load_dir}/{decision.tag}")
         # DeepSpeed 0.19 refreshes the optimizer's fp32 master weights after load_module_only (the fix for the
         # "loss jumps after step 1" bug, DS PR #4141); tests/test_convert checks the loss does not jump.
     # DeepSpeed returns every key of the mp_rank file it does not use itself; the caller's are kept apart.
     client_state = dict((client_state or {}).get("threed_client", {}))
-    resumed_from = plan.source.path if resume else None  # the tag: plan.source.tag
-    return Built(engine=engine, resumed_from=resumed_from, client_state=client_state, plan=plan)
+    resumed_from = decision.source.path if resume else None  # the tag: decision.source.tag
+    return Built(engine=engine, resumed_from=resumed_from, client_state=client_state, decision=decision)

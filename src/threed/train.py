@@ -52,7 +52,7 @@ class TrainResult:
     loss_tokens: list[int] = field(default_factory=list)  # SFT, last stage: the tokens each step's loss counted
 
 
-def checked_data_plan(cfg: RunConfig, rank: int):
+def checked_data_splits(cfg: RunConfig, rank: int):
     """Rank 0 runs the data checks (they read every token of small datasets: on a 1,000-rank job every rank doing
     it would read the corpus 1,000 times from the shared filesystem) and tells everyone the verdict, so all ranks
     stop together with the same one-line error (printed once) instead of waiting in the builder's barrier."""
@@ -89,7 +89,7 @@ def log(is_logger: bool, msg: str) -> None:
 def train(cfg: RunConfig) -> TrainResult:
     rt = init_distributed(cfg.control.dist_timeout_minutes)
     cfg.validate(rt.world_size)
-    plan = checked_data_plan(cfg, rt.rank)  # every data problem, before datasets or the model are built
+    splits = checked_data_splits(cfg, rt.rank)  # every data problem, before datasets or the model are built
     # Where the run starts (resume / refuse / universal conversion) and --save checks, before any dataset.
     start_decision = checkpoint_start(cfg, rt.rank, rt.world_size)
     tp, pp, dp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp(rt.world_size)
@@ -101,9 +101,9 @@ def train(cfg: RunConfig) -> TrainResult:
     reads_data = stage in (0, pp - 1)  # the first stage embeds tokens, the last computes the loss
     if cfg.data.data_cache_path:
         check_cache_visible(cfg.data.data_cache_path, rt.rank)
-    data = build_datasets(cfg, plan, glob, builds_here=reads_data)
+    data = build_datasets(cfg, splits, glob, builds_here=reads_data)
     stop = StopRequest(cfg.checkpoint.save)
-    built = build_engine(cfg, rt, start_decision, token_weighted=plan.sft)
+    built = build_engine(cfg, rt, start_decision, token_weighted=splits.sft)
     engine = built.engine
     guard = RunGuard(cfg, rt.rank, engine, stop, rt.device)  # stop request, non-finite steps, time budget, watchdog
     start = engine.global_steps
@@ -116,16 +116,16 @@ def train(cfg: RunConfig) -> TrainResult:
                  + (f"resumed from {built.resumed_from} at step {start} ({consumed} samples consumed)"
                     if built.resumed_from else
                     f"weights from {cfg.checkpoint.init_from}" if cfg.checkpoint.init_from else "random init")
-                 + (f"; validation every {plan.eval_interval} steps ({cfg.train.eval_iters} batches)"
-                    if plan.eval_interval else "; no validation")
+                 + (f"; validation every {splits.eval_interval} steps ({cfg.train.eval_iters} batches)"
+                    if splits.eval_interval else "; no validation")
                  + (f"; SFT data, response-only loss, {'packed' if cfg.data.pack else 'one example per'} sequence"
-                    if plan.sft else ""))
+                    if splits.sft else ""))
     counter = SampleCounter()
     batches = micro_batches(data.train, glob, micro, dp, dp_rank, consumed, cfg.model.vocab_size,
                             counter=counter) if reads_data else None
     metrics = RunMetrics(cfg, engine, rt, start)  # every rank: times its stage; the loss rank writes
     for step in range(start, cfg.train.steps):
-        step_iter, loss_tokens = step_batches(batches, gas, plan.sft, engine, rt.device)
+        step_iter, loss_tokens = step_batches(batches, gas, splits.sft, engine, rt.device)
         loss = engine.train_batch(data_iter=step_iter).item()
         consumed += glob
         norm = engine.get_global_grad_norm()
@@ -140,10 +140,10 @@ def train(cfg: RunConfig) -> TrainResult:
         # The step's one control all-reduce: exit 3 on divergence; True: every rank saves and exits after this step.
         stop_now = guard.after_step(step + 1, loss, norm)
         last = step + 1 == cfg.train.steps
-        if plan.eval_interval and ((step + 1) % plan.eval_interval == 0 or last):
+        if splits.eval_interval and ((step + 1) % splits.eval_interval == 0 or last):
             # Evaluation k reads the k-th block of eval_iters valid batches (the last one may be off-interval).
-            index = (step + 1) // plan.eval_interval - 1 if (step + 1) % plan.eval_interval == 0 else \
-                (step + 1) // plan.eval_interval
+            index = (step + 1) // splits.eval_interval - 1 if (step + 1) % splits.eval_interval == 0 else \
+                (step + 1) // splits.eval_interval
             ev = evaluate(engine, data.valid, data.valid_names, index, cfg.train.eval_iters, micro, gas,
                           cfg.model.vocab_size, rt.device, counter=counter)
             metrics.validation(step + 1, ev.loss, {Path(k).name: v for k, v in ev.per_dataset.items()}, consumed)

@@ -30,7 +30,7 @@ from threed.checkpoint.format import CONVERT_TAG, HF_EXTRA_DIR, layer_file
 from threed.config import ModelConfig, ParallelConfig, RunConfig
 from threed.convert.ds_checkpoint import model_to_dict, with_extra_state, write_metadata
 from threed.convert.io_utils import ConvertError, atomic_output_dir, check_free_space, dtype_name, human, progress
-from threed.convert.slices import BufferPool, PartReader, materialize, rank_plan
+from threed.convert.slices import BufferPool, PartReader, materialize, rank_slices
 from threed.hf.config import from_hf_config
 from threed.hf.format import SIDE_FILES
 from threed.hf.names import hf_names, hf_shapes
@@ -58,7 +58,7 @@ def convert_rank(cfg: ModelConfig, layer: PipelineLayer, reader: PartReader, tp:
     """The state dict DeepSpeed loads for `layer` on TP rank `rank` (== mapping.layer_from_hf(...)[rank]),
     read slice by slice from `reader`, plus the `_extra_state` entries megatron's strict load expects.
     With a `pool`, the tensors are reused by the next call: save (or copy) them before making another."""
-    specs = rank_plan(cfg, layer, tp, rank)
+    specs = rank_slices(cfg, layer, tp, rank)
     if pool is not None:
         pool.start(specs)
     return with_extra_state(layer, {s.name: materialize(s, reader, dtype, device, pool) for s in specs})

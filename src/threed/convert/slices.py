@@ -1,7 +1,7 @@
 """Which bytes of which HF tensors make one TP rank's state dict: the converter's streaming form of
-`mapping.layer_from_hf`, equal to it bit for bit (tests/test_convert_plan.py checks every kind at every tp).
+`mapping.layer_from_hf`, equal to it bit for bit (tests/test_convert_slices.py checks every kind at every tp).
 
-    for spec in rank_plan(cfg, layer, tp, rank):          # pure: names, shapes, source slices
+    for spec in rank_slices(cfg, layer, tp, rank):          # pure: names, shapes, source slices
         out[spec.name] = materialize(spec, reader, dtype)   # reader: HF files (positioned reads) or a dict
 
 `layer_from_hf` builds every rank's shards from whole tensors (fused QKV, padded vocab: a few copies of the
@@ -62,7 +62,7 @@ class DictReader:
         out.copy_(self.tensors[piece.hf_name].narrow(piece.dim, piece.start, piece.length))
 
 
-def rank_plan(cfg: ModelConfig, layer: PipelineLayer, tp: int, rank: int) -> list[ShardSpec]:
+def rank_slices(cfg: ModelConfig, layer: PipelineLayer, tp: int, rank: int) -> list[ShardSpec]:
     """The slices of HF tensors that make TP rank `rank`'s state dict of `layer`: the spec's TP segments of each
     unsharded tensor (`threed.model.spec.tp_segments`), mapped onto the HF tensors it is fused from."""
     shapes = hf_shapes(cfg, layer)
@@ -109,7 +109,7 @@ def _qkv_spec(cfg: ModelConfig, ours: str, names: tuple[str, ...], tp: int, rank
 
 
 class ShardReader:
-    """A PartReader over one layer's TP shards, the inverse of `rank_plan`: a slice of an HF tensor is copied
+    """A PartReader over one layer's TP shards, the inverse of `rank_slices`: a slice of an HF tensor is copied
     out of whichever shards hold it. `load(rank)` returns that rank's state dict (memory-mapped, say); it is
     called lazily, once per rank. This is how export and reshard read checkpoints without merging whole layers."""
 
@@ -120,7 +120,7 @@ class ShardReader:
         self.index: dict[str, list[tuple[int, str, Piece]]] = {}
         seen = set()
         for rank in range(tp):
-            for spec in rank_plan(cfg, layer, tp, rank):
+            for spec in rank_slices(cfg, layer, tp, rank):
                 for p in spec.pieces:
                     if (p.hf_name, p.dim, p.start, p.length) in seen:
                         continue  # replicated tensors: every rank holds the same piece; read it from one

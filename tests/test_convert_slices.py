@@ -1,7 +1,7 @@
 """The converter's streaming per-rank path (threed.convert.slices) equals the reference mapping
 `layer_from_hf` bit for bit, for every layer kind, tp, dtype and source reader.
 
-    .venv/bin/python -m pytest -q tests/test_convert_plan.py
+    .venv/bin/python -m pytest -q tests/test_convert_slices.py
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ MHA = dict(GQA4, num_key_value_heads=8, vocab_size=333)  # no GQA; a vocab far f
 
 @pytest.mark.parametrize("config,tps", [(GQA8, (1, 2, 4, 8)), (GQA4, (1, 2, 4)), (MHA, (1, 2, 4, 8))])
 @pytest.mark.parametrize("source", ["dict", "safetensors", "bin"])
-def test_rank_plan_equals_layer_from_hf(tmp_path, config, tps, source):
+def test_rank_slices_equal_layer_from_hf(tmp_path, config, tps, source):
     dtype = torch.bfloat16 if source == "bin" else torch.float32
     model = hf_model(config, seed=1, dtype=dtype)
     hf = model.state_dict()
@@ -45,7 +45,7 @@ def test_rank_plan_equals_layer_from_hf(tmp_path, config, tps, source):
                     assert got[k].untyped_storage().nbytes() == got[k].numel() * got[k].element_size()
 
 
-def test_shard_reader_inverts_rank_plan():
+def test_shard_reader_inverts_rank_slices():
     """Reading HF slices back out of TP shards (export / reshard) gives the HF tensors, and re-sharding through
     it gives layer_from_hf at the new tp, for every pair of tp."""
     model = hf_model(GQA8, seed=2)
