@@ -134,7 +134,7 @@ def test_plan_picks_tp8_pp4_or_better_for_70b() -> None:
 
 
 def run_cli(capsys, *args: str, via_threed: bool = False) -> tuple[int, str, str]:
-    """`threed plan ARGS` (through threed.cli when via_threed, else threed.plan's own entry point)."""
+    """`threed plan ARGS` (through threed.cli when via_threed, else threed.planner's own entry point)."""
     if via_threed:
         from threed.cli import main
 

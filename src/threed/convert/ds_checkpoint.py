@@ -3,7 +3,7 @@ and reading one layer of it back as HF tensors (for `threed export` and `threed 
 (file names, the recorded model, the checks) is threed.checkpoint.format; this module is the converters' side:
 
     <dir>/<tag>/layer_{idx:02d}-model_{tp:02d}-model_states.pt   torch.save(state dict of layer idx, TP rank): the
-                                                                  converter's own (threed.convert.convert.save_rank)
+                                                                  converter's own (threed.convert.from_hf.save_rank)
     <dir>/<tag>/mp_rank_{stage*TP+tp:02d}_model_states.pt        {"module": None, ...} one per stage x TP rank
     <dir>/threed_run.json      {"model": ..., "parallel": {"tp", "pp"}}  (RunConfig.from_dict-compatible)
     <dir>/threed_convert.json  the converter's manifest (source, dtype, true and padded vocab)
