@@ -19,12 +19,16 @@ import numpy as np
 import torch.distributed as dist
 
 from threed.config import DataConfig, RunConfig
-from threed.data.prefixes import mask_prefix
+from threed.data.prefixes import MASK_SUFFIX, TEXT_SUFFIX, mask_prefix
 from threed.data.splits import Blend, DataSplits, read_data_flags
 from threed.errors import ConfigError
 
 # Above this many tokens per dataset, the vocabulary check reads a sample of documents instead of every token.
 _FULL_VOCAB_SCAN_TOKENS = 256 * 2**20
+# A dataset of at least this many values, all 0 or 1, is a mask (or other non-token data), not text.
+_NON_TOKEN_MIN = 64
+_IDX_HEADER_BYTES = 34  # magic (9), version (8), dtype code (1), sequence count (8), document count (8)
+_IDX_CHUNK = 1 << 24  # index entries compared at a time: bounds the memory of the check on a huge index
 
 
 def check_data(cfg: RunConfig) -> DataSplits:
@@ -46,24 +50,77 @@ def check_data(cfg: RunConfig) -> DataSplits:
             except Exception as e:  # megatron asserts on a bad header; name the file instead
                 raise ConfigError(f"dataset {prefix}: cannot read {prefix}.idx ({type(e).__name__}: {e}); rebuild it "
                                   f"with `threed preprocess`") from None
+            check_index(prefix, ds)
+            _refuse_mask_as_tokens(prefix)
             tokens = int(ds.sequence_lengths.sum())
             if splits.sft:
                 _check_sft_dataset(prefix, ds, seq)
             _check_split_ranges(splits, blend, prefix, ds, seq)
-            expect = int(ds.index.sequence_pointers[-1] + ds.sequence_lengths[-1] * ds.index.dtype_size) if len(ds) else 0
-            if os.path.getsize(prefix + ".bin") < expect:
-                raise ConfigError(f"dataset {prefix}: {prefix}.bin holds fewer bytes than {prefix}.idx describes "
-                                  f"(truncated copy?); copy or rebuild it")
             if tokens < seq + 1 and not splits.sft:
                 raise ConfigError(f"dataset {prefix} holds {tokens} tokens, fewer than one sample of seq_length "
                                   f"{seq} + 1; use more data or a shorter --seq-length")
             top = _max_token(ds, tokens)
+            if top <= 1 and tokens >= _NON_TOKEN_MIN and cfg.model.vocab_size > 2:
+                raise ConfigError(f"dataset {prefix} holds only the values 0 and 1 ({tokens:,} of them): a loss mask "
+                                  f"or another non-token dataset, not tokens; pass the token dataset (for `threed "
+                                  f"preprocess --sft` output, PREFIX{TEXT_SUFFIX})")
             if top >= cfg.model.vocab_size:
                 raise ConfigError(f"dataset {prefix} contains token id {top}, beyond the model's vocab_size "
                                   f"{cfg.model.vocab_size}: it was made with another tokenizer; re-run "
                                   f"`threed preprocess` with the model's tokenizer")
     check_cache_writable(cfg.data, splits)
     return splits
+
+
+def check_index(prefix: str, ds: Any) -> None:
+    """The .idx must describe its .bin exactly: its own size, documents that partition the sequences, sequences laid
+    end to end from byte 0, and the last one ending at the last byte of the .bin. Reads only the index (memory-mapped
+    by megatron already), in bounded chunks, never the .bin: an .idx beside another dataset's .bin (or a partial
+    copy of either) is caught whatever the sizes."""
+    idx = ds.index
+    n, size = len(ds.sequence_lengths), idx.dtype_size
+    docs = idx.document_indices
+    fix = (f"the pair comes from different runs or an incomplete copy; copy both files again, or rebuild them with "
+           f"`threed preprocess`")
+
+    def bad(what: str) -> ConfigError:
+        return ConfigError(f"dataset {prefix}: {prefix}.idx does not describe {prefix}.bin ({what}); {fix}")
+
+    idx_bytes = os.path.getsize(prefix + ".idx")
+    if idx_bytes != _IDX_HEADER_BYTES + 12 * n + 8 * len(docs):
+        raise bad(f".idx is {idx_bytes:,} bytes, its header says {_IDX_HEADER_BYTES + 12 * n + 8 * len(docs):,}")
+    if len(docs) < 1 or docs[0] != 0 or docs[-1] != n:
+        raise bad(f"its documents do not cover its {n:,} sequences")
+    bin_bytes = os.path.getsize(prefix + ".bin")
+    end = 0  # where the next sequence must start, in bytes
+    for lo in range(0, n, _IDX_CHUNK):
+        lengths = idx.sequence_lengths[lo:lo + _IDX_CHUNK].astype(np.int64)
+        pointers = idx.sequence_pointers[lo:lo + _IDX_CHUNK]
+        if lengths.min() < 0:
+            raise bad(f"sequence {lo + int(lengths.argmin())} has a negative length")
+        starts = end + np.concatenate(([0], np.cumsum(lengths[:-1] * size)))
+        off = np.flatnonzero(pointers != starts)
+        if len(off):
+            i = int(off[0])
+            raise bad(f"sequence {lo + i} starts at byte {int(pointers[i]):,}, not {int(starts[i]):,} where the one "
+                      f"before it ends")
+        end = int(starts[-1] + lengths[-1] * size)
+    for lo in range(0, len(docs) - 1, _IDX_CHUNK):
+        step = np.diff(docs[lo:lo + _IDX_CHUNK + 1])
+        if len(step) and step.min() < 0:
+            raise bad(f"document {lo + int(step.argmin()) + 1} starts before the one before it")
+    if bin_bytes != end:
+        kind = "truncated?" if bin_bytes < end else "another dataset's .bin?"
+        raise bad(f".bin is {bin_bytes:,} bytes, the index describes {end:,}: {kind}")
+
+
+def _refuse_mask_as_tokens(prefix: str) -> None:
+    """A `threed preprocess --sft` loss mask (PREFIX_mask_document) named where tokens are expected."""
+    text = prefix[: -len(MASK_SUFFIX)] + TEXT_SUFFIX
+    if not prefix.endswith(MASK_SUFFIX) or not Path(text + ".idx").is_file():
+        return  # a dataset merely named *_mask_document (json key "mask") is judged by its values (check_data)
+    raise ConfigError(f"dataset {prefix} is the loss mask `threed preprocess --sft` writes beside {text}, not "
+                      f"tokens; pass {text} (its mask is found beside it)")
 
 
 def _check_sft_dataset(prefix: str, ds: Any, seq: int) -> None:

@@ -2,6 +2,7 @@
 that each write one partial .bin/.idx per chunk, appended by the parent in input order."""
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import gc
 import multiprocessing
@@ -100,7 +101,30 @@ def encode_chunk(chunk: Chunk, tok: TokenizerLike, opts: Options, builders: dict
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(tok: TokenizerLike, opts: Options, tmpdir: str) -> None:
+def die_with_parent(owner: int) -> None:
+    """Have the kernel SIGKILL this process when its parent dies (Linux prctl PR_SET_PDEATHSIG): a `kill -9` of
+    `threed preprocess` (pid `owner`) takes its workers along instead of leaving them asleep on a queue forever.
+    Under forkserver the parent is the fork server, which itself exits when `owner` dies."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return  # no prctl (another libc): the worker still ends when its queue breaks on the next submit
+    try:
+        os.kill(owner, 0)  # `owner` died before the prctl above: nobody is left to signal us
+    except ProcessLookupError:
+        os._exit(1)
+    except PermissionError:
+        pass
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _init_worker(tok: TokenizerLike, opts: Options, tmpdir: str, owner: int) -> None:
+    die_with_parent(owner)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it stops the pool and cleans up
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the parent's SIGTERM handler (CLI) must not be inherited
     _WORKER.update(tok=tok, opts=opts, tmpdir=tmpdir)
@@ -141,7 +165,7 @@ def run_parallel(chunks: Iterator[Chunk], workers: int, tok: TokenizerLike, opts
     # the long-lived objects makes it ~free (and keeps forked workers from copying pages on write).
     gc.freeze()
     ex = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method), initializer=_init_worker,
-                             initargs=(tok, opts, tmpdir))
+                             initargs=(tok, opts, tmpdir, os.getpid()))
     clean = False
     try:
         inflight: dict[Future, int] = {}

@@ -16,7 +16,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import shutil
+import socket
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -85,11 +88,53 @@ def _make_tmpdir(prefix: str) -> tuple[str, list[Path]]:
         d = d.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
-        return tempfile.mkdtemp(prefix=f".{Path(prefix).name}.", suffix=".preprocess-tmp", dir=parent), created
+        remove_stale_tmpdirs(prefix)
+        return tempfile.mkdtemp(prefix=_tmp_prefix(prefix) + f"{os.getpid()}.", suffix=_TMP_SUFFIX,
+                                dir=parent), created
     except OSError as e:
         _remove_dirs(created)
         raise PreprocessError(f"cannot write to {parent} ({e.strerror or e}); choose a writable "
                               f"--output-prefix") from None
+
+
+_TMP_SUFFIX = ".preprocess-tmp"
+
+
+def _tmp_prefix(prefix: str) -> str:
+    """What this output's temporary directories are named by: `.NAME.HOST.` then the pid, a random part and the
+    suffix. The host keeps a run on another machine sharing the directory from being judged by our pids."""
+    return f".{Path(prefix).name}.{socket.gethostname()}."
+
+
+def remove_stale_tmpdirs(prefix: str) -> list[str]:
+    """Remove the temporary directories a killed run (`kill -9`, a node lost) left for this output: ours by name
+    (this output prefix, this host) whose pid is no longer alive. Returns what was removed; says so on stderr."""
+    parent, head = Path(prefix).absolute().parent, _tmp_prefix(prefix)
+    pattern = re.compile(re.escape(head) + r"(\d+)\.[^./]+" + re.escape(_TMP_SUFFIX) + "$")
+    removed = []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return removed
+    for name in names:
+        m = pattern.match(name)
+        if not m or _alive(int(m.group(1))) or not (parent / name).is_dir() or (parent / name).is_symlink():
+            continue
+        shutil.rmtree(parent / name, ignore_errors=True)
+        removed.append(str(parent / name))
+        print(f"threed preprocess: removed {parent / name}, left by a run that was killed (pid {m.group(1)})",
+              file=sys.stderr)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
 
 
 def _publish(builders: dict[str, Any], tmp: dict[str, str], outputs: dict[str, str]) -> None:

@@ -7,7 +7,9 @@ the one description of the training data that the checks (`threed.data.checks`),
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -19,6 +21,8 @@ from threed.errors import ConfigError
 NO_EOD = -2  # no tokenizer given: no id is the end of a document (and none collides with the pad, -1)
 # Megatron's default evaluation interval when a valid split exists and none is given.
 DEFAULT_EVAL_INTERVAL = 1000
+# --split's default: told apart from a --split given with per-split paths, where it would be ignored.
+_DEFAULT_SPLIT = next(f.default for f in dataclasses.fields(DataConfig) if f.name == "split")
 
 
 @dataclass(frozen=True)
@@ -45,12 +49,32 @@ def parse_blend(words: Sequence[str], flag: str) -> Blend:
                               f"{flag} 0.3 PREFIX_A 0.7 PREFIX_B")
         if sum(weights) <= 0:
             raise ConfigError(f"{flag}: the blend weights sum to 0; give at least one positive weight")
+        _refuse_repeats(prefixes, weights, flag)
         return Blend(prefixes, weights)
     if any(numeric):
         first = words[numeric.index(True)]
         raise ConfigError(f"{flag}: cannot parse {' '.join(words)!r}: {first!r} looks like a weight, but weights "
                           f"and prefixes must alternate (WEIGHT PREFIX WEIGHT PREFIX ...), or give prefixes only")
+    _refuse_repeats(tuple(words), None, flag)
     return Blend(tuple(words), None)
+
+
+def _refuse_repeats(prefixes: Sequence[str], weights: Optional[Sequence[float]], flag: str) -> None:
+    """One dataset listed twice in one blend (also as another spelling of the same path) is refused: megatron
+    builds two identical datasets with the same shuffle, so every sample of it is read twice, in step, and the
+    mixture is the one its merged weight gives. A weight says how much of a dataset is wanted in one number."""
+    seen: dict[str, int] = {}
+    for i, p in enumerate(prefixes):
+        j = seen.setdefault(os.path.realpath(p), i)
+        if j == i:
+            continue
+        if weights is None:
+            fix = f"list it once (or give weights, e.g. {flag} 2 {p} 1 OTHER, to read it more often)"
+        else:
+            merged = sum(w for k, w in enumerate(weights) if os.path.realpath(prefixes[k]) == os.path.realpath(p))
+            fix = f"list it once with the weights merged ({flag} ... {merged:g} {p} ...)"
+        same = "" if prefixes[j] == p else f" (as {prefixes[j]})"
+        raise ConfigError(f"{flag} lists {p} twice{same}: every sample of it would be read twice over; {fix}")
 
 
 def _is_number(word: str) -> bool:
@@ -106,12 +130,18 @@ def read_data_flags(cfg: RunConfig) -> DataSplits:
         blends = tuple(blend if r > 0 else None for r in ratios)
         split: Optional[str] = ",".join(f"{r:g}" for r in ratios)
     elif d.train_data_path:
+        if d.split != _DEFAULT_SPLIT:
+            raise ConfigError(f"--split {d.split} applies to --data-path only; with --train-data-path/"
+                              f"--valid-data-path each split has its own blend: drop --split")
         blends = tuple(parse_blend(p, f"--{n}-data-path") if p else None
                        for p, n in zip(per_split, ("train", "valid", "test")))
         split = None
     else:
         raise ConfigError("no training data: pass --data-path PREFIX (a .bin/.idx pair made by `threed preprocess` "
                           "or Megatron-LM's tools/preprocess_data.py), or --train-data-path")
+    if d.test_data_path:
+        raise ConfigError("--test-data-path would be ignored: threed evaluates no test split (only --valid-data-path,"
+                          " every --eval-interval steps); drop it, or pass that blend as --valid-data-path")
     has_valid = blends[1] is not None
     if t.eval_interval is not None and t.eval_interval > 0 and not has_valid:
         raise ConfigError(f"--eval-interval {t.eval_interval} needs a validation split: give --split with a "
