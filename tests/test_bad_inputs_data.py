@@ -178,12 +178,15 @@ def test_kill_9_of_preprocess_leaves_no_worker_and_the_next_run_cleans_up(corpus
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and any(_running(w) for w in workers):
         time.sleep(0.1)
-    assert not any(_running(w) for w in workers), f"orphan workers {workers} still run after kill -9 of the parent"
+    orphans = [w for w in workers if _running(w)]
+    for w in orphans:  # do not leave them behind for the rest of the suite
+        os.kill(w, signal.SIGKILL)
+    assert not orphans, f"orphan workers {orphans} still run after kill -9 of the parent"
     assert tmp[0].is_dir()  # kill -9 runs no cleanup: the partial directory stays, for the next run
 
     small = tmp_path / "small.txt"
     small.write_text("\n\n".join(docs[:50]) + "\n")
-    again = subprocess.run(cmd[:4] + [str(small)] + cmd[5:], env=env, capture_output=True, text=True, timeout=300)
+    again = subprocess.run(cmd[:5] + [str(small)] + cmd[6:], env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr
     assert f"removed {tmp[0]}, left by a run that was killed" in again.stderr
     assert sorted(x.name for x in (tmp_path / "out").iterdir()) == ["corpus_text_document.bin",
