@@ -1,6 +1,8 @@
 """The training data checked before anything expensive: every problem megatron-core would meet deep inside its
-builder (a missing prefix, a truncated .bin, a token beyond the vocabulary, a split too small for one sample, an
-SFT mask that does not match its tokens, an unwritable or unshared index cache) as one ConfigError naming the fix.
+builder (a missing prefix, a token beyond the vocabulary, a split too small for one sample, an SFT mask that does
+not match its tokens, an unwritable or unshared index cache) and the ones it would never notice (an .idx that does
+not describe its .bin, whatever the sizes; a loss mask or other 0/1 data given as tokens) as one ConfigError naming
+the fix. Only the .idx files are read in full; of a .bin, at most a sample (the vocabulary check).
 
     check_data(cfg)                      every bad input, before any process group or model exists (rank 0)
     check_cache_visible(cache, rank)     every rank sees the index cache rank 0 builds (multi-node runs)

@@ -8,6 +8,10 @@ output, published only when complete.
     # on success: every .idx finalized, then renamed into place (old .idx first, .bin, new .idx last)
     # on any exception (Ctrl-C included): the temp dir and any directory created for it removed, old output intact
 
+A `kill -9` runs no cleanup: the temporary directory (`.NAME.HOST.PID.XXXX.preprocess-tmp`) stays, and the next run
+for the same output prefix on the same host removes it once that pid is dead (`remove_stale_tmpdirs`); the worker
+processes die with their parent (`threed.data.encode.die_with_parent`).
+
 A reader finds the old pair, no .idx, or the new pair, never a mixed or partial one. The renames are flushed to
 disk like every other publish (`threed.atomic`).
 """

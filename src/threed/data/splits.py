@@ -4,6 +4,10 @@ the one description of the training data that the checks (`threed.data.checks`),
 (`threed.data.datasets`) and the training loop share.
 
     read_data_flags(cfg)    the flags' reading: cheap, the same on every rank; one ConfigError per bad flag
+
+Refused as well, because they would silently do something else than asked: a dataset listed twice in one blend
+(megatron builds it twice with the same shuffle, so each sample is read twice, in step: merge the weights), --split
+with per-split paths, and --test-data-path (no test split is ever evaluated).
 """
 from __future__ import annotations
 
