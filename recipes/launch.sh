@@ -226,7 +226,9 @@ opt --exit-duration-in-mins EXIT_DURATION
 # shellcheck disable=SC2206
 args+=(${THREED_ARGS:-} "$@")
 
-run=("$PYTHON" -m torch.distributed.run --nnodes="$NNODES" --nproc-per-node="$GPUS_PER_NODE" --max-restarts=0)
+# torchrun, through threed.launch (torchrun_main): a refusal in the ranks ends with rank 0's one line and the ranks'
+# exit status (2 for bad input), not torchrun's ChildFailedError traceback and exit 1.
+run=("$PYTHON" -m threed.launch --nnodes="$NNODES" --nproc-per-node="$GPUS_PER_NODE" --max-restarts=0)
 if ((NNODES == 1)); then
     run+=(--standalone)
 else
@@ -248,12 +250,13 @@ run+=(-m threed.cli train "${args[@]}")
 # the checkpoint directories (resume, refusal to overwrite a run, free space). Exit 2 with one line if not.
 check=("$PYTHON" -m threed.cli check-config --world "$WORLD" "${args[@]}")
 [ "${THREED_DRY_RUN:-0}" != 0 ] || check+=(--paths)
-PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}" "${check[@]}" >/dev/null || exit 2
+summary=$(PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}" "${check[@]}") || exit 2
 
 where=""
 [ "${THREED_DRY_RUN:-0}" != 0 ] || where=" on node $NODE_RANK of $NNODES"
 echo "threed launch: $RECIPE$where: world $WORLD = $NNODES x $GPUS_PER_NODE (nodes x ranks);" \
      "tp $TP x pp $PP x dp $DP; train_batch_size $TRAIN_BATCH = micro $MICRO x gas $GAS x dp $DP"
+echo "threed check-config: $summary"  # ... start: random init | resume ...; checkpoints ~N GiB each, ...
 
 if [ "${THREED_DRY_RUN:-0}" != 0 ]; then
     echo "DP=$DP"
