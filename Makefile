@@ -47,11 +47,24 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_pipeline.py
 	$(PY) benchmarks/bench_packing.py
 
-# make convert HF=path/to/Meta-Llama-3-8B TP=2 PP=2 OUT=ckpt/llama3-8b-tp2pp2 [ARGS="--workers 2"]
+# make convert / make export without one of their variables: one line naming it and the usage, exit 2, before
+# anything runs (not argparse's "expected one argument").
+CONVERT_USAGE := make convert HF=path/to/Meta-Llama-3-8B TP=2 PP=2 OUT=ckpt/llama3-8b-tp2pp2 [ARGS="--workers 2"]
+EXPORT_USAGE := make export CKPT=runs/llama3-8b/ckpt OUT=runs/llama3-8b-hf [ARGS=...]
+missing = $(strip $(foreach v,$(1),$(if $(strip $($(v))),,$(v))))
+need = $(if $(call missing,$(2)),$(error make $(1): $(call missing,$(2)) not set; usage: $(3)))
+ifneq ($(filter convert,$(MAKECMDGOALS)),)
+$(call need,convert,HF TP PP OUT,$(CONVERT_USAGE))
+endif
+ifneq ($(filter export,$(MAKECMDGOALS)),)
+$(call need,export,CKPT OUT,$(EXPORT_USAGE))
+endif
+
+# $(CONVERT_USAGE)
 convert: $(STAMP)
 	$(PY) -m threed.cli convert --hf $(HF) --tp $(TP) --pp $(PP) --out $(OUT) $(ARGS)
 
-# make export CKPT=runs/llama3-8b/ckpt OUT=runs/llama3-8b-hf
+# $(EXPORT_USAGE)
 export: $(STAMP)
 	$(PY) -m threed.cli export --ckpt $(CKPT) --out $(OUT) $(ARGS)
 

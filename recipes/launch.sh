@@ -68,13 +68,51 @@ closest_var() {  # the known recipe variable with the smallest edit distance to 
                 for (k = 1; k <= n; k++) { x = lev(w, v[k]); if (x < bd) { bd = x; best = v[k] } }
                 print best }'
 }
-while IFS=: read -r lineno name; do
+# The environment: a variable one edit (a letter inserted, deleted, changed, or two swapped) from a recipe variable
+# (STEP=5, GOLBAL=64, steps=5) is most likely a typo that would be ignored silently. A warning, not a refusal: the
+# environment also holds the site's and the user's own variables (a module system, a scheduler, a shell setup),
+# which we do not own and cannot tell from typos, and a refusal would block every run of a user who happens to
+# have one. Names under 3 letters are left out (TZ is one edit from TP). A recipe file is ours: a typo there is
+# refused (below).
+LAUNCHER_VARS=(NNODES GPUS_PER_NODE NODE_RANK MASTER_ADDR MASTER_PORT RDZV_ID DEVICE PYTHON THREED_DRY_RUN
+               THREED_ARGS EXIT_DURATION)
+while IFS=' ' read -r name near; do
+    echo "threed launch: warning: the environment sets $name, which is not a recipe variable: did you mean" \
+         "$near? ($name is ignored)" >&2
+done < <(compgen -e | awk -v list="${RECIPE_VARS[*]} ${LAUNCHER_VARS[*]}" -v recipe="${RECIPE_VARS[*]}" '
+    function near(s, t,   m, n, i, j, d, x) {  # s and t differ by exactly one edit (or only by case: s is uppercased)
+        m = length(s); n = length(t)
+        if (m == n) {
+            d = 0; for (i = 1; i <= m; i++) if (substr(s, i, 1) != substr(t, i, 1)) { d++; if (d == 1) j = i }
+            if (d == 1) return 1
+            return d == 2 && substr(s, j, 2) == substr(t, j + 1, 1) substr(t, j, 1) && \
+                   substr(s, j + 2) == substr(t, j + 2)
+        }
+        if (m == n + 1) { x = s; s = t; t = x; m = n; n++ }
+        if (n != m + 1) return 0
+        for (i = 1; i <= m && substr(s, i, 1) == substr(t, i, 1); i++) ;
+        return substr(s, i) == substr(t, i + 1)
+    }
+    BEGIN { split(list, all, " "); for (k in all) known[all[k]] = 1; nr = split(recipe, rv, " ") }
+    length($0) >= 3 && !($0 in known) {
+        u = toupper($0)
+        for (k = 1; k <= nr; k++)
+            if (length(rv[k]) >= 3 && (u == rv[k] || near(u, rv[k]))) { print $0, rv[k]; break }
+    }')
+
+# Every assignment in the recipe, wherever it is (a line of its own, after `;`, `&&`, `then`, `do`, inside `{ }` or
+# `( )`, `export`/`local`/`declare` NAME=, `${NAME:=...}`, `for NAME in`): comments are dropped first, the line
+# numbers kept.
+while IFS=: read -r lineno match; do
+    m=${match%=}; m=${m%[:+]}; m=${m%%\[*}  # NAME= NAME+= NAME[i]= ${NAME:= for NAME -> NAME
+    [[ "$m" =~ ([A-Za-z_][A-Za-z0-9_]*)$ ]] || continue
+    name=${BASH_REMATCH[1]}
     known=0
     for v in "${RECIPE_VARS[@]}"; do [ "$v" = "$name" ] && known=1 && break; done
     ((known)) || die "$RECIPE line $lineno sets $name, which is not a recipe variable: did you mean" \
         "$(closest_var "$name")? (known: ${RECIPE_VARS[*]})"
-done < <(grep -noE '^[[:space:]]*(export[[:space:]]+)?[A-Za-z_][A-Za-z0-9_]*=' "$RECIPE" |
-         sed -E 's/^([0-9]+):[[:space:]]*(export[[:space:]]+)?([A-Za-z_][A-Za-z0-9_]*)=$/\1:\3/')
+done < <(sed -E -e 's/^[[:space:]]*#.*$//' -e 's/[[:space:]]#.*$//' "$RECIPE" |
+         grep -noE '(^|[][[:space:];&|(){}`])[A-Za-z_][A-Za-z0-9_]*(\[[^]]*\])?\+?=|\$\{[A-Za-z_][A-Za-z0-9_]*:?=|(^|[[:space:];&|(){}])for[[:space:]]+[A-Za-z_][A-Za-z0-9_]*' || true)
 
 # shellcheck source=/dev/null
 source "$RECIPE"
@@ -90,6 +128,8 @@ SPLIT=${SPLIT-969,30,1}
 EVAL_INTERVAL=${EVAL_INTERVAL-1000}
 EVAL_ITERS=${EVAL_ITERS-10}
 LOG_INTERVAL=${LOG_INTERVAL-1}
+# A 70B checkpoint is ~1 TB: the newest 3 stay (KEEP_LAST=0 keeps all; the dry run shows each one's size).
+KEEP_LAST=${KEEP_LAST-3}
 
 NNODES=${NNODES:-${SLURM_NNODES:-1}}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
@@ -103,12 +143,31 @@ for var in MODEL TP PP MICRO SEQ STEPS; do
     [ -n "${!var:-}" ] || die "$var is not set: the recipe $RECIPE (or the environment) must give it"
 done
 
-int() {  # int NAME: the variable NAME must hold a positive integer
-    if ! [[ "${!1}" =~ ^[0-9]+$ ]] || [ "${!1}" -lt 1 ]; then die "$1 must be a positive integer, got '${!1}'"; fi
+# Numbers are decimal everywhere: bash arithmetic reads GPUS_PER_NODE=010 as octal 8 (and 08 as an error) while
+# torchrun and Python read 10 and 8, so each numeric variable is checked to be digits and rewritten in plain
+# decimal (010 -> 10) before any arithmetic or command line uses it.
+decimal() {  # decimal NAME MIN: NAME must hold a whole number >= MIN (MIN '-': any sign; Python checks the range)
+    local v=${!1} sign="" digits
+    if [[ "$v" =~ ^([-+]?)0*([0-9]+)$ ]] && ((${#BASH_REMATCH[2]} <= 15)); then
+        [ "${BASH_REMATCH[1]}" != - ] || sign=-
+        digits=$((10#${BASH_REMATCH[2]}))
+        printf -v "$1" '%s' "$([ "$digits" = 0 ] && echo 0 || echo "$sign$digits")"
+        if [ "$2" = - ] || ((${!1} >= $2)); then return 0; fi
+    fi
+    if [ "$2" = 1 ]; then
+        die "$1 must be a positive integer, got '$v': set $1 to a whole number >= 1 in decimal digits (e.g. $1=4)"
+    elif [ "$2" = 0 ]; then
+        die "$1 must be a whole number >= 0, got '$v': set it in decimal digits (e.g. $1=0)"
+    fi
+    die "$1 must be a whole number, got '$v': set it in decimal digits (e.g. $1=10), or empty for no flag"
 }
-for var in NNODES GPUS_PER_NODE TP PP MICRO SEQ STEPS; do int "$var"; done
-[ -n "${GAS:-}" ] && int GAS
-[ -n "${GLOBAL:-}" ] && int GLOBAL
+for var in NNODES GPUS_PER_NODE TP PP MICRO SEQ STEPS; do decimal "$var" 1; done
+for var in GAS GLOBAL; do [ -z "${!var:-}" ] || decimal "$var" 1; done
+decimal NODE_RANK 0
+for var in MASTER_PORT; do [ -z "${!var:-}" ] || decimal "$var" 0; done
+for var in WARMUP EVAL_INTERVAL EVAL_ITERS SAVE_INTERVAL LOG_INTERVAL KEEP_LAST; do  # ranges: Python's checks
+    [ -z "${!var:-}" ] || decimal "$var" -
+done
 
 WORLD=$((NNODES * GPUS_PER_NODE))
 MP=$((TP * PP))
@@ -167,7 +226,9 @@ opt --exit-duration-in-mins EXIT_DURATION
 # shellcheck disable=SC2206
 args+=(${THREED_ARGS:-} "$@")
 
-run=("$PYTHON" -m torch.distributed.run --nnodes="$NNODES" --nproc-per-node="$GPUS_PER_NODE" --max-restarts=0)
+# torchrun, through threed.launch (torchrun_main): a refusal in the ranks ends with rank 0's one line and the ranks'
+# exit status (2 for bad input), not torchrun's ChildFailedError traceback and exit 1.
+run=("$PYTHON" -m threed.launch --nnodes="$NNODES" --nproc-per-node="$GPUS_PER_NODE" --max-restarts=0)
 if ((NNODES == 1)); then
     run+=(--standalone)
 else
@@ -189,12 +250,13 @@ run+=(-m threed.cli train "${args[@]}")
 # the checkpoint directories (resume, refusal to overwrite a run, free space). Exit 2 with one line if not.
 check=("$PYTHON" -m threed.cli check-config --world "$WORLD" "${args[@]}")
 [ "${THREED_DRY_RUN:-0}" != 0 ] || check+=(--paths)
-PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}" "${check[@]}" >/dev/null || exit 2
+summary=$(PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}" "${check[@]}") || exit 2
 
 where=""
 [ "${THREED_DRY_RUN:-0}" != 0 ] || where=" on node $NODE_RANK of $NNODES"
 echo "threed launch: $RECIPE$where: world $WORLD = $NNODES x $GPUS_PER_NODE (nodes x ranks);" \
      "tp $TP x pp $PP x dp $DP; train_batch_size $TRAIN_BATCH = micro $MICRO x gas $GAS x dp $DP"
+echo "threed check-config: $summary"  # ... start: random init | resume ...; checkpoints ~N GiB each, ...
 
 if [ "${THREED_DRY_RUN:-0}" != 0 ]; then
     echo "DP=$DP"

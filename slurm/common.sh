@@ -57,6 +57,8 @@ minutes_left() {
 }
 if [ -z "${EXIT_DURATION:-}" ] && left=$(minutes_left); then
     margin=${THREED_EXIT_MARGIN_MIN:-10}
+    [[ "$margin" =~ ^[0-9]+$ ]] || fail "THREED_EXIT_MARGIN_MIN must be a whole number of minutes, got '$margin'"
+    margin=$((10#$margin))  # decimal, as the launcher reads its numbers (bash reads 010 as octal 8)
     if ((left > margin)); then
         export EXIT_DURATION=$((left - margin))
     fi

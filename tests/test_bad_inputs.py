@@ -77,7 +77,7 @@ def world(tmp_path_factory) -> Path:
         "squeue": "echo 1:00:00",
         "srun": 'echo "srun reached: the checks did not stop the job" >&2; exit 99',
         # torchrun must never start: the checks in front of it have to catch every case of the table.
-        "python": (f'if [ "$1 $2" = "-m torch.distributed.run" ]; then echo "torchrun reached" >&2; exit 99; fi\n'
+        "python": (f'case "$1 $2" in "-m torch.distributed.run"|"-m threed.launch") echo "torchrun reached" >&2; exit 99;; esac\n'
                    f'exec "{VENV_PY}" "$@"'),
     }
     for name, body in stubs.items():

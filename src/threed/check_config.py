@@ -31,7 +31,35 @@ def check(ns: argparse.Namespace) -> str:
         start = check_paths(cfg, ns.world)
     return (f"config ok: {cfg.model.name} ({parameter_count(cfg.model) / 1e6:.1f}M params), world {ns.world} = "
             f"tp {cfg.parallel.tp} x pp {cfg.parallel.pp} x dp {dp}, global batch {glob} = micro {micro} x gas "
-            f"{gas} x dp {dp}, seq {cfg.train.seq_length}, {cfg.train.steps} steps; start: {start}")
+            f"{gas} x dp {dp}, seq {cfg.train.seq_length}, {cfg.train.steps} steps; start: {start}; "
+            f"{checkpoints(cfg)}")
+
+
+def checkpoint_bytes(cfg: RunConfig) -> int:
+    """Bytes of one checkpoint: the weights in the training dtype (vocab padded for this tp) plus ZeRO's fp32
+    master copy and AdamW's two moments (12 B/param, in total over the dp shards). The same formula as
+    threed.checkpoint.start.checkpoint_bytes (which imports torch; tests/test_recipes.py checks they agree)."""
+    return parameter_count(cfg.model, cfg.parallel.tp) * ((2 if cfg.train.dtype == "bf16" else 4) + 12)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def checkpoints(cfg: RunConfig) -> str:
+    """What the run's checkpoints take on disk: one's size, and how many --keep-last leaves in --save."""
+    ck = cfg.checkpoint
+    if not ck.save:
+        return "no --save: no checkpoints"
+    one = checkpoint_bytes(cfg)
+    if ck.keep_last:
+        return (f"checkpoints ~{human_bytes(one)} each, the newest {ck.keep_last} kept (--keep-last): "
+                f"~{human_bytes(one * ck.keep_last)} in {ck.save}")
+    return f"checkpoints ~{human_bytes(one)} each, all kept (--keep-last 0)"
 
 
 def check_paths(cfg: RunConfig, world: int) -> str:

@@ -1,6 +1,7 @@
 """`threed` command line: one parser, the sub-commands of every module that adds some, one exit policy.
 
-    threed train --model tiny --tp 2 --pp 2 --data-path runs/demo/a_text_document --steps 50 --save runs/demo/ckpt
+    threed train --nproc-per-node 4 --model tiny --tp 2 --pp 2 --data-path runs/demo/a_text_document --steps 50 \
+        --save runs/demo/ckpt
     threed tokenizer --text corpus.txt --vocab-size 512 --out runs/demo/tok
     threed preprocess --input corpus.txt --tokenizer runs/demo/tok.model --append-eod --output-prefix runs/demo/a
     threed demo-text --out runs/demo/corpus.txt
@@ -23,6 +24,7 @@ from threed.data.tokenizer import train_tokenizer
 from threed.demo_text import write_demo_text
 from threed.errors import guarded
 from threed.flags import add_run_flags, run_config_from_args
+from threed.launch import torchrun_main
 from threed.planner import register as register_plan
 from threed.report import register as register_report
 
@@ -47,6 +49,30 @@ def _train(cfg: RunConfig) -> None:
         shutdown_distributed()
 
 
+NPROC_FLAG = "--nproc-per-node"
+
+
+def _train_ranks(ns: argparse.Namespace, argv: Sequence[str]) -> int:
+    """`threed train --nproc-per-node N ...`: the config checks once here (one line, before any rank starts), then
+    N local ranks of `threed train ...` under torchrun, ending as the ranks do: a refusal is rank 0's one line and
+    exit 2, without torchrun's ChildFailedError traceback (threed.launch.torchrun_main)."""
+    if os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("LOCAL_RANK"):
+        raise ConfigError(f"{NPROC_FLAG} starts the ranks itself: under torchrun (or srun) leave it out")
+    run_config_from_args(ns).validate(ns.nproc_per_node)
+    rest, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == NPROC_FLAG:
+            skip = True
+        elif not a.startswith(NPROC_FLAG + "="):
+            rest.append(a)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    return torchrun_main(["--standalone", f"--nproc-per-node={ns.nproc_per_node}", "--max-restarts=0",
+                          "-m", "threed.cli", *rest])
+
+
 def _tokenizer(ns: argparse.Namespace) -> None:
     missing = [t for t in ns.text if not os.path.isfile(t)]
     if missing:
@@ -54,7 +80,9 @@ def _tokenizer(ns: argparse.Namespace) -> None:
     print(train_tokenizer(ns.text, ns.vocab_size, ns.out))
 
 
-def _command(ns: argparse.Namespace) -> int:
+def _command(ns: argparse.Namespace, argv: Sequence[str]) -> int:
+    if ns.command == "train" and ns.nproc_per_node:
+        return _train_ranks(ns, argv)
     if ns.command == "train":
         _train(run_config_from_args(ns))
     elif ns.command == "tokenizer":
@@ -69,8 +97,12 @@ def _command(ns: argparse.Namespace) -> int:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="threed", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    train_p = sub.add_parser("train", help="train (run under torchrun for several ranks)", allow_abbrev=False)
+    train_p = sub.add_parser("train", help="train (--nproc-per-node N: on N local ranks; or run it under torchrun)",
+                             allow_abbrev=False)
     add_run_flags(train_p)
+    train_p.add_argument(NPROC_FLAG, type=positive_int, default=None, metavar="N",
+                         help="start N local ranks of this command with torchrun (one machine); a refusal ends "
+                              "with one line and exit 2, as in one process. Not a config field")
     tok_p = sub.add_parser("tokenizer", help="train a sentencepiece tokenizer")
     tok_p.add_argument("--text", nargs="+", required=True)
     tok_p.add_argument("--vocab-size", type=positive_int, required=True)
@@ -83,8 +115,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ns = parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    return guarded("threed", lambda: _command(ns), prefix="configuration error: ")
+    args = list(sys.argv[1:] if argv is None else argv)
+    ns = parser().parse_args(args)
+    return guarded("threed", lambda: _command(ns, args), prefix="configuration error: ")
 
 
 if __name__ == "__main__":

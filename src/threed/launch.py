@@ -1,7 +1,9 @@
-"""Start N local ranks with torchrun (what `threed verify` and the tests use). Under Slurm the slurm/ scripts
-start torchrun themselves; this is for a single machine."""
+"""Start ranks with torchrun. `run_ranks` starts N local ranks (what `threed verify` and the tests use);
+`torchrun_main` is torchrun with our exit policy (`python -m threed.launch TORCHRUN_ARGS...`: what
+`threed train --nproc-per-node N` and recipes/launch.sh run, on one machine or one node of many)."""
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -30,3 +32,43 @@ def run_ranks(nproc: int, module: str, args: Sequence[str], env: Optional[dict[s
         raise RanksFailed(f"{' '.join(proc.args)} exited {proc.returncode}; output tail:\n"
                           f"{(proc.stdout or '')[-8000:]}")
     return proc
+
+
+def _quiet_torchrun_loggers() -> None:
+    """torchrun's agent logs every failed rank at ERROR ("failed (exitcode: 2) local_rank: 0 ...") and more at
+    WARNING; the ranks have already said what went wrong, so only its CRITICAL lines stay."""
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic") or name == "torch.distributed.run":
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def failure_status(exitcode: int) -> int:
+    """A rank's exit code as a shell reports it: a signal (negative in torch's ProcessFailure) is 128 + signal."""
+    return 128 - exitcode if exitcode < 0 else exitcode
+
+
+def torchrun_main(argv: Sequence[str]) -> int:
+    """torchrun (`python -m torch.distributed.run ARGV`) with our exit policy: when the ranks fail, nothing more is
+    printed than what they printed themselves (a refusal: rank 0's one `threed: ...` line), no ChildFailedError
+    traceback, and the exit status is the first failed rank's (2 for bad input, 3 for a diverged run), not 1. A
+    rank killed by a signal printed nothing, so that one gets a line. `threed train --nproc-per-node N` and
+    recipes/launch.sh start their ranks through this."""
+    # torch: torchrun's agent; only for the commands that start ranks
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    args = parse_args(list(argv))
+    _quiet_torchrun_loggers()
+    try:
+        run(args)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        if failure.exitcode < 0:
+            print(f"threed: rank {rank} was killed by {failure.signal_name()} (exit {failure_status(failure.exitcode)})"
+                  f"; see the lines above for the cause", file=sys.stderr, flush=True)
+        return failure_status(failure.exitcode) or 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(torchrun_main(sys.argv[1:]))
