@@ -15,7 +15,8 @@ from threed.checkpoint import manifest
 from threed.model.spec import parameter_count
 from threed.checkpoint.format import MANIFEST_NAME, read_latest
 from threed.checkpoint.manifest import find_resumable, prune, write_manifest
-from threed.checkpoint.start import check_save_dir, checkpoint_bytes, decide_start
+from threed.checkpoint.format import checkpoint_bytes
+from threed.checkpoint.start import check_save_dir, decide_start
 from threed.config import CheckpointConfig, ConfigError, ParallelConfig, RunConfig, TrainConfig
 from threed.presets import PRESETS
 

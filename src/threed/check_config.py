@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import argparse
 
+from threed.checkpoint.format import checkpoint_bytes
 from threed.config import ConfigError, RunConfig
 from threed.errors import guarded
 from threed.flags import add_run_flags, run_config_from_args
 from threed.model.spec import parameter_count
+from threed.units import human_bytes
 
 
 def check(ns: argparse.Namespace) -> str:
@@ -33,21 +35,6 @@ def check(ns: argparse.Namespace) -> str:
             f"tp {cfg.parallel.tp} x pp {cfg.parallel.pp} x dp {dp}, global batch {glob} = micro {micro} x gas "
             f"{gas} x dp {dp}, seq {cfg.train.seq_length}, {cfg.train.steps} steps; start: {start}; "
             f"{checkpoints(cfg)}")
-
-
-def checkpoint_bytes(cfg: RunConfig) -> int:
-    """Bytes of one checkpoint: the weights in the training dtype (vocab padded for this tp) plus ZeRO's fp32
-    master copy and AdamW's two moments (12 B/param, in total over the dp shards). The same formula as
-    threed.checkpoint.start.checkpoint_bytes (which imports torch; tests/test_recipes.py checks they agree)."""
-    return parameter_count(cfg.model, cfg.parallel.tp) * ((2 if cfg.train.dtype == "bf16" else 4) + 12)
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
 
 
 def checkpoints(cfg: RunConfig) -> str:

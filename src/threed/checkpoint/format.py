@@ -26,13 +26,14 @@ import os
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Optional, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 from threed.config import ModelConfig, RunConfig
 from threed.errors import ConfigError
-from threed.model.spec import pipeline_layers, shard_shapes
+from threed.model.spec import parameter_count, pipeline_layers, shard_shapes
+
+if TYPE_CHECKING:
+    import torch
 
 LATEST = "latest"
 RUN_JSON = "threed_run.json"  # beside the checkpoints: written by `threed train` and the converters
@@ -71,6 +72,12 @@ def layer_file(idx: int, tp_rank: int) -> str:
 
 def mp_rank_file(stage: int, tp_rank: int, tp: int) -> str:
     return f"mp_rank_{stage * tp + tp_rank:02d}_model_states.pt"
+
+
+def checkpoint_bytes(cfg: RunConfig) -> int:
+    """Bytes of one checkpoint of this run: the weights in the training dtype (vocabulary padded for its tp) plus
+    ZeRO's fp32 master copy and AdamW's two moments (12 B/param, in total over the dp shards)."""
+    return parameter_count(cfg.model, cfg.parallel.tp) * ((2 if cfg.train.dtype == "bf16" else 4) + 12)
 
 
 def pipeline_layer_count(model: ModelConfig) -> int:
@@ -221,11 +228,13 @@ class Checkpoint:
     def nbytes(self, idx: int) -> int:
         return sum(self.layer_path(idx, r).stat().st_size for r in range(self.tp))
 
-    def load_rank(self, layer: Layer, rank: int) -> dict[str, torch.Tensor]:
+    def load_rank(self, layer: Layer, rank: int) -> dict[str, "torch.Tensor"]:
         """One layer file, memory-mapped (no data read yet), with its keys and shapes checked."""
         expected = shard_shapes(self.model, layer.kind, self.tp)
         path = self.layer_path(layer.index, rank)
         try:
+            import torch  # heavy: only where a layer file is read, so --model resolution and check-config stay light
+
             sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as e:
             msg = f"{e.__class__.__name__}: {str(e).split('. ')[0][:300]}"
@@ -240,7 +249,7 @@ class Checkpoint:
                                       f"{self.model.name} at tp={self.tp}")
         return tensors
 
-    def load_layer(self, layer: Layer) -> list[dict[str, torch.Tensor]]:
+    def load_layer(self, layer: Layer) -> list[dict[str, "torch.Tensor"]]:
         """The layer's state dict on every TP rank, memory-mapped, checked."""
         return [self.load_rank(layer, rank) for rank in range(self.tp)]
 

@@ -27,11 +27,12 @@ import torch.distributed as dist
 
 from threed.checkpoint import universal
 from threed.checkpoint.format import (CONVERT_MANIFEST, RUN_JSON, check_layout, check_loadable, check_model,
+                                      checkpoint_bytes,
                                       list_tags, read_latest, read_model_config)
 from threed.checkpoint.manifest import Found, clear_run, find_resumable
 from threed.config import ModelConfig, RunConfig
 from threed.errors import ConfigError
-from threed.model.spec import parameter_count
+from threed.units import human_bytes
 
 T = TypeVar("T")
 
@@ -134,21 +135,6 @@ def decide_start(cfg: RunConfig, world_size: int) -> StartDecision:
     return decision
 
 
-def checkpoint_bytes(cfg: RunConfig) -> int:
-    """Bytes of one checkpoint: the weights in the training dtype (vocab padded for this tp) plus ZeRO's fp32
-    master copy and AdamW's two moments (12 B/param, in total over the dp shards)."""
-    padded = parameter_count(cfg.model, cfg.parallel.tp)
-    return padded * ((2 if cfg.train.dtype == "bf16" else 4) + 12)
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
-
-
 def check_save_dir(cfg: RunConfig, decision: StartDecision, create: bool = True) -> None:
     """Before the model is built: --save is a directory we can create and write, with room for a checkpoint
     (and for the universal conversion when one is planned). `create=False` (threed check-config) only looks:
@@ -170,8 +156,8 @@ def check_save_dir(cfg: RunConfig, decision: StartDecision, create: bool = True)
     needed = checkpoint_bytes(cfg) * (2 if decision.universal else 1)
     free = shutil.disk_usage(existing).free
     if needed > free:
-        raise ConfigError(f"--save {save} has {_human(free)} free; one checkpoint of {cfg.model.name} needs about "
-                          f"{_human(needed)}{' (plus its universal conversion)' if decision.universal else ''}. Free "
+        raise ConfigError(f"--save {save} has {human_bytes(free)} free; one checkpoint of {cfg.model.name} needs about "
+                          f"{human_bytes(needed)}{' (plus its universal conversion)' if decision.universal else ''}. Free "
                           f"space or choose --save on a larger file system")
     if not create:
         return

@@ -23,13 +23,14 @@ import torch
 
 from threed.checkpoint.format import HF_EXTRA_DIR, Checkpoint, open_checkpoint, read_run_json
 from threed.convert.ds_checkpoint import shard_reader
-from threed.convert.io_utils import ConvertError, atomic_output_dir, check_free_space, human, progress
+from threed.convert.io_utils import ConvertError, atomic_output_dir, check_free_space, progress
 from threed.convert.slices import Piece
 from threed.hf.config import write_config
 from threed.hf.format import TOKENIZER_FILES
 from threed.hf.names import hf_names, hf_shapes
 from threed.hf.write import Planned, ShardedSafetensorsWriter, copy_files, plan_shards, write_sentencepiece_tokenizer
 from threed.model.spec import pipeline_layers
+from threed.units import human_bytes
 
 
 def _plan(ck: Checkpoint, dtype: Optional[torch.dtype]) -> list[Planned]:
@@ -155,7 +156,7 @@ def export(ckpt: str | os.PathLike, out: str | os.PathLike, dtype: Optional[torc
         tok_files = write_side_files(ck, tmp, tokenizer)
     if show_progress:
         print(f"threed export: {ckpt} (tp={ck.tp}, {ck.tag}) -> {out}: {len(writer.file_names)} safetensors "
-              f"shard(s), {human(total)}, vocab {ck.model.vocab_size}, tokenizer: "
+              f"shard(s), {human_bytes(total)}, vocab {ck.model.vocab_size}, tokenizer: "
               f"{', '.join(tok_files) or 'none known (pass --tokenizer)'}; {time.time() - t0:.1f} s")
         if "tokenizer.model" in tok_files and "tokenizer.json" not in tok_files and not _has_protobuf():
             print("  (AutoTokenizer needs `protobuf` to read tokenizer.model; without it use sentencepiece on it)")

@@ -29,13 +29,14 @@ import torch
 from threed.checkpoint.format import CONVERT_TAG, HF_EXTRA_DIR, layer_file
 from threed.config import ModelConfig, ParallelConfig, RunConfig
 from threed.convert.ds_checkpoint import model_to_dict, with_extra_state, write_metadata
-from threed.convert.io_utils import ConvertError, atomic_output_dir, check_free_space, dtype_name, human, progress
+from threed.convert.io_utils import ConvertError, atomic_output_dir, check_free_space, dtype_name, progress
 from threed.convert.slices import BufferPool, PartReader, materialize, rank_slices
 from threed.hf.config import from_hf_config
 from threed.hf.format import SIDE_FILES
 from threed.hf.names import hf_names, hf_shapes
 from threed.hf.read import HFSource
 from threed.model.spec import PipelineLayer, pipeline_layers
+from threed.units import human_bytes
 
 StateDict = OrderedDict[str, Any]
 
@@ -187,7 +188,7 @@ def convert_hf_checkpoint(hf_dir: str | os.PathLike, out: str | os.PathLike, tp:
         }
         write_metadata(tmp, cfg, tp, pp, manifest)
     if show_progress:
-        print(f"threed convert: {hf_dir} ({human(total)}, {source.format}) -> {out}: tp={tp} pp={pp}, "
+        print(f"threed convert: {hf_dir} ({human_bytes(total)}, {source.format}) -> {out}: tp={tp} pp={pp}, "
               f"{len(layers)} pipeline layers x {tp} TP ranks, vocab {cfg.vocab_size} padded to "
               f"{cfg.padded_vocab_size(tp)}, {time.time() - t0:.1f} s")
     return manifest

@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from threed.atomic import atomic_dir
 from threed.config import ConfigError
+from threed.units import human_bytes
 
 
 class ConvertError(ConfigError):
@@ -39,14 +40,6 @@ def dtype_name(dtype: torch.dtype) -> str:
     return {v: k for k, v in DTYPES.items()}.get(dtype, str(dtype).replace("torch.", ""))
 
 
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    raise AssertionError
-
-
 def progress(total: int, desc: str, enabled: bool = True):
     """A bytes progress bar (tqdm: bytes/s, unit-scaled) on stderr."""
 
@@ -57,7 +50,7 @@ def progress(total: int, desc: str, enabled: bool = True):
 def check_free_space(parent: Path, needed: int) -> None:
     free = shutil.disk_usage(parent).free
     if needed > free:
-        raise ConvertError(f"{parent} has {human(free)} free, the output needs about {human(needed)}")
+        raise ConvertError(f"{parent} has {human_bytes(free)} free, the output needs about {human_bytes(needed)}")
 
 
 @contextlib.contextmanager

@@ -21,9 +21,10 @@ from threed.convert.from_hf import convert_rank, layer_hf_names, save_rank
 from threed.convert.export import write_side_files
 from threed.checkpoint.format import CONVERT_TAG, HF_EXTRA_DIR, open_checkpoint
 from threed.convert.ds_checkpoint import model_to_dict, shard_reader, write_metadata
-from threed.convert.io_utils import ConvertError, atomic_output_dir, check_free_space, dtype_name, human, progress
+from threed.convert.io_utils import ConvertError, atomic_output_dir, check_free_space, dtype_name, progress
 from threed.convert.slices import BufferPool
 from threed.model.spec import pipeline_layers
+from threed.units import human_bytes
 
 
 def reshard(ckpt: str | os.PathLike, out: str | os.PathLike, tp: int, pp: int,
@@ -67,5 +68,5 @@ def reshard(ckpt: str | os.PathLike, out: str | os.PathLike, tp: int, pp: int,
         write_metadata(tmp, cfg, tp, pp, manifest)
     if show_progress:
         print(f"threed reshard: {ckpt} (tp={ck.tp} pp={ck.pp}, {ck.tag}) -> {out} (tp={tp} pp={pp}), "
-              f"{human(total)}, {time.time() - t0:.1f} s")
+              f"{human_bytes(total)}, {time.time() - t0:.1f} s")
     return manifest

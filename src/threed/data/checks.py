@@ -82,8 +82,8 @@ def check_index(prefix: str, ds: Any) -> None:
     idx = ds.index
     n, size = len(ds.sequence_lengths), idx.dtype_size
     docs = idx.document_indices
-    fix = (f"the pair comes from different runs or an incomplete copy; copy both files again, or rebuild them with "
-           f"`threed preprocess`")
+    fix = ("the pair comes from different runs or an incomplete copy; copy both files again, or rebuild them with "
+           "`threed preprocess`")
 
     def bad(what: str) -> ConfigError:
         return ConfigError(f"dataset {prefix}: {prefix}.idx does not describe {prefix}.bin ({what}); {fix}")
