@@ -4,18 +4,29 @@ megatron-core's parallel state.
 Both libraries build their own process groups. They must agree rank for rank (a TP all-reduce inside a megatron
 layer and DeepSpeed's gradient all-reduce over DP must see the same partners), so `check_groups_agree` compares
 them on every rank at start-up.
+
+It is also the one place that quiets the libraries' start-up noise (`quiet_libraries`, run when this module is
+imported: threed.engine, threed.train and every rank's entry point import it before deepspeed or megatron-core) and
+that sets every process group's collective timeout (`init_distributed`).
 """
 from __future__ import annotations
 
 import atexit
+import contextlib
+import io
+import logging
 import os
+import re
 import socket
+import sys
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from threed.config import ConfigError
 
@@ -53,14 +64,30 @@ class DeviceError(ConfigError):
     """The requested device cannot be used; the message names the fix."""
 
 
-def device_and_backend() -> tuple[torch.device, str]:
-    """nccl + cuda where a GPU is visible, gloo + cpu otherwise. Nothing else in the repo picks either.
-
-    THREED_DEVICE (set by recipes/launch.sh from DEVICE): `auto` (default), `cpu`, or `cuda` (then a missing GPU
-    or a CPU-only torch is an error instead of a silent CPU run)."""
+def _wanted_device() -> str:
     want = os.environ.get("THREED_DEVICE", "auto")
     if want not in ("auto", "cpu", "cuda"):
         raise DeviceError(f"THREED_DEVICE must be auto, cpu or cuda, got {want!r}")
+    return want
+
+
+def device_type() -> str:
+    """'cuda' or 'cpu': what `device_and_backend` will pick, without raising (a bad THREED_DEVICE or a missing GPU
+    is reported by `device_and_backend`, which names the fix). Also DeepSpeed's accelerator (`quiet_libraries`)."""
+    try:
+        want = _wanted_device()
+    except DeviceError:
+        return "cpu"
+    return "cuda" if want != "cpu" and torch.cuda.is_available() else "cpu"
+
+
+def device_and_backend() -> tuple[torch.device, str]:
+    """nccl + cuda where a GPU is visible, gloo + cpu otherwise. Nothing else in the repo picks either (DeepSpeed's
+    accelerator follows it: `quiet_libraries` sets DS_ACCELERATOR from `device_type`).
+
+    THREED_DEVICE (set by recipes/launch.sh from DEVICE): `auto` (default), `cpu`, or `cuda` (then a missing GPU
+    or a CPU-only torch is an error instead of a silent CPU run)."""
+    want = _wanted_device()
     if want == "cuda" and not torch.cuda.is_available():
         build = "a CPU-only torch build" if torch.version.cuda is None else f"torch built for CUDA {torch.version.cuda}"
         raise DeviceError(f"DEVICE=cuda, but no GPU is usable ({build}, {torch.cuda.device_count()} visible "
@@ -87,6 +114,68 @@ def set_cuda_environment() -> None:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 
+# ----------------------------------------------------------------------------------- the libraries' start-up noise
+# Each pattern says nothing a user of threed can act on. Real errors and every other warning still print.
+QUIET_WARNINGS = (
+    # megatron-core, 4 per rank: we use neither (torch's own AdamW and kernels, by design)
+    r"Transformer Engine and Apex are not installed",
+    # megatron-core's TransformerConfig default (cuda_graph_scope="full"); we capture no CUDA graphs
+    r"full scope is deprecated",
+)
+# What DeepSpeed print()s on start-up (rank 0 or every rank), dropped by `library_prints`.
+QUIET_PRINTS = re.compile(
+    r"^(SEED_LAYERS=\S+ BASE_SEED=|Using topology: |DeepSpeed deepspeed\.ops\.comm\.\S+ built successfully"
+    r"|RANK=\d+ .*tied_comms)")
+
+
+def quiet_libraries() -> None:
+    """Run once per process before deepspeed and megatron-core are imported (at the import of this module):
+    - DS_ACCELERATOR from the device policy (`device_type`), so DeepSpeed does not pick its accelerator by itself
+      and does not warn "Setting accelerator to CPU" on every rank;
+    - warnings filters for the QUIET_WARNINGS (each says nothing to the user);
+    - DeepSpeed's own logger at WARNING (its default; stated so that INFO chatter stays off)."""
+    os.environ["DS_ACCELERATOR"] = device_type()
+    for message in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+
+
+class _DropLines(io.TextIOBase):
+    """A stdout that forwards every line except those matching `pattern`."""
+
+    def __init__(self, target, pattern: re.Pattern):
+        self.target, self.pattern, self.pending = target, pattern, ""
+
+    def write(self, s: str) -> int:
+        self.pending += s
+        *lines, self.pending = self.pending.split("\n")
+        for line in lines:
+            if not self.pattern.match(line):
+                self.target.write(line + "\n")
+        return len(s)
+
+    def flush(self) -> None:
+        if self.pending and not self.pattern.match(self.pending):
+            self.target.write(self.pending)
+        self.pending = ""
+        self.target.flush()
+
+
+@contextlib.contextmanager
+def library_prints() -> Iterator[None]:
+    """Around DeepSpeed calls that print() start-up lines (process groups, the PipelineModule, the engine): drops
+    the QUIET_PRINTS lines and passes everything else through."""
+    out = _DropLines(sys.stdout, QUIET_PRINTS)
+    try:
+        with contextlib.redirect_stdout(out):
+            yield
+    finally:
+        out.flush()
+
+
+quiet_libraries()
+
+
 def to_cpu(t: torch.Tensor) -> torch.Tensor:
     """What tools and tests compare or save: a CPU tensor (a CUDA tensor saved with torch.save loads on CUDA)."""
     return t.detach().cpu()
@@ -97,24 +186,61 @@ def init_distributed(timeout_minutes: Optional[float] = None) -> Runtime:
 
     A single process without torchrun's environment becomes a world of one, so `python -m threed.train`
     runs as is. `timeout_minutes` (--dist-timeout-minutes) bounds every collective: a rank that waits longer
-    for its peers raises instead of hanging until the job's time limit.
+    for its peers raises instead of hanging until the job's time limit. It reaches every process group: the world
+    group, every group made later without a timeout of its own (DeepSpeed's grid and PipelineModule groups call
+    `torch.distributed.new_group(ranks)`, which takes torch's default, set here) and megatron-core's
+    (`init_megatron_parallel_state` passes `collective_timeout()`).
     """
     import deepspeed  # heavy: pulled in only where process groups are made (not by `threed plan`)
 
     set_cuda_environment()
     device, backend = device_and_backend()
+    _use_device_policy_accelerator(device)
     if not dist.is_initialized():
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("LOCAL_RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        kwargs = {"timeout": timedelta(minutes=timeout_minutes)} if timeout_minutes and timeout_minutes > 0 else {}
-        deepspeed.init_distributed(dist_backend=backend, verbose=False, **kwargs)
+        if timeout_minutes and timeout_minutes > 0:
+            set_default_timeout(timedelta(minutes=timeout_minutes))
+        with library_prints():
+            deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=collective_timeout(backend))
         # Every way out (a finished run, sys.exit(3) on divergence, a ConfigError) tears the groups down first.
         atexit.register(shutdown_distributed)
     return Runtime(device=device, backend=backend, rank=dist.get_rank(), world_size=dist.get_world_size(),
                    local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def set_default_timeout(timeout: timedelta) -> None:
+    """torch's default collective timeout for groups made without one (nccl's and the others'): read by
+    `torch.distributed.new_group` at each call, so every group DeepSpeed makes from here on takes it."""
+    distributed_c10d.default_pg_timeout = timeout
+    distributed_c10d.default_pg_nccl_timeout = timeout
+
+
+def collective_timeout(backend: Optional[str] = None) -> timedelta:
+    """The timeout a new group gets: --dist-timeout-minutes once `init_distributed` has set it, else torch's
+    default for the backend (of the world group when there is one)."""
+    if backend is None:
+        backend = dist.get_backend() if dist.is_initialized() else "gloo"
+    return distributed_c10d._get_default_timeout(backend)
+
+
+def _use_device_policy_accelerator(device: torch.device) -> None:
+    """DeepSpeed's accelerator is the device policy's. `quiet_libraries` sets DS_ACCELERATOR before DeepSpeed is
+    imported; were deepspeed imported before this module (a caller's own import), its auto-detected accelerator is
+    replaced here, before any process group or engine uses it."""
+    from deepspeed.accelerator import get_accelerator, set_accelerator  # heavy: as deepspeed above
+
+    if get_accelerator().device_name() == device.type:
+        return
+    if device.type == "cuda":
+        from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator  # heavy: as deepspeed above
+        set_accelerator(CUDA_Accelerator())
+    else:
+        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator  # heavy: as deepspeed above
+        set_accelerator(CPU_Accelerator())
 
 
 def shutdown_distributed() -> None:
@@ -134,13 +260,16 @@ def _free_port() -> int:
 
 def init_megatron_parallel_state(tp: int, pp: int, gloo_process_groups: bool = True) -> None:
     """megatron-core's groups, in its default order tp-cp-ep-dp-pp: tp fastest, then dp, then pp, which is
-    the rank order of DeepSpeed's PipeModelDataParallelTopology (axes pipe, data, model)."""
+    the rank order of DeepSpeed's PipeModelDataParallelTopology (axes pipe, data, model). Their collective timeout
+    is the world's (--dist-timeout-minutes, `collective_timeout`), not megatron's own default of 30 minutes."""
     from megatron.core import parallel_state  # heavy: as deepspeed above
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                             create_gloo_process_groups=gloo_process_groups)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, create_gloo_process_groups=gloo_process_groups,
+        # megatron makes timedelta(minutes=this): a float keeps a fractional --dist-timeout-minutes
+        distributed_timeout_minutes=collective_timeout().total_seconds() / 60)
 
 
 def grid_coordinates(rank: int, tp: int, dp: int) -> tuple[int, int, int]:

@@ -11,7 +11,7 @@ import torch
 
 from threed.checkpoint.start import StartDecision, start
 from threed.config import RunConfig
-from threed.distributed import Runtime, check_groups_agree, init_megatron_parallel_state
+from threed.distributed import Runtime, check_groups_agree, init_megatron_parallel_state, library_prints
 from threed.pipeline import build_pipeline_module
 
 
@@ -84,6 +84,44 @@ def make_optimizer(model: torch.nn.Module, cfg: RunConfig,
     return optimizer, scheduler
 
 
+def _torch_optimizer(optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer inside DeepSpeed's wrappers (BF16_Optimizer, ZeRO's stage-1/2 optimizer keep it as
+    `.optimizer`); the optimizer itself when it is not wrapped."""
+    while not isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def place_optimizer_state(optimizer) -> int:
+    """After a checkpoint load, put every optimizer state tensor where torch's own `Optimizer.load_state_dict`
+    would: on its parameter's device, and AdamW's `step` on that device too (as float32) in a fused or capturable
+    group, on the CPU otherwise. DeepSpeed's universal load restores the state from CPU files and leaves `step` a
+    CPU tensor, which the fused CUDA kernel cannot take (it is handed a host pointer). Returns how many tensors
+    moved (0 on a CPU run, or when the load placed them already)."""
+    opt = _torch_optimizer(optimizer)
+    if not isinstance(opt, torch.optim.Optimizer):
+        return 0
+    moved = 0
+    for group in opt.param_groups:
+        on_device_step = bool(group.get("fused") or group.get("capturable"))
+        for p in group["params"]:
+            state = opt.state.get(p)
+            if not state:
+                continue
+            for key, value in list(state.items()):
+                if not isinstance(value, torch.Tensor):
+                    continue
+                if key == "step":
+                    device = p.device if on_device_step else torch.device("cpu")
+                    want = value.to(device=device, dtype=torch.float32)
+                else:
+                    want = value.to(device=p.device)
+                if want is not value:
+                    state[key] = want
+                    moved += 1
+    return moved
+
+
 @dataclass
 class Built:
     engine: "deepspeed.runtime.pipe.engine.PipelineEngine"  # noqa: F821
@@ -108,17 +146,20 @@ def build_engine(cfg: RunConfig, rt: Runtime, decision: Optional[StartDecision] 
 
     torch.manual_seed(cfg.train.seed)
     init_megatron_parallel_state(cfg.parallel.tp, cfg.parallel.pp, rt.cuda_only.gloo_process_groups)
-    module = build_pipeline_module(cfg, rt.world_size, initialize=decision.mode == "fresh",
-                                   fused_swiglu=rt.cuda_only.fused_swiglu, token_weighted=token_weighted)
-    check_groups_agree(module._grid)
-    optimizer, scheduler = make_optimizer(module, cfg, fused=rt.cuda_only.fused_adamw)
-    ds_config = deepspeed_config(cfg, rt.world_size, load_universal=decision.universal)
-    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+    with library_prints():  # DeepSpeed's PipelineModule and engine print() their start-up lines on rank 0
+        module = build_pipeline_module(cfg, rt.world_size, initialize=decision.mode == "fresh",
+                                       fused_swiglu=rt.cuda_only.fused_swiglu, token_weighted=token_weighted)
+        check_groups_agree(module._grid)
+        optimizer, scheduler = make_optimizer(module, cfg, fused=rt.cuda_only.fused_adamw)
+        ds_config = deepspeed_config(cfg, rt.world_size, load_universal=decision.universal)
+        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
+                                               config=ds_config)
     client_state: dict = {}
     if resume:
         path, client_state = engine.load_checkpoint(decision.load_dir, tag=decision.tag)
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint {decision.load_dir}/{decision.tag}")
+        place_optimizer_state(engine.optimizer)
     elif decision.mode == "weights":
         path, _ = engine.load_checkpoint(decision.load_dir, tag=decision.tag, load_module_only=True,
                                          load_optimizer_states=False, load_lr_scheduler_states=False)

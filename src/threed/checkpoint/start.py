@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import shutil
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
 
@@ -219,12 +220,55 @@ def start(cfg: RunConfig, rank: int, world_size: int, log: Optional[Callable[[st
             log(f"threed: --overwrite true: removed {', '.join(removed) or 'nothing'} from {cfg.checkpoint.save}")
         if decision.universal:
             src = decision.source
-            root = Path(cfg.checkpoint.save or src.path)
             log(f"threed: {src.path}/{src.tag} was written at {src.layout.describe()} {dtype_of(src)}; this run "
                 f"has tp={cfg.parallel.tp}, pp={cfg.parallel.pp}, dp={cfg.parallel.dp(world_size)} "
                 f"{cfg.train.dtype}: resuming through a universal checkpoint (optimizer state kept)")
-            decision.load_dir, decision.tag = universal.convert(src, root, dtype_of(src),
-                                                                lambda m: log(f"threed: {m}"))
+            decision.load_dir, decision.tag = universal.target(src, _universal_root(cfg, src), dtype_of(src))
         return decision
 
-    return on_rank0(rank, prepare)
+    decision = on_rank0(rank, prepare)
+    if decision.universal:
+        src = decision.source
+        # Hours at scale (3.4 TB of I/O for 70B): rank 0 converts while the others wait outside any collective.
+        on_rank0_patiently(rank, lambda: universal.convert(src, _universal_root(cfg, src), dtype_of(src),
+                                                           lambda m: log(f"threed: {m}")))
+    return decision
+
+
+def _universal_root(cfg: RunConfig, src: Found) -> Path:
+    return Path(cfg.checkpoint.save or src.path)
+
+
+# Longer than any job's time limit: the job's own limit (or torchrun, when rank 0 dies) ends a wait that never ends.
+PATIENT = timedelta(days=7)
+_patient_calls = [0]  # a fresh store key per call: a process may start more than once (tests)
+
+
+def on_rank0_patiently(rank: int, fn: Callable[[], Any], timeout: timedelta = PATIENT) -> None:
+    """Run `fn` on rank 0 while every other rank waits for it on the process group's store (torchrun's TCPStore)
+    with its own `timeout`, not in a collective: a collective would time out after --dist-timeout-minutes, and a
+    universal conversion can take longer. rank 0's ConfigError is raised on every rank, its crash as a
+    RuntimeError."""
+    if not _multi_rank():
+        fn()
+        return
+    _patient_calls[0] += 1
+    key = f"threed/rank0_patiently/{_patient_calls[0]}"
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 0:
+        try:
+            fn()
+        except ConfigError as e:
+            store.set(key, "error\n" + str(e))
+            raise
+        except BaseException as e:
+            store.set(key, f"crash\n{type(e).__name__}: {e}")
+            raise
+        store.set(key, "ok\n")
+        return
+    store.wait([key], timeout)
+    status, _, value = store.get(key).decode().partition("\n")
+    if status == "error":
+        raise ConfigError(value)
+    if status == "crash":
+        raise RuntimeError(f"rank 0 failed while converting the checkpoint: {value}")

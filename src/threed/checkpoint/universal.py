@@ -7,15 +7,21 @@ mp_rank file, and `ds_to_universal` reads it from there): norms replicated, row-
 
 `convert` runs once per (checkpoint, old layout) on rank 0 and writes `<save>/universal/<tag>-from-<layout>/`,
 which DeepSpeed loads with `"checkpoint": {"load_universal": true}`; it is deleted once a newer checkpoint exists.
+DeepSpeed's `ds_to_universal` runs in a child process of its own (a clean process: no CUDA context, no process
+group threads under its worker pool, its memory returned when it ends) with `conversion_workers` workers; the other
+ranks wait for it outside any collective (threed.checkpoint.start). A conversion cut short (a killed job) leaves
+only a hidden temporary directory, deleted by the next conversion, which starts over.
 """
 from __future__ import annotations
 
-import argparse
-import contextlib
 import json
+import os
+import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -30,6 +36,53 @@ DONE = "threed_universal.json"  # written last: a conversion cut short is redone
 def layout_name(found: Found, dtype: str) -> str:
     lay = found.layout
     return f"{found.tag}-from-tp{lay.tp}pp{lay.pp}dp{lay.dp}{dtype}"
+
+
+def target(found: Found, root: Path, dtype: str) -> tuple[str, str]:
+    """(load_dir, tag) that engine.load_checkpoint gets once `convert` has run."""
+    return str(root / UNIVERSAL_DIR), layout_name(found, dtype)
+
+
+MAX_EXTRACT_WORKERS = 16  # beyond this, the file system, not the CPUs, is the limit
+MAX_MERGE_WORKERS = 8  # DeepSpeed: merging "is more memory intensive, use much fewer than --num_extract_workers"
+
+
+def conversion_workers(cpus: int, shards: int, shard_bytes: int, memory_bytes: Optional[int]) -> tuple[int, int]:
+    """(extract, merge) worker counts for ds_to_universal. An extract worker holds one ZeRO shard file in memory at
+    a time, so at most half the free memory's worth of the largest shard; no more workers than CPUs or shards; a
+    merge worker holds one parameter's slices, so half the extract workers (at least 1)."""
+    extract = max(1, min(cpus, shards, MAX_EXTRACT_WORKERS))
+    if memory_bytes and shard_bytes > 0:
+        extract = max(1, min(extract, memory_bytes // 2 // shard_bytes))
+    merge = max(1, min(extract // 2 or 1, MAX_MERGE_WORKERS))
+    return extract, merge
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _free_memory() -> Optional[int]:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def clean_partial(out: Path) -> list[str]:
+    """Delete what a conversion into `out` cut short left: its hidden temporary directories (`.<tag>.tmp-PID`,
+    `.<tag>.old-PID`, threed.atomic's names) and `out` itself when its DONE file is missing. Returns their names."""
+    removed = []
+    for leftover in sorted(out.parent.glob(f".{out.name}.tmp-*")) + sorted(out.parent.glob(f".{out.name}.old-*")):
+        shutil.rmtree(leftover, ignore_errors=True)
+        removed.append(leftover.name)
+    if out.exists() and not (out / DONE).is_file():
+        shutil.rmtree(out, ignore_errors=True)
+        removed.append(out.name)
+    return removed
 
 
 def check_convertible(found: Found) -> None:
@@ -49,11 +102,10 @@ def check_convertible(found: Found) -> None:
 
 def convert(found: Found, root: Path, dtype: str, log: Callable[[str], None]) -> tuple[str, str]:
     """Convert `found` into `root/universal/` (once) and return (load_dir, tag) for engine.load_checkpoint. The
-    conversion is built under a temporary name and renamed into place, its `threed_universal.json` written last."""
-    from deepspeed.checkpoint import ds_to_universal  # deepspeed: heavy, only on the rank-0 conversion path
-
-    load_dir = root / UNIVERSAL_DIR
-    tag = layout_name(found, dtype)
+    conversion is built under a temporary name and renamed into place, its `threed_universal.json` written last;
+    what an earlier conversion cut short left is deleted first (`clean_partial`)."""
+    load_dir_s, tag = target(found, root, dtype)
+    load_dir = Path(load_dir_s)
     out = load_dir / tag
     if (out / DONE).is_file():
         log(f"universal checkpoint {out} already exists (converted from {found.tag}); loading it")
@@ -64,19 +116,30 @@ def convert(found: Found, root: Path, dtype: str, log: Callable[[str], None]) ->
     except OSError as e:
         raise ConfigError(f"cannot write the universal checkpoint under {load_dir} ({e.strerror or e}); give a "
                           f"writable --save") from None
+    removed = clean_partial(out)
+    if removed:
+        log(f"deleted what a conversion cut short left in {load_dir}: {', '.join(removed)}; converting again")
+    src = Path(found.path) / found.tag
+    shards = [f for f in src.iterdir() if f.name.endswith("optim_states.pt")]
+    extract, merge = conversion_workers(_cpus(), len(shards), max((f.stat().st_size for f in shards), default=0),
+                                        _free_memory())
     t0 = time.time()
-    log(f"converting {Path(found.path) / found.tag} ({found.layout.describe()}) to a universal checkpoint in {out}")
+    log(f"converting {src} ({found.layout.describe()}) to a universal checkpoint in {out} ({extract} extract, "
+        f"{merge} merge workers)")
     with atomic_dir(out) as tmp:
-        args = argparse.Namespace(input_folder=str(Path(found.path) / found.tag), output_folder=str(tmp),
-                                  num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
-                                  inject_missing_state=False)
-        try:
-            # DeepSpeed prints every step and a progress bar per tensor: keep that in a log file beside the output.
-            with open(tmp / "convert.log", "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
-                ds_to_universal.main(args)
-        except Exception as e:
-            raise ConfigError(f"converting {found.path}/{found.tag} to a universal checkpoint failed: "
-                              f"{type(e).__name__}: {e}; resume at its own layout ({found.layout.describe()})") from e
+        cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(src),
+               "--output_folder", str(tmp), "--num_extract_workers", str(extract),
+               "--num_merge_workers", str(merge)]
+        # The conversion needs no GPU: keep it off rank 0's (no second CUDA context there).
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}
+        # DeepSpeed prints every step and a progress bar per tensor: keep that in a log file beside the output.
+        with open(tmp / "convert.log", "w") as f:
+            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+        if proc.returncode != 0:
+            tail = (tmp / "convert.log").read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
+            raise ConfigError(f"converting {src} to a universal checkpoint failed (ds_to_universal exited "
+                              f"{proc.returncode}: {tail[0][-300:]}); resume at its own layout "
+                              f"({found.layout.describe()})")
         (load_dir / "latest_universal").unlink(missing_ok=True)  # ds_to_universal's pointer at the temporary name
         write_atomic(tmp / DONE, json.dumps({"source": str(Path(found.path) / found.tag),
                                              "layout": found.layout.describe(),

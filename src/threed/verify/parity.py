@@ -1,4 +1,4 @@
-"""Logits parity between an HF Llama and a DeepSpeed pipeline checkpoint, on CPU.
+"""Logits parity between an HF Llama and a DeepSpeed pipeline checkpoint, on CPU (pinned: VERIFY_ENV).
 
     threed verify --hf Meta-Llama-3-8B --ckpt ckpt/llama3-8b-tp2pp2 [--tol 1e-5]
 
@@ -25,6 +25,10 @@ from threed.hf.config import from_hf_config
 from threed.launch import run_ranks
 
 WORKER = "threed.verify.worker"  # the module each of the tp x pp ranks runs (python -m)
+# On CPU, whatever the machine has: HF's side runs on CPU in fp32 too, and the 1e-5 default tolerance is a CPU
+# fp32 one (a GPU's kernels reduce in other orders, and TF32 would need its own tolerance). It also leaves a
+# training job's GPUs alone when verify runs beside it. (threed.distributed reads THREED_DEVICE.)
+VERIFY_ENV = {"THREED_DEVICE": "cpu"}
 
 
 @dataclass
@@ -56,7 +60,7 @@ def checkpoint_logits(ckpt: str | os.PathLike, tokens: torch.Tensor,
             run_ranks(ck.tp * pp, WORKER,
                       ["--ckpt", str(Path(ckpt).absolute()), "--tp", str(ck.tp), "--pp", str(pp),
                        "--tokens", str(Path(d) / "tokens.pt"), "--out", str(Path(d) / "logits.pt")],
-                      timeout=timeout)
+                      env=VERIFY_ENV, timeout=timeout)
         except Exception as e:  # RanksFailed / CalledProcessError carry the ranks' output tail
             raise ConvertError(f"the {ck.tp * pp} verify ranks failed: {getattr(e, 'output', None) or e}") from None
         return torch.load(Path(d) / "logits.pt")["logits"], ck.tp, pp
