@@ -126,7 +126,7 @@ def test_a_dead_model_stops_on_a_step_with_loss_tokens_only(tmp_path, capsys):
     assert g.after_step(2, 5.2983, 0.0, has_loss_tokens=False) is False  # an SFT batch without responses
     line = aborted(capsys, lambda: g.after_step(3, 5.2983, 0.0))
     assert "diverged at step 3: gradient norm 0 on a step with loss tokens (loss 5.2983): the model is dead" in line
-    assert "(--dead-grad-norm 1e-06)" in line and "Last good checkpoint: none yet in" in line
+    assert "(--dead-grad-norm 1e-06)" in line and f"Last good checkpoint: none yet in {tmp_path}. Start again" in line
 
 
 def test_a_weight_jump_stops_before_the_step_is_saved(tmp_path, capsys):
@@ -204,5 +204,5 @@ def test_finite_blow_up_at_pp2_exits_3_and_saves_nothing_distrusted(tmp_path):
     lines = [line for line in p.stdout.splitlines() if "threed: error" in line]
     assert len(lines) == 1, p.stdout[-3000:]
     assert "the run diverged at step 1: the step multiplied the weight norm by" in lines[0]
-    assert f"Last good checkpoint: none yet in {save}" in lines[0]
+    assert f"Last good checkpoint: none yet in {save}. Start again with a lower --lr" in lines[0]
     assert not (save / "latest").exists() and not list(save.glob("global_step*"))

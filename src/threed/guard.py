@@ -189,6 +189,11 @@ class RunGuard:
         latest = read_latest(save)
         return f"{save}/{latest}" if latest is not None else f"none yet in {save}"
 
+    @staticmethod
+    def restart(last: str) -> str:
+        """How to go on from `last_checkpoint()`'s answer."""
+        return "Start again" if last.startswith("none") else "Resume from it"
+
     def saved(self, seconds: float) -> None:
         """A checkpoint save took `seconds`: the time budget keeps room for one more."""
         self.save_seconds = seconds
@@ -257,10 +262,11 @@ class RunGuard:
             what = f"loss {loss} / grad norm {norm} at step {step}"
             allowed = self.skip_nonfinite
             if self.skipped > allowed:
+                last = self.last_checkpoint()
                 self._log(f"threed: error: non-finite {what}: stopping without saving (the run diverged; "
                           f"{self.skipped} non-finite step(s), --skip-nonfinite {allowed}). Last good checkpoint: "
-                          f"{self.last_checkpoint()}. Resume from it with a lower --lr or more --warmup-steps, or "
-                          f"allow skipping such batches with --skip-nonfinite N")
+                          f"{last}. {self.restart(last)} with a lower --lr or more --warmup-steps, or allow "
+                          f"skipping such batches with --skip-nonfinite N")
                 raise RunAborted(EXIT_DIVERGED)
             self._log(f"threed: warning: non-finite {what}: the optimizer step was skipped (weights unchanged); "
                       f"{self.skipped} of --skip-nonfinite {allowed}")
@@ -271,8 +277,8 @@ class RunGuard:
                 if not seen.startswith("the step") and last.endswith(f"/global_step{step - 1}"):
                     last += " (saved just before this step: its weights gave this loss; an earlier one may be safer)"
                 self._log(f"threed: error: the run diverged at step {step}: {seen}; stopping without saving. Last "
-                          f"good checkpoint: {last}. Resume from it with a lower --lr or more --warmup-steps; if the "
-                          f"run was healthy, raise the flag named above (0 turns its check off)")
+                          f"good checkpoint: {last}. {self.restart(last)} with a lower --lr or more --warmup-steps; "
+                          f"if the run was healthy, raise the flag named above (0 turns its check off)")
                 raise RunAborted(EXIT_DIVERGED)
         if late and not self.out_of_time:
             self.out_of_time = True

@@ -83,8 +83,9 @@ def check_weights(engine, cfg: RunConfig, rank: int) -> None:
         latest = read_latest(save) if save else None
         last = f"{save}/{latest}" if latest is not None else f"none yet in {save}"
         print(f"threed: error: refusing to save step {engine.global_steps}: rank {where} holds {what}: the run "
-              f"diverged; nothing was written. Last good checkpoint: {last}. Resume from it with a lower --lr or "
-              f"more --warmup-steps", file=sys.stderr, flush=True)
+              f"diverged; nothing was written. Last good checkpoint: {last}. "
+              f"{'Resume from it' if latest is not None else 'Start again'} with a lower --lr or more "
+              f"--warmup-steps", file=sys.stderr, flush=True)
     raise SaveRefused(EXIT_DIVERGED)
 
 
