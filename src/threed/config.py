@@ -285,6 +285,20 @@ class RunControlConfig:
         "a step longer than this x the median step (and --watchdog-min-seconds) prints every rank's Python "
         "stacks and exits 4; 0: off"))
     watchdog_min_seconds: float = field(default=600.0, metadata=meta("the watchdog never fires sooner than this"))
+    # Finite divergence (threed.guard): each stops the run with exit 3 before the step is saved. The defaults sit
+    # far outside a healthy run's noise (the demo's worst spike is 1.4x its median loss, its updates move the
+    # weight norm by a few percent): they catch blow-ups, not bumps.
+    spike_factor: float = field(default=5.0, metadata=meta(
+        "a loss above this x the median of the last 50 finite losses (after 10 steps) stops the run with exit 3; "
+        "0: off"))
+    dead_grad_norm: float = field(default=1e-6, metadata=meta(
+        "a step with loss tokens whose gradient norm is at most this (a dead, saturated model) stops the run with "
+        "exit 3; 0: off"))
+    weight_jump_factor: float = field(default=10.0, metadata=meta(
+        "a step that multiplies a rank's weight norm by more than this stops the run with exit 3; 0: off"))
+    max_weight: float = field(default=1e4, metadata=meta(
+        "a checkpoint save whose weights hold a non-finite value or one larger than this in magnitude is refused "
+        "(exit 3, nothing written); 0: only the finiteness check"))
 
 
 @dataclass(frozen=True)

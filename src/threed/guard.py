@@ -15,6 +15,15 @@ run on request (a signal, a STOP file, the time budget) with a checkpoint first.
   finite (ZeRO's overflow check in fp32, BF16_Optimizer's invalid-norm check in bf16), so the weights are
   unchanged; up to `--skip-nonfinite N` such batches are skipped with a warning, the next one stops the run with
   exit status 3 and a message naming the step and the last good checkpoint. Nothing is saved on that path.
+- Finite divergence: a blow-up often stays finite (weights at 1e10, then the loss stuck at ln(vocab) with a
+  gradient norm of 0). Three checks stop it with exit status 3, before the step is saved, naming the step, what
+  was seen and the last good checkpoint: a loss above `--spike-factor` x the median of the last 50 finite losses
+  (after 10 steps; Megatron-LM's spiky-loss check compares against 10x), a gradient norm at most
+  `--dead-grad-norm` on a step with loss tokens (a dead, saturated model), and a step that multiplies a rank's
+  weight norm by more than `--weight-jump-factor` (one pass over the rank's parameters per step). 0 turns each
+  off. Every save also refuses weights that are not finite or beyond `--max-weight` (threed.checkpoint.save).
+  A loss is computed with the previous step's weights: when the checkpoint just before a loss-based stop is the
+  latest, the message says so.
 - `--exit-duration-in-mins M`: once the time since start plus one more step and one save (the last save's
   duration, which the loop reports through `saved`) would pass M minutes, the guard raises the run's stop request,
   so the loop saves and exits 0 like after SIGUSR1.
@@ -42,11 +51,14 @@ import torch
 import torch.distributed as dist
 
 from threed.checkpoint.format import read_latest
+from threed.checkpoint.save import EXIT_DIVERGED, weight_norm  # exit 3 (a save refuses diverged weights too)
 from threed.config import RunConfig
 
-EXIT_DIVERGED = 3
 EXIT_HUNG = 4
 _STARTED = time.time()  # import time of this module: close enough to the process start for a time budget
+SPIKE_WINDOW = 50  # the loss spike check compares against the median of this many recent finite losses
+SPIKE_WARMUP = 10  # ... once it has seen this many
+SPIKE_MIN_NATS = 1.0  # ... and only a rise of at least this much counts (a near-zero median loss is noisy)
 
 
 class RunAborted(SystemExit):
@@ -144,6 +156,11 @@ class RunGuard:
         self.step_seconds = 0.0
         self.save_seconds = 0.0  # the last checkpoint save's duration on this rank (told through `saved`)
         self.out_of_time = False
+        self.spike_factor, self.dead_grad_norm = ctl.spike_factor, ctl.dead_grad_norm
+        self.weight_jump_factor = ctl.weight_jump_factor
+        self.losses: list[float] = []  # recent finite losses of healthy steps (the spike check's history)
+        # The weights' norm before the first step of this process (after a load): the jump check's reference.
+        self.weight_norm = weight_norm(engine) if self.weight_jump_factor else 0.0
         try:
             faulthandler.enable()  # a crash in native code prints the Python stacks too
         except (ValueError, io.UnsupportedOperation):  # stderr without a file descriptor (captured by a test)
@@ -172,22 +189,60 @@ class RunGuard:
         latest = read_latest(save)
         return f"{save}/{latest}" if latest is not None else f"none yet in {save}"
 
+    @staticmethod
+    def restart(last: str) -> str:
+        """How to go on from `last_checkpoint()`'s answer."""
+        return "Start again" if last.startswith("none") else "Resume from it"
+
     def saved(self, seconds: float) -> None:
         """A checkpoint save took `seconds`: the time budget keeps room for one more."""
         self.save_seconds = seconds
 
-    def _agree(self, *flags: bool) -> list[bool]:
-        """The step's one control all-reduce: each flag is true on every rank if it is true on any."""
+    def _agree(self, *values: float) -> list[float]:
+        """The step's one control all-reduce: each value is its MAX over the ranks (a flag is true on every rank
+        if it is true on any)."""
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-            return list(flags)
-        t = torch.tensor([float(f) for f in flags], device=self.device)
+            return [float(v) for v in values]
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return [bool(v) for v in t.tolist()]
+        return t.tolist()
 
-    def after_step(self, step: int, loss: float, grad_norm: Optional[float]) -> bool:
-        """Call on every rank after each step. Raises RunAborted on a non-finite step beyond the allowance;
-        returns True when every rank should save and exit now (a stop request on any rank, or the time budget,
-        which also raises the stop request)."""
+    def _weight_jump(self) -> float:
+        """This rank's weight norm after the step / before it (inf when the weights became non-finite); 0 when the
+        check is off. Becomes the next step's reference."""
+        if not self.weight_jump_factor:
+            return 0.0
+        before, after = self.weight_norm, weight_norm(self.engine)
+        self.weight_norm = after
+        if not math.isfinite(after):
+            return math.inf
+        return after / before if before > 0 else 0.0
+
+    def _diverged(self, loss: float, norm: float, dead: bool, jump: float) -> Optional[str]:
+        """What makes this finite step untrustworthy, from values every rank agrees on (`dead` and `jump` went
+        through the all-reduce; loss and gradient norm are global), or None. A healthy step's loss joins the
+        spike check's history."""
+        if self.weight_jump_factor and jump > self.weight_jump_factor:
+            return ("the step made the weights non-finite" if math.isinf(jump) else
+                    f"the step multiplied the weight norm by {jump:.3g} (--weight-jump-factor "
+                    f"{self.weight_jump_factor:g})")
+        if dead:
+            return (f"gradient norm {norm:.3g} on a step with loss tokens (loss {loss:.4f}): the model is dead, its "
+                    f"weights saturated (--dead-grad-norm {self.dead_grad_norm:g})")
+        if self.spike_factor and len(self.losses) >= SPIKE_WARMUP:
+            median = statistics.median(self.losses)
+            if loss > max(self.spike_factor * median, median + SPIKE_MIN_NATS):
+                return (f"loss {loss:.4f} is {loss / median:.1f}x the median {median:.4f} of the last "
+                        f"{len(self.losses)} steps (--spike-factor {self.spike_factor:g})")
+        self.losses = (self.losses + [loss])[-SPIKE_WINDOW:]
+        return None
+
+    def after_step(self, step: int, loss: float, grad_norm: Optional[float], has_loss_tokens: bool = True) -> bool:
+        """Call on every rank after each step, before any save of it. Raises RunAborted on a non-finite step beyond
+        the allowance, or on a finite divergence (a loss spike, a dead model, a weight jump); returns True when
+        every rank should save and exit now (a stop request on any rank, or the time budget, which also raises
+        the stop request). `has_loss_tokens`: this rank knows the step's loss counted tokens (pretraining: always;
+        SFT: the last stage, where the count is; False elsewhere, so that rank does not judge a dead model)."""
         now = time.monotonic()
         self.step_seconds, self.last_step_time = now - self.last_step_time, now
         if self.watchdog is not None:
@@ -198,19 +253,33 @@ class RunGuard:
         budget = self.exit_duration_in_mins * 60
         late = bool(budget) and (time.time() - _STARTED) + self.step_seconds + self.save_seconds >= budget
         stop = self.stop is not None and self.stop.requested()
-        stop, bad, late = self._agree(stop, bad, late)
+        jump = self._weight_jump()
+        dead = bool(self.dead_grad_norm) and has_loss_tokens and not bad and norm <= self.dead_grad_norm
+        stop, bad, late, jump, dead = self._agree(stop, bad, late, jump, dead)
+        stop, bad, late = bool(stop), bool(bad), bool(late)
         if bad:
             self.skipped += 1
             what = f"loss {loss} / grad norm {norm} at step {step}"
             allowed = self.skip_nonfinite
             if self.skipped > allowed:
+                last = self.last_checkpoint()
                 self._log(f"threed: error: non-finite {what}: stopping without saving (the run diverged; "
                           f"{self.skipped} non-finite step(s), --skip-nonfinite {allowed}). Last good checkpoint: "
-                          f"{self.last_checkpoint()}. Resume from it with a lower --lr or more --warmup-steps, or "
-                          f"allow skipping such batches with --skip-nonfinite N")
+                          f"{last}. {self.restart(last)} with a lower --lr or more --warmup-steps, or allow "
+                          f"skipping such batches with --skip-nonfinite N")
                 raise RunAborted(EXIT_DIVERGED)
             self._log(f"threed: warning: non-finite {what}: the optimizer step was skipped (weights unchanged); "
                       f"{self.skipped} of --skip-nonfinite {allowed}")
+        else:
+            seen = self._diverged(loss, norm, bool(dead), jump)
+            if seen is not None:
+                last = self.last_checkpoint()
+                if not seen.startswith("the step") and last.endswith(f"/global_step{step - 1}"):
+                    last += " (saved just before this step: its weights gave this loss; an earlier one may be safer)"
+                self._log(f"threed: error: the run diverged at step {step}: {seen}; stopping without saving. Last "
+                          f"good checkpoint: {last}. {self.restart(last)} with a lower --lr or more --warmup-steps; "
+                          f"if the run was healthy, raise the flag named above (0 turns its check off)")
+                raise RunAborted(EXIT_DIVERGED)
         if late and not self.out_of_time:
             self.out_of_time = True
             self._log(f"threed: --exit-duration-in-mins {self.exit_duration_in_mins:g} is near "

@@ -137,8 +137,10 @@ def train(cfg: RunConfig) -> TrainResult:
         result.end_step = step + 1
         result.consumed_samples = consumed
         metrics.step(step + 1, loss, norm, samples=consumed, loss_tokens=loss_tokens)  # every rank (one all-gather per log interval)
-        # The step's one control all-reduce: exit 3 on divergence; True: every rank saves and exits after this step.
-        stop_now = guard.after_step(step + 1, loss, norm)
+        # The step's one control all-reduce: exit 3 on divergence (before the step can be saved); True: every rank
+        # saves and exits after this step. SFT: only the last stage knows whether the step had loss tokens.
+        has_loss_tokens = not splits.sft or bool(loss_tokens)
+        stop_now = guard.after_step(step + 1, loss, norm, has_loss_tokens)
         last = step + 1 == cfg.train.steps
         if splits.eval_interval and ((step + 1) % splits.eval_interval == 0 or last):
             # Evaluation k reads the k-th block of eval_iters valid batches (the last one may be off-interval).

@@ -4,22 +4,89 @@ files, every rank reports what it wrote, and rank 0 publishes the manifest and t
 
     saved = save(engine, cfg, rank, client_state={"consumed_samples": n})   # every rank
     guard.saved(saved.seconds)      # threed.guard keeps room for one more save in --exit-duration-in-mins
+
+Every save first checks the weights it is about to write (`check_weights`: finite, none larger than --max-weight
+in magnitude; one pass over this rank's parameters, cheap beside the I/O). A diverged model is refused with exit
+3 before anything is written, so `latest` keeps naming the last sane checkpoint.
 """
 from __future__ import annotations
 
 import contextlib
 import json
+import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
+import torch
 import torch.distributed as dist
 
 from threed.atomic import write_atomic
-from threed.checkpoint.format import LATEST, RUN_JSON
+from threed.checkpoint.format import LATEST, RUN_JSON, read_latest
 from threed.checkpoint.manifest import prune, remove_checkpoint, write_manifest
 from threed.config import RunConfig
+
+
+EXIT_DIVERGED = 3  # threed.guard's exit status for a run that diverged (re-exported there)
+
+
+class SaveRefused(SystemExit):
+    """A save of weights that are not finite or absurdly large: every rank exits EXIT_DIVERGED, nothing written
+    (the reason was printed once, by rank 0)."""
+
+
+def local_parameters(engine) -> list[torch.Tensor]:
+    """This rank's model parameters (its pipeline stage's TP shards), the weights a checkpoint holds."""
+    module = getattr(engine, "module", None)
+    return [p.detach() for p in module.parameters()] if module is not None else []
+
+
+def weight_norm(engine) -> float:
+    """The L2 norm of this rank's weights, accumulated in fp32 without a copy of any parameter; inf or nan when
+    a weight is not finite (or past fp32's range). One pass over the parameters: cheap beside a step."""
+    params = local_parameters(engine)
+    if not params:
+        return 0.0
+    norms = torch.stack([torch.linalg.vector_norm(p, dtype=torch.float32) for p in params])
+    return float(torch.linalg.vector_norm(norms))
+
+
+def max_abs_weight(engine) -> float:
+    """The largest weight magnitude on this rank; nan when a weight is nan, inf when one is inf."""
+    params = local_parameters(engine)
+    if not params:
+        return 0.0
+    ends = [torch.aminmax(p) for p in params if p.numel()]  # nan propagates; faster than abs().amax() on CPU
+    return float(torch.stack([torch.maximum(lo.abs(), hi.abs()).float() for lo, hi in ends]).max()) if ends else 0.0
+
+
+def check_weights(engine, cfg: RunConfig, rank: int) -> None:
+    """Every rank, before a save writes anything: refuse (exit 3, one line from rank 0) when any rank holds a
+    non-finite weight or one larger than --max-weight in magnitude."""
+    limit = cfg.control.max_weight
+    worst = max_abs_weight(engine)
+    mine = (worst, rank) if not math.isfinite(worst) or (limit and worst > limit) else None
+    views = [mine]
+    if _multi_rank():
+        views = [None] * dist.get_world_size()
+        dist.all_gather_object(views, mine)
+    bad = [v for v in views if v is not None]
+    if not bad:
+        return
+    value, where = next((v for v in bad if not math.isfinite(v[0])), max(bad))
+    what = (f"a non-finite weight ({value})" if not math.isfinite(value) else
+            f"a weight of magnitude {value:.3g} (--max-weight {limit:g})")
+    if rank == 0:
+        save = cfg.checkpoint.save
+        latest = read_latest(save) if save else None
+        last = f"{save}/{latest}" if latest is not None else f"none yet in {save}"
+        print(f"threed: error: refusing to save step {engine.global_steps}: rank {where} holds {what}: the run "
+              f"diverged; nothing was written. Last good checkpoint: {last}. "
+              f"{'Resume from it' if latest is not None else 'Start again'} with a lower --lr or more "
+              f"--warmup-steps", file=sys.stderr, flush=True)
+    raise SaveRefused(EXIT_DIVERGED)
 
 
 @dataclass(frozen=True)
@@ -40,9 +107,11 @@ def save(engine, cfg: RunConfig, rank: int, client_state: Optional[dict] = None)
     Order, so that a kill at any moment leaves a loadable directory: a leftover directory of the same tag (an
     earlier save cut short) is removed; every rank writes its files (DeepSpeed, without its own `latest`); a
     barrier; rank 0 writes the run config, the manifest (every file and its size as the rank that wrote it sees
-    it), then `latest`, each atomically; then old checkpoints are pruned (`--keep-last`)."""
+    it), then `latest`, each atomically; then old checkpoints are pruned (`--keep-last`). Before all of it, the
+    weights are checked (`check_weights`): a diverged model is refused with exit 3 and nothing is written."""
     ck = cfg.checkpoint
     assert ck.save
+    check_weights(engine, cfg, rank)
     save_dir = Path(ck.save)
     tag = f"global_step{engine.global_steps}"
     step_dir = save_dir / tag
