@@ -176,11 +176,18 @@ def data(tmp_path_factory) -> str:
     return write_dataset(d / "corpus", np.random.default_rng(0).integers(0, 500, 20000), 512)
 
 
+# `threed train`, each step slowed to 0.1 s: a run that is certainly still training when the test acts on it, on a
+# busy machine too (without the sleep, 3,000 tiny steps can be over before a second run has started).
+SLOW_TRAIN = ("import sys, time; import threed.train as t; batches = t.step_batches; "
+              "t.step_batches = lambda *a: (time.sleep(0.1), batches(*a))[1]; from threed.cli import main; "
+              "sys.exit(main(sys.argv[1:]))")
+
+
 def start_long_run(data: str, save: Path, log: Path) -> subprocess.Popen:
     """`threed train` for far more steps than a test waits for, its output in a file (a pipe nobody reads would
     block it), returned once the engine is built and training (the lock is held from before that)."""
-    cmd = [sys.executable, "-m", "threed.cli", "train", "--model", "tiny", "--data-path", data, "--split",
-           "100,0,0", "--seq-length", "32", "--dtype", "fp32", "--save", str(save), "--steps", "1000000",
+    cmd = [sys.executable, "-c", SLOW_TRAIN, "train", "--model", "tiny", "--data-path", data, "--split",
+           "100,0,0", "--seq-length", "32", "--dtype", "fp32", "--save", str(save), "--steps", "3000",
            "--log-interval", "100000"]
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
