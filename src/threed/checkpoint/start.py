@@ -133,17 +133,6 @@ def decide_start(cfg: RunConfig, world_size: int) -> StartDecision:
     found = decision.source
     check_model(found.path, _recorded_model(found), cfg.model)
     decision.load_dir, decision.tag = found.path, found.tag
-    if decision.mode == "resume":
-        if found.step >= cfg.train.steps:
-            decision.finished = (f"{found.path}/{found.tag} is at step {found.step} and --steps is "
-                                 f"{cfg.train.steps}: the run has finished, nothing to train (raise --steps to "
-                                 f"train further)")
-            return decision
-        changed = changed_shape(cfg, found, world_size)
-        if changed:
-            decision.notes.append(f"warning: resuming {found.path}/{found.tag} with {changed} (the run's were "
-                                  f"recorded in {RUN_JSON}); training continues from the samples consumed so far. "
-                                  f"If that was not meant, resume with the recorded values")
     if decision.mode == "weights":
         check_layout(found.path, cfg, world_size, full_resume=False, tag=found.tag)
         if (Path(found.path) / RUN_JSON).is_file() or (Path(found.path) / CONVERT_MANIFEST).is_file():
@@ -153,6 +142,16 @@ def decide_start(cfg: RunConfig, world_size: int) -> StartDecision:
     if not found.has_optimizer:
         raise ConfigError(f"{found.path} is a converted checkpoint (weights only, no optimizer state): use it with "
                           f"--init-from, not --load or --save")
+    if found.step >= cfg.train.steps:
+        decision.finished = (f"{found.path}/{found.tag} is at step {found.step} and --steps is "
+                             f"{cfg.train.steps}: the run has finished, nothing to train (raise --steps to "
+                             f"train further)")
+        return decision
+    changed = changed_shape(cfg, found, world_size)
+    if changed:
+        decision.notes.append(f"warning: resuming {found.path}/{found.tag} with {changed} (from the run recorded in "
+                              f"{found.path}/{RUN_JSON}); training continues from the samples consumed so far. "
+                              f"If that was not meant, resume with the recorded values")
     lay = found.layout
     same = ((lay.tp, lay.pp, lay.dp) == (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp(world_size))
             and dtype_of(found) == cfg.train.dtype)
