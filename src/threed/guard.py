@@ -35,6 +35,7 @@ run on request (a signal, a STOP file, the time budget) with a checkpoint first.
 """
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import io
 import math
@@ -45,7 +46,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -66,17 +67,46 @@ class RunAborted(SystemExit):
 
 
 class StopRequest:
-    """Set by SIGUSR1 / SIGTERM on this rank, or by a `STOP` file in the save directory; RunGuard.after_step
-    agrees on it across ranks."""
+    """Set by SIGUSR1 / SIGTERM / SIGINT (Ctrl-C) on this rank, or by a `STOP` file in the save directory;
+    RunGuard.after_step agrees on it across ranks.
+
+    Ctrl-C saves as SIGTERM does. Under torchrun one Ctrl-C reaches a worker twice (the terminal signals the whole
+    process group, and torchrun forwards its own), so a second SIGINT within `SIGINT_REPEAT_SECONDS` of the first
+    counts as the same request; a later one is the user insisting: KeyboardInterrupt, no save (exit 130)."""
+
+    SIGINT_REPEAT_SECONDS = 5.0
 
     def __init__(self, save_dir: Optional[str]):
         self.flag = False
+        self.interrupted_at: Optional[float] = None  # the first Ctrl-C's time
         self.stop_file = Path(save_dir) / "STOP" if save_dir else None
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
+        for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handler)
 
     def _handler(self, signum, frame) -> None:
+        if signum == signal.SIGINT:
+            now = time.monotonic()
+            if self.interrupted_at is None:
+                self.interrupted_at = now
+                if os.environ.get("RANK", "0") == "0":  # os.write: print is not safe inside a signal handler
+                    os.write(2, b"threed: Ctrl-C: saving a checkpoint at the end of this step, then exiting; "
+                                b"press Ctrl-C again to exit at once without saving\n")
+            elif now - self.interrupted_at > self.SIGINT_REPEAT_SECONDS:
+                raise KeyboardInterrupt
         self.flag = True
+
+    @staticmethod
+    @contextlib.contextmanager
+    def restoring_handlers() -> Iterator[None]:
+        """The signal handlers as they were before the block, once it ends (threed.train: a run in a notebook or a
+        test process gives Ctrl-C back when it is over)."""
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                if handler is not None:
+                    signal.signal(sig, handler)
 
     def requested(self) -> bool:
         """This rank's view: a signal arrived, or the STOP file exists."""

@@ -8,9 +8,12 @@ One step: the first stage reads micro-batches and embeds them; hidden states flo
 last stage computes the vocab-parallel loss; DeepSpeed runs backward, all-reduces gradients over DP, clips,
 and steps AdamW on fp32 master weights (ZeRO-1 shards optimizer state over DP).
 
-Preemption: SIGUSR1 / SIGTERM (Slurm's --signal, scancel, torchrun's forwarded SIGTERM) or a file named
-`STOP` in the save directory make every rank save a checkpoint at the next step boundary and exit 0; the next
-run resumes from it.
+Preemption: SIGUSR1 / SIGTERM (Slurm's --signal, scancel, torchrun's forwarded SIGTERM), Ctrl-C (SIGINT) or a
+file named `STOP` in the save directory make every rank save a checkpoint at the next step boundary and exit 0;
+the next run resumes from it (and removes the STOP file left behind, saying so).
+
+One run per save directory: rank 0 holds `<save>/threed.lock` from before anything is written to --save until
+the run ends, however it ends (threed.checkpoint.lock; a killed job's lock goes with its process).
 """
 from __future__ import annotations
 
@@ -22,14 +25,15 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from threed.checkpoint.lock import SaveLock
 from threed.checkpoint.save import save
-from threed.checkpoint.start import start as checkpoint_start
+from threed.checkpoint.start import StartDecision, start as checkpoint_start
 from threed.config import ConfigError, RunConfig
 from threed.data.checks import check_cache_visible, check_data
 from threed.data.datasets import build_datasets
 from threed.data.loader import SampleCounter, micro_batches, token_weighted
-from threed.data.splits import read_data_flags
-from threed.distributed import grid_coordinates, init_distributed, loss_rank, shutdown_distributed
+from threed.data.splits import DataSplits, read_data_flags
+from threed.distributed import Runtime, grid_coordinates, init_distributed, loss_rank, shutdown_distributed
 from threed.engine import build_engine
 from threed.errors import guarded
 from threed.flags import parse_run_config
@@ -87,11 +91,24 @@ def log(is_logger: bool, msg: str) -> None:
 
 
 def train(cfg: RunConfig) -> TrainResult:
+    if cfg.train.steps == 0:
+        raise ConfigError("--steps 0 trains nothing (it is the total step count to train to); give --steps N >= 1, "
+                          "or check a configuration without building it with `threed check-config`")
     rt = init_distributed(cfg.control.dist_timeout_minutes)
     cfg.validate(rt.world_size)
     splits = checked_data_splits(cfg, rt.rank)  # every data problem, before datasets or the model are built
-    # Where the run starts (resume / refuse / universal conversion) and --save checks, before any dataset.
-    start_decision = checkpoint_start(cfg, rt.rank, rt.world_size)
+    # Rank 0 holds --save's lock from checkpoint_start on; it is released on every way out of this block (the
+    # end, exit 2/3, an exception, Ctrl-C), and by the kernel when the process is killed.
+    with SaveLock(cfg.checkpoint.save) as lock, StopRequest.restoring_handlers():
+        # Where the run starts (resume / refuse / universal conversion) and --save checks, before any dataset.
+        start_decision = checkpoint_start(cfg, rt.rank, rt.world_size, lock=lock)
+        if start_decision.finished:  # said on rank 0; nothing converted or built
+            return TrainResult(start_step=start_decision.source.step, end_step=start_decision.source.step)
+        return _train(cfg, rt, splits, start_decision)
+
+
+def _train(cfg: RunConfig, rt: Runtime, splits: DataSplits, start_decision: StartDecision) -> TrainResult:
+    """The run, from the start rank 0 decided and prepared."""
     tp, pp, dp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp(rt.world_size)
     micro, gas, glob = cfg.train.resolve_batch(dp)
     stage, dp_rank, _ = grid_coordinates(rt.rank, tp, dp)

@@ -39,6 +39,23 @@ def read_manifest(step_dir: Path) -> Optional[dict[str, Any]]:
     return manifest if isinstance(manifest, dict) and isinstance(manifest.get("files"), dict) else None
 
 
+def manifest_damage(step_dir: Path) -> Optional[str]:
+    """Why the manifest in `step_dir` cannot be read, or None (absent, or readable). A manifest is written by
+    rename, so it is never torn: one that does not parse was damaged afterwards (a disk or a hand)."""
+    f = step_dir / MANIFEST_NAME
+    try:
+        manifest = json.loads(f.read_text())
+    except FileNotFoundError:
+        return None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return f"it is not valid JSON ({e})"
+    except OSError as e:
+        return f"it cannot be read ({e.strerror or e})"
+    if not (isinstance(manifest, dict) and isinstance(manifest.get("files"), dict)):
+        return "it has no 'files' table"
+    return None
+
+
 def manifest_problem(step_dir: Path, manifest: dict[str, Any]) -> Optional[str]:
     """The first file the manifest names that is missing or has another size, or None if all match."""
     for name, size in manifest["files"].items():
@@ -78,6 +95,11 @@ def find_resumable(path: str) -> tuple[Optional[Found], list[str]]:
     for tag in list_tags(path):
         step_dir = Path(path) / tag
         manifest = read_manifest(step_dir)
+        damage = manifest_damage(step_dir) if manifest is None else None
+        if damage:  # said, then treated as absent: the file counts of `latest`'s tag can still vouch for it
+            warnings.append(f"warning: {step_dir / MANIFEST_NAME} is damaged: {damage}; "
+                            + ("checking the checkpoint's files by count instead" if tag == latest else
+                               "skipping that checkpoint"))
         if manifest is not None:
             problem = manifest_problem(step_dir, manifest)
             if problem is None:
@@ -91,7 +113,7 @@ def find_resumable(path: str) -> tuple[Optional[Found], list[str]]:
             if problem is None:
                 return Found(path, tag, step_of(tag) or 0, layout, False), warnings
             warnings.append(f"skipping checkpoint {step_dir}: {problem}")
-        else:
+        elif not damage:
             warnings.append(f"skipping checkpoint {step_dir}: it has no {MANIFEST_NAME}, so its save never "
                             f"finished on every rank")
     if latest is not None and step_of(latest) is None and (Path(path) / latest).is_dir():

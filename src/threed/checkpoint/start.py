@@ -14,11 +14,22 @@ The rules (each refusal names the flag that would make it go ahead):
   likely a file-system problem than a run to throw away); `--overwrite true` starts over.
 - `--load DIR`: resume from its newest complete checkpoint; `--init-from DIR`: its weights, at its tp/pp.
 - A resume at another tp, pp, dp or dtype converts the checkpoint to a universal one once (rank 0) and loads that.
+- A resume whose checkpoint is already at --steps or beyond has nothing to train: one line, and the run ends (exit
+  0) before anything is converted or built (`StartDecision.finished`).
+- A resume at another --seq-length, --micro-batch-size or global batch than the run recorded in threed_run.json is
+  a warning, not a refusal: changing the batch on resume can be deliberate.
+
+Before anything is written to --save, rank 0 takes the save directory's lock (threed.checkpoint.lock: one run per
+directory; a dead job's lock never blocks). A `STOP` file already in --save at that point was left by a run that
+stopped (the file is only ever read, never removed, by the run it stops): it is removed with a line saying so,
+because a requeue after a STOP is exactly the next run that should train, and refusing would make every such
+restart a manual step. A STOP meant for this run is one created after it started.
 """
 from __future__ import annotations
 
 import os
 import shutil
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -27,9 +38,10 @@ from typing import Any, Callable, Optional, TypeVar
 import torch.distributed as dist
 
 from threed.checkpoint import universal
-from threed.checkpoint.format import (CONVERT_MANIFEST, RUN_JSON, check_layout, check_loadable, check_model,
-                                      checkpoint_bytes,
-                                      list_tags, read_latest, read_model_config)
+from threed.checkpoint.format import (CONVERT_MANIFEST, RUN_JSON, CheckpointError, check_layout, check_loadable,
+                                      check_model, checkpoint_bytes, list_tags, read_latest, read_model_config,
+                                      read_run_json)
+from threed.checkpoint.lock import SaveLock
 from threed.checkpoint.manifest import Found, clear_run, find_resumable
 from threed.config import ModelConfig, RunConfig
 from threed.errors import ConfigError
@@ -47,8 +59,11 @@ class StartDecision:
     tag: Optional[str] = None
     clear_save: bool = False  # --overwrite: delete the run in --save before starting
     notes: list[str] = field(default_factory=list)  # log lines for rank 0
+    finished: Optional[str] = None  # a resume with nothing left to train: the line that says so
 
     def describe(self) -> str:
+        if self.finished:
+            return self.finished
         if self.mode == "fresh":
             return "random init"
         what = "resumed from" if self.mode == "resume" else "weights from"
@@ -129,11 +144,57 @@ def decide_start(cfg: RunConfig, world_size: int) -> StartDecision:
     if not found.has_optimizer:
         raise ConfigError(f"{found.path} is a converted checkpoint (weights only, no optimizer state): use it with "
                           f"--init-from, not --load or --save")
+    if found.step >= cfg.train.steps:
+        decision.finished = (f"{found.path}/{found.tag} is at step {found.step} and --steps is "
+                             f"{cfg.train.steps}: the run has finished, nothing to train (raise --steps to "
+                             f"train further)")
+        return decision
+    changed = changed_shape(cfg, found, world_size)
+    if changed:
+        decision.notes.append(f"warning: resuming {found.path}/{found.tag} with {changed} (from the run recorded in "
+                              f"{found.path}/{RUN_JSON}); training continues from the samples consumed so far. "
+                              f"If that was not meant, resume with the recorded values")
     lay = found.layout
     same = ((lay.tp, lay.pp, lay.dp) == (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp(world_size))
             and dtype_of(found) == cfg.train.dtype)
     decision.universal = not same
     return decision
+
+
+def changed_shape(cfg: RunConfig, found: Found, world_size: int) -> str:
+    """What a resume changes of the recorded run's sequence length and batch shape ('' when nothing, or when the
+    run left no threed_run.json to compare with)."""
+    try:
+        run = read_run_json(Path(found.path))
+    except CheckpointError:
+        return ""
+    if not run or "train" not in run:
+        return ""  # a converter's manifest records no training shape
+    try:
+        was = RunConfig.from_dict(run).train
+        _, _, was_glob = was.resolve_batch(found.layout.dp)
+        _, _, now_glob = cfg.train.resolve_batch(cfg.parallel.dp(world_size))
+    except (ConfigError, KeyError, TypeError, ValueError):
+        return ""
+    diffs = [f"{flag} {a} -> {b}" for flag, a, b in (
+        ("--seq-length", was.seq_length, cfg.train.seq_length),
+        ("--micro-batch-size", was.micro_batch_size, cfg.train.micro_batch_size),
+        ("global batch", was_glob, now_glob)) if a != b]
+    return ", ".join(diffs)
+
+
+def remove_stale_stop(save: Optional[str]) -> Optional[str]:
+    """Remove a STOP file left in --save by a run that stopped; the line saying so, or None (module docstring)."""
+    if not save:
+        return None
+    stop = Path(save) / "STOP"
+    try:
+        written = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stop.stat().st_mtime))
+        stop.unlink()
+    except FileNotFoundError:
+        return None
+    return (f"removed a stale {stop} (written {written}, before this run started: a stopped run leaves it "
+            f"behind); to stop this run, create it again")
 
 
 def check_save_dir(cfg: RunConfig, decision: StartDecision, create: bool = True) -> None:
@@ -204,17 +265,29 @@ def on_rank0(rank: int, fn: Callable[[], T]) -> T:
     return value
 
 
-def start(cfg: RunConfig, rank: int, world_size: int, log: Optional[Callable[[str], None]] = None) -> StartDecision:
+def start(cfg: RunConfig, rank: int, world_size: int, log: Optional[Callable[[str], None]] = None,
+          lock: Optional[SaveLock] = None) -> StartDecision:
     """Where the run starts, checked and prepared on rank 0 before the model is built: the decision, the save
-    directory (created, writable, room for a checkpoint), `--overwrite`, and the universal conversion. Every rank
-    calls it; `log` (default: print) runs on rank 0 only."""
+    directory (created, writable, room for a checkpoint), its lock (`lock`, taken on rank 0 before anything is
+    written to --save; the caller releases it on every exit path), a stale STOP file, `--overwrite`, and the
+    universal conversion. A finished run (`decision.finished`) is said in one line and nothing is prepared. Every
+    rank calls it; `log` (default: print) runs on rank 0 only."""
     log = log or (lambda m: print(m, flush=True))
 
     def prepare() -> StartDecision:
         decision = decide_start(cfg, world_size)
+        if decision.finished:  # nothing is written, converted or built
+            for note in decision.notes + [decision.finished]:
+                log(f"threed: {note}")
+            return decision
         check_save_dir(cfg, decision)
+        if lock is not None:  # before anything of the run is written to --save
+            lock.acquire(lambda m: log(f"threed: {m}"))
         for note in decision.notes:
             log(f"threed: {note}")
+        stale = remove_stale_stop(cfg.checkpoint.save)
+        if stale:
+            log(f"threed: {stale}")
         if decision.clear_save:
             removed = clear_run(Path(cfg.checkpoint.save))
             log(f"threed: --overwrite true: removed {', '.join(removed) or 'nothing'} from {cfg.checkpoint.save}")
