@@ -31,13 +31,13 @@ quiet $PY -m threed.cli make-tiny-hf --out "$OUT/hf-init" --like tiny --tokenize
 quiet $PY -m threed.cli convert --hf "$OUT/hf-init" --tp 2 --pp 2 --out "$OUT/init" --make-vocab-size-divisible-by 32 --quiet
 echo "converted HF $OUT/hf-init -> $OUT/init: $(ls "$OUT/init/global_step0" | wc -l) DeepSpeed files for tp=2 x pp=2"
 
-# 2. Train from the converted weights (DeepSpeed load_checkpoint, weights only).
+# 2. Train from the converted weights (DeepSpeed load_checkpoint, weights only). Unfiltered: a run prints only our
+#    lines (threed.distributed quiets the libraries).
 $PY -m threed.cli train --nproc-per-node 8 \
   --model "$OUT/init" --init-from "$OUT/init" --tp 2 --pp 2 \
   --micro-batch-size 4 --grad-accum-steps 4 --seq-length 128 --steps "$STEPS" --lr 3e-3 --min-lr 3e-4 --warmup-steps 5 --dtype bf16 \
   --data-path 0.3 "$OUT/a_text_document" 0.7 "$OUT/b_text_document" --split 95,5,0 --eval-interval 25 --eval-iters 2 \
-  --tokenizer "$OUT/tok.model" --save "$OUT/ckpt" --log-interval 5 \
-  2>&1 | grep --line-buffered -E '^(threed|step|validation|saved|stop|pipeline)|Error|error'
+  --tokenizer "$OUT/tok.model" --save "$OUT/ckpt" --log-interval 5
 echo "checkpoint: $OUT/ckpt ($(cat "$OUT/ckpt/latest"))"
 
 # 3. Back to HF: export, logits parity of the export with the checkpoint (4 ranks), and transformers loading it.

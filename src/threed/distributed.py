@@ -122,22 +122,54 @@ QUIET_WARNINGS = (
     # megatron-core's TransformerConfig default (cuda_graph_scope="full"); we capture no CUDA graphs
     r"full scope is deprecated",
 )
-# What DeepSpeed print()s on start-up (rank 0 or every rank), dropped by `library_prints`.
+# FutureWarnings from inside a library, about its own calls (twice per rank from DeepSpeed's comm layer at dp > 1)
+QUIET_FUTURE_WARNINGS = (
+    r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
+)
+# What DeepSpeed print()s on start-up (rank 0 or every rank), dropped by `library_prints`: its process groups and
+# PipelineModule, and BF16_Optimizer's memory reports (`see_memory_usage(..., force=True)`, on rank 0: a message,
+# then "MA ... GB  Max_MA ..." and "CPU Virtual Memory: ...", around each parameter group; no config turns them off).
 QUIET_PRINTS = re.compile(
     r"^(SEED_LAYERS=\S+ BASE_SEED=|Using topology: |DeepSpeed deepspeed\.ops\.comm\.\S+ built successfully"
-    r"|RANK=\d+ .*tied_comms)")
+    r"|RANK=\d+ .*tied_comms"
+    r"|(begin|end) bf16_ ?optimizer$|(before|after) initializing group \d+$|MA [\d.]+ GB +Max_MA "
+    r"|CPU Virtual Memory: +used = )")
+# What megatron-core logs at WARNING that is expected here, by logger: the blend and dataset indexes are built in
+# memory when no cache path is given (we give none: they take seconds). Other warnings of these loggers still print.
+QUIET_LOGS = {
+    "megatron.core.datasets.blended_dataset": re.compile(r"Cannot save the \w+ indexes because path_to_cache is None"),
+    "megatron.core.datasets.gpt_dataset": re.compile(r"Unable to save \w+ indexes because path_to_cache is None"),
+}
+
+
+class _DropRecords(logging.Filter):
+    """A logger filter that drops the records whose message matches `pattern`."""
+
+    def __init__(self, pattern: re.Pattern):
+        super().__init__()
+        self.pattern = pattern
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.pattern.search(record.getMessage())
 
 
 def quiet_libraries() -> None:
     """Run once per process before deepspeed and megatron-core are imported (at the import of this module):
     - DS_ACCELERATOR from the device policy (`device_type`), so DeepSpeed does not pick its accelerator by itself
       and does not warn "Setting accelerator to CPU" on every rank;
-    - warnings filters for the QUIET_WARNINGS (each says nothing to the user);
-    - DeepSpeed's own logger at WARNING (its default; stated so that INFO chatter stays off)."""
+    - warnings filters for the QUIET_WARNINGS and QUIET_FUTURE_WARNINGS (each says nothing to the user);
+    - DeepSpeed's own logger at WARNING (its default; stated so that INFO chatter stays off);
+    - a filter on each of the QUIET_LOGS loggers for its expected message (the logger's other records pass)."""
     os.environ["DS_ACCELERATOR"] = device_type()
     for message in QUIET_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=UserWarning)
+    for message in QUIET_FUTURE_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=FutureWarning)
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    for name, pattern in QUIET_LOGS.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropRecords) for f in logger.filters):
+            logger.addFilter(_DropRecords(pattern))
 
 
 class _DropLines(io.TextIOBase):
