@@ -139,7 +139,7 @@ def test_checkpoint_size_needs_no_torch() -> None:
                                                 ("export", ["CKPT=a"], "OUT")])
 def test_make_names_the_missing_variable(goal, given, missing) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("HF", "TP", "PP", "OUT", "CKPT", "ARGS", "MAKEFLAGS")}
-    out = subprocess.run(["make", "-n", goal, *given], env=env, capture_output=True, text=True, timeout=60,
+    out = subprocess.run(["make", "--no-print-directory", "-n", goal, *given], env=env, capture_output=True, text=True, timeout=60,
                          cwd=REPO)
     assert out.returncode == 2, out.stdout + out.stderr
     lines = out.stderr.strip().splitlines()
