@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+import threed.checkpoint.start as start_module
 from threed.config import RunConfig, RunControlConfig
 from threed.convert.in_memory import load_hf_state
 from threed.distributed import Runtime, init_distributed
@@ -105,7 +106,14 @@ def stopped_then_resumed(train: Callable[[RunConfig], Any], save: Path, first: R
         save.mkdir()
         (save / "STOP").write_text("")
     dist.barrier()
-    stopped = train(first)
+    # A STOP present at start is a stopped run's leftover and is removed (threed.checkpoint.start); here it stands
+    # for one that arrives during the first step, so that removal is switched off for the first run only.
+    keep = start_module.remove_stale_stop
+    start_module.remove_stale_stop = lambda save: None
+    try:
+        stopped = train(first)
+    finally:
+        start_module.remove_stale_stop = keep
     dist.barrier()
     if dist.get_rank() == 0:
         (save / "STOP").unlink()
