@@ -46,17 +46,32 @@ def test_deepspeed_memory_reports_are_dropped_and_other_prints_pass():
     assert out.getvalue().splitlines() == ["a real line", "MA is not a memory report", "end bf16_optimizer and more"]
 
 
-def test_megatron_cache_path_warning_is_dropped_and_its_other_warnings_pass(caplog):
+def test_megatron_cache_path_warning_is_dropped_and_its_other_warnings_pass():
     from threed.distributed import quiet_libraries
 
     quiet_libraries()  # run at the import of threed.distributed; again here, as it is idempotent
-    logger = logging.getLogger("megatron.core.datasets.blended_dataset")
-    with caplog.at_level(logging.WARNING):
-        logger.warning("Cannot save the BlendedDataset indexes because path_to_cache is None")
-        logger.warning("Building a BlendedDataset for a single MegatronDataset")
-        logging.getLogger("megatron.core.datasets.gpt_dataset").warning(
-            "Unable to save GPTDataset indexes because path_to_cache is None")
-    assert [r.getMessage() for r in caplog.records] == ["Building a BlendedDataset for a single MegatronDataset"]
+    # A handler on the loggers themselves: earlier tests may have changed megatron's propagation or levels, and the
+    # filters under test sit on these loggers, before any handler.
+    seen: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: seen.append(record.getMessage())
+    names = ("megatron.core.datasets.blended_dataset", "megatron.core.datasets.gpt_dataset")
+    loggers = [logging.getLogger(n) for n in names]
+    saved = [(lg.level, lg.disabled) for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(handler)
+        lg.setLevel(logging.WARNING)
+        lg.disabled = False
+    try:
+        loggers[0].warning("Cannot save the BlendedDataset indexes because path_to_cache is None")
+        loggers[0].warning("Building a BlendedDataset for a single MegatronDataset")
+        loggers[1].warning("Unable to save GPTDataset indexes because path_to_cache is None")
+    finally:
+        for lg, (level, disabled) in zip(loggers, saved):
+            lg.removeHandler(handler)
+            lg.setLevel(level)
+            lg.disabled = disabled
+    assert seen == ["Building a BlendedDataset for a single MegatronDataset"]
 
 
 def test_only_the_all_gather_deprecation_is_ignored():
