@@ -6,6 +6,8 @@ and a vocabulary that needs padding, and the real 70B / 405B shapes on the meta 
 """
 from __future__ import annotations
 
+import dataclasses
+
 import re
 
 import pytest
@@ -95,18 +97,36 @@ def test_init_draws_the_shapes_of_the_table(name):
                     assert tuple(t.shape) == shard_shapes(cfg, layer.kind, tp)[p.name]
 
 
-def test_universal_patterns_name_every_split_that_is_not_a_row_range():
+@pytest.mark.parametrize("tie", [False, True])
+def test_universal_patterns_name_every_split_that_is_not_a_row_range(tie):
     # ds_to_universal concatenates any TP-sharded parameter that no pattern names on dim 0 (DeepSpeed #6503):
-    # right only for row ranges (column, qkv). Every other split must be named by exactly its own rule.
+    # right only for row ranges (column, qkv). Every other split must be named by exactly its own rule; a pattern
+    # that names nothing the model holds is refused (strict), so a tied model has no LM head pattern.
     rule = {"replicated": "TP_REPLICATED_PARAMETER_PATTERNS", "row": "PARAMETER_WITH_ROW_PARALLELISM_PATTERNS",
             "gate_up": "PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0", "vocab": "VOCABULARY_PARAMETER_PATTERNS"}
-    patterns = universal_patterns()
-    cfg = SMALL["gqa-odd-vocab"]
+    cfg = dataclasses.replace(SMALL["gqa-odd-vocab"], tie_word_embeddings=tie)
+    patterns = universal_patterns(cfg)
+    # DeepSpeed's names: `<layer index>.<name>`; a TiedLayerSpec's module is `tied_modules.<key>` on every stage.
+    names = {}
     for layer in pipeline_layers(cfg):
         for p in layer_parameters(layer.kind):
-            full = f"{layer.index}.{p.name}"
-            matched = {k for k, pats in patterns.items() if any(re.match(x, full) for x in pats)}
-            assert matched == ({rule[p.split]} if p.split in rule else set()), (full, matched)
+            if tie and p.tie:
+                if layer.tied_to is None:
+                    names[f"tied_modules.{p.tie}.{p.name}"] = p
+            else:
+                names[f"{layer.index}.{p.name}"] = p
+    assert ("tied_modules.embedding.word_embeddings.weight" in names) == tie
+    assert any(n.endswith("lm_head.weight") for n in names) != tie
+    used = set()
+    for full, p in names.items():
+        matched = {k for k, pats in patterns.items() if k != "PIPELINE_REPLICATED_PARAMETER_PATTERNS"
+                   and any(re.match(x, full) for x in pats)}
+        assert matched == ({rule[p.split]} if p.split in rule else set()), (full, matched)
+        used |= {x for pats in patterns.values() for x in pats if re.match(x, full)}
+    assert used == {x for pats in patterns.values() for x in pats}  # every pattern names a parameter
+    replicated = patterns.get("PIPELINE_REPLICATED_PARAMETER_PATTERNS", [])
+    assert [n for n in names if any(re.match(x, n) for x in replicated)] == (
+        ["tied_modules.embedding.word_embeddings.weight"] if tie else [])
     info = spec.universal_checkpoint_info(cfg)
     from deepspeed.checkpoint import constants
 
@@ -121,7 +141,7 @@ def test_a_new_row_reaches_every_derived_fact(monkeypatch):
     cfg = SMALL["gqa-odd-vocab"]
     before = {"count": parameter_count(cfg), "shards": shard_shapes(cfg, "block", 2),
               "stage": stage_parameters(cfg, 2, ["block"]), "flops": spec.layer_training_flops(cfg, "block", 64),
-              "patterns": universal_patterns()}
+              "patterns": universal_patterns(cfg)}
     extra = Param("block", "mlp.linear_extra.weight", "row", "scaled", ("hidden", "ffn"), megatron_linear=True)
     monkeypatch.setattr(spec, "PARAMETERS", PARAMETERS + (extra,))
     monkeypatch.setitem(hf_names_module.HF_NAMES, ("block", extra.name), ("model.layers.{i}.mlp.extra.weight",))
@@ -133,7 +153,7 @@ def test_a_new_row_reaches_every_derived_fact(monkeypatch):
         assert stage_parameters(cfg, 2, ["block"]) == (before["stage"][0] + h * f // 2, before["stage"][1])
         assert spec.layer_training_flops(cfg, "block", 64) == before["flops"] + 6 * h * f
         assert partition.layer_params(cfg, pipeline_layers(cfg)[1], 2) == sum(stage_parameters(cfg, 2, ["block"]))
-        rows = universal_patterns()["PARAMETER_WITH_ROW_PARALLELISM_PATTERNS"]
+        rows = universal_patterns(cfg)["PARAMETER_WITH_ROW_PARALLELISM_PATTERNS"]
         assert rows == before["patterns"]["PARAMETER_WITH_ROW_PARALLELISM_PATTERNS"] + [r"\d+\.mlp\.linear_extra\.weight$"]
         assert hf_shapes(cfg, pipeline_layers(cfg)[1])["model.layers.0.mlp.extra.weight"] == (h, f)
         assert tuple(shard_of(cfg, 1, extra, 2, 1, seed=0).shape) == (h, f // 2)

@@ -78,6 +78,9 @@ class ModelConfig:
     # gradients are exactly those of the unpadded (HF) model.
     make_vocab_size_divisible_by: int = field(default=128, metadata=AT_LEAST_ONE)
     init_std: float = field(default=0.02, metadata=POSITIVE)
+    # The LM head's weight is the input embedding's (Llama 3.2 1B / 3B; HF `tie_word_embeddings`): one parameter,
+    # held by the first and the last pipeline stage, its gradient summed over both (threed.pipeline).
+    tie_word_embeddings: bool = False
 
     @property
     def head_dim(self) -> int:

@@ -144,10 +144,18 @@ def staged_pipeline_module():
     """DeepSpeed's PipelineModule, taking explicit stage boundaries (created lazily: DeepSpeed is imported only
     where a model is built)."""
     # deepspeed, torch: heavy; the planner and check-config resolve stages without them
+    import torch
     import torch.distributed as dist
     from deepspeed.pipe import PipelineModule
 
     class StagedPipelineModule(PipelineModule):
+        def _synchronize_tied_weights(self) -> None:
+            # DeepSpeed broadcasts the tied weight (Llama 3.2's embedding) in place with autograd on, so torch
+            # warns at every backward that c10d::broadcast_ has no autograd kernel (the gradients are right).
+            # Copying weights is not part of the graph: no_grad.
+            with torch.no_grad():
+                super()._synchronize_tied_weights()
+
         def _partition_layers(self, method: str = "uniform") -> None:
             if not method.startswith(PARTS_PREFIX):
                 return super()._partition_layers(method)

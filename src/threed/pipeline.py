@@ -6,15 +6,16 @@ objects (one `LayerSpec` per layer of `spec.pipeline_layers`, so checkpoint file
 """
 from __future__ import annotations
 
-from deepspeed.pipe import LayerSpec, PipelineModule
+import torch
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from megatron.core import parallel_state
 
 from threed.config import RunConfig
 from threed.model.init import init_pipeline_layers_
-from threed.model.layers import (EmbeddingPipe, FinalNormPipe, LlamaBlock, LMHeadPipe, causal_lm_loss,
+from threed.model.layers import (EmbeddingPipe, FinalNormPipe, LlamaBlock, LMHeadPipe, TiedLMHead, causal_lm_loss,
                                  megatron_config, token_weighted_loss)
-from threed.model.spec import pipeline_layers, universal_checkpoint_info
+from threed.model.spec import PipelineLayer, pipeline_layers, tie_owners, tied, universal_checkpoint_info
 from threed.partition import stage_boundaries, staged_pipeline_module
 
 
@@ -33,7 +34,18 @@ def build_pipeline_module(cfg: RunConfig, world_size: int, initialize: bool = Tr
     mcore = megatron_config(cfg.model, cfg.parallel.tp, initialize=False, fused_swiglu=fused_swiglu)
     specs: list = []
     for layer in pipeline_layers(cfg.model):
-        if layer.kind == "embedding":
+        if tied(cfg.model) and layer.kind in ("embedding", "lm_head"):
+            # Llama 3.2: the first and the last stage each build the embedding module (at pp=1 one serves both);
+            # DeepSpeed sums the weight's gradient over the two copies before the step (the tied group, fp32
+            # `_hp_grad` under bf16), counts it once in the gradient norm (`ds_pipe_replicated` on the last
+            # stage's copy) and keeps the copies equal. Only the first stage's copy is saved (layer_00): the
+            # head is a function, not a module (gpt-neox ties the same way; megatron-core's
+            # share_embeddings_and_output_weights is the same idea without DeepSpeed).
+            owner = tie_owners()["embedding"]
+            forward_fn = TiedLMHead(cfg.model, mcore) if layer.kind == "lm_head" else None
+            specs.append(TiedLayerSpec(owner.tie, EmbeddingPipe, cfg.model, mcore, forward_fn=forward_fn,
+                                       tied_weight_attr=owner.name))
+        elif layer.kind == "embedding":
             specs.append(LayerSpec(EmbeddingPipe, cfg.model, mcore))
         elif layer.kind == "block":
             specs.append(LayerSpec(LlamaBlock, cfg.model, mcore, layer.block + 1))
@@ -54,11 +66,24 @@ def build_pipeline_module(cfg: RunConfig, world_size: int, initialize: bool = Tr
         base_seed=cfg.train.seed,
     )
     if initialize:
-        kinds = {layer.index: layer.kind for layer in pipeline_layers(cfg.model)}
-        local = zip(range(module._local_start, module._local_stop), module.forward_funcs)
-        init_pipeline_layers_(local, kinds, cfg.model, cfg.parallel.tp,
+        init_pipeline_layers_(local_modules(module, cfg), cfg.model, cfg.parallel.tp,
                               parallel_state.get_tensor_model_parallel_rank(), cfg.train.seed)
     # How each parameter is split over TP; DeepSpeed saves it in every mp_rank file, and its universal checkpoint
     # conversion (resume at another tp / pp / dp) needs it: threed.checkpoint.universal.
     module.universal_checkpoint_info = universal_checkpoint_info(cfg.model)
     return module
+
+
+def local_modules(module: PipelineModule, cfg: RunConfig) -> list[tuple[PipelineLayer, torch.nn.Module]]:
+    """This stage's layer modules, each once, with the spec layer whose parameters it holds: a tied head's entry is
+    the embedding module it runs with (the last stage's copy; at pp=1 the embedding itself, listed once)."""
+    layers = pipeline_layers(cfg.model)
+    out: list[tuple[PipelineLayer, torch.nn.Module]] = []
+    for index, fn in zip(range(module._local_start, module._local_stop), module.forward_funcs):
+        layer = layers[index]
+        if layer.tied_to is not None:
+            layer = layers[layer.tied_to]
+            fn = module.tied_modules[tie_owners()["embedding"].tie]
+        if all(fn is not seen for _, seen in out):
+            out.append((layer, fn))
+    return out

@@ -33,7 +33,7 @@ def from_hf_config(src: Union[str, Path, dict[str, Any]], name: str = "hf") -> M
     hf = src
     if hf.get("model_type", "llama") != "llama":
         raise ConfigError(f"model_type {hf.get('model_type')!r} is not 'llama'; only Llama checkpoints convert")
-    for flag in ("attention_bias", "mlp_bias", "tie_word_embeddings"):
+    for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
             raise ConfigError(f"{flag}=true is not a Llama 2/3 layout and is not supported")
     if hf.get("hidden_act", "silu") != "silu":
@@ -59,6 +59,8 @@ def from_hf_config(src: Union[str, Path, dict[str, Any]], name: str = "hf") -> M
         ffn_hidden_size=int(hf["intermediate_size"]),
         max_position_embeddings=int(hf.get("max_position_embeddings", 4096)), rope_theta=theta,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)), rope_scaling=scaling,
+        # transformers' LlamaConfig default is False (Llama 2 / 3 / 3.1); Llama 3.2 1B / 3B say true.
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
     )
     cfg.validate()
     return cfg
@@ -79,7 +81,7 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
         "head_dim": cfg.head_dim, "intermediate_size": cfg.ffn_hidden_size,
         "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
         "rope_parameters": rope, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-        "tie_word_embeddings": False, "initializer_range": cfg.init_std, "torch_dtype": "float32",
+        "tie_word_embeddings": cfg.tie_word_embeddings, "initializer_range": cfg.init_std, "torch_dtype": "float32",
     }
 
 

@@ -27,7 +27,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from threed.config import ModelConfig
-from threed.model.spec import (LayerKind, Param, full_shape, layer_parameters, shard_shape, split_axis,
+from threed.model.spec import (LayerKind, Param, PipelineLayer, full_shape, layer_parameters, shard_shape, split_axis,
                                tp_segments)
 
 # Rows drawn per task: large enough that the pool's overhead is small, small enough to balance the threads.
@@ -112,7 +112,9 @@ def init_layer_(module: torch.nn.Module, layer_kind: LayerKind, layer_index: int
         param.copy_(value)
 
 
-def init_pipeline_layers_(layers: Iterable[tuple[int, torch.nn.Module]], kinds: dict[int, str],
-                          model: ModelConfig, tp: int, tp_rank: int, seed: int) -> None:
-    for index, module in layers:
-        init_layer_(module, kinds[index], index, model, tp, tp_rank, seed)
+def init_pipeline_layers_(layers: Iterable[tuple[PipelineLayer, torch.nn.Module]], model: ModelConfig, tp: int,
+                          tp_rank: int, seed: int) -> None:
+    """Each (spec layer, its module): a tied weight is drawn from its owner layer's seeds on every stage that holds
+    a copy, so the copies start bit-identical without a broadcast."""
+    for layer, module in layers:
+        init_layer_(module, layer.kind, layer.index, model, tp, tp_rank, seed)

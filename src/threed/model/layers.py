@@ -1,4 +1,5 @@
-"""The Llama layers as pipeline-stage modules: embedding, transformer block, final norm, LM head, and the loss.
+"""The Llama layers as pipeline-stage modules: embedding, transformer block, final norm, LM head (or the tied head,
+run with the embedding's weight), and the loss.
 
 Tensor parallelism is megatron-core's: the block is its `TransformerLayer` built from local (non-TE) layers, with
 our SDPA core attention and our RoPE angles plugged in. Between pipeline stages one tensor travels: hidden states
@@ -146,12 +147,27 @@ class FinalNormPipe(torch.nn.Module):
         return self.norm(hidden)
 
 
-class LMHeadPipe(torch.nn.Module):
-    """Column-parallel LM head: `[s, b, h]` -> vocab-parallel logits `[s, b, padded_vocab / tp]`.
+class PaddedLogits:
+    """Sets the logits of vocabulary padding rows to -inf, so they take no probability mass: the loss and
+    gradients equal the unpadded model's, whatever values the padding rows hold."""
 
-    Logits of padding rows are set to -inf, so they take no probability mass: the loss and gradients equal the
-    unpadded model's, whatever values the padding rows hold.
-    """
+    def __init__(self, model: ModelConfig, tp: int):
+        per_rank = model.padded_vocab_size(tp) // tp
+        start, _ = VocabUtility.vocab_range_from_per_partition_vocab_size(
+            per_rank, parallel_state.get_tensor_model_parallel_rank(), tp)
+        self.first_padded_column = max(0, min(per_rank, model.vocab_size - start))
+        self.columns = per_rank
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.first_padded_column < self.columns:
+            pad = torch.zeros(self.columns, dtype=torch.bool, device=logits.device)
+            pad[self.first_padded_column:] = True
+            logits = logits.masked_fill(pad, float("-inf"))
+        return logits
+
+
+class LMHeadPipe(torch.nn.Module):
+    """Column-parallel LM head: `[s, b, h]` -> vocab-parallel logits `[s, b, padded_vocab / tp]`, padding masked."""
 
     def __init__(self, model: ModelConfig, mcore: TransformerConfig):
         super().__init__()
@@ -159,19 +175,30 @@ class LMHeadPipe(torch.nn.Module):
         self.lm_head = ColumnParallelLinear(model.hidden_size, model.padded_vocab_size(tp), config=mcore,
                                             init_method=mcore.init_method, bias=False, gather_output=False)
         mark_tensor_parallel(self)
-        per_rank = model.padded_vocab_size(tp) // tp
-        start, _ = VocabUtility.vocab_range_from_per_partition_vocab_size(
-            per_rank, parallel_state.get_tensor_model_parallel_rank(), tp)
-        self.first_padded_column = max(0, min(per_rank, model.vocab_size - start))
-        self.columns = per_rank
+        self.mask_padding = PaddedLogits(model, tp)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits, _ = self.lm_head(hidden)
-        if self.first_padded_column < self.columns:
-            pad = torch.zeros(self.columns, dtype=torch.bool, device=logits.device)
-            pad[self.first_padded_column:] = True
-            logits = logits.masked_fill(pad, float("-inf"))
-        return logits
+        return self.mask_padding(logits)
+
+
+class TiedLMHead:
+    """The LM head of a tied model (Llama 3.2): DeepSpeed's TiedLayerSpec `forward_fn`, called as
+    `head(embedding_module, hidden)` with the stage's copy of the embedding. It is megatron's own tied head
+    (GPTModel with share_embeddings_and_output_weights): a ColumnParallelLinear that allocates no weight and is
+    run with the embedding's. Not a Module, so it adds nothing to any state dict (the tied head has no layer file);
+    it holds no tensor, so it needs no device move."""
+
+    def __init__(self, model: ModelConfig, mcore: TransformerConfig):
+        tp = mcore.tensor_model_parallel_size
+        self.linear = ColumnParallelLinear(model.hidden_size, model.padded_vocab_size(tp), config=mcore,
+                                           init_method=mcore.init_method, bias=False, gather_output=False,
+                                           skip_weight_param_allocation=True)
+        self.mask_padding = PaddedLogits(model, tp)
+
+    def __call__(self, embedding: "EmbeddingPipe", hidden: torch.Tensor) -> torch.Tensor:
+        logits, _ = self.linear(hidden, weight=embedding.word_embeddings.weight)
+        return self.mask_padding(logits)
 
 
 def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -51,6 +51,14 @@ class PipelineLayer:
     index: int  # position in the PipelineModule's layer list == DeepSpeed checkpoint file index (layer_XX-...)
     kind: LayerKind
     block: int = -1  # transformer block number (0-based) for kind == "block"
+    # The LM head of a tied model: it runs with the module of layer `tied_to` (the embedding; a copy of it on the
+    # last stage, DeepSpeed's TiedLayerSpec), holds no parameter of its own and has no layer file.
+    tied_to: Optional[int] = None
+
+    @property
+    def stored(self) -> bool:
+        """Whether the layer's module holds parameters of its own, saved as layer files (`layer_XX-model_YY`)."""
+        return self.tied_to is None
 
 
 def pipeline_layers(model: ModelConfig) -> list[PipelineLayer]:
@@ -59,7 +67,21 @@ def pipeline_layers(model: ModelConfig) -> list[PipelineLayer]:
     kinds: list[tuple[LayerKind, int]] = [("embedding", -1)]
     kinds += [("block", i) for i in range(model.num_layers)]
     kinds += [("final_norm", -1), ("lm_head", -1)]
-    return [PipelineLayer(index=i, kind=k, block=b) for i, (k, b) in enumerate(kinds)]
+    layers = [PipelineLayer(index=i, kind=k, block=b) for i, (k, b) in enumerate(kinds)]
+    if tied(model):
+        layers[-1] = PipelineLayer(index=layers[-1].index, kind="lm_head", tied_to=0)
+    return layers
+
+
+def stored_layers(model: ModelConfig) -> list[PipelineLayer]:
+    """The layers with a layer file per TP rank (every layer but a tied LM head): what the converters write and
+    read, what a checkpoint holds."""
+    return [layer for layer in pipeline_layers(model) if layer.stored]
+
+
+def tied(model: ModelConfig) -> bool:
+    """Whether the LM head's weight is the embedding's (one parameter; table rows sharing a `tie` key)."""
+    return model.tie_word_embeddings
 
 
 @dataclass(frozen=True)
@@ -167,11 +189,6 @@ def tp_segments(split: Split, n: int, tp: int, rank: int) -> tuple[Segment, ...]
 
 # ------------------------------------------------------------------------------------------------ counts
 
-def _tied(model: ModelConfig) -> bool:
-    # Llama 3.2 ties the LM head to the embedding; the config flag arrives with that issue (17).
-    return bool(getattr(model, "tie_word_embeddings", False))
-
-
 def parameter_count(model: ModelConfig, tp: Optional[int] = None) -> int:
     """Parameters of the (unpadded, HF) model, or with tp given, of the model a run at that tp holds (its
     vocabulary padded; each tensor once, however TP splits it): what a checkpoint stores. A tied weight counts
@@ -179,7 +196,7 @@ def parameter_count(model: ModelConfig, tp: Optional[int] = None) -> int:
     total, seen = 0, set()
     for layer in pipeline_layers(model):
         for p in layer_parameters(layer.kind):
-            if p.tie and _tied(model):
+            if p.tie and tied(model):
                 if p.tie in seen:
                     continue
                 seen.add(p.tie)
@@ -192,10 +209,18 @@ def parameter_count(model: ModelConfig, tp: Optional[int] = None) -> int:
 
 def stage_parameters(model: ModelConfig, tp: int, kinds: list[LayerKind]) -> tuple[int, int]:
     """(matrices, norms) elements on one TP rank of a stage holding these layers (one entry per layer, a block
-    once per block): `threed.engine`'s two optimizer groups (decay / no decay). Vocabulary padded for `tp`."""
+    once per block): `threed.engine`'s two optimizer groups (decay / no decay). Vocabulary padded for `tp`.
+    A tied weight is held once per stage: the last stage of a tied model holds the embedding's copy in place of
+    an LM head weight (the same shape), a single stage holding both holds it once."""
     matrices = norms = 0
+    seen: set[str] = set()
     for kind in kinds:
-        for name, shape in shard_shapes(model, kind, tp).items():
+        for p in layer_parameters(kind):
+            if p.tie and tied(model):
+                if p.tie in seen:
+                    continue
+                seen.add(p.tie)
+            shape = shard_shape(model, p, tp)
             n = 1
             for s in shape:
                 n *= s
@@ -263,15 +288,48 @@ _UNIVERSAL_KEY: dict[Split, Optional[str]] = {
 }
 
 
-def universal_patterns() -> dict[str, list[str]]:
-    """DeepSpeed constant name -> regexes (`re.match` on names like `3.self_attention.linear_proj.weight`: the
-    pipeline layer index, then the parameter's name)."""
-    out: dict[str, list[str]] = {}
+# DeepSpeed's PipelineModule registers a TiedLayerSpec's module as `tied_modules.<key>` (its parameters are named
+# `tied_modules.<key>.<name>` on every stage holding a copy), not under a layer index; threed.pipeline uses the
+# table's `tie` value as the key.
+TIED_MODULES = "tied_modules"
+
+
+def tie_owners() -> dict[str, Param]:
+    """Tie key -> the row whose module holds the tied weight (the first row with that key: the embedding)."""
+    owners: dict[str, Param] = {}
     for p in PARAMETERS:
-        key = _UNIVERSAL_KEY[p.split]
-        if key is not None:
-            pattern = r"\d+\." + p.name.replace(".", r"\.") + "$"
-            if pattern not in out.setdefault(key, []):
+        if p.tie:
+            owners.setdefault(p.tie, p)
+    return owners
+
+
+def deepspeed_prefix(model: ModelConfig, p: Param) -> str:
+    """Regex of what precedes `p.name` in DeepSpeed's parameter name: the pipeline layer index (`3.`), or for a
+    tied weight its tied module (`tied_modules.embedding.`)."""
+    return rf"{TIED_MODULES}\.{p.tie}\." if p.tie and tied(model) else r"\d+\."
+
+
+def held_parameters(model: ModelConfig) -> tuple[Param, ...]:
+    """The rows that are parameters of the model's modules: a tied model's LM head row is not (its weight is the
+    embedding's)."""
+    owners = tie_owners()
+    return tuple(p for p in PARAMETERS if not (p.tie and tied(model) and owners[p.tie] is not p))
+
+
+def universal_patterns(model: ModelConfig) -> dict[str, list[str]]:
+    """DeepSpeed constant name -> regexes (`re.match` on DeepSpeed's names: `3.self_attention.linear_proj.weight`,
+    the pipeline layer index then the parameter's name; a tied weight `tied_modules.embedding.word_embeddings.weight`).
+    ds_to_universal refuses a pattern that matches nothing, so only the model's own parameters are named. A tied
+    weight is also pipeline-replicated: ds_to_universal takes it from the first stage only (the last stage's copy
+    is the same tensor with the same optimizer state: DeepSpeed sums the two gradients before the step)."""
+    out: dict[str, list[str]] = {}
+    for p in held_parameters(model):
+        pattern = deepspeed_prefix(model, p) + p.name.replace(".", r"\.") + "$"
+        keys = [_UNIVERSAL_KEY[p.split]]
+        if p.tie and tied(model):
+            keys.append("PIPELINE_REPLICATED_PARAMETER_PATTERNS")
+        for key in keys:
+            if key is not None and pattern not in out.setdefault(key, []):
                 out[key].append(pattern)
     return out
 
@@ -288,6 +346,6 @@ def universal_checkpoint_info(model: ModelConfig) -> dict[str, object]:
         # Padding rows of the vocabulary are cut to the true size and re-added for the new tp on load.
         "original_vocab_size": model.vocab_size,
     }
-    for name, patterns in universal_patterns().items():
+    for name, patterns in universal_patterns(model).items():
         info[getattr(constants, name)] = patterns
     return info
