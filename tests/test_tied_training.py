@@ -1,0 +1,104 @@
+"""Tied input / output embeddings (Llama 3.2) trained 3D-parallel: tp2 pp2 dp2 (8 ranks) from a tied HF Llama
+equals single-process training of the same HF model (same AdamW, same batches) in losses, gradient norms and final
+weights; the first and the last stage's copies of the tied weight are bit-identical after every step (fp32, and
+bf16 with fp32 masters); the run resumed at tp1 pp2 dp4 through the universal checkpoint continues the loss curve.
+One launch of 8 gloo ranks (tests/tied_worker.py) runs them all."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import TESTS, gpt_dataset, plain_adamw, plain_step, write_dataset
+from threed.config import DataConfig, RunConfig, TrainConfig
+from threed.data.loader import micro_batches
+from threed.launch import run_ranks
+from tied_worker import BF16_STEPS, SAVED_AT, STEPS, tied_hf_model, tied_model_config
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tied")
+    data = write_dataset(out / "random", np.random.default_rng(0).integers(0, 200, 8000), 200)
+    run_ranks(8, str(TESTS / "tied_worker.py"), ["--out", str(out), "--data", data], timeout=1200)
+    final = {}
+    for stage in (0, 1):
+        final.update(torch.load(out / f"final_stage{stage}.pt"))
+    return {"result": json.loads((out / "tied.json").read_text()), "final": final, "data": data, "out": out}
+
+
+def reference(data: str):
+    """Single-process training of the tied HF model: the same global batches (8 sequences), optimizer, schedule."""
+    model = tied_hf_model().train()
+    mc = tied_model_config()
+    train = TrainConfig(dtype="fp32", micro_batch_size=2, global_batch_size=8, seq_length=32, steps=STEPS, lr=1e-3,
+                        min_lr=1e-4, warmup_steps=2, grad_clip=0.5)
+    opt, sched = plain_adamw(model, train)
+    assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == sum(p.numel() for p in model.parameters())
+    ds = gpt_dataset(RunConfig(model=mc, train=train, data=DataConfig(data_path=(data,))), 8).train
+    batches = micro_batches(ds, 8, 8, 1, 0, 0, mc.vocab_size)
+    losses, norms = [], []
+    for _ in range(STEPS):
+        inputs, (labels, _) = next(batches)
+        logits = model(inputs).logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        norms.append(plain_step(model, opt, sched, loss, train.grad_clip))
+        losses.append(loss.item())
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still one tensor after training
+    return losses, norms, {k: v.detach() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def ref(run):
+    return reference(run["data"])
+
+
+def close(got: list[float], want: list[float], what: str) -> None:
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert abs(a - b) <= TOL * abs(b), f"step {step + 1}: {what} {a} vs reference {b}"
+
+
+def test_tp2_pp2_dp2_training_equals_single_process_hf(run, ref):
+    got = run["result"]["fp32"]
+    ref_losses, ref_norms, _ = ref
+    print("3D  losses", got["losses"], "\nref losses", ref_losses, "\n3D  norms", got["grad_norms"],
+          "\nref norms", ref_norms)
+    assert len(got["losses"]) == STEPS
+    assert max(ref_norms) > 0.5, "clipping must be active (grad_clip=0.5): the norm counts the tied weight once"
+    close(got["losses"], ref_losses, "loss")
+    close(got["grad_norms"], ref_norms, "grad norm")
+
+
+def test_final_weights_equal_single_process_hf(run, ref):
+    _, _, want = ref
+    final = run["final"]
+    assert set(final) == set(want), set(final) ^ set(want)
+    for name, tensor in want.items():
+        err = (final[name] - tensor).abs().max().item()
+        assert err <= TOL * max(tensor.abs().max().item(), 1.0), f"{name}: max abs diff {err}"
+    # The last stage's copy (exported as lm_head.weight) is the first stage's embedding, bit for bit.
+    assert torch.equal(final["lm_head.weight"], final["model.embed_tokens.weight"])
+
+
+def test_the_two_copies_stay_bit_identical_after_every_step(run):
+    r = run["result"]
+    assert r["initial_copies_equal"]
+    for run_name, steps in (("fp32", STEPS), ("universal", STEPS - SAVED_AT), ("bf16", BF16_STEPS)):
+        assert r[run_name]["copies_equal"] == [True] * steps, run_name
+        assert r[run_name]["moved"] == [True] * steps, f"{run_name}: the tied weight must train"
+    assert r["bf16"]["optimizer"] == "BF16_Optimizer"
+    assert all(np.isfinite(r["bf16"]["losses"]))
+
+
+def test_resume_at_tp1_pp2_dp4_through_universal_continues_the_loss_curve(run):
+    r = run["result"]
+    u = r["universal"]
+    assert u["start"] == SAVED_AT and u["via_universal"] and u["copies_equal_after_load"]
+    print("universal", u["losses"], "\nreference", r["fp32"]["losses"][SAVED_AT:])
+    close(u["losses"], r["fp32"]["losses"][SAVED_AT:], "loss after the universal resume")
+    close(u["grad_norms"], r["fp32"]["grad_norms"][SAVED_AT:], "grad norm after the universal resume")
