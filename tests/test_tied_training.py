@@ -12,11 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import TESTS, gpt_dataset, plain_adamw, plain_step, write_dataset
+from helpers import TESTS, gpt_dataset, plain_adamw, plain_step, sft_examples, write_dataset, write_sft_dataset
 from threed.config import DataConfig, RunConfig, TrainConfig
+from threed.convert.in_memory import random_hf_state
 from threed.data.loader import micro_batches
 from threed.launch import run_ranks
-from tied_worker import BF16_STEPS, SAVED_AT, STEPS, tied_hf_model, tied_model_config
+from test_sft_train import GLOBAL_BATCH, masked_loss
+from tied_worker import BF16_STEPS, SAVED_AT, SFT_STEPS, STEPS, tied_hf_model, tied_model_config
 
 TOL = 1e-5
 
@@ -25,11 +27,14 @@ TOL = 1e-5
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("tied")
     data = write_dataset(out / "random", np.random.default_rng(0).integers(0, 200, 8000), 200)
-    run_ranks(8, str(TESTS / "tied_worker.py"), ["--out", str(out), "--data", data], timeout=1200)
+    chat = write_sft_dataset(out / "chat", sft_examples(400, 200), 200)
+    run_ranks(8, str(TESTS / "tied_worker.py"), ["--out", str(out), "--data", data, "--sft-data", chat],
+              timeout=1200)
     final = {}
     for stage in (0, 1):
         final.update(torch.load(out / f"final_stage{stage}.pt"))
-    return {"result": json.loads((out / "tied.json").read_text()), "final": final, "data": data, "out": out}
+    return {"result": json.loads((out / "tied.json").read_text()), "final": final, "data": data, "chat": chat,
+            "out": out}
 
 
 def reference(data: str):
@@ -102,3 +107,38 @@ def test_resume_at_tp1_pp2_dp4_through_universal_continues_the_loss_curve(run):
     print("universal", u["losses"], "\nreference", r["fp32"]["losses"][SAVED_AT:])
     close(u["losses"], r["fp32"]["losses"][SAVED_AT:], "loss after the universal resume")
     close(u["grad_norms"], r["fp32"]["grad_norms"][SAVED_AT:], "grad norm after the universal resume")
+
+
+def test_activation_checkpointing_gives_the_same_numbers(run):
+    r = run["result"]
+    assert r["activation_checkpointing"]["losses"] == pytest.approx(r["fp32"]["losses"][:2], rel=1e-6)
+    assert r["activation_checkpointing"]["grad_norms"] == pytest.approx(r["fp32"]["grad_norms"][:2], rel=1e-6)
+    assert r["activation_checkpointing"]["copies_equal"] == [True, True]
+
+
+def test_packed_sft_through_threed_train_equals_single_process_hf(run):
+    """threed.train on packed chat data from its random init (seed 1234: `random_hf_state`, the tied weight drawn
+    once) against HF's tied model trained on each example alone (tests/test_sft_train.py's reference loss)."""
+    from sft_worker import sft_config
+
+    cfg = sft_config(run["chat"], pack=True, steps=SFT_STEPS)
+    cfg = RunConfig(model=tied_model_config(), parallel=cfg.parallel, train=cfg.train, data=cfg.data)
+    model = tied_hf_model().train()
+    state = random_hf_state(cfg.model, cfg.train.seed)
+    assert torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])
+    model.load_state_dict(state)
+    opt, sched = plain_adamw(model, cfg.train)
+    datasets = gpt_dataset(cfg, GLOBAL_BATCH)
+    losses, norms = [], []
+    for step in range(SFT_STEPS):
+        loss = masked_loss(model, datasets.train, range(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH))
+        norms.append(plain_step(model, opt, sched, loss, cfg.train.grad_clip))
+        losses.append(loss.item())
+    with torch.no_grad():
+        valid = masked_loss(model.eval(), datasets.valid, range(GLOBAL_BATCH)).item()
+    got = run["result"]["sft"]
+    print("3D", got["losses"], got["grad_norms"], got["evals"], "\nref", losses, norms, valid)
+    close(got["losses"], losses, "SFT loss")
+    close(got["grad_norms"], norms, "SFT grad norm")
+    (ev,) = got["evals"]
+    assert abs(ev["loss"] - valid) <= TOL * valid

@@ -1,8 +1,10 @@
 """Multi-rank scenario for tests/test_tied_training.py: a tied-embedding Llama (Llama 3.2's layout) trained at tp2
 pp2 dp2 from HF weights, its two copies of the tied weight compared after every step, then resumed at tp1 pp2 dp4
-through DeepSpeed's universal checkpoint. Runs under torchrun (8 ranks):
+through DeepSpeed's universal checkpoint; bf16, activation checkpointing, and packed SFT through threed.train.
+Runs under torchrun (8 ranks):
 
-    python -m torch.distributed.run --nproc-per-node 8 tests/tied_worker.py --out /tmp/t --data PREFIX
+    python -m torch.distributed.run --nproc-per-node 8 tests/tied_worker.py --out /tmp/t --data PREFIX \
+        --sft-data CHAT_text_document
 
 Rank 0 writes OUT/tied.json (losses, grad norms, per-step copy checks); TP rank 0 of data-parallel replica 0 of each
 stage writes OUT/final_stage<S>.pt, the HF-named tensors its stage holds after the last step (the last stage's
@@ -19,15 +21,17 @@ import torch.distributed as dist
 
 import threed.checkpoint.save as ckpt
 from dist_worker import run_steps, train_dataset
+from sft_worker import sft_config
 from threed.config import CheckpointConfig, DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
-from threed.convert.mapping import layer_from_hf, layer_to_hf
+from threed.convert.mapping import layer_to_hf
 from threed.distributed import Runtime
 from threed.engine import build_engine
 from threed.hf.config import from_hf_config
 from threed.pipeline import local_modules
-from worker_setup import run_worker
+from threed.train import train
+from worker_setup import load_hf_weights, run_worker
 
-STEPS, SAVED_AT, BF16_STEPS = 10, 5, 4
+STEPS, SAVED_AT, BF16_STEPS, SFT_STEPS = 10, 5, 4, 3
 
 
 def tied_hf_model():
@@ -63,20 +67,11 @@ def copies_equal(engine) -> bool:
     return bool(same.item())
 
 
-def load_hf(engine, cfg: RunConfig, hf_state: dict) -> None:
-    """Each rank's stage modules (a tied head's: the embedding copy it runs with) from the HF weights; then the
-    optimizer's fp32 masters."""
-    tp_rank = engine.grid.get_slice_parallel_rank()
-    for layer, module in local_modules(engine.module, cfg):
-        module.load_state_dict(layer_from_hf(cfg.model, layer, hf_state, cfg.parallel.tp)[tp_rank], strict=True)
-    engine.optimizer.refresh_fp32_params()
-
-
 def save_final(engine, cfg: RunConfig, out) -> None:
     """HF-named tensors of this stage, TP shards gathered (see the module docstring)."""
     group = engine.grid.get_slice_parallel_group()
     tensors: dict[str, torch.Tensor] = {}
-    for layer, module in local_modules(engine.module, cfg):
+    for layer, module in local_modules(engine.module, cfg.model):
         mine = {k: v.detach().float() for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
         shards: list = [None] * cfg.parallel.tp
         dist.all_gather_object(shards, mine, group=group)
@@ -118,7 +113,7 @@ def main(args: argparse.Namespace, rt: Runtime) -> None:
     cfg = dataclasses.replace(base, checkpoint=CheckpointConfig(save=str(save), auto_resume=False))
     ds = train_dataset(cfg, rt.world_size)
     engine = build_engine(cfg, rt).engine
-    load_hf(engine, cfg, hf_state)
+    load_hf_weights(engine, cfg, hf_state)
     results["initial_copies_equal"] = copies_equal(engine)
     first = steps_checked(engine, cfg, ds, 0, SAVED_AT)
     ckpt.save(engine, cfg, rt.rank, {"consumed_samples": SAVED_AT * 8})
@@ -142,15 +137,27 @@ def main(args: argparse.Namespace, rt: Runtime) -> None:
     # 3. bf16 with fp32 master weights and fp32 gradient accumulation (BF16_Optimizer, ZeRO-1 over dp2).
     cfg_b = dataclasses.replace(base, train=dataclasses.replace(base.train, dtype="bf16", steps=BF16_STEPS))
     eng = build_engine(cfg_b, rt).engine
-    load_hf(eng, cfg_b, hf_state)
+    load_hf_weights(eng, cfg_b, hf_state)
     results["bf16"] = {"optimizer": type(eng.optimizer).__name__,
                        **steps_checked(eng, cfg_b, train_dataset(cfg_b, rt.world_size), 0, BF16_STEPS)}
+
+    # 4. Activation checkpointing (the tied head is a function: never recomputed, nothing changes).
+    cfg_ac = dataclasses.replace(base, train=dataclasses.replace(base.train, activation_checkpointing=True))
+    eng = build_engine(cfg_ac, rt).engine
+    load_hf_weights(eng, cfg_ac, hf_state)
+    results["activation_checkpointing"] = steps_checked(eng, cfg_ac, ds, 0, 2)
+
+    # 5. Packed SFT through the real loop (threed.train) from random init, validation after the last step.
+    sft = dataclasses.replace(sft_config(args.sft_data, pack=True, steps=SFT_STEPS), model=base.model)
+    r = train(sft)
+    results["sft"] = {"losses": r.losses, "grad_norms": r.grad_norms, "evals": r.evals}
     if rt.rank == 0:
         (args.out / "tied.json").write_text(json.dumps(results))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", required=True)
+    p.add_argument("--sft-data", required=True)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from megatron.core import parallel_state
 
-from threed.config import RunConfig
+from threed.config import ModelConfig, RunConfig
 from threed.model.init import init_pipeline_layers_
 from threed.model.layers import (EmbeddingPipe, FinalNormPipe, LlamaBlock, LMHeadPipe, TiedLMHead, causal_lm_loss,
                                  megatron_config, token_weighted_loss)
@@ -66,7 +66,7 @@ def build_pipeline_module(cfg: RunConfig, world_size: int, initialize: bool = Tr
         base_seed=cfg.train.seed,
     )
     if initialize:
-        init_pipeline_layers_(local_modules(module, cfg), cfg.model, cfg.parallel.tp,
+        init_pipeline_layers_(local_modules(module, cfg.model), cfg.model, cfg.parallel.tp,
                               parallel_state.get_tensor_model_parallel_rank(), cfg.train.seed)
     # How each parameter is split over TP; DeepSpeed saves it in every mp_rank file, and its universal checkpoint
     # conversion (resume at another tp / pp / dp) needs it: threed.checkpoint.universal.
@@ -74,10 +74,10 @@ def build_pipeline_module(cfg: RunConfig, world_size: int, initialize: bool = Tr
     return module
 
 
-def local_modules(module: PipelineModule, cfg: RunConfig) -> list[tuple[PipelineLayer, torch.nn.Module]]:
+def local_modules(module: PipelineModule, model: ModelConfig) -> list[tuple[PipelineLayer, torch.nn.Module]]:
     """This stage's layer modules, each once, with the spec layer whose parameters it holds: a tied head's entry is
     the embedding module it runs with (the last stage's copy; at pp=1 the embedding itself, listed once)."""
-    layers = pipeline_layers(cfg.model)
+    layers = pipeline_layers(model)
     out: list[tuple[PipelineLayer, torch.nn.Module]] = []
     for index, fn in zip(range(module._local_start, module._local_stop), module.forward_funcs):
         layer = layers[index]

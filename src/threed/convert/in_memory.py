@@ -6,23 +6,32 @@ import torch
 
 from threed.config import ModelConfig
 from threed.convert.mapping import layer_from_hf, layer_to_hf
+from threed.hf.names import hf_names
 from threed.model.init import shard_of
-from threed.model.spec import layer_parameters, pipeline_layers
+from threed.model.spec import layer_parameters, pipeline_layers, stored_layers
+from threed.pipeline import local_modules
 
 
 def load_hf_state(module, cfg: ModelConfig, hf_state: dict[str, torch.Tensor], tp: int, tp_rank: int) -> None:
-    """`module` is a DeepSpeed PipelineModule; only the layers of this rank's stage are filled."""
-    layers = pipeline_layers(cfg)
-    for idx, layer_module in zip(range(module._local_start, module._local_stop), module.forward_funcs):
-        layer_module.load_state_dict(layer_from_hf(cfg, layers[idx], hf_state, tp)[tp_rank], strict=True)
+    """`module` is a DeepSpeed PipelineModule; only the modules of this rank's stage are filled (a tied head's
+    stage: the embedding copy it runs with)."""
+    for layer, layer_module in local_modules(module, cfg):
+        layer_module.load_state_dict(layer_from_hf(cfg, layer, hf_state, tp)[tp_rank], strict=True)
 
 
 def random_hf_state(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     """The HF state dict of a random init with `seed` (`threed.model.init`): what `threed export` of a run that
-    started from random weights with this seed gives at any tp and pp, before its first step."""
+    started from random weights with this seed gives at any tp and pp, before its first step. A tied model's dict
+    holds the LM head's name too, bound to the embedding's tensor (as transformers' own state_dict does)."""
     out: dict[str, torch.Tensor] = {}
-    for layer in pipeline_layers(cfg):
+    layers = pipeline_layers(cfg)
+    for layer in stored_layers(cfg):
         ours = {p.name: shard_of(cfg, layer.index, p, 1, 0, seed) for p in layer_parameters(layer.kind)}
         out.update(layer_to_hf(cfg, layer, [ours]))
+    for layer in layers:
+        if layer.tied_to is not None:
+            owner = layers[layer.tied_to]
+            for (p_head, p_owner) in zip(layer_parameters(layer.kind), layer_parameters(owner.kind)):
+                (head_name,), (owner_name,) = hf_names(layer)[p_head.name], hf_names(owner)[p_owner.name]
+                out[head_name] = out[owner_name]
     return out
-
