@@ -2,6 +2,8 @@
 
     python -m torch.distributed.run --nproc-per-node 8 tests/memory_worker.py --out /tmp/m --layouts 2x2
     python tests/memory_worker.py --out /tmp/m --layouts 1x1 --activations
+    python -m torch.distributed.run --nproc-per-node 4 tests/memory_worker.py --out /tmp/t --layouts 1x2 \
+        --model tiny-tied
 
 --layouts: for each TPxPP layout (dp = world / (tp pp)) build the engine, run one bf16 train step on synthetic
 tokens, then add up the storages of the module's parameters and grads and of BF16_Optimizer's tensors (flat
@@ -101,7 +103,7 @@ def measure_static(engine) -> dict[str, int]:
 
 
 def static(args: argparse.Namespace, rt: Runtime) -> None:
-    mc = model_config(STATIC["model"])
+    mc = model_config(args.model)
     for layout in args.layouts:
         tp, pp = (int(x) for x in layout.split("x"))
         dp = rt.world_size // (tp * pp)
@@ -115,7 +117,7 @@ def static(args: argparse.Namespace, rt: Runtime) -> None:
         gc.collect()
         stage = stages(mc, pp, tp, STATIC["seq"])[engine.stage_id]
         mem = stage_memory(mc, tp, pp, dp, STATIC["micro"], STATIC["gas"], STATIC["seq"], False, stage, "cpu")
-        result = {"layout": [tp, pp, dp], "rank": rt.rank, "stage": engine.stage_id, "loss": loss,
+        result = {"model": mc.name, "layout": [tp, pp, dp], "rank": rt.rank, "stage": engine.stage_id, "loss": loss,
                   "parts": [int(b) for b in engine.module.parts],
                   "predicted_parts": list(stage_bounds(mc, pp, tp, STATIC["seq"])),
                   "optimizer": type(engine.optimizer).__name__, "measured": measure_static(engine),
@@ -182,6 +184,8 @@ def activations(args: argparse.Namespace) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layouts", nargs="*", default=[], help="TPxPP, e.g. 2x2")
     p.add_argument("--activations", action="store_true", help="also the CPU activation peak (one process)")
+    p.add_argument("--model", default=STATIC["model"],
+                   help="preset of the --layouts engines (tests/test_memory_tied.py: tiny-tied)")
 
 
 def main(args: argparse.Namespace, rt: Runtime) -> None:

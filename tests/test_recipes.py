@@ -17,12 +17,12 @@ from threed.flags import parse_run_config
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH = REPO / "recipes" / "launch.sh"
 MODEL_RECIPES = ["llama2_7b", "llama2_13b", "llama2_70b", "llama3_8b", "llama3_70b", "llama31_8b", "llama31_70b",
-                 "llama31_405b"]
+                 "llama31_405b", "llama32_1b", "llama32_3b"]
 LAUNCH_TEXT = LAUNCH.read_text()
 # The launcher's list of recipe variables, and its defaults (its VAR=${VAR-default} lines).
 RECIPE_VARS = re.search(r"^RECIPE_VARS=\(([^)]*)\)", LAUNCH_TEXT, re.M)[1].split()
 DEFAULTS = {m[1]: m[3] for m in re.finditer(r"^([A-Z_]+)=\$\{(\w+)-([^}]*)\}$", LAUNCH_TEXT, re.M)}
-SFT_RECIPES = ["llama31_8b_sft", "llama31_70b_sft"]
+SFT_RECIPES = ["llama31_8b_sft", "llama31_70b_sft", "llama32_3b_sft"]
 SLURM_SCRIPTS = {"llama70b_tp8_pp4.sh": ("llama31_70b", 4), "llama8b_tp2_pp2.sh": ("llama31_8b", 1),
                  "llama70b_sft_tp8_pp4.sh": ("llama31_70b_sft", 4),
                  "llama405b_tp8_pp16.sh": ("llama31_405b", 32)}
@@ -253,3 +253,9 @@ def test_shell_syntax() -> None:
     for f in files:
         out = subprocess.run(["bash", "-n", str(f)], capture_output=True, text=True)
         assert out.returncode == 0, f"{f}: {out.stderr}"
+
+
+def test_every_recipe_is_checked() -> None:
+    """A recipe added to recipes/ without a place in the lists above would escape every header check."""
+    on_disk = {p.stem for p in (REPO / "recipes").glob("*.sh")} - {"launch"}
+    assert on_disk == set(MODEL_RECIPES + SFT_RECIPES + ["tiny"])

@@ -9,7 +9,7 @@ A layout fits when its heaviest stage's peak (threed.memory, CUDA kernels) is at
 
 Step time model (a ranking, not a promise; bf16, no sequence parallelism, no compute/communication overlap):
 
-    step = (gas + pp - 1) x max over stages of t_micro(stage)  + t_dp + t_optimizer
+    step = (gas + pp - 1) x max over stages of t_micro(stage)  + t_dp + t_tied + t_optimizer
     t_micro(stage) = tokens x (blocks x F_block x (1 + recompute / 3) + last x F_head) / (tp x R)    compute
                    + n_allreduce x 2 (tp - 1) / tp x 2 s b h / B_tp                                TP all-reduces
                    + 2 x 2 s b h / tp / B_pp + 2 x all-gather of it over TP                           PP p2p (pp > 1)
@@ -24,6 +24,8 @@ Step time model (a ranking, not a promise; bf16, no sequence parallelism, no com
   arrival. t_dp: all-reduce of the fp32 gradients (communication_data_type fp32) and all-gather of the bf16
   weights, 2 (dp - 1) / dp x 4 N + (dp - 1) / dp x 2 N bytes at B_dp. t_optimizer: AdamW on the fp32 shard
   and the norm/clip pass over the fp32 gradients, (36 N / dp + 12 N) bytes at the GPU's memory bandwidth.
+  t_tied (tied embeddings, pp > 1): the first and the last stage each hold a copy of the embedding (N counts it
+  on both) and all-reduce its fp32 gradient between them: 4 V h / tp bytes sent per rank (a two-rank ring).
   Bandwidths: NVLink (--nvlink-gbps) inside a node, the per-GPU network share (--network-gbps) across nodes;
   the DP and PP groups cross nodes when their rank stride (tp, tp dp) reaches a node.
 """
@@ -35,7 +37,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from threed.config import ConfigError, ModelConfig
-from threed.model.spec import layer_training_flops
+from threed.model.spec import layer_training_flops, shard_shape, tie_owners, tied
 from threed.errors import guarded
 from threed.flags import model_config
 from threed.memory.model import GB, Memory, estimate, heaviest, quiet_deepspeed_import, stages
@@ -84,6 +86,12 @@ class Layout:
                 f"checkpointing")
 
 
+def link_bytes_per_s(hw: Hardware, stride: int) -> float:
+    """Bandwidth between ranks `stride` apart (ranks fill a node in order): NVLink inside a node, else the
+    network share."""
+    return (hw.nvlink_gbps if stride < hw.gpus_per_node else hw.network_gbps) * 1e9
+
+
 def step_time(model: ModelConfig, hw: Hardware, tp: int, pp: int, dp: int, micro: int, gas: int, seq: int,
               act_ckpt: bool, params: int) -> float:
     """Predicted seconds per optimizer step (the model in the module docstring); `params`: the largest stage's
@@ -96,20 +104,27 @@ def step_time(model: ModelConfig, hw: Hardware, tp: int, pp: int, dp: int, micro
     rate = hw.tflops * 1e12
     allreduce = 2 * (tp - 1) / tp * act_bytes / (hw.nvlink_gbps * 1e9) if tp > 1 else 0.0
 
-    def link(stride: int) -> float:  # bytes/s between ranks `stride` apart (ranks fill a node in order)
-        return (hw.nvlink_gbps if stride < hw.gpus_per_node else hw.network_gbps) * 1e9
-
     slowest = 0.0
     for st in stages(model, pp, tp, seq):
         flops = tokens * (st.blocks * f_block + st.last * f_head)
         n_allreduce = st.blocks * (6 if act_ckpt else 4) + st.first + st.last
         t = flops / (tp * rate) + n_allreduce * allreduce
         if pp > 1:  # activations forward, gradients backward: a TP partition each, gathered over TP
-            t += 2 * act_bytes / tp / link(tp * dp) + 2 * (tp - 1) / tp * act_bytes / (hw.nvlink_gbps * 1e9)
+            t += (2 * act_bytes / tp / link_bytes_per_s(hw, tp * dp)
+                  + 2 * (tp - 1) / tp * act_bytes / (hw.nvlink_gbps * 1e9))
         slowest = max(slowest, t)
-    t_dp = (2 * 4 * params + 2 * params) * (dp - 1) / dp / link(tp)  # DP ranks are tp apart
+    t_dp = (2 * 4 * params + 2 * params) * (dp - 1) / dp / link_bytes_per_s(hw, tp)  # DP ranks are tp apart
     t_opt = (36 * params / dp + 12 * params) / (hw.hbm_gbps * 1e9)
-    return (gas + pp - 1) * slowest + t_dp + t_opt
+    return (gas + pp - 1) * slowest + t_dp + tied_allreduce_s(model, hw, tp, pp, dp) + t_opt
+
+
+def tied_allreduce_s(model: ModelConfig, hw: Hardware, tp: int, pp: int, dp: int) -> float:
+    """DeepSpeed's ReduceTiedGrads: the tied weight's fp32 gradient all-reduced between its two copies (first and
+    last stage, (pp - 1) tp dp ranks apart); nothing when untied or at pp = 1 (one module holds it)."""
+    if not tied(model) or pp == 1:
+        return 0.0
+    rows, hidden = shard_shape(model, tie_owners()["embedding"], tp)
+    return 4 * rows * hidden / link_bytes_per_s(hw, (pp - 1) * tp * dp)
 
 
 def _divisors(n: int) -> list[int]:

@@ -3,11 +3,15 @@
     python -m threed.memory --model llama3.1-70b --tp 8 --pp 4 --dp 1 --micro 1 --gas 512 --seq 8192 --act-ckpt 1
 
 Per rank of pipeline stage s. tests/test_memory.py checks the static terms against the tensors of real CPU
-engines (within 2%; they agree to the byte) and reports the activation estimate against a measured CPU peak.
+engines (within 2%; they agree to the byte), tests/test_memory_tied.py the same for a tied model, and the
+activation estimate is reported against a measured CPU peak.
 
   stages       `threed.partition` (the run's --partition-method) over `threed.model.spec.pipeline_layers`:
                stage 0 adds the embedding, the last stage the final norm and LM head, both [padded V / tp, h].
-               Matrices are split over TP; norms are replicated.
+               Matrices are split over TP; norms are replicated. Tied (Llama 3.2): the same bytes, as
+               `stage_parameters` counts them: the last stage's head weight is its own copy of the embedding
+               (DeepSpeed's TiedLayerSpec; every term below applies to it, and the tied all-reduce of its fp32
+               gradient with stage 0's is in place), and one stage holding both (pp 1) holds it once.
   weights      2 B/param bf16 in BF16_Optimizer's flat buffer per param group (matrices / norms), each padded
                to a multiple of 2 x dp elements.
   grads        4 B/param: BF16_Optimizer's fp32 accumulation buffer, full size on every DP rank (ZeRO-1 shards
