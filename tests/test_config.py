@@ -96,8 +96,15 @@ def test_transformers_v4_config_layout():
           "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                            "original_max_position_embeddings": 8192, "rope_type": "llama3"}}
     assert from_hf_config(hf) == dataclasses.replace(PRESETS["llama3.1-8b"], name="hf")
-    with pytest.raises(ConfigError, match="tie_word_embeddings"):
-        from_hf_config({**hf, "tie_word_embeddings": True})
+    # Llama 3.2 1B / 3B tie the LM head to the embedding; Llama 3.2 3B's published config.json is the preset.
+    assert from_hf_config({**hf, "tie_word_embeddings": True}).tie_word_embeddings
+    llama32_3b = {**hf, "hidden_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 24, "head_dim": 128,
+                  "intermediate_size": 8192, "tie_word_embeddings": True,
+                  "rope_scaling": {**hf["rope_scaling"], "factor": 32.0}}
+    assert from_hf_config(llama32_3b) == dataclasses.replace(PRESETS["llama3.2-3b"], name="hf")
+    for flag in ("attention_bias", "mlp_bias"):
+        with pytest.raises(ConfigError, match=flag):
+            from_hf_config({**hf, flag: True})
 
 
 def test_padded_vocab():
