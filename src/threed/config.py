@@ -116,6 +116,12 @@ class ParallelConfig:
         "which stage holds which layers: balanced (evens out the LM head) | layers:N1,N2,... | parameters | "
         "uniform | type:REGEX", metavar="METHOD"))
 
+    # Megatron-LM's --sequence-parallel (Korthikanti et al.): the norms and residual stream of each block are split
+    # along the sequence over the TP group (megatron-core's own layers), so activations outside the matmuls shrink
+    # by tp. threed.model.layers and threed.pipeline build it.
+    sequence_parallel: bool = field(default=False, metadata=meta(
+        "split norms and residuals along the sequence over the TP group (Megatron's; needs tp > 1)"))
+
     def dp(self, world_size: int) -> int:
         return world_size // (self.tp * self.pp)
 
@@ -137,6 +143,9 @@ class ParallelConfig:
         padded = model.padded_vocab_size(tp)
         if padded % tp:
             raise ConfigError(f"tp={tp} does not divide the padded vocab {padded}; fix make_vocab_size_divisible_by")
+        if self.sequence_parallel and tp == 1:
+            raise ConfigError("--sequence-parallel needs tp > 1 (it splits the sequence over the tensor-parallel "
+                              "group); drop it or raise --tp")
         if pp > model.num_layers:
             raise ConfigError(
                 f"pp={pp} is larger than num_layers={model.num_layers}: a pipeline stage would hold no "
@@ -172,6 +181,15 @@ class TrainConfig:
     log_interval: int = field(default=1, metadata=meta("steps between log lines", at_least=1))
     activation_checkpointing: bool = field(default=False, metadata=meta(
         "recompute each block in backward (less memory, ~1/3 more compute)"))
+    # Megatron-LM's recompute flags. full: a block's input is kept and the block recomputed in backward, `uniform`
+    # in chunks of N blocks (all blocks), `block`: only the first N blocks of each stage; selective: only the core
+    # attention of every block. --activation-checkpointing is full / uniform / 1.
+    recompute_granularity: Optional[Literal["full", "selective"]] = field(default=None, metadata=meta(
+        "recompute in backward: full (whole blocks, with --recompute-method) | selective (core attention)"))
+    recompute_method: Optional[Literal["uniform", "block"]] = field(default=None, metadata=meta(
+        "full recompute: uniform (every block, N per chunk) | block (the first N blocks of each stage)"))
+    recompute_num_layers: Optional[int] = field(default=None, metadata=meta(
+        "full recompute: blocks per chunk (uniform) or recomputed blocks per stage (block)", at_least=1))
     zero_stage: int = field(default=1, metadata=meta("ZeRO stage (0 or 1; DeepSpeed pipelines allow no more)"))
     # Evaluation on the valid split (Megatron's flags). eval_interval None: every 1000 steps (Megatron's default)
     # when there is a valid split, else never; given explicitly without a valid split it is an error.
@@ -219,10 +237,28 @@ class TrainConfig:
                 f"grad_accum_dtype must be 'fp32' (got {self.grad_accum_dtype!r}): bf16 gradient accumulation "
                 f"across micro-batches and pipeline stages loses precision and diverges"
             )
+        self._validate_recompute()
         if self.zero_stage not in (0, 1):
             raise ConfigError(
                 f"zero_stage {self.zero_stage} is not allowed: DeepSpeed pipelines support ZeRO 0 or 1 only"
             )
+
+
+    def _validate_recompute(self) -> None:
+        granularity, method, n = self.recompute_granularity, self.recompute_method, self.recompute_num_layers
+        if self.activation_checkpointing and granularity is not None:
+            raise ConfigError("--activation-checkpointing is --recompute-granularity full --recompute-method uniform "
+                              "--recompute-num-layers 1; give one or the other, not both")
+        if granularity == "selective" and (method is not None or n is not None):
+            raise ConfigError("--recompute-granularity selective recomputes the core attention of every block; "
+                              "--recompute-method / --recompute-num-layers are for full recompute, drop them")
+        if granularity == "full" and (method is None or n is None):
+            raise ConfigError("--recompute-granularity full needs --recompute-method uniform|block and "
+                              "--recompute-num-layers N (Megatron-LM's flags); e.g. --recompute-method block "
+                              "--recompute-num-layers 4")
+        if granularity is None and (method is not None or n is not None):
+            raise ConfigError("--recompute-method / --recompute-num-layers take effect with --recompute-granularity "
+                              "full; add it, or drop them")
 
 
 @dataclass(frozen=True)
@@ -374,6 +410,10 @@ class RunConfig:
         self.model.validate()
         self.parallel.validate(self.model, world_size)
         self.train.validate(self.model)
+        if self.parallel.sequence_parallel and self.train.seq_length % self.parallel.tp:
+            raise ConfigError(f"--sequence-parallel splits each sequence over tp={self.parallel.tp} ranks: "
+                              f"seq_length {self.train.seq_length} is not a multiple of {self.parallel.tp}; use a "
+                              f"multiple of {self.parallel.tp}")
         self.train.resolve_batch(self.parallel.dp(world_size))
         if self.checkpoint.load and self.checkpoint.init_from:
             raise ConfigError("give either load (full resume) or init_from (weights only), not both")

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
+from threed import megatron_device
 from threed.config import ConfigError
 
 
@@ -228,6 +229,7 @@ def init_distributed(timeout_minutes: Optional[float] = None) -> Runtime:
     set_cuda_environment()
     device, backend = device_and_backend()
     _use_device_policy_accelerator(device)
+    megatron_device.use_device(device)
     if not dist.is_initialized():
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("LOCAL_RANK", "0")

@@ -49,6 +49,11 @@ def deepspeed_config(cfg: RunConfig, world_size: int, load_universal: bool = Fal
         # every input of a checkpointed block to require grad, which the integer ids cannot (the first stage fails
         # with "element 0 of tensors does not require grad"); the non-reentrant variant takes them as they are.
         ds["pipeline"] = {"use_reentrant": False}
+    if cfg.parallel.sequence_parallel:
+        # DeepSpeed's pipe_partitioned / grad_partitioned (on by default under TP) assume every TP rank holds the
+        # same activation, send 1/tp of it and all-gather it over TP after the receive. Under sequence parallelism
+        # each rank's [s/tp, b, h] is already its own part: it goes as it is, with no gather (1/tp per rank still).
+        ds.setdefault("pipeline", {}).update(pipe_partitioned=False, grad_partitioned=False)
     if load_universal:  # resuming at another layout: threed.checkpoint.universal
         ds["checkpoint"] = {"load_universal": True}
     return ds

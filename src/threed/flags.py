@@ -54,8 +54,12 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
             names = [flag_name(f)] + ([m.alias] if m.alias else [])
             metavar = m.metavar or ("{true,false}" if kind is _bool else
                                     "{" + ",".join(choices) + "}" if choices else _METAVARS.get(kind, "VALUE"))
+            # A bare boolean flag means true (Megatron-LM's store_true flags: `--sequence-parallel`,
+            # `--eod-mask-loss`); `--flag false` turns a default-on one off.
+            extra: dict[str, Any] = {"nargs": "?", "const": True} if kind is _bool else {
+                "nargs": "+" if several else None}
             group.add_argument(*names, dest=f"{section}.{f.name}", type=kind, default=default, choices=choices,
-                               metavar=metavar, nargs="+" if several else None,
+                               metavar=metavar, **extra,
                                help=f"{m.help} (default: {shown})" if m.help else f"(default: {shown})")
 
 

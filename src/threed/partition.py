@@ -149,6 +149,21 @@ def staged_pipeline_module():
     from deepspeed.pipe import PipelineModule
 
     class StagedPipelineModule(PipelineModule):
+        def get_tied_weights_and_groups(self) -> list:
+            # Sequence parallelism: each TP rank's norm weights (tagged `sequence_parallel`, threed.model.layers)
+            # saw its own part of the sequence, so their gradients must be summed over the TP group, as megatron's
+            # finalize_model_grads does; DeepSpeed's pipeline engine does not. Its tied-weight step
+            # (ReduceTiedGrads: after the last backward, before the DP reduction and the gradient norm; the fp32
+            # `_hp_grad` under bf16) all-reduces each (weight, group) of this list: they join it with the TP group.
+            pairs = super().get_tied_weights_and_groups()
+            partial = [p for p in self.parameters() if getattr(p, "sequence_parallel", False)]
+            if partial:
+                from megatron.core import parallel_state  # heavy: as deepspeed above
+
+                group = parallel_state.get_tensor_model_parallel_group()
+                pairs += [(p, group) for p in partial]
+            return pairs
+
         def _synchronize_tied_weights(self) -> None:
             # DeepSpeed broadcasts the tied weight (Llama 3.2's embedding) in place with autograd on, so torch
             # warns at every backward that c10d::broadcast_ has no autograd kernel (the gradients are right).

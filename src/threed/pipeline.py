@@ -31,7 +31,8 @@ def build_pipeline_module(cfg: RunConfig, world_size: int, initialize: bool = Tr
     side (`threed.model.layers.token_weighted_loss`)."""
     # megatron's own init is always skipped: it draws full master weights from the global generator, which
     # every stage seeds alike (copied blocks) and which changes with tp. `threed.model.init` replaces it.
-    mcore = megatron_config(cfg.model, cfg.parallel.tp, initialize=False, fused_swiglu=fused_swiglu)
+    mcore = megatron_config(cfg.model, cfg.parallel.tp, initialize=False, fused_swiglu=fused_swiglu,
+                            sequence_parallel=cfg.parallel.sequence_parallel)
     specs: list = []
     for layer in pipeline_layers(cfg.model):
         if tied(cfg.model) and layer.kind in ("embedding", "lm_head"):

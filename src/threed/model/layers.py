@@ -21,7 +21,6 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
@@ -31,14 +30,16 @@ from threed.model.attention import SDPACoreAttention, document_segments, reuse_p
 from threed.model.rope import RotaryAngles, document_positions
 
 
-def megatron_config(model: ModelConfig, tp: int, initialize: bool = True, fused_swiglu: bool = False) -> TransformerConfig:
+def megatron_config(model: ModelConfig, tp: int, initialize: bool = True, fused_swiglu: bool = False,
+                    sequence_parallel: bool = False) -> TransformerConfig:
     """megatron-core's TransformerConfig for one Llama block.
 
     pipeline_model_parallel_size stays 1: DeepSpeed owns the pipeline, so megatron must not offset layer numbers
     or assert its own layer split. Parameters are created in fp32 on CPU from one master weight
     (`use_cpu_initialization`); DeepSpeed then casts and moves them. `initialize=False` skips megatron's random
     init (the pipeline always skips it and fills weights with `threed.model.init`, which does not depend on the
-    layout).
+    layout). `sequence_parallel`: megatron's own (all-gather before the column-parallel linears, reduce-scatter after
+    the row-parallel ones; the norms and the residual stream hold [s/tp, b, h]).
     """
     return TransformerConfig(
         num_layers=model.num_layers, hidden_size=model.hidden_size, num_attention_heads=model.num_heads,
@@ -48,12 +49,27 @@ def megatron_config(model: ModelConfig, tp: int, initialize: bool = True, fused_
         attention_dropout=0.0, apply_rope_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
         persist_layer_norm=False, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
         params_dtype=torch.float32, use_cpu_initialization=True, perform_initialization=initialize,
-        gradient_accumulation_fusion=False, sequence_parallel=False, init_method_std=model.init_std,
+        gradient_accumulation_fusion=False, sequence_parallel=sequence_parallel and tp > 1,
+        init_method_std=model.init_std,
     )
 
 
+class LlamaRMSNorm:
+    """The norm of megatron's local spec (a ModuleSpec `module`, built as `LlamaRMSNorm(config, hidden_size, eps)`):
+    torch's RMSNorm, as megatron's WrappedTorchNorm builds it, which however refuses sequence parallelism (its
+    weight would not say that its gradient is partial). Under sequence parallelism each TP rank normalises its own
+    part of the sequence, so the weight is tagged `sequence_parallel` (what megatron's TE and apex norms do); its
+    gradient is summed over the TP group before the step (`threed.partition.StagedPipelineModule`)."""
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_unused) -> torch.nn.Module:
+        norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        if config.sequence_parallel:
+            norm.weight.sequence_parallel = True  # type: ignore[attr-defined]
+        return norm
+
+
 LLAMA_BLOCK_SUBMODULES = TransformerLayerSubmodules(
-    input_layernorm=WrappedTorchNorm,
+    input_layernorm=LlamaRMSNorm,
     self_attention=ModuleSpec(
         module=SelfAttention,
         params={"attn_mask_type": AttnMaskType.causal},
@@ -62,7 +78,7 @@ LLAMA_BLOCK_SUBMODULES = TransformerLayerSubmodules(
                                            k_layernorm=IdentityOp),
     ),
     self_attn_bda=get_bias_dropout_add,
-    pre_mlp_layernorm=WrappedTorchNorm,
+    pre_mlp_layernorm=LlamaRMSNorm,
     mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
                                                         linear_fc2=RowParallelLinear)),
     mlp_bda=get_bias_dropout_add,
@@ -84,22 +100,31 @@ def mark_tensor_parallel(module: torch.nn.Module) -> None:
 
 
 class EmbeddingPipe(torch.nn.Module):
-    """First stage: token ids `[b, s]` -> hidden `[s, b, h]` (megatron's sequence-first layout)."""
+    """First stage: token ids `[b, s]` -> hidden `[s, b, h]` (megatron's sequence-first layout); under sequence
+    parallelism this TP rank's `[s/tp, b, h]`: megatron's embedding reduce-scatters the partial lookups along the
+    sequence instead of all-reducing them (as its LanguageModelEmbedding does)."""
 
     def __init__(self, model: ModelConfig, mcore: TransformerConfig):
         super().__init__()
         self.word_embeddings = VocabParallelEmbedding(
             model.padded_vocab_size(mcore.tensor_model_parallel_size), model.hidden_size,
-            init_method=mcore.init_method, config=mcore)
+            init_method=mcore.init_method, config=mcore, reduce_scatter_embeddings=mcore.sequence_parallel)
         mark_tensor_parallel(self)
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        out = self.word_embeddings(tokens)
+        if self.word_embeddings.reduce_scatter_embeddings:
+            return out  # megatron transposed it before the reduce-scatter: [s/tp, b, h]
+        return out.transpose(0, 1).contiguous()
 
     def forward(self, tokens):
         """Packed SFT rows come as `(tokens, doc_ids [b, s] int32)`: the ids travel on with the hidden states
-        (float first, see `LlamaBlock.forward`), 4 bytes per token, the same shape every micro-batch."""
+        (float first, see `LlamaBlock.forward`), 4 bytes per token, the same shape every micro-batch (the whole
+        sequence's ids on every TP rank: attention sees the whole sequence)."""
         if isinstance(tokens, (tuple, list)):
             tokens, doc_ids = tokens
-            return self.word_embeddings(tokens).transpose(0, 1).contiguous(), doc_ids
-        return self.word_embeddings(tokens).transpose(0, 1).contiguous()
+            return self._embed(tokens), doc_ids
+        return self._embed(tokens)
 
 
 class LlamaBlock(TransformerLayer):
@@ -109,14 +134,16 @@ class LlamaBlock(TransformerLayer):
         super().__init__(config=mcore, submodules=LLAMA_BLOCK_SUBMODULES, layer_number=layer_number)
         mark_tensor_parallel(self)
         self.rotary = RotaryAngles(model)
+        # Under sequence parallelism a block's input is [s/tp, b, h]; attention (after the QKV all-gather) sees s.
+        self.sequence_shards = mcore.tensor_model_parallel_size if mcore.sequence_parallel else 1
 
     def forward(self, hidden):  # type: ignore[override]
-        """`hidden [s, b, h]` -> `[s, b, h]`; or, packed sequences, `(hidden, doc_ids [b, s] int)` -> the same
-        tuple: attention stays inside each document and RoPE positions restart at each (float first: see the
-        stack notes on DeepSpeed's pipeline buffers)."""
+        """`hidden [s, b, h]` -> `[s, b, h]` (`[s/tp, b, h]` under sequence parallelism); or, packed sequences,
+        `(hidden, doc_ids [b, s] int)` -> the same tuple: attention stays inside each document and RoPE positions
+        restart at each (float first: see the stack notes on DeepSpeed's pipeline buffers)."""
         if not isinstance(hidden, torch.Tensor):
             return self._forward_packed(*hidden)
-        angles = self.rotary(hidden.shape[0], hidden.device)
+        angles = self.rotary(hidden.shape[0] * self.sequence_shards, hidden.device)
         out, _ = super().forward(hidden, attention_mask=None, rotary_pos_emb=angles)
         return out
 
@@ -139,7 +166,7 @@ def _packed_geometry(doc_ids: torch.Tensor, rotary: RotaryAngles, device: torch.
 class FinalNormPipe(torch.nn.Module):
     def __init__(self, model: ModelConfig, mcore: TransformerConfig):
         super().__init__()
-        self.norm = WrappedTorchNorm(config=mcore, hidden_size=model.hidden_size, eps=model.rms_norm_eps)
+        self.norm = LlamaRMSNorm(config=mcore, hidden_size=model.hidden_size, eps=model.rms_norm_eps)
 
     def forward(self, hidden) -> torch.Tensor:
         if isinstance(hidden, (tuple, list)):  # packed rows: the document ids end here
