@@ -67,8 +67,8 @@ def copies_equal(engine) -> bool:
     return bool(same.item())
 
 
-def save_final(engine, cfg: RunConfig, out) -> None:
-    """HF-named tensors of this stage, TP shards gathered (see the module docstring)."""
+def save_final(engine, cfg: RunConfig, out, prefix: str = "final_") -> None:
+    """HF-named tensors of this stage, TP shards gathered, as OUT/<prefix>stage<S>.pt (see the module docstring)."""
     group = engine.grid.get_slice_parallel_group()
     tensors: dict[str, torch.Tensor] = {}
     for layer, module in local_modules(engine.module, cfg.model):
@@ -80,7 +80,7 @@ def save_final(engine, cfg: RunConfig, out) -> None:
             hf = {"lm_head.weight": hf["model.embed_tokens.weight"]}  # the last stage's copy
         tensors.update(hf)
     if engine.grid.get_slice_parallel_rank() == 0 and engine.grid.get_data_parallel_rank() == 0:
-        torch.save(tensors, out / f"final_stage{engine.grid.get_stage_id()}.pt")
+        torch.save(tensors, out / f"{prefix}stage{engine.grid.get_stage_id()}.pt")
 
 
 def steps_checked(engine, cfg: RunConfig, ds, start: int, stop: int) -> dict:
