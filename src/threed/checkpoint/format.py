@@ -290,7 +290,7 @@ def open_checkpoint(path: str | os.PathLike, model: Optional[ModelConfig] = None
         model = RunConfig.from_dict({"model": run["model"]}).model
     ranks = layer_ranks([f.name for f in step_dir.iterdir()])
     stored = stored_layer_indices(model)
-    tp = len(ranks.get(stored[0], ()))
+    tp = max((len(ranks.get(i, ())) for i in stored), default=0)  # the layers that are complete say it
     problems = [f"layer {i}: TP ranks {sorted(ranks.get(i, ()))}" for i in incomplete_layers(ranks, tp, stored)]
     extra = sorted(set(ranks) - set(stored))
     if problems or extra:
