@@ -3,6 +3,9 @@
     threed export --ckpt runs/demo/ckpt --out runs/demo/hf [--dtype bf16] [--max-shard-size 5GB]
     python -c "from transformers import AutoModelForCausalLM as A; A.from_pretrained('runs/demo/hf')"
 
+A tied checkpoint (Llama 3.2) exports `tie_word_embeddings: true` and no lm_head.weight: transformers ties the
+head to model.embed_tokens.weight on load, as for Meta's own files.
+
 The weights are those of the layer files (what the model runs with; after bf16 training these are bf16 and the
 fp32 master copy stays in the optimizer files). Padded vocab rows are dropped. Tokenizer files come from
 --tokenizer, else the run's own data tokenizer (a sentencepiece model, an HF tokenizer directory or a

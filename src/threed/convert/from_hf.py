@@ -7,6 +7,10 @@
 --make-vocab-size-divisible-by 128; `threed_run.json` in the output records the exact ModelConfig, see
 threed.checkpoint.format.read_model_config.)
 
+A tied model (config.json `tie_word_embeddings: true`, Llama 3.2 1B / 3B) converts to its stored layers only
+(`threed.model.spec.stored_layers`): the LM head runs with the embedding's weight and has no file. Its HF files
+need no lm_head.weight (transformers saves none); one that is there must equal model.embed_tokens.weight.
+
 Peak memory is one TP rank's shard of one pipeline layer (read slice by slice straight into place, saved,
 freed; see threed.convert.slices), never the model. Nothing is written before the whole source has been checked
 against its config.json, and the output appears under its name only when complete (io_utils.atomic_output_dir).
