@@ -173,7 +173,11 @@ def convert_hf_checkpoint(hf_dir: str | os.PathLike, out: str | os.PathLike, tp:
     if Path(out).exists() and not force:  # fail before reading anything
         raise ConvertError(f"{Path(out).absolute()} already exists; choose a new --out or pass --force")
     source = HFSource(hf_dir)
-    check_source(source, cfg)
+    try:
+        check_source(source, cfg)
+    except BaseException:
+        source.close()  # the tie check may have opened the files
+        raise
     layers = stored_layers(cfg)  # a tied LM head has no file (the embedding's weight is saved once, layer_00)
     total = sum(source.nbytes(layer_hf_names(l)) for l in layers)
     scale = (dtype.itemsize / min(t.dtype.itemsize for t in source.tensors.values())) if dtype else 1.0
