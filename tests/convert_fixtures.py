@@ -95,3 +95,24 @@ def write_tokens(prefix: Path, n: int, vocab: int, seed: int = 0) -> str:
     for i in range(1, n):
         tokens[i] = rng.integers(vocab) if rng.random() < 0.1 else (tokens[i - 1] * 7 + 3) % vocab
     return write_dataset(prefix, tokens, vocab, seed=seed)
+
+
+# Llama 3.2's layout at test size: the LM head tied to the embedding (transformers saves no lm_head.weight), GQA
+# 4 query heads / 2 KV heads, 5 blocks (7 pipeline layers with files, 8 with the tied head: pp=3 is uneven), a
+# vocab of 500 that --make-vocab-size-divisible-by 32 pads to 512 at tp 1 and 2.
+TIED: dict[str, Any] = dict(vocab_size=500, hidden_size=64, num_hidden_layers=5, num_attention_heads=4,
+                            num_key_value_heads=2, intermediate_size=96, rope_theta=500000.0,
+                            max_position_embeddings=128, rms_norm_eps=1e-5, rope_scaling=LLAMA31_SCALING,
+                            tie_word_embeddings=True)
+TIED_DIVISIBLE_BY = "32"
+
+
+def save_tied_hf(out: Path, config: dict[str, Any] = TIED, seed: int = 0, shard_kb: int = 0) -> Path:
+    """Save a random tied HF Llama with transformers' own writer (one weight: no lm_head.weight in the files)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**config)).eval()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    model.save_pretrained(out, max_shard_size=f"{shard_kb}KB" if shard_kb else "50GB")
+    return out

@@ -14,8 +14,12 @@ verify`) both read and write this layout, so every name and every check of it li
 
 The tag is `global_step<N>` (`global_step0` for converted checkpoints). Layer file indices are positions in the
 pipeline's layer list (embedding, the blocks, final norm, LM head), so they do not depend on pp or the partition
-method; mp_rank and optimizer files do. DeepSpeed itself loads a checkpoint only at the tp, pp and dp it was
-written at (at another tp it merges/splits layer files with GPT-2 Megatron name rules and fails deep inside):
+method; mp_rank and optimizer files do. Only the layers that hold parameters of their own have files
+(`threed.model.spec.stored_layers`): a tied LM head (Llama 3.2) runs with the embedding's weight, which is saved
+once, in layer_00 (DeepSpeed broadcasts it to the last stage on load).
+
+DeepSpeed itself loads a checkpoint only at the tp, pp and dp it was written at (at another tp it merges/splits
+layer files with GPT-2 Megatron name rules and fails deep inside):
 `check_layout` / `check_loadable` say so up front, naming `threed reshard`; a full resume at another layout goes
 through a universal checkpoint instead (threed.checkpoint.start).
 """
@@ -26,11 +30,11 @@ import os
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Protocol
 
 from threed.config import ModelConfig, RunConfig
 from threed.errors import ConfigError
-from threed.model.spec import parameter_count, pipeline_layers, shard_shapes
+from threed.model.spec import PipelineLayer, parameter_count, pipeline_layers, shard_shapes, stored_layers
 
 if TYPE_CHECKING:
     import torch
@@ -81,8 +85,13 @@ def checkpoint_bytes(cfg: RunConfig) -> int:
 
 
 def pipeline_layer_count(model: ModelConfig) -> int:
-    """Layer files per TP rank: one per layer of `threed.model.spec.pipeline_layers`."""
+    """Layers of the PipelineModule (`threed.model.spec.pipeline_layers`), with a file or not."""
     return len(pipeline_layers(model))
+
+
+def stored_layer_indices(model: ModelConfig) -> list[int]:
+    """The layer indices with one file per TP rank (`threed.model.spec.stored_layers`; a tied LM head has none)."""
+    return [layer.index for layer in stored_layers(model)]
 
 
 # ------------------------------------------------------------------------------------------- tags and layout
@@ -120,9 +129,9 @@ def layer_ranks(names: list[str]) -> dict[int, set[int]]:
     return ranks
 
 
-def incomplete_layers(ranks: dict[int, set[int]], tp: int, count: int) -> list[int]:
-    """Layers 0 .. count-1 that do not have exactly one file per TP rank (all of them when tp is 0)."""
-    return [i for i in range(count) if tp == 0 or ranks.get(i, set()) != set(range(tp))]
+def incomplete_layers(ranks: dict[int, set[int]], tp: int, indices: Iterable[int]) -> list[int]:
+    """Those of the layer `indices` that do not have exactly one file per TP rank (all of them when tp is 0)."""
+    return [i for i in indices if tp == 0 or ranks.get(i, set()) != set(range(tp))]
 
 
 @dataclass(frozen=True)
@@ -167,9 +176,12 @@ def missing_files(layout: CheckpointLayout, names: list[str]) -> Optional[str]:
     """Why a checkpoint without a manifest (written before manifests existed, or by `threed convert`) is not
     complete, judged by its file counts; None when every layer has every TP rank and the shards divide."""
     ranks = layer_ranks(names)
-    if not ranks or layout.tp == 0:
+    if not ranks:
         return "no layer files"
-    bad = incomplete_layers(ranks, layout.tp, max(ranks) + 1)
+    if layout.tp == 0:  # the TP size is read off layer 0, which every model stores (the embedding)
+        return f"{layer_file(0, 0)} is missing"
+    # Without the model, the layers are 0 .. the highest file's index: a tied LM head (no file) is the last layer.
+    bad = incomplete_layers(ranks, layout.tp, range(max(ranks) + 1))
     if bad:
         missing = sorted(set(range(layout.tp)) - ranks.get(bad[0], set()))
         return f"{layer_file(bad[0], missing[0] if missing else 0)} is missing"
@@ -222,6 +234,11 @@ class Checkpoint:
     def num_pipeline_layers(self) -> int:
         return pipeline_layer_count(self.model)
 
+    @property
+    def layers(self) -> list[PipelineLayer]:
+        """The layers with files (`threed.model.spec.stored_layers`), in index order: what readers iterate."""
+        return stored_layers(self.model)
+
     def layer_path(self, idx: int, tp_rank: int) -> Path:
         return self.step_dir / layer_file(idx, tp_rank)
 
@@ -230,6 +247,9 @@ class Checkpoint:
 
     def load_rank(self, layer: Layer, rank: int) -> dict[str, "torch.Tensor"]:
         """One layer file, memory-mapped (no data read yet), with its keys and shapes checked."""
+        if layer.index not in stored_layer_indices(self.model):
+            raise CheckpointError(f"internal: layer {layer.index} ({layer.kind}) of {self.model.name} has no file "
+                                  f"(tied to the embedding); read the stored layers only (Checkpoint.layers)")
         expected = shard_shapes(self.model, layer.kind, self.tp)
         path = self.layer_path(layer.index, rank)
         try:
@@ -269,13 +289,14 @@ def open_checkpoint(path: str | os.PathLike, model: Optional[ModelConfig] = None
             raise CheckpointError(f"{p} has no {RUN_JSON} or {CONVERT_MANIFEST}: the model config is unknown")
         model = RunConfig.from_dict({"model": run["model"]}).model
     ranks = layer_ranks([f.name for f in step_dir.iterdir()])
-    count = pipeline_layer_count(model)
-    tp = len(ranks.get(0, ()))
-    problems = [f"layer {i}: TP ranks {sorted(ranks.get(i, ()))}" for i in incomplete_layers(ranks, tp, count)]
-    extra = sorted(set(ranks) - set(range(count)))
+    stored = stored_layer_indices(model)
+    tp = max((len(ranks.get(i, ())) for i in stored), default=0)  # the layers that are complete say it
+    problems = [f"layer {i}: TP ranks {sorted(ranks.get(i, ()))}" for i in incomplete_layers(ranks, tp, stored)]
+    extra = sorted(set(ranks) - set(stored))
     if problems or extra:
-        raise CheckpointError(f"{step_dir} does not hold one file per TP rank for each of the {count} layers "
-                              f"of {model.name}: {'; '.join(problems[:6])}"
+        tied = " (its LM head is tied to the embedding: no file)" if len(stored) < pipeline_layer_count(model) else ""
+        raise CheckpointError(f"{step_dir} does not hold one file per TP rank for each of the {len(stored)} stored "
+                              f"layers of {model.name}{tied}: {'; '.join(problems[:6])}"
                               + (f"; unexpected layers {extra}" if extra else ""))
     mp_files = len(list(step_dir.glob("mp_rank_*_model_states.pt")))
     pp = int(run.get("parallel", {}).get("pp", 0)) or max(1, mp_files // tp)
@@ -295,6 +316,13 @@ def check_model(path: str | os.PathLike, recorded: Optional[ModelConfig], model:
         return
     diffs = [f"{f.name} {getattr(recorded, f.name)} != {getattr(model, f.name)}" for f in fields(ModelConfig)
              if f.name not in _IGNORED_FIELDS and getattr(recorded, f.name) != getattr(model, f.name)]
+    if recorded.tie_word_embeddings != model.tie_word_embeddings:
+        # The layer files differ (a tied checkpoint has no LM head file): say which side ties, not just "differs".
+        tied_side, untied = (f"checkpoint {path}", "this run's model") if recorded.tie_word_embeddings else \
+            ("this run's model", f"checkpoint {path}")
+        raise CheckpointError(f"{tied_side} ties the LM head to the embedding (tie_word_embeddings=true), "
+                              f"{untied} does not (tie_word_embeddings=false); pass --model {path} to train the "
+                              f"model the checkpoint holds")
     if diffs:
         raise CheckpointError(f"checkpoint {path} holds another model than this run's ({'; '.join(diffs)}); pass "
                               f"--model {path} to train the model it holds")

@@ -23,7 +23,7 @@ from threed.checkpoint.format import (CONVERT_MANIFEST, CONVERT_TAG, LATEST, RUN
                                       mp_rank_file)
 from threed.config import ModelConfig, RunConfig
 from threed.convert.slices import ShardReader
-from threed.model.spec import LAYER_KINDS, PipelineLayer, layer_parameters, pipeline_layers
+from threed.model.spec import LAYER_KINDS, PipelineLayer, layer_parameters, stored_layers
 
 # megatron-core linears define get_extra_state(); their state dicts hold `<module>._extra_state = None`, and a
 # strict load_state_dict insists on the key, so converted layer files carry it as DeepSpeed's own files do.
@@ -70,8 +70,9 @@ def write_metadata(out: Path, cfg: ModelConfig, tp: int, pp: int, manifest: dict
 
 
 def checkpoint_files(cfg: ModelConfig, tp: int, pp: int) -> list[str]:
-    """Every file `threed convert` writes under the tag directory, in write order (layer files, then mp_rank)."""
-    names = [layer_file(l.index, r) for l in pipeline_layers(cfg) for r in range(tp)]
+    """Every file `threed convert` writes under the tag directory, in write order (layer files of the stored
+    layers, then mp_rank)."""
+    names = [layer_file(l.index, r) for l in stored_layers(cfg) for r in range(tp)]
     return names + [mp_rank_file(s, r, tp) for s in range(pp) for r in range(tp)]
 
 

@@ -3,6 +3,9 @@
     threed export --ckpt runs/demo/ckpt --out runs/demo/hf [--dtype bf16] [--max-shard-size 5GB]
     python -c "from transformers import AutoModelForCausalLM as A; A.from_pretrained('runs/demo/hf')"
 
+A tied checkpoint (Llama 3.2) exports `tie_word_embeddings: true` and no lm_head.weight: transformers ties the
+head to model.embed_tokens.weight on load, as for Meta's own files.
+
 The weights are those of the layer files (what the model runs with; after bf16 training these are bf16 and the
 fp32 master copy stays in the optimizer files). Padded vocab rows are dropped. Tokenizer files come from
 --tokenizer, else the run's own data tokenizer (a sentencepiece model, an HF tokenizer directory or a
@@ -29,7 +32,6 @@ from threed.hf.config import write_config
 from threed.hf.format import TOKENIZER_FILES
 from threed.hf.names import hf_names, hf_shapes
 from threed.hf.write import Planned, ShardedSafetensorsWriter, copy_files, plan_shards, write_sentencepiece_tokenizer
-from threed.model.spec import pipeline_layers
 from threed.units import human_bytes
 
 
@@ -37,7 +39,7 @@ def _plan(ck: Checkpoint, dtype: Optional[torch.dtype]) -> list[Planned]:
     """Every HF tensor in write order with its dtype: reading each layer file's header (memory-mapped, no
     data) also checks names and shapes of the whole checkpoint before anything is written."""
     planned = []
-    for layer in pipeline_layers(ck.model):
+    for layer in ck.layers:  # the stored layers: a tied model's lm_head.weight is not written (HF ties it on load)
         shards = ck.load_layer(layer)
         shapes = hf_shapes(ck.model, layer)
         for ours, names in hf_names(layer).items():
@@ -134,7 +136,7 @@ def export(ckpt: str | os.PathLike, out: str | os.PathLike, dtype: Optional[torc
     with atomic_output_dir(out, force) as tmp:
         writer = ShardedSafetensorsWriter(tmp, plan_shards(planned, max_shard_bytes))
         buffers: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = {}
-        layers = pipeline_layers(ck.model)
+        layers = ck.layers
         with progress(sum(ck.nbytes(l.index) for l in layers), "export", show_progress) as bar:
             for layer in layers:
                 reader = shard_reader(ck, layer)

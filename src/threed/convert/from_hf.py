@@ -7,6 +7,10 @@
 --make-vocab-size-divisible-by 128; `threed_run.json` in the output records the exact ModelConfig, see
 threed.checkpoint.format.read_model_config.)
 
+A tied model (config.json `tie_word_embeddings: true`, Llama 3.2 1B / 3B) converts to its stored layers only
+(`threed.model.spec.stored_layers`): the LM head runs with the embedding's weight and has no file. Its HF files
+need no lm_head.weight (transformers saves none); one that is there must equal model.embed_tokens.weight.
+
 Peak memory is one TP rank's shard of one pipeline layer (read slice by slice straight into place, saved,
 freed; see threed.convert.slices), never the model. Nothing is written before the whole source has been checked
 against its config.json, and the output appears under its name only when complete (io_utils.atomic_output_dir).
@@ -33,12 +37,13 @@ from threed.convert.io_utils import ConvertError, atomic_output_dir, check_free_
 from threed.convert.slices import BufferPool, PartReader, materialize, rank_slices
 from threed.hf.config import from_hf_config
 from threed.hf.format import SIDE_FILES
-from threed.hf.names import hf_names, hf_shapes
+from threed.hf.names import hf_names, hf_shapes, tied_hf_names
 from threed.hf.read import HFSource
-from threed.model.spec import PipelineLayer, pipeline_layers
+from threed.model.spec import PipelineLayer, pipeline_layers, stored_layers
 from threed.units import human_bytes
 
 StateDict = OrderedDict[str, Any]
+TIED_NOTE = " (LM head tied to the embedding: no file of its own)"
 
 
 def layer_hf_names(layer: PipelineLayer) -> list[str]:
@@ -46,11 +51,30 @@ def layer_hf_names(layer: PipelineLayer) -> list[str]:
 
 
 def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF name -> shape of every tensor an HF directory of this model holds (what HFSource.check compares)."""
+    """HF name -> shape of every tensor an HF directory of this model holds (what HFSource.check compares): those
+    of the stored layers (a tied model's lm_head.weight is the embedding, see `check_source`)."""
     expected: dict[str, tuple[int, ...]] = {}
-    for layer in pipeline_layers(cfg):
+    for layer in stored_layers(cfg):
         expected.update(hf_shapes(cfg, layer))
     return expected
+
+
+def check_source(source: HFSource, cfg: ModelConfig) -> None:
+    """The source holds what its config.json implies; a tied model's lm_head.weight may be there too, if it is
+    the embedding's values (compared block by block). Raises before anything is written."""
+    expected, ties = expected_hf_shapes(cfg), tied_hf_names(cfg)
+    untied_head = tied_hf_names(dataclasses.replace(cfg, tie_word_embeddings=True))
+    missing_heads = [n for n in untied_head if n not in source.tensors and n in expected]
+    if missing_heads:  # an untied config over a tied model's files (transformers saves no lm_head.weight then)
+        raise ConvertError(f"{source.path} has no {missing_heads[0]} and its config.json says "
+                           f"tie_word_embeddings=false; if the model ties it to {untied_head[missing_heads[0]]} "
+                           f"(Llama 3.2 1B / 3B), set tie_word_embeddings: true in config.json")
+    source.check(cfg, expected, optional={n: expected[owner] for n, owner in ties.items()})
+    for name, owner in ties.items():
+        if name in source.tensors and not source.same_values(name, owner):
+            raise ConvertError(f"{source.path}: {name} differs from {owner} although config.json says "
+                               f"tie_word_embeddings=true; set it to false to convert both weights, or remove "
+                               f"{name} from the safetensors to convert the tied model")
 
 
 def convert_rank(cfg: ModelConfig, layer: PipelineLayer, reader: PartReader, tp: int, rank: int,
@@ -71,7 +95,7 @@ def convert_stream(reader: PartReader, cfg: ModelConfig, tp: int, dtype: Optiona
     """Yield (layer, TP rank, state dict) for every output file, one at a time (with a pool, each is only
     valid until the next is made). With device="meta" and a reader over meta tensors this is the whole
     conversion at real shapes with no memory (tests/test_convert_meta.py)."""
-    for layer in layers if layers is not None else pipeline_layers(cfg):
+    for layer in layers if layers is not None else stored_layers(cfg):
         for rank in range(tp):
             yield layer, rank, convert_rank(cfg, layer, reader, tp, rank, dtype, device, pool)
 
@@ -106,7 +130,7 @@ def _worker_init(hf_dir: str, cfg_json: str, tp: int, dtype: Optional[str], step
 
 def _worker_layer(index: int) -> int:
     w = _WORKER
-    layer = pipeline_layers(w["cfg"])[index]
+    layer = pipeline_layers(w["cfg"])[index]  # a stored layer: _run_workers submits those only
     w["source"].prefetch(layer_hf_names(layer))
     for rank in range(w["tp"]):
         sd = convert_rank(w["cfg"], layer, w["source"], w["tp"], rank, w["dtype"], pool=w["pool"])
@@ -116,9 +140,9 @@ def _worker_layer(index: int) -> int:
 
 def _run_workers(source: HFSource, cfg: ModelConfig, tp: int, dtype: Optional[torch.dtype], step_dir: Path,
                  workers: int, bar) -> None:
-    layers = pipeline_layers(cfg)
+    layers = {l.index: l for l in stored_layers(cfg)}
     # Largest layers first, so the embedding and LM head do not end up alone at the tail.
-    order = sorted(layers, key=lambda l: -source.nbytes(layer_hf_names(l)))
+    order = sorted(layers.values(), key=lambda l: -source.nbytes(layer_hf_names(l)))
     init = (str(source.path), json.dumps(model_to_dict(cfg)), tp, str(dtype).replace("torch.", "") if dtype else None,
             str(step_dir))
     # spawn, not fork: a forked child of a process that has used torch's thread pools can hang.
@@ -149,8 +173,12 @@ def convert_hf_checkpoint(hf_dir: str | os.PathLike, out: str | os.PathLike, tp:
     if Path(out).exists() and not force:  # fail before reading anything
         raise ConvertError(f"{Path(out).absolute()} already exists; choose a new --out or pass --force")
     source = HFSource(hf_dir)
-    source.check(cfg, expected_hf_shapes(cfg))
-    layers = pipeline_layers(cfg)
+    try:
+        check_source(source, cfg)
+    except BaseException:
+        source.close()  # the tie check may have opened the files
+        raise
+    layers = stored_layers(cfg)  # a tied LM head has no file (the embedding's weight is saved once, layer_00)
     total = sum(source.nbytes(layer_hf_names(l)) for l in layers)
     scale = (dtype.itemsize / min(t.dtype.itemsize for t in source.tensors.values())) if dtype else 1.0
     Path(out).absolute().parent.mkdir(parents=True, exist_ok=True)
@@ -164,9 +192,10 @@ def convert_hf_checkpoint(hf_dir: str | os.PathLike, out: str | os.PathLike, tp:
                 _run_workers(source, cfg, tp, dtype, step_dir, workers, bar)
             else:
                 source.prefetch(layer_hf_names(layers[0]))
+                following = dict(zip((l.index for l in layers), layers[1:]))
                 for layer, rank, sd in convert_stream(source, cfg, tp, dtype, layers, pool=BufferPool()):
-                    if rank == 0 and layer.index + 1 < len(layers):
-                        source.prefetch(layer_hf_names(layers[layer.index + 1]))  # overlap reads and writes
+                    if rank == 0 and layer.index in following:
+                        source.prefetch(layer_hf_names(following[layer.index]))  # overlap reads and writes
                     save_rank(step_dir, layer, rank, sd)
                     del sd  # one rank's shard of one layer in memory at a time
                     if rank == tp - 1:
@@ -181,7 +210,8 @@ def convert_hf_checkpoint(hf_dir: str | os.PathLike, out: str | os.PathLike, tp:
             "model": model_to_dict(cfg), "tp": tp, "pp": pp, "vocab_size": cfg.vocab_size,
             "padded_vocab_size": cfg.padded_vocab_size(tp),
             "make_vocab_size_divisible_by": cfg.make_vocab_size_divisible_by, "dtype": "/".join(dtypes),
-            "tag": CONVERT_TAG, "num_pipeline_layers": len(layers),
+            "tag": CONVERT_TAG, "num_pipeline_layers": len(pipeline_layers(cfg)),
+            "stored_layers": [l.index for l in layers], "tie_word_embeddings": cfg.tie_word_embeddings,
             "source": {"path": str(hf_dir), "format": source.format, "files": [f.name for f in source.files],
                        "bytes": total},
             "hf_files": copied, "seconds": round(time.time() - t0, 2),
@@ -189,6 +219,6 @@ def convert_hf_checkpoint(hf_dir: str | os.PathLike, out: str | os.PathLike, tp:
         write_metadata(tmp, cfg, tp, pp, manifest)
     if show_progress:
         print(f"threed convert: {hf_dir} ({human_bytes(total)}, {source.format}) -> {out}: tp={tp} pp={pp}, "
-              f"{len(layers)} pipeline layers x {tp} TP ranks, vocab {cfg.vocab_size} padded to "
-              f"{cfg.padded_vocab_size(tp)}, {time.time() - t0:.1f} s")
+              f"{len(layers)} layer files x {tp} TP ranks{TIED_NOTE if cfg.tie_word_embeddings else ''}, vocab "
+              f"{cfg.vocab_size} padded to {cfg.padded_vocab_size(tp)}, {time.time() - t0:.1f} s")
     return manifest

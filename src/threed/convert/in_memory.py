@@ -9,12 +9,14 @@ from threed.convert.mapping import layer_from_hf, layer_to_hf
 from threed.hf.names import hf_names
 from threed.model.init import shard_of
 from threed.model.spec import layer_parameters, pipeline_layers, stored_layers
-from threed.pipeline import local_modules
 
 
 def load_hf_state(module, cfg: ModelConfig, hf_state: dict[str, torch.Tensor], tp: int, tp_rank: int) -> None:
-    """`module` is a DeepSpeed PipelineModule; only the modules of this rank's stage are filled (a tied head's
-    stage: the embedding copy it runs with)."""
+    """`module` is a DeepSpeed PipelineModule; only the modules of this rank's stage are filled. A tied model's
+    last stage fills its copy of the embedding (its LM head's weight) from the embedding's HF tensor."""
+    # deepspeed, megatron (through threed.pipeline): heavy; random_hf_state below needs neither
+    from threed.pipeline import local_modules
+
     for layer, layer_module in local_modules(module, cfg):
         layer_module.load_state_dict(layer_from_hf(cfg, layer, hf_state, tp)[tp_rank], strict=True)
 
@@ -22,7 +24,8 @@ def load_hf_state(module, cfg: ModelConfig, hf_state: dict[str, torch.Tensor], t
 def random_hf_state(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     """The HF state dict of a random init with `seed` (`threed.model.init`): what `threed export` of a run that
     started from random weights with this seed gives at any tp and pp, before its first step. A tied model's dict
-    holds the LM head's name too, bound to the embedding's tensor (as transformers' own state_dict does)."""
+    also holds the LM head's name bound to the embedding's tensor, as transformers' own state_dict does (its
+    strict load_state_dict asks for both names; export writes only the embedding)."""
     out: dict[str, torch.Tensor] = {}
     layers = pipeline_layers(cfg)
     for layer in stored_layers(cfg):
@@ -31,7 +34,7 @@ def random_hf_state(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     for layer in layers:
         if layer.tied_to is not None:
             owner = layers[layer.tied_to]
-            for (p_head, p_owner) in zip(layer_parameters(layer.kind), layer_parameters(owner.kind)):
+            for p_head, p_owner in zip(layer_parameters(layer.kind), layer_parameters(owner.kind)):
                 (head_name,), (owner_name,) = hf_names(layer)[p_head.name], hf_names(owner)[p_owner.name]
                 out[head_name] = out[owner_name]
     return out

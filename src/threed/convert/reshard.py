@@ -23,7 +23,7 @@ from threed.checkpoint.format import CONVERT_TAG, HF_EXTRA_DIR, open_checkpoint
 from threed.convert.ds_checkpoint import model_to_dict, shard_reader, write_metadata
 from threed.convert.io_utils import ConvertError, atomic_output_dir, check_free_space, dtype_name, progress
 from threed.convert.slices import BufferPool
-from threed.model.spec import pipeline_layers
+from threed.model.spec import pipeline_layers, stored_layers
 from threed.units import human_bytes
 
 
@@ -35,7 +35,7 @@ def reshard(ckpt: str | os.PathLike, out: str | os.PathLike, tp: int, pp: int,
     ck = open_checkpoint(ckpt)
     cfg = ck.model
     ParallelConfig(tp=tp, pp=pp).validate(cfg, tp * pp)
-    layers = pipeline_layers(cfg)
+    layers = stored_layers(cfg)  # a tied LM head has no file to read or write
     total = sum(ck.nbytes(l.index) for l in layers)
     Path(out).absolute().parent.mkdir(parents=True, exist_ok=True)
     check_free_space(Path(out).absolute().parent, total)
@@ -60,7 +60,8 @@ def reshard(ckpt: str | os.PathLike, out: str | os.PathLike, tp: int, pp: int,
             "padded_vocab_size": cfg.padded_vocab_size(tp),
             "make_vocab_size_divisible_by": cfg.make_vocab_size_divisible_by,
             "dtype": dtype_name(dtype) if dtype else "/".join(sorted(dtypes)), "tag": CONVERT_TAG,
-            "num_pipeline_layers": len(layers),
+            "num_pipeline_layers": len(pipeline_layers(cfg)), "stored_layers": [l.index for l in layers],
+            "tie_word_embeddings": cfg.tie_word_embeddings,
             "source": {"path": str(ck.path.absolute()), "format": "deepspeed", "tp": ck.tp, "pp": ck.pp,
                        "tag": ck.tag, "bytes": total},
             "hf_files": side, "seconds": round(time.time() - t0, 2),

@@ -11,7 +11,8 @@ an HF checkpoint that are not weights (`IGNORED_SUFFIXES`) are `threed.hf.format
 from __future__ import annotations
 
 from threed.config import ModelConfig
-from threed.model.spec import PARAMETERS, LayerKind, PipelineLayer, full_shape, layer_parameters
+from threed.model.spec import (PARAMETERS, LayerKind, PipelineLayer, full_shape, held_parameters, layer_parameters,
+                               tie_owners)
 
 # (layer kind, our name) -> HF name templates; "{i}" is the block number.
 HF_NAMES: dict[tuple[LayerKind, str], tuple[str, ...]] = {
@@ -53,4 +54,19 @@ def hf_shapes(cfg: ModelConfig, layer: PipelineLayer) -> dict[str, tuple[int, ..
             parts = [rows]
         assert sum(parts) == rows and len(parts) == len(names), (p.name, parts, names)
         out.update({n: (r, *rest) for n, r in zip(names, parts)})
+    return out
+
+
+def tied_hf_names(cfg: ModelConfig) -> dict[str, str]:
+    """HF name of each weight a tied model does not hold -> HF name of the weight it is (Llama 3.2:
+    `lm_head.weight` -> `model.embed_tokens.weight`); empty for an untied model. transformers saves a tied model
+    without the first; a file that has it anyway must hold the same tensor (threed.convert.from_hf checks)."""
+    held, owners = held_parameters(cfg), tie_owners()
+    out: dict[str, str] = {}
+    for p in PARAMETERS:
+        if p not in held:
+            owner = owners[p.tie]  # type: ignore[index]  # a row not held is a tied one
+            for ours, theirs in zip(HF_NAMES[(p.layer, p.name)], HF_NAMES[(owner.layer, owner.name)]):
+                assert "{i}" not in ours + theirs, "a tied weight of a block would need the block number"
+                out[ours] = theirs
     return out

@@ -250,6 +250,26 @@ class HFSource:
     def read_many(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         return {n: self.read(n) for n in names}
 
+    def same_values(self, a: str, b: str, block_bytes: int = 64 << 20) -> bool:
+        """Whether tensors `a` and `b` have the same shape and values (compared in row blocks of about
+        `block_bytes`, in the wider of their dtypes): memory holds one block of each, never a whole tensor."""
+        ia, ib = self.tensors[a], self.tensors[b]
+        if ia.shape != ib.shape:
+            return False
+        if not ia.shape:
+            return torch.equal(self.read(a).double(), self.read(b).double())
+        rows = ia.shape[0]
+        step = max(1, block_bytes // max(1, max(ia.nbytes, ib.nbytes) // max(rows, 1)))
+        wide = torch.promote_types(ia.dtype, ib.dtype)
+        for start in range(0, rows, step):
+            n = min(step, rows - start)
+            x, y = (torch.empty((n, *ia.shape[1:]), dtype=i.dtype) for i in (ia, ib))
+            self.read_slice(a, 0, start, n, x)
+            self.read_slice(b, 0, start, n, y)
+            if not torch.equal(x.to(wide), y.to(wide)):
+                return False
+        return True
+
     def close(self) -> None:
         self._bin_cache = (None, {})
         for fd in self._fds.values():
@@ -257,18 +277,22 @@ class HFSource:
         self._fds = {}
 
     # ------------------------------------------------------------------------------------------- validation
-    def check(self, cfg: ModelConfig, expected: dict[str, tuple[int, ...]]) -> None:
+    def check(self, cfg: ModelConfig, expected: dict[str, tuple[int, ...]],
+              optional: Optional[dict[str, tuple[int, ...]]] = None) -> None:
         """Every tensor the config implies (`expected`: HF name -> shape) is present with the right shape, and
-        nothing else is (but IGNORED_SUFFIXES)."""
+        nothing else is (but IGNORED_SUFFIXES, and the `optional` ones, checked for shape when present: a tied
+        model's lm_head.weight, which some writers save anyway)."""
+        optional = optional or {}
         present = {n for n in self.tensors if not n.endswith(IGNORED_SUFFIXES)}
         problems = []
         missing = sorted(set(expected) - present)
         if missing:
             problems.append(f"{len(missing)} missing: {_names(missing)}")
-        unexpected = sorted(present - set(expected))
+        unexpected = sorted(present - set(expected) - set(optional))
         if unexpected:
             problems.append(f"{len(unexpected)} unexpected: {_names(unexpected)}")
-        wrong = [f"{n} is {list(self.tensors[n].shape)}, expected {list(s)}" for n, s in expected.items()
+        shapes = {**optional, **expected}
+        wrong = [f"{n} is {list(self.tensors[n].shape)}, expected {list(s)}" for n, s in shapes.items()
                  if n in self.tensors and self.tensors[n].shape != s]
         if wrong:
             problems.append(f"{len(wrong)} wrong-shaped: {_names(wrong)}")

@@ -89,6 +89,12 @@ def verify(hf_dir: str | os.PathLike, ckpt: str | os.PathLike, tol: float = 1e-5
     if hf_cfg.vocab_size != ck.model.vocab_size or hf_cfg.num_layers != ck.model.num_layers:
         raise ConvertError(f"{hf_dir} (vocab {hf_cfg.vocab_size}, {hf_cfg.num_layers} layers) is not the model "
                            f"in {ckpt} (vocab {ck.model.vocab_size}, {ck.model.num_layers} layers)")
+    if hf_cfg.tie_word_embeddings != ck.model.tie_word_embeddings:
+        flag = lambda tied: "true" if tied else "false"  # noqa: E731
+        raise ConvertError(f"{hf_dir} says tie_word_embeddings={flag(hf_cfg.tie_word_embeddings)}, the model in "
+                           f"{ckpt} has tie_word_embeddings={flag(ck.model.tie_word_embeddings)}: not the same "
+                           f"model; compare against the HF model it was converted from, or export it with "
+                           f"`threed export --ckpt {ckpt} --out DIR` and pass --hf DIR")
     seq = min(seq_length, ck.model.max_position_embeddings)
     tokens = torch.randint(0, ck.model.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
     got, tp, pp = checkpoint_logits(ckpt, tokens)
