@@ -6,9 +6,9 @@ import torch
 
 from threed.config import ModelConfig
 from threed.convert.mapping import layer_from_hf, layer_to_hf
-from threed.hf.names import hf_names
+from threed.hf.names import tied_hf_names
 from threed.model.init import shard_of
-from threed.model.spec import layer_parameters, pipeline_layers, stored_layers
+from threed.model.spec import layer_parameters, stored_layers
 
 
 def load_hf_state(module, cfg: ModelConfig, hf_state: dict[str, torch.Tensor], tp: int, tp_rank: int) -> None:
@@ -27,14 +27,9 @@ def random_hf_state(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     also holds the LM head's name bound to the embedding's tensor, as transformers' own state_dict does (its
     strict load_state_dict asks for both names; export writes only the embedding)."""
     out: dict[str, torch.Tensor] = {}
-    layers = pipeline_layers(cfg)
     for layer in stored_layers(cfg):
         ours = {p.name: shard_of(cfg, layer.index, p, 1, 0, seed) for p in layer_parameters(layer.kind)}
         out.update(layer_to_hf(cfg, layer, [ours]))
-    for layer in layers:
-        if layer.tied_to is not None:
-            owner = layers[layer.tied_to]
-            for p_head, p_owner in zip(layer_parameters(layer.kind), layer_parameters(owner.kind)):
-                (head_name,), (owner_name,) = hf_names(layer)[p_head.name], hf_names(owner)[p_owner.name]
-                out[head_name] = out[owner_name]
+    for tied_name, owner_name in tied_hf_names(cfg).items():
+        out[tied_name] = out[owner_name]
     return out
