@@ -142,3 +142,24 @@ def test_packed_sft_through_threed_train_equals_single_process_hf(run):
     close(got["grad_norms"], norms, "SFT grad norm")
     (ev,) = got["evals"]
     assert abs(ev["loss"] - valid) <= TOL * valid
+
+
+def test_export_of_the_resumed_run_loads_tied_in_transformers(run, ref, tmp_path):
+    """The run resumed at tp1 pp2 dp4 saved step 10: `threed export` gives an HF folder with no lm_head.weight that
+    AutoModelForCausalLM loads tied, holding the single-process reference's final weights."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from threed.cli import main
+
+    out = tmp_path / "hf"
+    assert main(["export", "--ckpt", str(run["out"] / "save"), "--out", str(out), "--quiet"]) == 0
+    stored = {k for f in out.glob("*.safetensors") for k in load_file(f)}
+    assert "lm_head.weight" not in stored and "model.embed_tokens.weight" in stored
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
+    model = AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    _, _, want = ref
+    for name, tensor in model.state_dict().items():
+        err = (tensor - want[name]).abs().max().item()
+        assert err <= TOL * max(want[name].abs().max().item(), 1.0), f"{name}: max abs diff {err}"

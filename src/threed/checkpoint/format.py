@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional, Protocol
 
 from threed.config import ModelConfig, RunConfig
 from threed.errors import ConfigError
-from threed.model.spec import PipelineLayer, parameter_count, pipeline_layers, shard_shapes, stored_layers
+from threed.model.spec import (PipelineLayer, optimizer_parameters, parameter_count, pipeline_layers, shard_shapes,
+                               stored_layers)
 
 if TYPE_CHECKING:
     import torch
@@ -79,9 +80,11 @@ def mp_rank_file(stage: int, tp_rank: int, tp: int) -> str:
 
 
 def checkpoint_bytes(cfg: RunConfig) -> int:
-    """Bytes of one checkpoint of this run: the weights in the training dtype (vocabulary padded for its tp) plus
-    ZeRO's fp32 master copy and AdamW's two moments (12 B/param, in total over the dp shards)."""
-    return parameter_count(cfg.model, cfg.parallel.tp) * ((2 if cfg.train.dtype == "bf16" else 4) + 12)
+    """Bytes of one checkpoint of this run: the weights in the training dtype (vocabulary padded for its tp; a tied
+    weight saved once) plus ZeRO's fp32 master copy and AdamW's two moments (12 B/param, in total over the dp
+    shards; a tied weight's at pp > 1 twice: each stage's optimizer holds its copy)."""
+    weights = parameter_count(cfg.model, cfg.parallel.tp) * (2 if cfg.train.dtype == "bf16" else 4)
+    return weights + 12 * optimizer_parameters(cfg.model, cfg.parallel.tp, cfg.parallel.pp)
 
 
 def pipeline_layer_count(model: ModelConfig) -> int:

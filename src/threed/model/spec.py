@@ -207,6 +207,19 @@ def parameter_count(model: ModelConfig, tp: Optional[int] = None) -> int:
     return total
 
 
+def optimizer_parameters(model: ModelConfig, tp: int, pp: int) -> int:
+    """Parameters the optimizers of all stages hold (vocabulary padded for `tp`): each once, except a tied weight at
+    pp > 1, of which the first and the last stage each hold a copy with its own master weights and moments."""
+    extra = 0
+    if tied(model) and pp > 1:
+        for owner in tie_owners().values():
+            n = 1
+            for s in full_shape(model, owner, tp):
+                n *= s
+            extra += n
+    return parameter_count(model, tp) + extra
+
+
 def stage_parameters(model: ModelConfig, tp: int, kinds: list[LayerKind]) -> tuple[int, int]:
     """(matrices, norms) elements on one TP rank of a stage holding these layers (one entry per layer, a block
     once per block): `threed.engine`'s two optimizer groups (decay / no decay). Vocabulary padded for `tp`.
