@@ -17,6 +17,7 @@ from threed.config import ConfigError, RunConfig
 from threed.errors import guarded
 from threed.flags import add_run_flags, run_config_from_args
 from threed.model.spec import parameter_count
+from threed.partition import recompute_summary
 from threed.units import human_bytes
 
 
@@ -28,13 +29,14 @@ def check(ns: argparse.Namespace) -> str:
     cfg.validate(ns.world)
     dp = cfg.parallel.dp(ns.world)
     micro, gas, glob = cfg.train.resolve_batch(dp)
+    recompute = recompute_summary(cfg)  # --recompute-num-layers against the stages' blocks
     start = "random init"
     if ns.paths:
         start = check_paths(cfg, ns.world)
     return (f"config ok: {cfg.model.name} ({parameter_count(cfg.model) / 1e6:.1f}M params), world {ns.world} = "
             f"tp {cfg.parallel.tp} x pp {cfg.parallel.pp} x dp {dp}, global batch {glob} = micro {micro} x gas "
-            f"{gas} x dp {dp}, seq {cfg.train.seq_length}, {cfg.train.steps} steps; start: {start}; "
-            f"{checkpoints(cfg)}")
+            f"{gas} x dp {dp}, seq {cfg.train.seq_length}, {cfg.train.steps} steps; recompute: {recompute}; "
+            f"start: {start}; {checkpoints(cfg)}")
 
 
 def checkpoints(cfg: RunConfig) -> str:

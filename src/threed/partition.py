@@ -17,13 +17,18 @@ Llama-3-8B block (their vocabularies are 32k and 128k), and 1F1B runs at the pac
 
 DeepSpeed's PipelineModule knows only its own methods, so `StagedPipelineModule` takes the resolved boundaries as
 `partition_method="parts:0,6,11"` (layer indices where each stage starts, then the end).
+
+Full recompute (Megatron-LM's `--recompute-granularity full --recompute-method uniform|block --recompute-num-layers
+N`) counts the blocks of each stage, so it lives here too: `recompute_summary` checks N against the stages before
+anything is built, and `StagedPipelineModule` runs the recomputed chunks (`recompute_chunks`).
 """
 from __future__ import annotations
 
 import functools
 import re
+from typing import Any, Optional
 
-from threed.config import ModelConfig
+from threed.config import ModelConfig, TrainConfig
 from threed.errors import ConfigError
 from threed.model.spec import PipelineLayer, layer_training_flops, pipeline_layers, stage_parameters
 
@@ -139,6 +144,74 @@ def stage_boundaries(cfg) -> str:
     return PARTS_PREFIX + ",".join(str(b) for b in bounds)
 
 
+def full_recompute(train: TrainConfig) -> Optional[tuple[str, int]]:
+    """(method, N) of full recompute, or None. `--activation-checkpointing` is Megatron's full / uniform / 1."""
+    if train.activation_checkpointing:
+        return "uniform", 1
+    if train.recompute_granularity == "full":
+        return str(train.recompute_method), int(train.recompute_num_layers or 0)
+    return None
+
+
+def stage_blocks(bounds: list[int], model: ModelConfig) -> list[int]:
+    """Transformer blocks on each stage."""
+    layers = pipeline_layers(model)
+    return [sum(la.kind == "block" for la in layers[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
+def recompute_summary(cfg) -> str:
+    """What backward recomputes, as a phrase for the start-up line; ConfigError when --recompute-num-layers does not
+    fit the stages. Megatron asks for N "between 1 and num_layers_per_pipeline_rank": with `block` each stage must
+    hold N blocks (a stage with fewer would silently recompute fewer); with `uniform` a chunk never crosses a stage,
+    so N above the largest stage's blocks means nothing (a smaller stage is one chunk, as in Megatron)."""
+    train = cfg.train
+    if train.recompute_granularity == "selective":
+        return "selective (the core attention of every block)"
+    plan = full_recompute(train)
+    if plan is None:
+        return "none"
+    method, n = plan
+    counts = stage_blocks(resolve_partition(cfg.parallel.partition_method, cfg.model, cfg.parallel.pp,
+                                            train.seq_length, cfg.parallel.tp), cfg.model)
+    flags = f"--recompute-method {method} --recompute-num-layers {n}"
+    if method == "uniform":
+        most = max(counts)
+        if n > most:
+            raise ConfigError(f"{flags}: a recompute chunk lies within one pipeline stage and the largest, stage "
+                              f"{counts.index(most)}, holds {most} blocks; use --recompute-num-layers {most} or fewer")
+        return f"full, uniform: every block, in chunks of {n}"
+    for stage, blocks in enumerate(counts):
+        if n > blocks:
+            raise ConfigError(f"{flags}: pipeline stage {stage} holds {blocks} block{'s' * (blocks != 1)}, fewer "
+                              f"than {n} to recompute; use --recompute-num-layers {min(counts)} or fewer (the "
+                              f"smallest stage's blocks), or --recompute-method uniform to recompute every block")
+    if len(set(counts)) == 1:
+        return f"full, block: the first {n} of {counts[0]} blocks on each of {len(counts)} stages"
+    return "full, block " + ", ".join(f"{n} of {blocks} block{'s' * (blocks != 1)} on stage {stage}"
+                                      for stage, blocks in enumerate(counts))
+
+
+def recompute_chunks(checkpointable: list[bool], method: str, n: int) -> list[tuple[int, int, bool]]:
+    """A stage's layers as runs `(start, stop, recomputed)` covering them in order: Megatron's full recompute over
+    the stage's blocks (`checkpointable`, contiguous). `uniform`: every block, in chunks of n from the stage's first
+    block (the last may be shorter); `block`: each of the first n blocks on its own, the others not."""
+    blocks = [i for i, c in enumerate(checkpointable) if c]
+    assert blocks == list(range(blocks[0], blocks[0] + len(blocks))) if blocks else True, checkpointable
+    if method == "block":
+        spans = [(i, i + 1) for i in blocks[:n]]
+    else:
+        spans = [(blocks[k], blocks[min(k + n, len(blocks)) - 1] + 1) for k in range(0, len(blocks), n)]
+    chunks, at = [], 0
+    for start, stop in spans:
+        if start > at:
+            chunks.append((at, start, False))
+        chunks.append((start, stop, True))
+        at = stop
+    if at < len(checkpointable):
+        chunks.append((at, len(checkpointable), False))
+    return chunks
+
+
 @functools.cache
 def staged_pipeline_module():
     """DeepSpeed's PipelineModule, taking explicit stage boundaries (created lazily: DeepSpeed is imported only
@@ -149,6 +222,42 @@ def staged_pipeline_module():
     from deepspeed.pipe import PipelineModule
 
     class StagedPipelineModule(PipelineModule):
+        """`recompute`: (method, N) of full recompute (`full_recompute`), or None. The module is then built with
+        activation_checkpoint_interval 1, which only keeps DeepSpeed's engine treating it as checkpointed (the
+        reentrant variant's first-stage inputs); `forward` runs `recompute_runs` instead of DeepSpeed's chunks."""
+
+        def __init__(self, *args: Any, recompute: Optional[tuple[str, int]] = None, **kwargs: Any):
+            super().__init__(*args, **kwargs)
+            # DeepSpeed cuts a stage's layers into chunks of `activation_checkpoint_interval` counted from its first
+            # layer (on stage 0 the embedding: a chunk of N would mix it with N-1 blocks and not be checkpointed at
+            # all) and checkpoints every chunk of blocks alike. Megatron's methods count blocks (uniform: chunks
+            # from the first block; block: only the first N), so the runs are Megatron's, over the layers that
+            # DeepSpeed's `_is_checkpointable` accepts (`checkpointable_layers`: the blocks).
+            self.recompute = recompute
+            self.recompute_runs: list[tuple[int, int, bool]] = [] if recompute is None else recompute_chunks(
+                [self._is_checkpointable([f]) for f in self.forward_funcs], *recompute)
+
+        def forward(self, forward_input: Any) -> Any:
+            if self.recompute is None:
+                return super().forward(forward_input)
+            # DeepSpeed's forward with its chunks replaced by the runs; the checkpoint function is the one its
+            # engine set (reentrant, or non-reentrant for packed rows: threed.engine). Its per-layer reseeding
+            # (seed_layers) is off in threed's pipeline and not repeated here.
+            assert not self.seed_layers, "threed's pipeline builds no per-layer seeds"
+            self.micro_offset += 1
+            x = forward_input
+            for start, stop, recomputed in self.recompute_runs:
+                x = x if isinstance(x, tuple) else (x,)  # DeepSpeed's convention: layers get one tensor or a tuple
+                run = functools.partial(self._run_layers, start, stop)
+                x = self.activation_checkpoint_func(run, *x) if recomputed else run(*x)
+            return x
+
+        def _run_layers(self, start: int, stop: int, *inputs: Any) -> Any:
+            x = inputs[0] if len(inputs) == 1 else inputs
+            for layer in self.forward_funcs[start:stop]:
+                x = layer(x)
+            return x
+
         def get_tied_weights_and_groups(self) -> list:
             # Sequence parallelism: each TP rank's norm weights (tagged `sequence_parallel`, threed.model.layers)
             # saw its own part of the sequence, so their gradients must be summed over the TP group, as megatron's

@@ -16,7 +16,7 @@ from threed.model.init import init_pipeline_layers_
 from threed.model.layers import (EmbeddingPipe, FinalNormPipe, LlamaBlock, LMHeadPipe, TiedLMHead, causal_lm_loss,
                                  megatron_config, token_weighted_loss)
 from threed.model.spec import PipelineLayer, pipeline_layers, tie_owners, tied, universal_checkpoint_info
-from threed.partition import stage_boundaries, staged_pipeline_module
+from threed.partition import full_recompute, recompute_summary, stage_boundaries, staged_pipeline_module
 
 
 def make_topology(tp: int, pp: int, dp: int) -> PipeModelDataParallelTopology:
@@ -32,7 +32,8 @@ def build_pipeline_module(cfg: RunConfig, world_size: int, initialize: bool = Tr
     # megatron's own init is always skipped: it draws full master weights from the global generator, which
     # every stage seeds alike (copied blocks) and which changes with tp. `threed.model.init` replaces it.
     mcore = megatron_config(cfg.model, cfg.parallel.tp, initialize=False, fused_swiglu=fused_swiglu,
-                            sequence_parallel=cfg.parallel.sequence_parallel)
+                            sequence_parallel=cfg.parallel.sequence_parallel,
+                            selective_recompute=cfg.train.recompute_granularity == "selective")
     specs: list = []
     for layer in pipeline_layers(cfg.model):
         if tied(cfg.model) and layer.kind in ("embedding", "lm_head"):
@@ -54,6 +55,8 @@ def build_pipeline_module(cfg: RunConfig, world_size: int, initialize: bool = Tr
             specs.append(LayerSpec(FinalNormPipe, cfg.model, mcore))
         else:
             specs.append(LayerSpec(LMHeadPipe, cfg.model, mcore))
+    recompute = full_recompute(cfg.train)
+    recompute_summary(cfg)  # --recompute-num-layers against the stages (threed.train checked it already)
     topology = make_topology(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp(world_size))
     # Stage boundaries resolved by threed.partition (--partition-method; DeepSpeed's PipelineModule underneath).
     module = staged_pipeline_module()(
@@ -61,7 +64,10 @@ def build_pipeline_module(cfg: RunConfig, world_size: int, initialize: bool = Tr
         loss_fn=token_weighted_loss if token_weighted else causal_lm_loss,
         topology=topology,
         partition_method=stage_boundaries(cfg),
-        activation_checkpoint_interval=1 if cfg.train.activation_checkpointing else 0,
+        # Full recompute (Megatron's uniform / block, --activation-checkpointing = uniform 1): which blocks, and in
+        # which chunks, is StagedPipelineModule's; interval 1 only tells DeepSpeed's engine that it is on.
+        activation_checkpoint_interval=1 if recompute else 0,
+        recompute=recompute,
         # Explicit, because DeepSpeed otherwise guesses from class names (it looks for "ParallelTransformerLayerPipe").
         checkpointable_layers=["LlamaBlock"],
         base_seed=cfg.train.seed,

@@ -41,6 +41,7 @@ from threed.guard import RunGuard, StopRequest
 from threed.evaluate import evaluate
 from threed.metrics.writer import RunMetrics
 from threed.model.spec import parameter_count
+from threed.partition import recompute_summary
 
 @dataclass
 class TrainResult:
@@ -96,6 +97,7 @@ def train(cfg: RunConfig) -> TrainResult:
                           "or check a configuration without building it with `threed check-config`")
     rt = init_distributed(cfg.control.dist_timeout_minutes)
     cfg.validate(rt.world_size)
+    recompute_summary(cfg)  # --recompute-num-layers against the stages' blocks, before anything is built
     splits = checked_data_splits(cfg, rt.rank)  # every data problem, before datasets or the model are built
     # Rank 0 holds --save's lock from checkpoint_start on; it is released on every way out of this block (the
     # end, exit 2/3, an exception, Ctrl-C), and by the kernel when the process is killed.
@@ -130,6 +132,7 @@ def _train(cfg: RunConfig, rt: Runtime, splits: DataSplits, start_decision: Star
     log(logger, f"threed: world {rt.world_size} = tp {tp} x pp {pp} x dp {dp} on "
                  f"{rt.device.type}/{rt.backend}; global batch {glob} = micro {micro} x gas {gas} x dp {dp}; "
                  f"{cfg.model.name} {parameter_count(cfg.model) / 1e6:.1f}M params; dtype {cfg.train.dtype}; "
+                 f"recompute: {recompute_summary(cfg)}; "
                  + (f"resumed from {built.resumed_from} at step {start} ({consumed} samples consumed)"
                     if built.resumed_from else
                     f"weights from {cfg.checkpoint.init_from}" if cfg.checkpoint.init_from else "random init")

@@ -9,6 +9,8 @@ the per-document positions.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
@@ -31,7 +33,7 @@ from threed.model.rope import RotaryAngles, document_positions
 
 
 def megatron_config(model: ModelConfig, tp: int, initialize: bool = True, fused_swiglu: bool = False,
-                    sequence_parallel: bool = False) -> TransformerConfig:
+                    sequence_parallel: bool = False, selective_recompute: bool = False) -> TransformerConfig:
     """megatron-core's TransformerConfig for one Llama block.
 
     pipeline_model_parallel_size stays 1: DeepSpeed owns the pipeline, so megatron must not offset layer numbers
@@ -39,19 +41,27 @@ def megatron_config(model: ModelConfig, tp: int, initialize: bool = True, fused_
     (`use_cpu_initialization`); DeepSpeed then casts and moves them. `initialize=False` skips megatron's random
     init (the pipeline always skips it and fills weights with `threed.model.init`, which does not depend on the
     layout). `sequence_parallel`: megatron's own (all-gather before the column-parallel linears, reduce-scatter after
-    the row-parallel ones; the norms and the residual stream hold [s/tp, b, h]).
+    the row-parallel ones; the norms and the residual stream hold [s/tp, b, h]). `selective_recompute`:
+    megatron's own (`--recompute-granularity selective`): its Attention runs the core attention (our SDPA) under
+    `tensor_parallel.checkpoint` in training, keeping q, k, v and recomputing the rest in backward (CPU:
+    `threed.megatron_device`).
     """
-    return TransformerConfig(
-        num_layers=model.num_layers, hidden_size=model.hidden_size, num_attention_heads=model.num_heads,
-        num_query_groups=model.num_kv_heads, ffn_hidden_size=model.ffn_hidden_size, kv_channels=model.head_dim,
-        normalization="RMSNorm", layernorm_epsilon=model.rms_norm_eps, add_bias_linear=False,
-        gated_linear_unit=True, activation_func=F.silu, bias_activation_fusion=fused_swiglu, hidden_dropout=0.0,
-        attention_dropout=0.0, apply_rope_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
-        persist_layer_norm=False, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
-        params_dtype=torch.float32, use_cpu_initialization=True, perform_initialization=initialize,
-        gradient_accumulation_fusion=False, sequence_parallel=sequence_parallel and tp > 1,
-        init_method_std=model.init_std,
-    )
+    with warnings.catch_warnings():
+        # megatron warns, for "core_attn", that Transformer Engine's fused attention needs no recompute; the core
+        # attention here is ours (SDPA), not TE's.
+        warnings.filterwarnings("ignore", message="If you are using transformer_engine")
+        return TransformerConfig(
+            num_layers=model.num_layers, hidden_size=model.hidden_size, num_attention_heads=model.num_heads,
+            num_query_groups=model.num_kv_heads, ffn_hidden_size=model.ffn_hidden_size, kv_channels=model.head_dim,
+            normalization="RMSNorm", layernorm_epsilon=model.rms_norm_eps, add_bias_linear=False,
+            gated_linear_unit=True, activation_func=F.silu, bias_activation_fusion=fused_swiglu, hidden_dropout=0.0,
+            attention_dropout=0.0, apply_rope_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
+            persist_layer_norm=False, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
+            params_dtype=torch.float32, use_cpu_initialization=True, perform_initialization=initialize,
+            gradient_accumulation_fusion=False, sequence_parallel=sequence_parallel and tp > 1,
+            init_method_std=model.init_std,
+            recompute_granularity="selective" if selective_recompute else None, recompute_modules=["core_attn"],
+        )
 
 
 class LlamaRMSNorm:
