@@ -246,6 +246,11 @@ def init_distributed(timeout_minutes: Optional[float] = None) -> Runtime:
                    local_rank=int(os.environ.get("LOCAL_RANK", "0")))
 
 
+def is_multi_rank() -> bool:
+    """Whether this process is one of several ranks (a process group of more than one): collectives are needed."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def set_default_timeout(timeout: timedelta) -> None:
     """torch's default collective timeout for groups made without one (nccl's and the others'): read by
     `torch.distributed.new_group` at each call, so every group DeepSpeed makes from here on takes it."""

@@ -54,6 +54,7 @@ import torch.distributed as dist
 from threed.checkpoint.format import read_latest
 from threed.checkpoint.save import EXIT_DIVERGED, weight_norm  # exit 3 (a save refuses diverged weights too)
 from threed.config import RunConfig
+from threed.distributed import is_multi_rank
 
 EXIT_HUNG = 4
 _STARTED = time.time()  # import time of this module: close enough to the process start for a time budget
@@ -231,7 +232,7 @@ class RunGuard:
     def _agree(self, *values: float) -> list[float]:
         """The step's one control all-reduce: each value is its MAX over the ranks (a flag is true on every rank
         if it is true on any)."""
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        if not is_multi_rank():
             return [float(v) for v in values]
         t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)

@@ -27,6 +27,7 @@ from threed.atomic import write_atomic
 from threed.checkpoint.format import LATEST, RUN_JSON, read_latest
 from threed.checkpoint.manifest import prune, remove_checkpoint, write_manifest
 from threed.config import RunConfig
+from threed.distributed import is_multi_rank
 
 
 EXIT_DIVERGED = 3  # threed.guard's exit status for a run that diverged (re-exported there)
@@ -69,7 +70,7 @@ def check_weights(engine, cfg: RunConfig, rank: int) -> None:
     worst = max_abs_weight(engine)
     mine = (worst, rank) if not math.isfinite(worst) or (limit and worst > limit) else None
     views = [mine]
-    if _multi_rank():
+    if is_multi_rank():
         views = [None] * dist.get_world_size()
         dist.all_gather_object(views, mine)
     bad = [v for v in views if v is not None]
@@ -96,10 +97,6 @@ class Saved:
     seconds: float  # how long the save took on this rank, barriers included
 
 
-def _multi_rank() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
 def save(engine, cfg: RunConfig, rank: int, client_state: Optional[dict] = None) -> Saved:
     """Every rank calls this. `client_state` (e.g. the consumed-sample count) is stored in the checkpoint and
     returned in `Built.client_state` on resume.
@@ -118,7 +115,7 @@ def save(engine, cfg: RunConfig, rank: int, client_state: Optional[dict] = None)
     t0 = time.time()
     if rank == 0 and step_dir.exists():
         remove_checkpoint(step_dir)
-    if _multi_rank():
+    if is_multi_rank():
         dist.barrier()
     with recording_writes(engine) as written:
         engine.save_checkpoint(str(save_dir), tag=tag, save_latest=False, client_state={
@@ -127,7 +124,7 @@ def save(engine, cfg: RunConfig, rank: int, client_state: Optional[dict] = None)
     # sure to see the final size. A few names per rank, so the gather stays small at any world size.
     mine = {Path(p).name: Path(p).stat().st_size for p in written if Path(p).parent == step_dir}
     views = [mine]
-    if _multi_rank():
+    if is_multi_rank():
         views = [None] * dist.get_world_size()
         dist.all_gather_object(views, mine)
     if rank == 0:
@@ -144,7 +141,7 @@ def save(engine, cfg: RunConfig, rank: int, client_state: Optional[dict] = None)
             "client_state": _jsonable(client_state or {}), "save_seconds": round(time.time() - t0, 2)})
         write_atomic(save_dir / LATEST, tag)
         prune(save_dir, ck.keep_last, tag)
-    if _multi_rank():
+    if is_multi_rank():
         dist.barrier()
     return Saved(path=str(save_dir), tag=tag, seconds=time.time() - t0)
 

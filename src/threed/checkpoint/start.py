@@ -44,6 +44,7 @@ from threed.checkpoint.format import (CONVERT_MANIFEST, RUN_JSON, CheckpointErro
 from threed.checkpoint.lock import SaveLock
 from threed.checkpoint.manifest import Found, clear_run, find_resumable
 from threed.config import ModelConfig, RunConfig
+from threed.distributed import is_multi_rank
 from threed.errors import ConfigError
 from threed.units import human_bytes
 
@@ -238,14 +239,10 @@ def check_save_dir(cfg: RunConfig, decision: StartDecision, create: bool = True)
 
 # ------------------------------------------------------------------------------------------ on every rank
 
-def _multi_rank() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
 def on_rank0(rank: int, fn: Callable[[], T]) -> T:
     """Run `fn` on rank 0 only and give every rank its result, or raise its ConfigError on every rank: one rank
     decides from the (shared) file system, so all ranks agree even when their views of it differ."""
-    if not _multi_rank():
+    if not is_multi_rank():
         return fn()
     payload: list[Any] = [None]
     if rank == 0:
@@ -322,7 +319,7 @@ def on_rank0_patiently(rank: int, fn: Callable[[], Any], timeout: timedelta = PA
     with its own `timeout`, not in a collective: a collective would time out after --dist-timeout-minutes, and a
     universal conversion can take longer. rank 0's ConfigError is raised on every rank, its crash as a
     RuntimeError."""
-    if not _multi_rank():
+    if not is_multi_rank():
         fn()
         return
     _patient_calls[0] += 1
