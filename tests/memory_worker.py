@@ -210,18 +210,29 @@ def recompute_config(rc: Recompute) -> dict:
             "recompute_num_layers": rc.num_layers or None}
 
 
+def cuda_peak(fn) -> int:
+    """Peak bytes torch's CUDA allocator holds during `fn()` above what it held before."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
 def stage_activation_cases(args: argparse.Namespace, rt: Runtime) -> None:
     """Each SP_CASES case on one stage of tp = world ranks: the CPU peak of one micro-batch's forward and backward
     on this rank (after a first step, so that grads and megatron's all-gather buffer exist), and the estimate."""
     tp, (micro, seq) = rt.world_size, (ACT["micro"], ACT["seq"])
+    cuda = rt.device.type == "cuda"  # tests/test_gpu.py: torch.cuda's peak, CUDA kernels, fp32 model moved over
     init_megatron_parallel_state(tp, 1)
     results = {}
     for case, (sp, rc) in SP_CASES.items():
         cfg = RunConfig(model=SP_MODEL, parallel=ParallelConfig(tp=tp, sequence_parallel=sp),
                         train=TrainConfig(seq_length=seq, micro_batch_size=micro, **recompute_config(rc)))
-        module = build_pipeline_module(cfg, tp).bfloat16()
+        module = build_pipeline_module(cfg, tp, fused_swiglu=rt.cuda_only.fused_swiglu).bfloat16().to(rt.device)
         module._precompute_checkpointable_values()
-        tokens, labels = next(synthetic_batches(SP_MODEL.vocab_size, micro, seq, n=1))
+        tokens, labels = (t.to(rt.device) for t in next(synthetic_batches(SP_MODEL.vocab_size, micro, seq, n=1)))
         module.loss_fn(module(tokens), labels).backward()
 
         def step() -> None:
@@ -231,10 +242,10 @@ def stage_activation_cases(args: argparse.Namespace, rt: Runtime) -> None:
 
         # The least of three peaks: a collective's buffers are freed a little earlier or later depending on when
         # the other rank arrives, which moves single peaks by up to a block's activations (upwards only).
-        measured = min(cpu_peak(step) for _ in range(3))
+        measured = min(cuda_peak(step) if cuda else cpu_peak(step) for _ in range(3))
         stage = Stage(index=0, blocks=SP_MODEL.num_layers, first=True, last=True)
         max_param = max(p.numel() for p in module.parameters())
-        estimate = stage_activations(SP_MODEL, tp, 1, stage, micro, 1, seq, rc, "cpu", max_param, sp)
+        estimate = stage_activations(SP_MODEL, tp, 1, stage, micro, 1, seq, rc, rt.device.type, max_param, sp)
         logits = 2 * micro * seq * SP_MODEL.padded_vocab_size(tp) // tp  # kept by `step`, as in `activations`
         results[case] = {"measured": measured, "estimate_cpu_kernels": estimate + logits}
         del module
