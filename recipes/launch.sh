@@ -23,7 +23,9 @@
 #                      as training: `threed check-config`)
 #   EXIT_DURATION  minutes after which the run saves and exits 0 (--exit-duration-in-mins; slurm/common.sh sets
 #                  it from the job's time limit)
-# Recipe variables: MODEL TP PP MICRO GAS GLOBAL SEQ LR MIN_LR WARMUP STEPS DTYPE ACT_CKPT DATA SPLIT
+# Recipe variables: MODEL TP PP MICRO GAS GLOBAL SEQ LR MIN_LR WARMUP STEPS DTYPE ACT_CKPT SEQUENCE_PARALLEL
+# RECOMPUTE_GRANULARITY RECOMPUTE_METHOD RECOMPUTE_NUM_LAYERS (Megatron's --sequence-parallel, --recompute-granularity,
+# --recompute-method, --recompute-num-layers; SEQUENCE_PARALLEL=true passes the bare flag) DATA SPLIT
 # DATA_CACHE_PATH EVAL_INTERVAL EVAL_ITERS (Megatron's --data-path, --split, --data-cache-path, --eval-interval,
 # --eval-iters) PACK (SFT data: --pack true|false) TOKENIZER INIT_FROM LOAD SAVE SAVE_INTERVAL LOG_INTERVAL
 # KEEP_LAST SKIP_NONFINITE. The defaults below (DEFAULTS) hold what the recipes share; a recipe states only the
@@ -48,8 +50,9 @@ RECIPE=$1
 shift
 [ -f "$RECIPE" ] || die "recipe $RECIPE not found"
 
-RECIPE_VARS=(MODEL TP PP MICRO GAS GLOBAL SEQ LR MIN_LR WARMUP STEPS DTYPE ACT_CKPT DATA SPLIT DATA_CACHE_PATH PACK
-             EVAL_INTERVAL EVAL_ITERS TOKENIZER INIT_FROM LOAD SAVE SAVE_INTERVAL LOG_INTERVAL KEEP_LAST SKIP_NONFINITE)
+RECIPE_VARS=(MODEL TP PP MICRO GAS GLOBAL SEQ LR MIN_LR WARMUP STEPS DTYPE ACT_CKPT SEQUENCE_PARALLEL
+             RECOMPUTE_GRANULARITY RECOMPUTE_METHOD RECOMPUTE_NUM_LAYERS DATA SPLIT DATA_CACHE_PATH PACK EVAL_INTERVAL
+             EVAL_ITERS TOKENIZER INIT_FROM LOAD SAVE SAVE_INTERVAL LOG_INTERVAL KEEP_LAST SKIP_NONFINITE)
 closest_var() {  # the known recipe variable with the smallest edit distance to $1
     awk -v w="$1" -v list="${RECIPE_VARS[*]}" '
         function lev(s, t,   i, j, m, n, d, c, a, b) {
@@ -124,6 +127,7 @@ WARMUP=${WARMUP-200}
 STEPS=${STEPS-5000}
 DTYPE=${DTYPE-bf16}
 ACT_CKPT=${ACT_CKPT-false}
+SEQUENCE_PARALLEL=${SEQUENCE_PARALLEL-false}
 SPLIT=${SPLIT-969,30,1}
 EVAL_INTERVAL=${EVAL_INTERVAL-1000}
 EVAL_ITERS=${EVAL_ITERS-10}
@@ -205,6 +209,14 @@ opt --min-lr MIN_LR
 opt --warmup-steps WARMUP
 opt --dtype DTYPE
 opt --activation-checkpointing ACT_CKPT
+case "${SEQUENCE_PARALLEL:-false}" in  # Megatron's store_true flag: bare when on, absent when off
+    true) args+=(--sequence-parallel) ;;
+    false) ;;
+    *) die "SEQUENCE_PARALLEL must be true or false, got '$SEQUENCE_PARALLEL'" ;;
+esac
+opt --recompute-granularity RECOMPUTE_GRANULARITY
+opt --recompute-method RECOMPUTE_METHOD
+opt --recompute-num-layers RECOMPUTE_NUM_LAYERS
 if [ -n "${DATA:-}" ]; then  # a prefix, or a blend "WEIGHT PREFIX WEIGHT PREFIX ..." (Megatron's --data-path)
     read -ra data_words <<<"$DATA"
     args+=(--data-path "${data_words[@]}")
@@ -263,9 +275,17 @@ if [ "${THREED_DRY_RUN:-0}" != 0 ]; then
     echo "GAS=$GAS"
     echo "TRAIN_BATCH_SIZE=$TRAIN_BATCH"
     ckpt=${ACT_CKPT:-0}
+    recompute=()  # the layout's own memory flags, as training gets them
+    for flag in --sequence-parallel --recompute-granularity --recompute-method --recompute-num-layers; do
+        for ((i = 0; i < ${#args[@]}; i++)); do
+            [ "${args[i]}" = "$flag" ] || continue
+            recompute+=("$flag")
+            [ "$flag" = --sequence-parallel ] || recompute+=("${args[i + 1]}")
+        done
+    done
     if mem=$(PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m threed.memory --model "$MODEL" \
             --tp "$TP" --pp "$PP" --dp "$DP" --micro "$MICRO" --gas "$GAS" --seq "$SEQ" --act-ckpt "$ckpt" \
-            2>/dev/null | grep '^~' | tail -n 1) && [ -n "$mem" ]; then  # the estimate, not library log lines
+            "${recompute[@]}" 2>/dev/null | grep '^~' | tail -n 1) && [ -n "$mem" ]; then  # the estimate, not library log lines
         echo "memory: $mem"
     fi
     printf 'command:'

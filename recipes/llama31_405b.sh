@@ -4,13 +4,19 @@
 # Batch    at 32 nodes x 8 GPUs: DP = 256 / (8 x 16) = 2, GAS = GLOBAL / (MICRO x DP) = 1024 / (1 x 2) = 512,
 #          train_batch_size = MICRO x GAS x DP = 1 x 512 x 2 = 1024 sequences x 4096 = 4.19M tokens per step.
 #          At 64 nodes DP = 4 and GAS = 256: the same batch. GLOBAL must stay a multiple of MICRO x DP.
-# Memory   per GPU at 32 nodes (DP=2), heaviest pipeline stage, activation checkpointing on,
-#          from `python -m threed.memory` (its docstring lists every term; tests/test_memory.py checks them):
-#          ~56 GB/GPU = weights 6.4 + grads 12.8 + optimizer 19.1 + buffers 0.0 + activations 17.9
+# Memory   per GPU at 32 nodes (DP=2), heaviest pipeline stage, Megatron's sequence parallelism and the first block
+#          of each stage recomputed, from `python -m threed.memory --model llama3.1-405b --tp 8 --pp 16 --dp 2
+#          --micro 1 --gas 512 --seq 4096 --sequence-parallel --recompute-granularity full --recompute-method block
+#          --recompute-num-layers 1` (its docstring lists every term; tests/test_memory*.py check them):
+#          ~71 GB/GPU = weights 6.4 + grads 12.8 + optimizer 19.1 + buffers 0.2 + activations 32.1
 #          (stage 1 of 16, 3.19B params; plus CUDA/NCCL overhead)
-#          At DP=4 the ZeRO-1 optimizer shard halves: ~47 GB/GPU. Other layouts, ranked by predicted step time:
-#          threed plan --model llama3.1-405b --nodes 32 --gpu-memory 80 --seq 4096 --global-batch 1024
-#          SEQ=8192 doubles the activations: ~74 GB/GPU at 32 nodes, ~64 GB at 64 nodes (DP=4).
+#          SP without recompute needs ~74 GB, over the 72 GB this recipe allows itself; recomputing every block
+#          ~42 GB. At DP=4 the ZeRO-1 optimizer shard halves: ~61 GB/GPU.
+# Speed    predicted by `threed plan --model llama3.1-405b --nodes 32 --gpu-memory 80 --seq 4096 --global-batch 1024
+#          --tp 8 --pp 16 --micro 1 --reserve 8` (a ranking model, threed.steptime; it chooses this): 127 s/step,
+#          against 161 s recomputing every block (ACT_CKPT=true, no SP) and 155 s recomputing 7 of 8 without SP.
+#          SEQ=8192: the same command with --seq 8192 chooses RECOMPUTE_NUM_LAYERS=5 (~70 GB, 305 s/step
+#          against 337 s recomputing every block).
 # Data     DATA: a megatron .bin/.idx prefix or a blend "W1 PREFIX1 W2 PREFIX2" 
 #          made by `threed preprocess --append-eod --tokenizer $TOKENIZER` or Megatron-LM (the HF Llama 3 tokenizer directory, 128256 pieces).
 # Weights  random init; INIT_FROM=<`threed convert` output of HF Llama-3.1-405B> starts from the HF weights.
@@ -26,7 +32,10 @@ GLOBAL=${GLOBAL-1024}
 SEQ=${SEQ-4096}
 LR=${LR-8e-5}
 MIN_LR=${MIN_LR-8e-7}
-ACT_CKPT=${ACT_CKPT-true}
+SEQUENCE_PARALLEL=${SEQUENCE_PARALLEL-true}
+RECOMPUTE_GRANULARITY=${RECOMPUTE_GRANULARITY-full}
+RECOMPUTE_METHOD=${RECOMPUTE_METHOD-block}
+RECOMPUTE_NUM_LAYERS=${RECOMPUTE_NUM_LAYERS-1}
 DATA=${DATA-data/llama3/corpus_text_document}
 TOKENIZER=${TOKENIZER-checkpoints/hf/Llama-3.1-405B}
 SAVE=${SAVE-checkpoints/llama31_405b}

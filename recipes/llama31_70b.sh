@@ -4,12 +4,17 @@
 # Batch    at 4 nodes x 8 GPUs: DP = 32 / (8 x 4) = 1, GAS = GLOBAL / (MICRO x DP) = 512 / (1 x 1) = 512,
 #          train_batch_size = MICRO x GAS x DP = 1 x 512 x 1 = 512 sequences x 8192 = 4.19M tokens per step.
 #          At 8 nodes DP = 2 and GAS = 256: the same batch. GLOBAL must stay a multiple of MICRO x DP.
-# Memory   per GPU at 4 nodes (DP=1), heaviest pipeline stage, activation checkpointing on,
-#          from `python -m threed.memory` (its docstring lists every term; tests/test_memory.py checks them):
-#          ~53 GB/GPU = weights 4.5 + grads 9.1 + optimizer 27.3 + buffers 0.1 + activations 12.2
+# Memory   per GPU at 4 nodes (DP=1), heaviest pipeline stage, Megatron's sequence parallelism, no recompute,
+#          from `python -m threed.memory --model llama3.1-70b --tp 8 --pp 4 --dp 1 --micro 1 --gas 512 --seq 8192
+#          --sequence-parallel` (its docstring lists every term; tests/test_memory*.py check them):
+#          ~66 GB/GPU = weights 4.5 + grads 9.1 + optimizer 27.3 + buffers 0.2 + activations 25.3
 #          (stage 0 of 4, 2.27B params; plus CUDA/NCCL overhead)
-#          At DP=2 the ZeRO-1 optimizer shard halves: ~40 GB/GPU. Other layouts, ranked by predicted step time:
-#          threed plan --model llama3.1-70b --nodes 4 --gpu-memory 80 --seq 8192 --global-batch 512
+#          Without SP (no recompute) stage 0 needs ~104 GB (activations 62.9): it would have to recompute 12 of its
+#          21 blocks (74 GB) or all of them (53 GB). At DP=2 the ZeRO-1 optimizer shard halves: ~53 GB/GPU.
+# Speed    predicted by `threed plan --model llama3.1-70b --nodes 4 --gpu-memory 80 --seq 8192 --global-batch 512
+#          --tp 8 --pp 4 --micro 1` (a ranking model, threed.steptime): 199 s/step with SP and no recompute,
+#          against 261 s recomputing every block (ACT_CKPT=true, no SP) and 232 s recomputing 12 blocks per stage
+#          without SP. Without --tp/--pp/--micro it ranks every layout; this one comes first.
 # Data     DATA: a megatron .bin/.idx prefix or a blend "W1 PREFIX1 W2 PREFIX2" 
 #          made by `threed preprocess --append-eod --tokenizer $TOKENIZER` or Megatron-LM (the HF Llama 3 tokenizer directory, 128256 pieces).
 # Weights  random init; INIT_FROM=<`threed convert` output of HF Llama-3.1-70B> starts from the HF weights.
@@ -25,7 +30,7 @@ GLOBAL=${GLOBAL-512}
 SEQ=${SEQ-8192}
 LR=${LR-1.5e-4}
 MIN_LR=${MIN_LR-1.5e-5}
-ACT_CKPT=${ACT_CKPT-true}
+SEQUENCE_PARALLEL=${SEQUENCE_PARALLEL-true}
 DATA=${DATA-data/llama3/corpus_text_document}
 TOKENIZER=${TOKENIZER-checkpoints/hf/Llama-3.1-70B}
 SAVE=${SAVE-checkpoints/llama31_70b}

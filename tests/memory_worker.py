@@ -14,10 +14,17 @@ nothing else (e.g. the fp32 parameters DeepSpeed cast to bf16) stays alive. One 
 --activations (one process): the CPU allocator's peak during the forward and backward of one micro-batch through
 a whole one-stage model (the profiler's memory events), with and without activation checkpointing, next to
 `threed.memory`'s estimate with CPU kernels.
+
+--stage-activations (tests/test_memory_sp.py; tp = the world, one stage): the same peak on every TP rank for each
+of SP_CASES (sequence parallelism on/off, recompute none / first N blocks / all), next to the estimate.
+--sequence-parallel: the --layouts engines run with Megatron's sequence parallelism.
+
+    python -m torch.distributed.run --nproc-per-node 2 tests/memory_worker.py --out /tmp/sp --stage-activations
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import warnings
@@ -31,6 +38,7 @@ from threed.distributed import Runtime, init_megatron_parallel_state
 from threed.engine import build_engine
 from threed.flags import model_config
 from threed.memory.model import Stage, stage_activations, stage_bounds, stage_memory, stages
+from threed.memory.recompute import Recompute
 from threed.pipeline import build_pipeline_module
 from worker_setup import rank_json, reads_data, run_worker, synthetic_batches, write_json
 
@@ -39,6 +47,13 @@ STATIC = dict(model="tiny", micro=2, gas=2, seq=32)
 ACT_MODEL = ModelConfig(name="act", vocab_size=1000, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
                         ffn_hidden_size=704, max_position_embeddings=1024, make_vocab_size_divisible_by=32)
 ACT = dict(micro=2, seq=512)
+# --stage-activations: four blocks, so that partial recompute has an N strictly between 0 and all of them.
+SP_MODEL = dataclasses.replace(ACT_MODEL, name="act-sp", num_layers=4)
+SP_CASES = {  # name -> (sequence parallel, recompute)
+    "tp": (False, Recompute()), "sp": (True, Recompute()),
+    "tp_full": (False, Recompute.of(True)), "sp_full": (True, Recompute.of(True)),
+    "sp_block2": (True, Recompute.first_blocks(2)),
+}
 
 
 class StorageCounter:
@@ -82,6 +97,11 @@ def measure_static(engine) -> dict[str, int]:
             c.add("buffers", t)
     for t in [engine.pipe_recv_buf, engine.grad_layer, *engine._grad_layer_buf]:
         c.add("buffers", t)
+    from megatron.core import parallel_state  # heavy: only here (sequence parallelism's all-gather buffer)
+
+    memory_buffer = getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None)
+    for t in (memory_buffer.buffer.values() if memory_buffer is not None else []):
+        c.add("buffers", t)
     for key in ("outputs", "output_tensors"):  # the last stage's logits stay here after backward
         for t in engine.pipe_buffers[key]:
             c.add("buffers", t)
@@ -107,7 +127,7 @@ def static(args: argparse.Namespace, rt: Runtime) -> None:
     for layout in args.layouts:
         tp, pp = (int(x) for x in layout.split("x"))
         dp = rt.world_size // (tp * pp)
-        cfg = RunConfig(model=mc, parallel=ParallelConfig(tp=tp, pp=pp),
+        cfg = RunConfig(model=mc, parallel=ParallelConfig(tp=tp, pp=pp, sequence_parallel=args.sequence_parallel),
                         train=TrainConfig(dtype="bf16", micro_batch_size=STATIC["micro"],
                                           grad_accum_steps=STATIC["gas"], seq_length=STATIC["seq"]))
         engine = build_engine(cfg, rt).engine
@@ -116,7 +136,8 @@ def static(args: argparse.Namespace, rt: Runtime) -> None:
         loss = engine.train_batch(data_iter=data if reads_data(engine) else None).item()
         gc.collect()
         stage = stages(mc, pp, tp, STATIC["seq"])[engine.stage_id]
-        mem = stage_memory(mc, tp, pp, dp, STATIC["micro"], STATIC["gas"], STATIC["seq"], False, stage, "cpu")
+        mem = stage_memory(mc, tp, pp, dp, STATIC["micro"], STATIC["gas"], STATIC["seq"], False, stage, "cpu",
+                           sequence_parallel=args.sequence_parallel)
         result = {"model": mc.name, "layout": [tp, pp, dp], "rank": rt.rank, "stage": engine.stage_id, "loss": loss,
                   "parts": [int(b) for b in engine.module.parts],
                   "predicted_parts": list(stage_bounds(mc, pp, tp, STATIC["seq"])),
@@ -181,9 +202,63 @@ def activations(args: argparse.Namespace) -> None:
     write_json(args.out / "activations.json", results)
 
 
+def recompute_config(rc: Recompute) -> dict:
+    """TrainConfig's fields for `rc` (Megatron's flags; all blocks is --activation-checkpointing)."""
+    if rc == Recompute.of(True):
+        return {"activation_checkpointing": True}
+    return {"recompute_granularity": rc.granularity, "recompute_method": rc.method,
+            "recompute_num_layers": rc.num_layers or None}
+
+
+def cuda_peak(fn) -> int:
+    """Peak bytes torch's CUDA allocator holds during `fn()` above what it held before."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def stage_activation_cases(args: argparse.Namespace, rt: Runtime) -> None:
+    """Each SP_CASES case on one stage of tp = world ranks: the CPU peak of one micro-batch's forward and backward
+    on this rank (after a first step, so that grads and megatron's all-gather buffer exist), and the estimate."""
+    tp, (micro, seq) = rt.world_size, (ACT["micro"], ACT["seq"])
+    cuda = rt.device.type == "cuda"  # tests/test_gpu.py: torch.cuda's peak, CUDA kernels, fp32 model moved over
+    init_megatron_parallel_state(tp, 1)
+    results = {}
+    for case, (sp, rc) in SP_CASES.items():
+        cfg = RunConfig(model=SP_MODEL, parallel=ParallelConfig(tp=tp, sequence_parallel=sp),
+                        train=TrainConfig(seq_length=seq, micro_batch_size=micro, **recompute_config(rc)))
+        module = build_pipeline_module(cfg, tp, fused_swiglu=rt.cuda_only.fused_swiglu).bfloat16().to(rt.device)
+        module._precompute_checkpointable_values()
+        tokens, labels = (t.to(rt.device) for t in next(synthetic_batches(SP_MODEL.vocab_size, micro, seq, n=1)))
+        module.loss_fn(module(tokens), labels).backward()
+
+        def step() -> None:
+            logits = module(tokens)  # kept until backward ends, as the pipeline engine keeps its outputs
+            module.loss_fn(logits, labels).backward()
+            del logits
+
+        # The least of three peaks: a collective's buffers are freed a little earlier or later depending on when
+        # the other rank arrives, which moves single peaks by up to a block's activations (upwards only).
+        measured = min(cuda_peak(step) if cuda else cpu_peak(step) for _ in range(3))
+        stage = Stage(index=0, blocks=SP_MODEL.num_layers, first=True, last=True)
+        max_param = max(p.numel() for p in module.parameters())
+        estimate = stage_activations(SP_MODEL, tp, 1, stage, micro, 1, seq, rc, rt.device.type, max_param, sp)
+        logits = 2 * micro * seq * SP_MODEL.padded_vocab_size(tp) // tp  # kept by `step`, as in `activations`
+        results[case] = {"measured": measured, "estimate_cpu_kernels": estimate + logits}
+        del module
+        gc.collect()
+    rank_json(args.out, "stage_activations", results)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layouts", nargs="*", default=[], help="TPxPP, e.g. 2x2")
     p.add_argument("--activations", action="store_true", help="also the CPU activation peak (one process)")
+    p.add_argument("--stage-activations", action="store_true",
+                   help="the CPU activation peak of each SP_CASES case, tp = the world")
+    p.add_argument("--sequence-parallel", action="store_true", help="the --layouts engines with SP")
     p.add_argument("--model", default=STATIC["model"],
                    help="preset of the --layouts engines (tests/test_memory_tied.py: tiny-tied)")
 
@@ -192,6 +267,8 @@ def main(args: argparse.Namespace, rt: Runtime) -> None:
     static(args, rt)
     if args.activations:
         activations(args)
+    if args.stage_activations:
+        stage_activation_cases(args, rt)
 
 
 if __name__ == "__main__":

@@ -218,3 +218,43 @@ def test_bf16_with_activation_checkpointing_on_cuda(train_data, tmp_path):
     assert len(with_ckpt) == len(without) == 4, (with_ckpt, without)
     for a, b in zip(with_ckpt, without):
         assert abs(a - b) <= 1e-2 * abs(b), (with_ckpt, without)
+
+
+@pytest.mark.skipif(GPUS < 2, reason=f"sequence parallelism runs tp2: need 2 GPUs, see {GPUS}")
+def test_sequence_parallel_tp2_matches_tp1_in_bf16_on_cuda(train_data, tmp_path):
+    """Megatron's sequence parallelism at tp 2 (NCCL all-gather / reduce-scatter, norms on half the sequence, their
+    gradients summed over TP) trains like tp 1: the same weights (threed.model.init does not depend on the layout)
+    and the same data, so the losses differ only by bf16 rounding in other summation orders. Tolerance: 1e-2
+    relative per step, bf16's ~2^-8 grown over four steps (the bound test_bf16_with_activation_checkpointing uses)."""
+    argv = ["--model", "tiny", "--data-path", train_data, "--split", "100,0,0", "--seq-length", "128",
+            "--micro-batch-size", "2", "--grad-accum-steps", "2", "--steps", "4", "--log-interval", "1",
+            "--dtype", "bf16"]
+
+    def losses(out: str) -> list[float]:
+        return [float(line.split("loss ")[1].split()[0]) for line in out.splitlines() if line.startswith("step ")]
+
+    sp = losses(_threed_train([*argv, "--tp", "2", "--sequence-parallel"], 2, tmp_path))
+    tp1 = losses(_threed_train(argv, 1, tmp_path))
+    assert len(sp) == len(tp1) == 4, (sp, tp1)
+    for a, b in zip(sp, tp1):
+        assert abs(a - b) <= 1e-2 * abs(b), (sp, tp1)
+
+
+@pytest.mark.skipif(GPUS < 2, reason=f"the SP memory check runs tp2: need 2 GPUs, see {GPUS}")
+def test_sp_activation_estimate_against_cuda_peak(tmp_path):
+    """threed.memory's activations (CUDA kernels: fused RMSNorm and SwiGLU) against torch.cuda.max_memory_allocated
+    over one micro-batch's forward and backward on each of 2 GPUs (tests/memory_worker.py --stage-activations),
+    with sequence parallelism, without and with recompute; and SP's saving against tp alone. The CUDA caching
+    allocator rounds every block up (512 B, 2 MiB segments), hence 10% rather than the CPU test's 5%."""
+    import json
+
+    run_ranks(2, str(TESTS / "memory_worker.py"), ["--out", str(tmp_path), "--stage-activations"], env=CUDA_ENV,
+              timeout=1800)
+    ranks = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("stage_activations_rank*.json"))]
+    assert len(ranks) == 2
+    for r in ranks:
+        for case in ("tp", "sp", "sp_full"):
+            m, e = r[case]["measured"], r[case]["estimate_cpu_kernels"]  # the worker's estimate: its device's
+            print(f"{case}: measured {m / 1e6:.2f} MB, estimate {e / 1e6:.2f} MB (ratio {e / m:.3f})")
+            assert abs(e - m) <= 0.10 * m, (case, m, e)
+        assert r["sp"]["measured"] < r["tp"]["measured"]

@@ -259,3 +259,28 @@ def test_every_recipe_is_checked() -> None:
     """A recipe added to recipes/ without a place in the lists above would escape every header check."""
     on_disk = {p.stem for p in (REPO / "recipes").glob("*.sh")} - {"launch"}
     assert on_disk == set(MODEL_RECIPES + SFT_RECIPES + ["tiny"])
+
+
+def test_sequence_parallel_and_recompute_reach_the_command_line() -> None:
+    """SEQUENCE_PARALLEL / RECOMPUTE_* become Megatron's flags (the bare --sequence-parallel), the training config
+    and the dry run's memory line take them, and the environment turns them off."""
+    out = launch("llama31_405b", {"NNODES": "32", "GPUS_PER_NODE": "8"})
+    assert out.returncode == 0, out.stderr
+    argv = train_argv(out.stdout)
+    assert "--sequence-parallel" in argv and argv[argv.index("--sequence-parallel") + 1].startswith("--")
+    for flag, value in (("--recompute-granularity", "full"), ("--recompute-method", "block"),
+                        ("--recompute-num-layers", "1")):
+        assert argv[argv.index(flag) + 1] == value, argv
+    cfg = parse_run_config(argv)
+    assert cfg.parallel.sequence_parallel and cfg.train.recompute_num_layers == 1
+    assert cfg.train.recompute_method == "block" and not cfg.train.activation_checkpointing
+    cfg.validate(256)
+    off = launch("llama31_405b", {"NNODES": "32", "GPUS_PER_NODE": "8", "SEQUENCE_PARALLEL": "false",
+                                  "RECOMPUTE_GRANULARITY": "", "RECOMPUTE_METHOD": "", "RECOMPUTE_NUM_LAYERS": ""})
+    assert off.returncode == 0, off.stderr
+    argv = train_argv(off.stdout)
+    assert not {"--sequence-parallel", "--recompute-granularity", "--recompute-num-layers"} & set(argv)
+    on_mem, off_mem = (re.search(r"^memory: ~(\d+) GB", o.stdout, re.M)[1] for o in (out, off))
+    assert int(off_mem) > int(on_mem) + 40  # the dry run's estimate follows the flags (~130 GB without them)
+    bad = launch("llama31_70b", {"NNODES": "4", "GPUS_PER_NODE": "8", "SEQUENCE_PARALLEL": "yes"})
+    assert bad.returncode == 2 and "SEQUENCE_PARALLEL must be true or false" in bad.stderr

@@ -1,33 +1,17 @@
-"""`threed plan`: the (tp, pp, micro, gas, activation checkpointing) layouts of a model on a cluster, whether each
-fits in GPU memory (`threed.memory`), ranked by a predicted step time; then the recipe lines of the best one.
+"""`threed plan`: the (tp, pp, micro, gas, sequence parallelism, recompute) layouts of a model on a cluster, whether
+each fits in GPU memory (`threed.memory`), ranked by a predicted step time (`threed.steptime`); then the recipe
+lines of the best one.
 
     threed plan --model llama3.1-70b --nodes 4 --gpus-per-node 8 --gpu-memory 80 --seq 8192 --global-batch 512
 
-Candidates: tp divides the heads and the KV heads and at most fills a node (TP all-reduces stay on NVLink);
-pp <= layers; dp = world / (tp pp); micro x dp divides the global batch and gas = global / (micro dp).
-A layout fits when its heaviest stage's peak (threed.memory, CUDA kernels) is at most --gpu-memory - --reserve.
-
-Step time model (a ranking, not a promise; bf16, no sequence parallelism, no compute/communication overlap):
-
-    step = (gas + pp - 1) x max over stages of t_micro(stage)  + t_dp + t_tied + t_optimizer
-    t_micro(stage) = tokens x (blocks x F_block x (1 + recompute / 3) + last x F_head) / (tp x R)    compute
-                   + n_allreduce x 2 (tp - 1) / tp x 2 s b h / B_tp                                TP all-reduces
-                   + 2 x 2 s b h / tp / B_pp + 2 x all-gather of it over TP                           PP p2p (pp > 1)
-
-  F_block, F_head: training FLOPs per token of a block and of the LM head, `threed.model.spec.layer_training_flops`
-  (the repo's one FLOPs convention: 6 x matmul parameters, attention scores over the full seq x seq square, so
-  causal attention's cost is overstated by 6 s h per block, as in every MFU figure); activation checkpointing
-  recomputes the forward (+1/3). The first factor is the 1F1B schedule: the bubble is
-  (pp - 1) / (gas + pp - 1) of the step, and the slowest stage sets the pace. n_allreduce per block: 2 forward
-  (attention and MLP outputs) + 2 backward (their inputs' gradients) + 2 more when recomputing; plus the
-  embedding's and the LM head's one each. DeepSpeed partitions what crosses stages over TP and gathers it on
-  arrival. t_dp: all-reduce of the fp32 gradients (communication_data_type fp32) and all-gather of the bf16
-  weights, 2 (dp - 1) / dp x 4 N + (dp - 1) / dp x 2 N bytes at B_dp. t_optimizer: AdamW on the fp32 shard
-  and the norm/clip pass over the fp32 gradients, (36 N / dp + 12 N) bytes at the GPU's memory bandwidth.
-  t_tied (tied embeddings, pp > 1): the first and the last stage each hold a copy of the embedding (N counts it
-  on both) and all-reduce its fp32 gradient between them: 4 V h / tp bytes sent per rank (a two-rank ring).
-  Bandwidths: NVLink (--nvlink-gbps) inside a node, the per-GPU network share (--network-gbps) across nodes;
-  the DP and PP groups cross nodes when their rank stride (tp, tp dp) reaches a node.
+Candidates: tp divides the heads and the KV heads and at most fills a node (TP collectives stay on NVLink);
+pp <= layers; dp = world / (tp pp); micro x dp divides the global batch and gas = global / (micro dp); Megatron's
+sequence parallelism on and off (tp > 1); and recompute: none, every block, and the fewest recomputed blocks per
+stage that fit (Megatron's full recompute, method block: the first N blocks of every stage), found by bisection
+over N = 0..the largest stage's blocks (memory falls and step time grows with N, so no other N can win).
+Selective recompute is not searched: threed's SDPA keeps no s x s scores, so it saves next to nothing
+(`threed.memory.recompute`). A layout fits when its heaviest stage's peak (threed.memory, CUDA kernels) is at most
+--gpu-memory - --reserve.
 """
 from __future__ import annotations
 
@@ -37,31 +21,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 from threed.config import ConfigError, ModelConfig
-from threed.model.spec import layer_training_flops, shard_shape, tie_owners, tied
 from threed.errors import guarded
 from threed.flags import model_config
 from threed.memory.model import GB, Memory, estimate, heaviest, quiet_deepspeed_import, stages
-
-
-@dataclass(frozen=True)
-class Hardware:
-    nodes: int
-    gpus_per_node: int
-    gpu_memory_gb: float
-    # Defaults: an H100 SXM node with one 400 Gb/s NIC per GPU.
-    reserve_gb: float = 5.0  # CUDA context, NCCL buffers, allocator fragmentation
-    tflops: float = 400.0  # sustained bf16 matmul TFLOP/s per GPU (~40% of the dense peak)
-    nvlink_gbps: float = 370.0  # NCCL all-reduce bus bandwidth inside a node, GB/s
-    network_gbps: float = 50.0  # per-GPU share of the inter-node network, GB/s
-    hbm_gbps: float = 3350.0  # GPU memory bandwidth, GB/s
-
-    @property
-    def world(self) -> int:
-        return self.nodes * self.gpus_per_node
-
-    @property
-    def budget(self) -> float:
-        return (self.gpu_memory_gb - self.reserve_gb) * GB
+from threed.memory.recompute import Recompute
+from threed.steptime import Hardware, step_time, tied_allreduce_s  # noqa: F401 (tied_allreduce_s: re-exported)
 
 
 @dataclass(frozen=True)
@@ -71,60 +35,37 @@ class Layout:
     dp: int
     micro: int
     gas: int
-    act_ckpt: bool
+    recompute: Recompute
     memory: Memory  # the heaviest stage
     step_s: float
     fits: bool
+    sp: bool = False
+    blocks: int = 0  # the largest stage's blocks
+
+    @property
+    def act_ckpt(self) -> bool:
+        """Every block of every stage recomputed (--activation-checkpointing's memory and cost)."""
+        return self.blocks > 0 and self.recompute.recomputed(self.blocks) == self.blocks
+
+    @property
+    def recomputed(self) -> int:
+        """Recomputed blocks of the largest stage."""
+        return self.recompute.recomputed(self.blocks)
 
     @property
     def bubble(self) -> float:
         return (self.pp - 1) / (self.gas + self.pp - 1)
 
+    def recompute_words(self) -> str:
+        if self.act_ckpt:
+            return "recomputing every block"
+        if self.recomputed:
+            return f"recomputing the first {self.recomputed} of {self.blocks} blocks per stage"
+        return "without recompute"
+
     def name(self) -> str:
-        ckpt = "with" if self.act_ckpt else "without"
-        return (f"tp{self.tp} pp{self.pp} dp{self.dp}, micro {self.micro} x gas {self.gas}, {ckpt} activation "
-                f"checkpointing")
-
-
-def link_bytes_per_s(hw: Hardware, stride: int) -> float:
-    """Bandwidth between ranks `stride` apart (ranks fill a node in order): NVLink inside a node, else the
-    network share."""
-    return (hw.nvlink_gbps if stride < hw.gpus_per_node else hw.network_gbps) * 1e9
-
-
-def step_time(model: ModelConfig, hw: Hardware, tp: int, pp: int, dp: int, micro: int, gas: int, seq: int,
-              act_ckpt: bool, params: int) -> float:
-    """Predicted seconds per optimizer step (the model in the module docstring); `params`: the largest stage's
-    parameters per GPU."""
-    h = model.hidden_size
-    f_block = layer_training_flops(model, "block", seq, tp) * (4 / 3 if act_ckpt else 1)
-    f_head = layer_training_flops(model, "lm_head", seq, tp)
-    tokens = seq * micro
-    act_bytes = 2 * tokens * h
-    rate = hw.tflops * 1e12
-    allreduce = 2 * (tp - 1) / tp * act_bytes / (hw.nvlink_gbps * 1e9) if tp > 1 else 0.0
-
-    slowest = 0.0
-    for st in stages(model, pp, tp, seq):
-        flops = tokens * (st.blocks * f_block + st.last * f_head)
-        n_allreduce = st.blocks * (6 if act_ckpt else 4) + st.first + st.last
-        t = flops / (tp * rate) + n_allreduce * allreduce
-        if pp > 1:  # activations forward, gradients backward: a TP partition each, gathered over TP
-            t += (2 * act_bytes / tp / link_bytes_per_s(hw, tp * dp)
-                  + 2 * (tp - 1) / tp * act_bytes / (hw.nvlink_gbps * 1e9))
-        slowest = max(slowest, t)
-    t_dp = (2 * 4 * params + 2 * params) * (dp - 1) / dp / link_bytes_per_s(hw, tp)  # DP ranks are tp apart
-    t_opt = (36 * params / dp + 12 * params) / (hw.hbm_gbps * 1e9)
-    return (gas + pp - 1) * slowest + t_dp + tied_allreduce_s(model, hw, tp, pp, dp) + t_opt
-
-
-def tied_allreduce_s(model: ModelConfig, hw: Hardware, tp: int, pp: int, dp: int) -> float:
-    """DeepSpeed's ReduceTiedGrads: the tied weight's fp32 gradient all-reduced between its two copies (first and
-    last stage, (pp - 1) tp dp ranks apart); nothing when untied or at pp = 1 (one module holds it)."""
-    if not tied(model) or pp == 1:
-        return 0.0
-    rows, hidden = shard_shape(model, tie_owners()["embedding"], tp)
-    return 4 * rows * hidden / link_bytes_per_s(hw, (pp - 1) * tp * dp)
+        sp = ", sequence parallel" if self.sp else ""
+        return f"tp{self.tp} pp{self.pp} dp{self.dp}, micro {self.micro} x gas {self.gas}{sp}, {self.recompute_words()}"
 
 
 def _divisors(n: int) -> list[int]:
@@ -132,9 +73,10 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidates(model: ModelConfig, hw: Hardware, seq: int, global_batch: int, tp: Optional[int] = None,
-               pp: Optional[int] = None, micro: Optional[int] = None,
-               act_ckpt: Optional[bool] = None) -> list[Layout]:
-    """Every valid layout (optionally restricted), fitting or not, fastest first."""
+               pp: Optional[int] = None, micro: Optional[int] = None, act_ckpt: Optional[bool] = None,
+               sequence_parallel: Optional[bool] = None) -> list[Layout]:
+    """Every valid layout (optionally restricted), fitting or not, fastest first. `act_ckpt`: only every block
+    recomputed (True) or none (False); None: none, every block and the fewest that fit."""
     out = []
     for t in _divisors(hw.gpus_per_node):
         if model.num_heads % t or model.num_kv_heads % t or (tp and t != tp):
@@ -143,16 +85,42 @@ def candidates(model: ModelConfig, hw: Hardware, seq: int, global_batch: int, tp
             if p > model.num_layers or (pp and p != pp):
                 continue
             dp = hw.world // (t * p)
+            most = max(st.blocks for st in stages(model, p, t, seq))
             for m in ([micro] if micro else [1, 2, 4, 8, 16]):
                 if global_batch % (m * dp):
                     continue
                 gas = global_batch // (m * dp)
-                for ckpt in ([act_ckpt] if act_ckpt is not None else [False, True]):
-                    mems = estimate(model, t, p, dp, m, gas, seq, ckpt)
-                    seconds = step_time(model, hw, t, p, dp, m, gas, seq, ckpt, max(x.params for x in mems))
-                    out.append(Layout(t, p, dp, m, gas, ckpt, heaviest(mems), seconds,
-                                      heaviest(mems).peak <= hw.budget))
+                for sp in (False, True):  # Megatron's SP splits the sequence over TP: tp > 1, seq a multiple
+                    if (sp and (t == 1 or seq % t)) or sequence_parallel not in (None, sp):
+                        continue
+                    layout = _layouts(model, hw, seq, t, p, dp, m, gas, sp, most)
+                    none, every = layout(0), layout(most)
+                    out += {False: [none], True: [every]}.get(act_ckpt, [none, every])  # type: ignore[arg-type]
+                    if act_ckpt is None and every.fits and not none.fits and most > 1:
+                        fewest = _fewest_fitting(layout, most)
+                        out += [fewest] if fewest.recomputed < most else []
     return sorted(out, key=lambda la: la.step_s)
+
+
+def _layouts(model: ModelConfig, hw: Hardware, seq: int, tp: int, pp: int, dp: int, micro: int, gas: int, sp: bool,
+             most: int):
+    """N -> the layout recomputing the first N blocks of each stage (N = `most`: every block)."""
+    def layout(n: int) -> Layout:
+        rc = Recompute.of(True) if n >= most else Recompute.first_blocks(n)
+        mems = estimate(model, tp, pp, dp, micro, gas, seq, rc, sequence_parallel=sp)
+        seconds = step_time(model, hw, tp, pp, dp, micro, gas, seq, rc, max(x.params for x in mems), sp)
+        return Layout(tp, pp, dp, micro, gas, rc, heaviest(mems), seconds, heaviest(mems).peak <= hw.budget, sp,
+                      most)
+    return layout
+
+
+def _fewest_fitting(layout, most: int) -> Layout:
+    """Bisection between N = 0 (does not fit) and N = most (fits): memory only falls as N grows."""
+    lo, hi = 0, most
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if layout(mid).fits else (mid, hi)
+    return layout(hi)
 
 
 def _nodes_needed(model: ModelConfig, hw: Hardware, seq: int) -> Optional[int]:
@@ -165,7 +133,7 @@ def _nodes_needed(model: ModelConfig, hw: Hardware, seq: int) -> Optional[int]:
         while (nodes * hw.gpus_per_node) % (tp * pp):
             pp -= 1
         dp = nodes * hw.gpus_per_node // (tp * pp)
-        if heaviest(estimate(model, tp, pp, dp, 1, pp, seq, True)).peak <= hw.budget:
+        if heaviest(estimate(model, tp, pp, dp, 1, pp, seq, True, sequence_parallel=tp > 1)).peak <= hw.budget:
             return nodes
     return None
 
@@ -211,22 +179,42 @@ def _more_nodes(model: ModelConfig, hw: Hardware, seq: int) -> str:
 
 
 def recipe_lines(model: str, best: Layout, global_batch: int, seq: int) -> list[str]:
-    """What to paste into a recipe (recipes/launch.sh's variables; GAS empty so GLOBAL decides it)."""
+    """What to paste into a recipe (recipes/launch.sh's variables; GAS empty so GLOBAL decides it). Partial
+    recompute goes as Megatron's flags (RECOMPUTE_*), every block as ACT_CKPT."""
     values = {"MODEL": model, "TP": best.tp, "PP": best.pp, "MICRO": best.micro, "GAS": "", "GLOBAL": global_batch,
-              "SEQ": seq, "ACT_CKPT": "true" if best.act_ckpt else "false"}
+              "SEQ": seq, "SEQUENCE_PARALLEL": str(best.sp).lower(), "ACT_CKPT": str(best.act_ckpt).lower()}
+    if best.recomputed and not best.act_ckpt:
+        values.update(RECOMPUTE_GRANULARITY="full", RECOMPUTE_METHOD="block", RECOMPUTE_NUM_LAYERS=best.recomputed)
     return [f"{k}=${{{k}-{v}}}" for k, v in values.items()]
 
 
+def full_recompute_verdict(every: list[Layout]) -> str:
+    """One line: is recomputing every block needed, and why (fastest first)."""
+    fitting = [la for la in every if la.fits]
+    lighter = [la for la in fitting if not la.act_ckpt]
+    if lighter:
+        return (f"full recomputation: not needed: {len(lighter)} layouts fit without recomputing every block; the "
+                f"fastest, {lighter[0].name()}, at {lighter[0].memory.peak / GB:.1f} GB/GPU")
+    others = [la for la in every if not la.act_ckpt]
+    if not others:
+        return "full recomputation: the only option searched (--act-ckpt true)"
+    leanest = min(others, key=lambda la: la.memory.peak)
+    return (f"full recomputation: needed: no layout fits without recomputing every block; the leanest, "
+            f"{leanest.name()}, needs {leanest.memory.peak / GB:.0f} GB/GPU")
+
+
 def _table(rows: list[Layout], budget: float) -> list[str]:
-    """Fitting layouts are numbered in rank order; the ones that do not fit are marked, not numbered."""
-    out = [f"{'rank':>4} {'tp':>3} {'pp':>3} {'dp':>4} {'micro':>5} {'gas':>5} {'ckpt':>4} {'GB/GPU':>7} "
-           f"{'bubble':>7} {'step s':>8}  fits"]
+    """Fitting layouts are numbered in rank order; the ones that do not fit are marked, not numbered. recompute:
+    recomputed blocks per stage / the largest stage's blocks."""
+    out = [f"{'rank':>4} {'tp':>3} {'pp':>3} {'dp':>4} {'micro':>5} {'gas':>5} {'sp':>3} {'recompute':>9} "
+           f"{'GB/GPU':>7} {'bubble':>7} {'step s':>8}  fits"]
     rank = 0
     for la in rows:
         rank += la.fits
         fits = "yes" if la.fits else f"NO: {la.memory.peak / GB:.0f} > {budget / GB:.0f} GB"
+        recompute = f"{la.recomputed}/{la.blocks}"
         out.append(f"{rank if la.fits else '-':>4} {la.tp:>3} {la.pp:>3} {la.dp:>4} {la.micro:>5} {la.gas:>5} "
-                   f"{'yes' if la.act_ckpt else 'no':>4} {la.memory.peak / GB:>7.1f} {la.bubble:>7.1%} "
+                   f"{'yes' if la.sp else 'no':>3} {recompute:>9} {la.memory.peak / GB:>7.1f} {la.bubble:>7.1%} "
                    f"{la.step_s:>8.2f}  {fits}")
     return out
 
@@ -246,7 +234,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, help="only this tp")
     p.add_argument("--pp", type=int, help="only this pp")
     p.add_argument("--micro", type=int, help="only this micro-batch size")
-    p.add_argument("--act-ckpt", choices=["true", "false"], help="only with / without activation checkpointing")
+    p.add_argument("--act-ckpt", choices=["true", "false"], help="only every block recomputed / none")
+    p.add_argument("--sequence-parallel", choices=["true", "false"], help="only with / without sequence parallelism")
     p.add_argument("--top", type=int, default=15, help="rows to list")
 
 
@@ -258,7 +247,9 @@ def run(ns: argparse.Namespace) -> int:
     if ns.top < 1:
         raise ConfigError(f"--top must be a positive number, got {ns.top}")
     ckpt = None if ns.act_ckpt is None else ns.act_ckpt == "true"
-    best, every = plan(model, hw, ns.seq, ns.global_batch, tp=ns.tp, pp=ns.pp, micro=ns.micro, act_ckpt=ckpt)
+    sp = None if ns.sequence_parallel is None else ns.sequence_parallel == "true"
+    best, every = plan(model, hw, ns.seq, ns.global_batch, tp=ns.tp, pp=ns.pp, micro=ns.micro, act_ckpt=ckpt,
+                       sequence_parallel=sp)
     tokens = ns.seq * ns.global_batch
     fitting = [la for la in every if la.fits]
     print(f"{model.name} on {hw.nodes} x {hw.gpus_per_node} GPUs ({hw.gpu_memory_gb:g} GB, {hw.reserve_gb:g} "
@@ -268,6 +259,7 @@ def run(ns: argparse.Namespace) -> int:
     print("\n".join(_table(sorted(shown, key=lambda la: la.step_s), hw.budget)))
     if len(fitting) > ns.top:
         print(f"({len(fitting) - ns.top} slower layouts that fit not shown; --top N lists more)")
+    print(full_recompute_verdict(every))
     print(f"\nbest: {best.name()}: {best.step_s:.1f} s/step predicted ({tokens / best.step_s:,.0f} tokens/s), "
           f"bubble {best.bubble:.1%}, {best.memory.line(best.pp)}")
     print("recipe lines (recipes/<model>.sh):")
@@ -278,7 +270,7 @@ def run(ns: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("plan", help="rank (tp, pp, micro, gas, checkpointing) layouts for a cluster",
+    p = sub.add_parser("plan", help="rank (tp, pp, micro, gas, sequence parallel, recompute) layouts for a cluster",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     p.set_defaults(run=run)

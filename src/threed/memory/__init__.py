@@ -4,6 +4,7 @@
                   activations, temporaries) as DeepSpeed + megatron-core + torch allocate them; checked against
                   real engines by tests/test_memory.py
     __main__.py   `python -m threed.memory ...` (recipes/launch.sh prints its line)
+    recompute.py  which blocks of a stage Megatron's recompute flags recompute (shared with threed.steptime)
 
 `threed plan` (`threed.planner`) ranks layouts with it.
 """

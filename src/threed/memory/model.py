@@ -1,6 +1,8 @@
 """Memory per GPU of a bf16 layout, term by term, as DeepSpeed 0.19.8 + megatron-core 0.16.1 + torch 2.13 allocate it.
 
     python -m threed.memory --model llama3.1-70b --tp 8 --pp 4 --dp 1 --micro 1 --gas 512 --seq 8192 --act-ckpt 1
+    python -m threed.memory --model llama3.1-70b --tp 8 --pp 4 --dp 1 --micro 1 --gas 512 --seq 8192 \
+        --sequence-parallel --recompute-granularity full --recompute-method block --recompute-num-layers 4
 
 Per rank of pipeline stage s. tests/test_memory.py checks the static terms against the tensors of real CPU
 engines (within 2%; they agree to the byte), tests/test_memory_tied.py the same for a tied model, and the
@@ -24,6 +26,11 @@ activation estimate is reported against a measured CPU peak.
                last two micro-batches: `_exec_backward_pass` returns before clearing `pipe_buffers['outputs']`
                there, so each of the two buffer slots keeps its logits until reused (between steps too), and
                through the logits' autograd graph the received input and its gradient (2 x 2h).
+               Sequence parallelism: nothing crosses stages partitioned (DeepSpeed's pipe_partitioned is off, each
+               rank's [s/tp, b, h] is its own part), so the p2p buffer is [s/tp, b, h] without a meta tensor and
+               the last stage's input and gradient 2 x 2h / tp; and megatron's global memory buffer, into which
+               each column-parallel linear all-gathers its input ([s, b, h] bf16, forward and again in backward
+               for the weight gradient), allocated at first use and kept: 2 s b h on every stage with a linear.
   activations  bytes per token kept by one block, no sequence parallelism (h-sized tensors replicated over TP):
                  norms      2 x (2h input + 4 rstd + 2h output, kept by the next linear): torch's fused RMSNorm
                             on CUDA; the CPU composite keeps 4h fp32 input + 4 + 4h fp32 normalised + 2h output
@@ -35,6 +42,12 @@ activation estimate is reported against a measured CPU peak.
                (at tp 1 beside the forward's clone: 2h) and its output's TP partition (2h / tp); the last stage
                the final norm and the fp32 softmax of vocab_parallel_cross_entropy (4V/tp). With activation
                checkpointing a block keeps its input (2h) and backward recomputes one block at a time.
+               Sequence parallelism (Korthikanti et al.): the norms and the residual stream hold [s/tp, b, h], so
+               the h-sized terms (norms, received input, kept output, checkpointed input) are divided by tp too:
+               every term of a block is then / tp (their 34 sbh / t; SDPA keeps no s x s scores, so there is no
+               5as/(ht) term to remove). Partial recompute (`threed.memory.recompute`, Megatron's flags): of a
+               stage's blocks the recomputed ones keep only each chunk's input and backward re-creates one chunk
+               at a time; the others keep everything; selective recompute drops only the attention logsumexp.
                1F1B: stage s holds min(pp - s, gas) micro-batches. Backward adds the MLP gradients
                (2 (3f/tp + h) per token) and one parameter's bf16 grad; the loss backward the logits' bf16
                gradient (2V/tp).
@@ -58,6 +71,7 @@ from typing import Literal, Sequence
 from threed.config import ModelConfig, ParallelConfig
 from threed.flags import model_config
 from threed.model.spec import LayerKind, largest_parameter, stage_parameters
+from threed.memory.recompute import Recompute
 from threed.partition import resolve_partition
 
 GB = 1e9
@@ -169,36 +183,52 @@ def _norm_bytes(h: int, device: Device) -> int:
     return 4 * h + 4 + 4 * h + BF16 * h  # composite: fp32 upcast input, rstd, fp32 normalised (input not kept)
 
 
-def block_bytes_per_token(model: ModelConfig, tp: int, device: Device = "cuda") -> int:
-    """Activation bytes one Llama block keeps for backward per token (RoPE's cos/sin apart)."""
+def block_bytes_per_token(model: ModelConfig, tp: int, device: Device = "cuda", sequence_parallel: bool = False,
+                          selective: bool = False) -> int:
+    """Activation bytes one Llama block keeps for backward per token (RoPE's cos/sin apart); per token of the
+    whole sequence, so under sequence parallelism the norms' share is / tp like the rest."""
     h, f, heads = model.hidden_size, model.ffn_hidden_size, model.num_heads
     kv = model.num_kv_heads * model.head_dim
-    attention = BF16 * (h + 2 * kv) + BF16 * h + BF16 * kv + BF16 * h + 4 * heads  # qkv, q, k, out, lse
+    lse = 0 if selective else 4 * heads  # selective recompute: the core attention keeps only its inputs
+    attention = BF16 * (h + 2 * kv) + BF16 * h + BF16 * kv + BF16 * h + lse  # qkv, q, k, out, lse
     swiglu = 3 if _switches(device).fused_swiglu else 5
-    return 2 * _norm_bytes(h, device) + attention // tp + swiglu * f * BF16 // tp
+    norms = 2 * _norm_bytes(h, device) // (tp if sequence_parallel else 1)
+    return norms + attention // tp + swiglu * f * BF16 // tp
 
 
 def stage_activations(model: ModelConfig, tp: int, pp: int, stage: Stage, micro: int, gas: int, seq: int,
-                      act_ckpt: bool, device: Device = "cuda", max_param: int = 0) -> float:
-    """Peak bytes of the forward/backward phase on one rank of `stage`, beyond the static terms."""
+                      act_ckpt: bool | Recompute, device: Device = "cuda", max_param: int = 0,
+                      sequence_parallel: bool = False) -> float:
+    """Peak bytes of the forward/backward phase on one rank of `stage`, beyond the static terms. `act_ckpt`: True
+    (every block recomputed), False, or a `Recompute` (Megatron's flags)."""
+    rc = Recompute.of(act_ckpt)
+    sp = sequence_parallel and tp > 1
     h, f, v = model.hidden_size, model.ffn_hidden_size, model.padded_vocab_size(tp) // tp
     tokens = seq * micro
-    full_block = block_bytes_per_token(model, tp, device) * tokens + 4 * BF16 * seq * model.head_dim
-    kept_block = BF16 * h * tokens if act_ckpt else full_block
-    part = h // tp if tp > 1 else h  # DeepSpeed partitions p2p activations over TP (pipe_partitioned)
+    full_block = (block_bytes_per_token(model, tp, device, sp, rc.selective) * tokens
+                  + 4 * BF16 * seq * model.head_dim)
+    # DeepSpeed partitions p2p activations over TP (pipe_partitioned); sequence parallelism splits them instead.
+    part = h // tp if tp > 1 else h
+    recomputed = rc.recomputed(stage.blocks)
+    chunk_input = BF16 * (part if sp else h) * tokens  # what a checkpointed chunk keeps
+    kept_blocks = (stage.blocks - recomputed) * full_block + rc.kept_inputs(stage.blocks) * chunk_input
     if stage.first:
         extras = 16 * tokens  # token ids + the engine's clone
+    elif sp:  # the received [s/tp, b, h] is a copy beside the forward's clone, as at tp 1
+        extras = BF16 * part * tokens
     else:  # the received input: a copy beside the forward's clone (tp 1), else the gathered input itself,
-        # which block 0 keeps anyway unless it is the CPU norm without checkpointing
-        extras = BF16 * h * tokens * (tp == 1 or (device == "cpu" and not act_ckpt))
-    extras += 0 if stage.last else BF16 * part * tokens  # the output (its TP partition), kept for backward
-    # Last stage: final norm, fp32 softmax, labels (the logits themselves are in `buffers`).
-    head = (_norm_bytes(h, device) + 4 * v + 8) * tokens if stage.last else 0.0
-    per_micro = stage.blocks * kept_block + extras + head
+        # which block 0 keeps anyway unless it is the CPU norm without checkpointing it
+        extras = BF16 * h * tokens * (tp == 1 or (device == "cpu" and recomputed == 0))
+    extras += 0 if stage.last else BF16 * part * tokens  # the output (its TP / sequence part), kept for backward
+    # Last stage: final norm (on [s/tp] under sequence parallelism), fp32 softmax, labels (the logits themselves
+    # are in `buffers`).
+    head = (_norm_bytes(h, device) // (tp if sp else 1) + 4 * v + 8) * tokens if stage.last else 0.0
+    per_micro = kept_blocks + extras + head
     in_flight = min(pp - stage.index, gas)
     grad = BF16 * max_param  # one parameter's bf16 .grad before the hook adds it to the fp32 buffer
-    # Backward through the blocks: the loss's tensors of this micro-batch are gone by then.
-    blocks_phase = in_flight * per_micro - head + (full_block if act_ckpt else 0) \
+    # Backward through the blocks: the loss's tensors of this micro-batch are gone by then; a recomputed chunk's
+    # activations are re-created (one chunk at a time).
+    blocks_phase = in_flight * per_micro - head + rc.live_blocks(stage.blocks) * full_block \
         + BF16 * (3 * f // tp + h) * tokens + grad
     head_phase = in_flight * per_micro + BF16 * v * tokens + grad if stage.last else 0.0
     return max(blocks_phase, head_phase)
@@ -217,35 +247,40 @@ def reduce_copy_bytes(groups: Sequence[int]) -> int:
     return worst
 
 
-def stage_memory(model: ModelConfig, tp: int, pp: int, dp: int, micro: int, gas: int, seq: int, act_ckpt: bool,
-                 stage: Stage, device: Device = "cuda") -> Memory:
+def stage_memory(model: ModelConfig, tp: int, pp: int, dp: int, micro: int, gas: int, seq: int,
+                 act_ckpt: bool | Recompute, stage: Stage, device: Device = "cuda",
+                 sequence_parallel: bool = False) -> Memory:
     h, d = model.hidden_size, model.head_dim
     tokens, v = seq * micro, model.padded_vocab_size(tp) // tp
+    sp = sequence_parallel and tp > 1
     groups = [n for n in stage_params(model, tp, stage) if n]  # make_optimizer drops empty groups
     align = 2 * dp  # BF16_Optimizer aligns each flat group to nccl_start_alignment_factor (2) x dp
     padded = [math.ceil(n / align) * align for n in groups]
     buffers = 4 * seq * d * stage.blocks  # RoPE angles cached per block (fp32)
     if not (stage.first and stage.last):  # p2p buffer: a TP partition of [s, b, h] and its meta tensor
-        buffers += BF16 * tokens * h if tp == 1 else BF16 * tokens * (h // tp) + 72
-    if stage.last:
-        buffers += min(2, gas) * BF16 * tokens * (v + (0 if stage.first else 2 * h))  # stale logits + input
+        buffers += BF16 * tokens * h if tp == 1 else BF16 * tokens * (h // tp) + (0 if sp else 72)
+    if stage.last:  # stale logits + input (and its gradient)
+        buffers += min(2, gas) * BF16 * tokens * (v + (0 if stage.first else 2 * h // (tp if sp else 1)))
+    if sp and (stage.blocks or stage.last):  # megatron's all-gather buffer of the column-parallel linears' input
+        buffers += BF16 * tokens * h
     max_param = largest_parameter(model, tp, stage_kinds(stage))
     adamw_temps = 0 if _switches(device).fused_adamw else 2 if device == "cpu" else 1
     return Memory(
         stage=stage, params=sum(groups), weights=float(BF16 * sum(padded)), grads=float(4 * sum(padded)),
         optimizer=float(12 * sum(padded) // dp + 4 * len(groups)),  # + AdamW's fp32 `step` per group
         buffers=float(buffers),
-        activations=stage_activations(model, tp, pp, stage, micro, gas, seq, act_ckpt, device, max_param),
+        activations=stage_activations(model, tp, pp, stage, micro, gas, seq, act_ckpt, device, max_param, sp),
         reduce_temp=float(reduce_copy_bytes(padded)),
         step_temp=float(4 * max(p // dp for p in padded) * adamw_temps))
 
 
 def estimate(model: ModelConfig | str, tp: int, pp: int, dp: int, micro: int, gas: int, seq: int,
-             act_ckpt: bool, device: Device = "cuda", partition_method: str | None = None) -> list[Memory]:
+             act_ckpt: bool | Recompute, device: Device = "cuda", partition_method: str | None = None,
+             sequence_parallel: bool = False) -> list[Memory]:
     """Memory of every stage (one rank each; the TP ranks of a stage hold equal shards)."""
     if isinstance(model, str):
         model = model_config(model)
-    return [stage_memory(model, tp, pp, dp, micro, gas, seq, act_ckpt, s, device)
+    return [stage_memory(model, tp, pp, dp, micro, gas, seq, act_ckpt, s, device, sequence_parallel)
             for s in stages(model, pp, tp, seq, partition_method)]
 
 

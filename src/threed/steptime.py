@@ -1,0 +1,105 @@
+"""The planner's step-time model: predicted seconds per optimizer step of a layout on a cluster, so that
+`threed plan` (`threed.planner`) can rank layouts. A ranking, not a promise: bf16, no compute/communication overlap.
+
+    step = (gas + pp - 1) x max over stages of t_micro(stage)  + t_dp + t_tied + t_optimizer
+    t_micro(stage) = tokens x (blocks x F_block + recomputed x F_block / 3 + last x F_head) / (tp x R)     compute
+                   + n_tp x 2 (tp - 1) / tp x 2 s b h / B_tp                                          TP collectives
+                   + 2 x 2 s b h / tp / B_pp  (+ 2 x all-gather of it over TP without SP)               PP p2p (pp > 1)
+
+  F_block, F_head: training FLOPs per token of a block and of the LM head, `threed.model.spec.layer_training_flops`
+  (the repo's one FLOPs convention: 6 x matmul parameters, attention scores over the full seq x seq square, so
+  causal attention's cost is overstated by 6 s h per block, as in every MFU figure). A recomputed block runs its
+  forward once more: F_block / 3 (`threed.memory.recompute` says which blocks of a stage are recomputed). The
+  first factor is the 1F1B schedule: the bubble is (pp - 1) / (gas + pp - 1) of the step, and the slowest stage
+  sets the pace.
+  n_tp, in all-reduces of [s, b, h] (a ring all-reduce moves the bytes of one all-gather plus one reduce-scatter):
+  per block 2 forward (attention and MLP outputs) + 2 backward (their inputs' gradients) + 2 more per recomputed
+  block; plus the embedding's and the LM head's one each. Sequence parallelism (Megatron's) replaces each
+  all-reduce by an all-gather before and a reduce-scatter after the pair of linears: the same bytes in a ring, so
+  the same time; but megatron's backward all-gathers the input of both column-parallel linears once more for their
+  weight gradients (it saved only its [s/tp, b, h] part): half an all-reduce each, +1 per block and +1/2 for the LM
+  head. It overlaps that gather with the input-gradient matmul; this model counts no overlap anywhere, so it is
+  counted. What crosses stages: without SP DeepSpeed sends a TP partition and gathers it over TP on arrival;
+  with SP each rank sends its own sequence part, and nothing is gathered.
+  t_dp: all-reduce of the fp32 gradients (communication_data_type fp32) and all-gather of the bf16 weights,
+  2 (dp - 1) / dp x 4 N + (dp - 1) / dp x 2 N bytes at B_dp. t_optimizer: AdamW on the fp32 shard and the
+  norm/clip pass over the fp32 gradients, (36 N / dp + 12 N) bytes at the GPU's memory bandwidth. t_tied (tied
+  embeddings, pp > 1): the first and the last stage each hold a copy of the embedding (N counts it on both) and
+  all-reduce its fp32 gradient between them: 4 V h / tp bytes sent per rank (a two-rank ring).
+  Bandwidths: NVLink (--nvlink-gbps) inside a node, the per-GPU network share (--network-gbps) across nodes; the
+  DP and PP groups cross nodes when their rank stride (tp, tp dp) reaches a node.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from threed.config import ModelConfig
+from threed.memory.model import GB, stages
+from threed.memory.recompute import Recompute
+from threed.model.spec import layer_training_flops, shard_shape, tie_owners, tied
+
+
+@dataclass(frozen=True)
+class Hardware:
+    nodes: int
+    gpus_per_node: int
+    gpu_memory_gb: float
+    # Defaults: an H100 SXM node with one 400 Gb/s NIC per GPU.
+    reserve_gb: float = 5.0  # CUDA context, NCCL buffers, allocator fragmentation
+    tflops: float = 400.0  # sustained bf16 matmul TFLOP/s per GPU (~40% of the dense peak)
+    nvlink_gbps: float = 370.0  # NCCL all-reduce bus bandwidth inside a node, GB/s
+    network_gbps: float = 50.0  # per-GPU share of the inter-node network, GB/s
+    hbm_gbps: float = 3350.0  # GPU memory bandwidth, GB/s
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def budget(self) -> float:
+        return (self.gpu_memory_gb - self.reserve_gb) * GB
+
+
+def link_bytes_per_s(hw: Hardware, stride: int) -> float:
+    """Bandwidth between ranks `stride` apart (ranks fill a node in order): NVLink inside a node, else the
+    network share."""
+    return (hw.nvlink_gbps if stride < hw.gpus_per_node else hw.network_gbps) * 1e9
+
+
+def step_time(model: ModelConfig, hw: Hardware, tp: int, pp: int, dp: int, micro: int, gas: int, seq: int,
+              recompute: bool | Recompute, params: int, sequence_parallel: bool = False) -> float:
+    """Predicted seconds per optimizer step (the model in the module docstring); `params`: the largest stage's
+    parameters per GPU; `recompute`: True (every block), False, or Megatron's flags."""
+    rc = Recompute.of(recompute)
+    sp = sequence_parallel and tp > 1
+    h = model.hidden_size
+    f_block = layer_training_flops(model, "block", seq, tp)
+    f_head = layer_training_flops(model, "lm_head", seq, tp)
+    tokens = seq * micro
+    act_bytes = 2 * tokens * h
+    rate = hw.tflops * 1e12
+    allreduce = 2 * (tp - 1) / tp * act_bytes / (hw.nvlink_gbps * 1e9) if tp > 1 else 0.0
+
+    slowest = 0.0
+    for st in stages(model, pp, tp, seq):
+        recomputed = rc.recomputed(st.blocks)
+        flops = tokens * ((st.blocks + recomputed / 3) * f_block + st.last * f_head)
+        n_tp = st.blocks * (4 + sp) + 2 * recomputed + st.first + st.last * (1 + sp / 2)
+        t = flops / (tp * rate) + n_tp * allreduce
+        if pp > 1:  # activations forward, gradients backward: 1/tp of them each
+            t += 2 * act_bytes / tp / link_bytes_per_s(hw, tp * dp)
+            if not sp:  # DeepSpeed's TP partition, all-gathered over TP on arrival
+                t += 2 * (tp - 1) / tp * act_bytes / (hw.nvlink_gbps * 1e9)
+        slowest = max(slowest, t)
+    t_dp = (2 * 4 * params + 2 * params) * (dp - 1) / dp / link_bytes_per_s(hw, tp)  # DP ranks are tp apart
+    t_opt = (36 * params / dp + 12 * params) / (hw.hbm_gbps * 1e9)
+    return (gas + pp - 1) * slowest + t_dp + tied_allreduce_s(model, hw, tp, pp, dp) + t_opt
+
+
+def tied_allreduce_s(model: ModelConfig, hw: Hardware, tp: int, pp: int, dp: int) -> float:
+    """DeepSpeed's ReduceTiedGrads: the tied weight's fp32 gradient all-reduced between its two copies (first and
+    last stage, (pp - 1) tp dp ranks apart); nothing when untied or at pp = 1 (one module holds it)."""
+    if not tied(model) or pp == 1:
+        return 0.0
+    rows, hidden = shard_shape(model, tie_owners()["embedding"], tp)
+    return 4 * rows * hidden / link_bytes_per_s(hw, (pp - 1) * tp * dp)
