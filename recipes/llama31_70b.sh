@@ -10,7 +10,7 @@
 #          ~66 GB/GPU = weights 4.5 + grads 9.1 + optimizer 27.3 + buffers 0.2 + activations 25.3
 #          (stage 0 of 4, 2.27B params; plus CUDA/NCCL overhead)
 #          Without SP (no recompute) stage 0 needs ~104 GB (activations 62.9): it would have to recompute 12 of its
-#          21 blocks (74 GB) or all of them (53 GB). At DP=2 the ZeRO-1 optimizer shard halves: ~53 GB/GPU.
+#          21 blocks (73 GB) or all of them (53 GB). At DP=2 the ZeRO-1 optimizer shard halves: ~53 GB/GPU.
 # Speed    predicted by `threed plan --model llama3.1-70b --nodes 4 --gpu-memory 80 --seq 8192 --global-batch 512
 #          --tp 8 --pp 4 --micro 1` (a ranking model, threed.steptime): 199 s/step with SP and no recompute,
 #          against 261 s recomputing every block (ACT_CKPT=true, no SP) and 232 s recomputing 12 blocks per stage

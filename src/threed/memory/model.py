@@ -227,9 +227,10 @@ def stage_activations(model: ModelConfig, tp: int, pp: int, stage: Stage, micro:
     in_flight = min(pp - stage.index, gas)
     grad = BF16 * max_param  # one parameter's bf16 .grad before the hook adds it to the fp32 buffer
     # Backward through the blocks: the loss's tensors of this micro-batch are gone by then; a recomputed chunk's
-    # activations are re-created (one chunk at a time).
-    blocks_phase = in_flight * per_micro - head + rc.live_blocks(stage.blocks) * full_block \
-        + BF16 * (3 * f // tp + h) * tokens + grad
+    # activations are re-created (one chunk at a time). Backward runs the blocks last to first, so by the time it
+    # reaches the recomputed ones (Megatron's `block`: the first N) the kept blocks of this micro-batch are freed.
+    recreated = max(0, rc.live_blocks(stage.blocks) - (stage.blocks - recomputed)) * full_block
+    blocks_phase = in_flight * per_micro - head + recreated + BF16 * (3 * f // tp + h) * tokens + grad
     head_phase = in_flight * per_micro + BF16 * v * tokens + grad if stage.last else 0.0
     return max(blocks_phase, head_phase)
 
