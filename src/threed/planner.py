@@ -193,8 +193,9 @@ def full_recompute_verdict(every: list[Layout]) -> str:
     fitting = [la for la in every if la.fits]
     lighter = [la for la in fitting if not la.act_ckpt]
     if lighter:
-        return (f"full recomputation: not needed: {len(lighter)} layout{"s" * (len(lighter) != 1)} fit{"s" * (len(lighter) == 1)} without recomputing every block; the "
-                f"fastest, {lighter[0].name()}, at {lighter[0].memory.peak / GB:.1f} GB/GPU")
+        count = "1 layout fits" if len(lighter) == 1 else f"{len(lighter)} layouts fit"
+        return (f"full recomputation: not needed: {count} without recomputing every block; the fastest, "
+                f"{lighter[0].name()}, at {lighter[0].memory.peak / GB:.1f} GB/GPU")
     others = [la for la in every if not la.act_ckpt]
     if not others:
         return "full recomputation: the only option searched (--act-ckpt true)"
