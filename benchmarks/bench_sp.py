@@ -1,7 +1,7 @@
 """Sequence parallelism and recompute on CPU: step time with Megatron's sequence parallelism against without it
-(tp 2 pp 2, 4 ranks, one thread each, bf16, a small Llama), and every block recomputed against none; with
---partial N also the first N blocks of each stage recomputed (Megatron's full / block / N) against every block,
-once the pipeline honours those flags (until then it runs them as no recompute). All ratios from one run.
+(tp 2 pp 2, 4 ranks, one thread each, bf16, a small Llama), every block recomputed against none, and the first N
+blocks of each stage recomputed (Megatron's full / block / N, --partial N, default 2 of 4; 0 skips it) against
+every block. All ratios from one run.
 
     .venv/bin/python benchmarks/bench_sp.py [--steps 6] [--seq 512] [--partial 2]
 
@@ -75,8 +75,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=6, help="timed steps per case (median), after 2 warm-up steps")
     p.add_argument("--gas", type=int, default=4)
     p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--partial", type=int, default=0, metavar="N",
-                   help="also recompute the first N blocks of each stage (needs the pipeline's partial recompute)")
+    p.add_argument("--partial", type=int, default=2, metavar="N",
+                   help="also recompute the first N blocks of each stage (0: skip that case)")
     a = p.parse_args()
     if a.worker:
         worker(a)
