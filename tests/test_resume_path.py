@@ -63,7 +63,7 @@ def test_waiting_ranks_wait_on_the_store_not_in_a_collective(monkeypatch):
     from threed.errors import ConfigError
 
     store = dist.HashStore()
-    monkeypatch.setattr(start, "_multi_rank", lambda: True)
+    monkeypatch.setattr(start, "is_multi_rank", lambda: True)
     monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: store)
     calls = start._patient_calls[0]
 
