@@ -7,7 +7,8 @@ a generator seeded with i, and each dp rank takes its contiguous slice (Megatron
 
 Rank 0 appends `{"step", "loss", "norm"}` lines to OUT/losses.jsonl as it goes (a killed run leaves the steps it
 finished), every rank writes its local weights to OUT/weights_rank<R>.pt at the end, and OUT/result.json holds
-the start step and the client state a resume received. Fault injection (--kill WHERE:STEP[:RANK]) makes the
+the start step and the client state a resume received. --lr-jump-step N sets the optimizer's lr to --lr-jump
+from step N on (a finite blow-up after sane, saved steps). Fault injection (--kill WHERE:STEP[:RANK]) makes the
 chosen rank (or every rank: RANK=all) SIGKILL itself at a point of the save of step STEP:
   file1   after its first file of DeepSpeed's save      ds      after DeepSpeed's save, before the manifest
   latest  rank 0, after the manifest, before `latest`   prune   rank 0, after `latest`, before pruning
@@ -109,6 +110,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--kill")
     p.add_argument("--poison-step", type=int, default=0, help="make the loss NaN at this step")
+    p.add_argument("--lr-jump-step", type=int, default=0, help="from this step on, the optimizer's lr is --lr-jump")
+    p.add_argument("--lr-jump", type=float, default=1e3)
     p.add_argument("--skip-nonfinite", type=int, default=0)
     p.add_argument("--sleep-step", type=int, default=0, help="rank 0 sleeps 30 s in this step (watchdog)")
     p.add_argument("--watchdog-min-seconds", type=float, default=600.0)
@@ -153,6 +156,9 @@ def main(a: argparse.Namespace, rt: Runtime) -> None:
     it = batches(start, micro, gas, dp, dp_rank) if reads_data(engine) else None
     guard = RunGuard(cfg, rt.rank, engine, None, rt.device)
     for step in range(start, cfg.train.steps):
+        if a.lr_jump_step and step + 1 >= a.lr_jump_step:  # a finite blow-up after sane steps (the scheduler sets
+            for group in engine.optimizer.param_groups:   # the lr after the optimizer step: this one is used)
+                group["lr"] = a.lr_jump
         loss = engine.train_batch(data_iter=it).item()
         norm = engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else float("nan")

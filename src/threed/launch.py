@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 from typing import Optional, Sequence
@@ -54,6 +55,7 @@ def torchrun_main(argv: Sequence[str]) -> int:
     rank killed by a signal printed nothing, so that one gets a line. `threed train --nproc-per-node N` and
     recipes/launch.sh start their ranks through this."""
     # torch: torchrun's agent; only for the commands that start ranks
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -67,6 +69,13 @@ def torchrun_main(argv: Sequence[str]) -> int:
             print(f"threed: rank {rank} was killed by {failure.signal_name()} (exit {failure_status(failure.exitcode)})"
                   f"; see the lines above for the cause", file=sys.stderr, flush=True)
         return failure_status(failure.exitcode) or 1
+    except SignalException as e:
+        # Ctrl-C (the terminal signals the launcher and its ranks) or SIGTERM to the launcher: torchrun's agent has
+        # already forwarded the signal to the ranks and waited for them (--shutdown-timeout, 30 s by default), and
+        # the ranks treat it as a stop request (threed.guard.StopRequest: save at the step boundary, exit 0, and say
+        # so). Without this, the agent's SignalException ended the launcher with a traceback and exit 1 after a
+        # clean save (issue 19, tests/test_ctrl_c_ranks.py). Any other signal: the shell's 128 + signal.
+        return 0 if e.sigval in (signal.SIGINT, signal.SIGTERM) else 128 + int(e.sigval)
     return 0
 
 
