@@ -29,8 +29,9 @@ test: $(STAMP)
 	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -x -q --durations=15 tests
 
+# The slow tests that are not Slurm jobs (those are test-slurm's).
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m slow tests
+	$(PY) -m pytest -q -m "slow and not slurm" tests
 
 # CUDA/NCCL: parity, training parity + resume, SDPA attention vs the math kernel. Skips, with its reason, without GPUs.
 test-gpu: $(STAMP)

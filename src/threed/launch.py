@@ -43,6 +43,9 @@ def _quiet_torchrun_loggers() -> None:
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
+SHUTDOWN_TIMEOUT_S = 1800  # how long torchrun's agent lets stopped ranks finish their save (see torchrun_main)
+
+
 def failure_status(exitcode: int) -> int:
     """A rank's exit code as a shell reports it: a signal (negative in torch's ProcessFailure) is 128 + signal."""
     return 128 - exitcode if exitcode < 0 else exitcode
@@ -59,7 +62,14 @@ def torchrun_main(argv: Sequence[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    args = parse_args(list(argv))
+    argv = list(argv)
+    given = any(a.split("=")[0] in ("--shutdown-timeout", "--shutdown_timeout") for a in argv)
+    if not given and "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in os.environ:
+        # On Ctrl-C / SIGTERM the agent forwards the signal and gives the ranks --shutdown-timeout (torch's default:
+        # 30 s) before it SIGKILLs them; the ranks are then saving a checkpoint (a stop request), which at 70B takes
+        # minutes. The time limit that matters is Slurm's (it SIGKILLs the job anyway).
+        argv = [f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}", *argv]
+    args = parse_args(argv)
     _quiet_torchrun_loggers()
     try:
         run(args)
@@ -71,7 +81,7 @@ def torchrun_main(argv: Sequence[str]) -> int:
         return failure_status(failure.exitcode) or 1
     except SignalException as e:
         # Ctrl-C (the terminal signals the launcher and its ranks) or SIGTERM to the launcher: torchrun's agent has
-        # already forwarded the signal to the ranks and waited for them (--shutdown-timeout, 30 s by default), and
+        # already forwarded the signal to the ranks and waited for them (--shutdown-timeout, SHUTDOWN_TIMEOUT_S), and
         # the ranks treat it as a stop request (threed.guard.StopRequest: save at the step boundary, exit 0, and say
         # so). Without this, the agent's SignalException ended the launcher with a traceback and exit 1 after a
         # clean save (issue 19, tests/test_ctrl_c_ranks.py). Any other signal: the shell's 128 + signal.
