@@ -90,7 +90,7 @@ def local_modules(module: PipelineModule, model: ModelConfig) -> list[tuple[Pipe
         layer = layers[index]
         if layer.tied_to is not None:
             layer = layers[layer.tied_to]
-            fn = module.tied_modules[tie_owners()["embedding"].tie]
+            fn = module.tied_modules["embedding"]  # the TiedLayerSpec key above
         if all(fn is not seen for _, seen in out):
             out.append((layer, fn))
     return out

@@ -1,5 +1,6 @@
-"""Which blocks of a pipeline stage recompute in backward, as Megatron-LM's recompute flags say: the one reading of
-those flags that the memory model (kept activations) and the planner (recompute FLOPs) share.
+"""Which blocks of a pipeline stage recompute in backward, as Megatron-LM's recompute flags say, for the memory model
+(kept activations) and the planner (recompute FLOPs). The flags are read and the chunks cut by `threed.partition`
+(`full_recompute`, `recompute_chunks`: what the pipeline runs); this adds the counts those two need.
 
     none                  every block keeps its activations for backward
     full uniform N        every block recomputed, in chunks of N consecutive blocks: each chunk keeps its input and
@@ -11,11 +12,11 @@ those flags that the memory model (kept activations) and the planner (recompute 
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
 from threed.config import TrainConfig
+from threed.partition import full_recompute, recompute_chunks
 
 
 @dataclass(frozen=True)
@@ -38,33 +39,35 @@ class Recompute:
 
     @classmethod
     def from_train(cls, train: TrainConfig) -> "Recompute":
-        if train.activation_checkpointing:
-            return cls.of(True)
-        return cls(train.recompute_granularity, train.recompute_method, train.recompute_num_layers or 0)
+        """The run's flags as `threed.partition.full_recompute` reads them (the pipeline's own reading)."""
+        if train.recompute_granularity == "selective":
+            return cls("selective")
+        plan = full_recompute(train)
+        return cls("full", *plan) if plan else cls()
 
     @property
     def selective(self) -> bool:
         return self.granularity == "selective"
 
+    def _chunks(self, blocks: int) -> list[tuple[int, int]]:
+        """The recomputed chunks of a stage of `blocks` blocks, as the pipeline runs them
+        (`threed.partition.recompute_chunks`)."""
+        if self.granularity != "full" or not blocks:
+            return []
+        return [(a, b) for a, b, again in recompute_chunks([True] * blocks, str(self.method), self.num_layers)
+                if again]
+
     def recomputed(self, blocks: int) -> int:
         """Blocks of a stage of `blocks` blocks that are recomputed in backward."""
-        if self.granularity != "full":
-            return 0
-        return blocks if self.method == "uniform" else min(self.num_layers, blocks)
+        return sum(b - a for a, b in self._chunks(blocks))
 
     def kept_inputs(self, blocks: int) -> int:
         """Checkpointed chunks of the stage, each keeping its input."""
-        if self.granularity != "full":
-            return 0
-        if self.method == "uniform":
-            return math.ceil(blocks / self.num_layers)
-        return self.recomputed(blocks)
+        return len(self._chunks(blocks))
 
     def live_blocks(self, blocks: int) -> int:
-        """Blocks whose activations backward re-creates at once: one chunk."""
-        if self.granularity != "full" or not blocks:
-            return 0
-        return min(self.num_layers, blocks) if self.method == "uniform" else int(self.recomputed(blocks) > 0)
+        """Blocks whose activations backward re-creates at once: the largest chunk."""
+        return max((b - a for a, b in self._chunks(blocks)), default=0)
 
     def label(self, blocks: Optional[int] = None) -> str:
         """'none', 'selective', 'full uniform 1', 'block 3/20' (with the stage's blocks)."""

@@ -22,6 +22,7 @@ halving, no recompute).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cache
 from typing import Literal, Optional
@@ -200,10 +201,7 @@ def parameter_count(model: ModelConfig, tp: Optional[int] = None) -> int:
                 if p.tie in seen:
                     continue
                 seen.add(p.tie)
-            n = 1
-            for s in full_shape(model, p, tp):
-                n *= s
-            total += n
+            total += math.prod(full_shape(model, p, tp))
     return total
 
 
@@ -213,10 +211,7 @@ def optimizer_parameters(model: ModelConfig, tp: int, pp: int) -> int:
     extra = 0
     if tied(model) and pp > 1:
         for owner in tie_owners().values():
-            n = 1
-            for s in full_shape(model, owner, tp):
-                n *= s
-            extra += n
+            extra += math.prod(full_shape(model, owner, tp))
     return parameter_count(model, tp) + extra
 
 
@@ -234,9 +229,7 @@ def stage_parameters(model: ModelConfig, tp: int, kinds: list[LayerKind]) -> tup
                     continue
                 seen.add(p.tie)
             shape = shard_shape(model, p, tp)
-            n = 1
-            for s in shape:
-                n *= s
+            n = math.prod(shape)
             if len(shape) > 1:
                 matrices += n
             else:
@@ -249,11 +242,7 @@ def largest_parameter(model: ModelConfig, tp: int, kinds: list[LayerKind]) -> in
     transient the memory model adds)."""
     sizes = [0]
     for kind in set(kinds):
-        for shape in shard_shapes(model, kind, tp).values():
-            n = 1
-            for s in shape:
-                n *= s
-            sizes.append(n)
+        sizes += [math.prod(shape) for shape in shard_shapes(model, kind, tp).values()]
     return max(sizes)
 
 
