@@ -122,13 +122,21 @@ def tp1pp4(tmp_path_factory, data) -> list[dict]:
     return launch(tmp_path_factory, data, 4, ["--tp", "1", "--pp", "4", "--gas", "8,3", "--variants", "tied"])
 
 
+@pytest.fixture(scope="module")
+def tp2pp4(tmp_path_factory, data) -> list[dict]:
+    """TP without sequence parallelism: DeepSpeed partitions the activations between stages (pipe_partitioned), and
+    the middle stages keep W passes across received gradients."""
+    return launch(tmp_path_factory, data, 8, ["--tp", "2", "--pp", "4", "--gas", "8", "--variants", ""])
+
+
 def assert_same_run(got: dict, want: dict, what: str, rel: float = REL) -> None:
     assert got["losses"] == pytest.approx(want["losses"], rel=rel), f"{what}: losses"
     assert got["grad_norms"] == pytest.approx(want["grad_norms"], rel=rel), f"{what}: gradient norms"
     if "weights" in want:
         for name, (total, size) in want["weights"].items():
             assert abs(got["weights"][name][0] - total) <= rel * size, f"{what}: final weight {name}"
-        assert got["eval"] == pytest.approx(want["eval"], rel=rel), f"{what}: evaluation loss"
+        if want["eval"] is not None:  # (packed rows: no evaluation)
+            assert got["eval"] == pytest.approx(want["eval"], rel=rel), f"{what}: evaluation loss"
 
 
 def check_parity(ranks: list[dict], runs: list[str]) -> None:
@@ -168,6 +176,15 @@ def test_tp1_pp4_same_run_under_zb_h1(tp1pp4, gas) -> None:
 
 def test_tp1_pp4_tied_model(tp1pp4) -> None:
     check_parity(tp1pp4, ["tied_SCHED"])
+
+
+@pytest.mark.slow
+def test_tp2_pp4_same_run_under_zb_h1(tp2pp4) -> None:
+    check_parity(tp2pp4, ["SCHED_gas8"])
+    for rank, r in enumerate(tp2pp4):
+        whole = r["1f1b_gas8"]
+        want = {"losses": whole["losses"][3:], "grad_norms": whole["grad_norms"][3:]}
+        assert_same_run(r["1f1b_then_zb-h1"], want, f"rank {rank} 1f1b -> zb-h1")
 
 
 @pytest.mark.parametrize("fixture", ["tp2pp2", "tp1pp4"])

@@ -124,6 +124,7 @@ def zero_bubble_engine() -> type:
     alone (PipelineEngine, or DualPipeVEngine for a DualPipeVModule), so threed.engine re-classes the engine it
     returns: this subclass adds methods and no state of its own beyond the deferral queue."""
     # deepspeed, torch, megatron: heavy; the planner and the memory model use the pure part above without them
+    import torch
     from deepspeed.runtime.pipe import schedule as ds_schedule
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
@@ -174,8 +175,18 @@ def zero_bubble_engine() -> type:
                                       stage_id=self.stage_id)
 
         def _exec_backward_pass(self, buffer_id):
-            with DEFERRED.deferring():
-                super()._exec_backward_pass(buffer_id)
+            # DeepSpeed receives every output gradient into one reused buffer (`grad_layer`), and the residual
+            # stream hands that very tensor to the block's last linear as its output gradient, which a deferred W
+            # keeps: the next RecvGrad would overwrite it before W runs (found at tp1 pp4). Backward gets its own
+            # copy; the buffer stays DeepSpeed's.
+            received = self.grad_layer
+            if received is not None and not self.is_last_stage():
+                self.grad_layer = received.clone() if torch.is_tensor(received) else [t.clone() for t in received]
+            try:
+                with DEFERRED.deferring():
+                    super()._exec_backward_pass(buffer_id)
+            finally:
+                self.grad_layer = received
 
         def _exec_weight_pass(self, micro_batch):
             # Grads reach the weights through autograd (AccumulateGrad), so DeepSpeed's gradient hooks run as in

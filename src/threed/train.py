@@ -132,7 +132,8 @@ def _train(cfg: RunConfig, rt: Runtime, splits: DataSplits, start_decision: Star
     log(logger, f"threed: world {rt.world_size} = tp {tp} x pp {pp} x dp {dp} on "
                  f"{rt.device.type}/{rt.backend}; global batch {glob} = micro {micro} x gas {gas} x dp {dp}; "
                  f"{cfg.model.name} {parameter_count(cfg.model) / 1e6:.1f}M params; dtype {cfg.train.dtype}; "
-                 f"recompute: {recompute_summary(cfg)}; "
+                 + (f"pipeline schedule {cfg.parallel.pipeline_schedule}; " if pp > 1 else "")
+                 + f"recompute: {recompute_summary(cfg)}; "
                  + (f"resumed from {built.resumed_from} at step {start} ({consumed} samples consumed)"
                     if built.resumed_from else
                     f"weights from {cfg.checkpoint.init_from}" if cfg.checkpoint.init_from else "random init")
