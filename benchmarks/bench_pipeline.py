@@ -1,9 +1,14 @@
 """Pipeline efficiency: the same model and global batch at pp=1 (one process) and pp=2 (two processes), one thread
 per rank, fp32, gas 16, through `threed.engine.build_engine` with synthetic batches and the metrics writer on at
 log interval 1 (stdout, metrics.jsonl, TensorBoard). Prints the speedup pp1/pp2 divided by the ideal
-pp·gas/(gas+pp−1), the per-stage idle fractions next to the ideal bubble, and what the logging cost.
+pp·gas/(gas+pp−1), the per-stage idle fractions next to the ideal bubble, each stage's compute time and their
+spread (slowest / fastest: 1F1B runs at the slowest stage's pace), and what the logging cost.
 
     .venv/bin/python benchmarks/bench_pipeline.py [--partition balanced] [--gas 16] [--repeats 3] [--steps 8]
+    .venv/bin/python benchmarks/bench_pipeline.py --partition measured [--layers 16]
+
+`--partition measured` first runs `threed profile-layers` in this process (one thread, as the ranks) on the
+benchmark's model and uses the `costs:...` method it prints for both runs.
 
 Each configuration runs 2 warm-up steps, then `repeats` chunks of `steps` steps; a chunk's time is its mean step
 time and the reported time the median chunk.
@@ -24,13 +29,33 @@ MODEL = dict(vocab_size=4096, hidden_size=256, num_layers=8, num_heads=8, num_kv
              max_position_embeddings=256)
 
 
+def bench_model(layers: int):
+    """The benchmark's ModelConfig at `--layers` blocks."""
+    from threed.config import ModelConfig
+
+    return ModelConfig(name="bench", **{**MODEL, "num_layers": layers})
+
+
+def measured_partition(a: argparse.Namespace) -> str:
+    """`threed profile-layers` on the benchmark's model, micro-batch and sequence, one thread (as each rank runs):
+    prints its table and returns its `costs:...` method."""
+    from threed.config import ParallelConfig, RunConfig, TrainConfig
+    from threed.layer_profile import profile_layers, report
+
+    cfg = RunConfig(model=bench_model(a.layers), parallel=ParallelConfig(tp=1, pp=2),
+                    train=TrainConfig(dtype="fp32", micro_batch_size=a.micro, seq_length=a.seq))
+    profile = profile_layers(cfg, threads=1)
+    print("\n".join(report(profile, cfg)), flush=True)
+    return profile.method
+
+
 def worker(a: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(1)
     from deepspeed.runtime.pipe.schedule import TrainSchedule
 
-    from threed.config import MetricsConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
+    from threed.config import MetricsConfig, ParallelConfig, RunConfig, TrainConfig
     from threed.distributed import init_distributed
     from threed.engine import build_engine
     from threed.metrics.writer import RunMetrics
@@ -40,7 +65,7 @@ def worker(a: argparse.Namespace) -> None:
 
     rt = init_distributed()
     steps = 2 + a.repeats * a.steps
-    cfg = RunConfig(model=ModelConfig(name="bench", **MODEL),
+    cfg = RunConfig(model=bench_model(a.layers),
                     parallel=ParallelConfig(tp=1, pp=a.pp, partition_method=a.partition),
                     train=TrainConfig(dtype="fp32", micro_batch_size=a.micro, grad_accum_steps=a.gas,
                                       seq_length=a.seq, steps=steps, log_interval=1),
@@ -118,6 +143,7 @@ def launch(a: argparse.Namespace, pp: int, out: str) -> list[dict]:
 
     args = ["--worker", "--pp", str(pp), "--out", out, "--gas", str(a.gas), "--micro", str(a.micro), "--seq",
             str(a.seq), "--repeats", str(a.repeats), "--steps", str(a.steps), "--partition", a.partition,
+            "--layers", str(a.layers),
             "--wait-quiet", str(a.wait_quiet)]
     run_ranks(pp, os.path.abspath(__file__), args, env={"OMP_NUM_THREADS": "1"}, timeout=1800)
     return [json.loads(Path(out, f"pp{pp}_rank{r}.json").read_text()) for r in range(pp)]
@@ -133,7 +159,9 @@ def main() -> int:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--partition", default="balanced", help="--partition-method for both runs")
+    p.add_argument("--partition", default="balanced",
+                   help="--partition-method for both runs, or `measured`: threed profile-layers' costs:... method")
+    p.add_argument("--layers", type=int, default=MODEL["num_layers"], help="transformer blocks (default: %(default)s)")
     p.add_argument("--wait-quiet", type=float, default=0, metavar="SECONDS",
                    help="on a shared machine: before each chunk wait up to SECONDS for the run queue to empty, and "
                         "count only chunks that ran alone")
@@ -141,6 +169,8 @@ def main() -> int:
     if a.worker:
         worker(a)
         return 0
+    if a.partition == "measured":
+        a.partition = measured_partition(a)
     queue: list[int] = []
     sampling = threading.Event()
     threading.Thread(target=sample_run_queue, args=(queue, sampling), daemon=True).start()
@@ -166,7 +196,7 @@ def main() -> int:
         return {k: statistics.mean(w["idle"][i][k] for i in clean) for k in w["idle"][clean[0]]}
 
     idle, idle1 = stage_means(writer, clean2), stage_means(one[0], clean1)
-    print(f"model hidden {MODEL['hidden_size']}, {MODEL['num_layers']} layers, vocab {MODEL['vocab_size']}, seq "
+    print(f"model hidden {MODEL['hidden_size']}, {a.layers} layers, vocab {MODEL['vocab_size']}, seq "
           f"{a.seq}, fp32, micro {a.micro} x gas {a.gas}, 1 thread per rank, partition {a.partition}")
     def chunk_list(runs: list[dict]) -> str:
         return ", ".join(f"{max(r['chunks'][i] for r in runs) * 1000:.0f} (run queue {runs[0]['queues'][i]:.1f})"
@@ -185,6 +215,9 @@ def main() -> int:
             f"stage {s}: " + " ".join(f"{k} {st[f'stage{s}/{k}-time'] * 1000:.0f}" for k in
                                       ("compute", "p2p-wait", "dp-reduce", "optimizer", "loss-sync", "iteration"))
             for s in range(n)))
+    compute = [idle[f"stage{s}/compute-time"] for s in range(2)]
+    print("pp2 compute per stage: " + ", ".join(f"stage {s} {c * 1000:.0f} ms" for s, c in enumerate(compute))
+          + f"; spread (slowest / fastest) {max(compute) / min(compute):.3f}")
     for name, runs, t in (("pp1", one, t1), ("pp2", two, t2)):
         worst = max(r["logging_s_per_step"] + r["wrapper_s_per_step"] for r in runs)
         gather = max(r["gather_s_per_step"] for r in runs)

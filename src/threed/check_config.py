@@ -1,6 +1,7 @@
 """`threed check-config`: the checks `threed train` runs before it builds anything, in one process, in a second,
 without torch: numeric ranges, the model, tp / pp against heads and layers, seq against positions, the batch
-arithmetic at a given world size; with `--paths`, also what the run would do with its checkpoint directories
+arithmetic at a given world size, which stage holds which layers (--partition-method; DeepSpeed's own methods
+import DeepSpeed for its split functions); with `--paths`, also what the run would do with its checkpoint directories
 (resume, refuse to overwrite a run, room for a checkpoint) without creating anything.
 
     threed check-config --world 8 --model tiny --tp 2 --pp 2 --micro-batch-size 4 --grad-accum-steps 4 ...
@@ -17,7 +18,7 @@ from threed.config import ConfigError, RunConfig
 from threed.errors import guarded
 from threed.flags import add_run_flags, run_config_from_args
 from threed.model.spec import parameter_count
-from threed.partition import recompute_summary
+from threed.partition import describe, recompute_summary, resolve_partition
 from threed.units import human_bytes
 
 
@@ -30,12 +31,16 @@ def check(ns: argparse.Namespace) -> str:
     dp = cfg.parallel.dp(ns.world)
     micro, gas, glob = cfg.train.resolve_batch(dp)
     recompute = recompute_summary(cfg)  # --recompute-num-layers against the stages' blocks
+    # --partition-method resolved here too, so that a bad one (costs:...) is refused once, before any rank starts.
+    bounds = resolve_partition(cfg.parallel.partition_method, cfg.model, cfg.parallel.pp, cfg.train.seq_length,
+                               cfg.parallel.tp)
+    stages = f"stages: {describe(bounds, cfg.model)}; " if cfg.parallel.pp > 1 else ""
     start = "random init"
     if ns.paths:
         start = check_paths(cfg, ns.world)
     return (f"config ok: {cfg.model.name} ({parameter_count(cfg.model) / 1e6:.1f}M params), world {ns.world} = "
             f"tp {cfg.parallel.tp} x pp {cfg.parallel.pp} x dp {dp}, global batch {glob} = micro {micro} x gas "
-            f"{gas} x dp {dp}, seq {cfg.train.seq_length}, {cfg.train.steps} steps; recompute: {recompute}; "
+            f"{gas} x dp {dp}, seq {cfg.train.seq_length}, {cfg.train.steps} steps; {stages}recompute: {recompute}; "
             f"start: {start}; {checkpoints(cfg)}")
 
 

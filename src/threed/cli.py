@@ -25,6 +25,7 @@ from threed.demo_text import write_demo_text
 from threed.errors import guarded
 from threed.flags import add_run_flags, run_config_from_args
 from threed.launch import torchrun_main
+from threed.layer_profile import register as register_profile_layers
 from threed.planner import register as register_plan
 from threed.report import register as register_report
 
@@ -35,6 +36,7 @@ REGISTER: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     register_check_config,  # check-config: training's checks at a world size, nothing built (recipes/launch.sh)
     register_report,  # report: plots and a summary from a run's metrics.jsonl
     register_plan,
+    register_profile_layers,  # profile-layers: measured per-layer costs -> --partition-method costs:...
 )
 
 

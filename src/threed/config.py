@@ -111,10 +111,11 @@ class ParallelConfig:
                                              alias="--tensor-model-parallel-size"))
     pp: int = field(default=1, metadata=meta("pipeline-parallel size (stages; <= layers)", at_least=1,
                                              alias="--pipeline-model-parallel-size"))
-    # threed.partition: balanced | layers:N1,N2,... | parameters | uniform | type:REGEX
+    # threed.partition: balanced | layers:N1,N2,... | costs:KIND=X,... | parameters | uniform | type:REGEX
     partition_method: str = field(default="balanced", metadata=meta(
-        "which stage holds which layers: balanced (evens out the LM head) | layers:N1,N2,... | parameters | "
-        "uniform | type:REGEX", metavar="METHOD"))
+        "which stage holds which layers: balanced (evens out the LM head) | layers:N1,N2,... | "
+        "costs:block=1,lm_head=X,... (measured: threed profile-layers) | parameters | uniform | type:REGEX",
+        metavar="METHOD"))
 
     # Megatron-LM's --sequence-parallel (Korthikanti et al.): the norms and residual stream of each block are split
     # along the sequence over the TP group (megatron-core's own layers), so activations outside the matmuls shrink

@@ -6,6 +6,9 @@
                       at least one transformer block.
     layers:5,3        explicit transformer blocks per stage (one number per stage, summing to num_layers); the
                       embedding goes with the first stage, the final norm and LM head with the last.
+    costs:block=1,lm_head=1.2,...
+                      as balanced, over given relative costs per layer kind (embedding, block, final_norm, lm_head;
+                      a missing kind costs 0): what `threed profile-layers` measured (`threed.layer_costs`).
     parameters        balance parameter counts (DeepSpeed's method; counted from the config, nothing is built).
     uniform           equal numbers of pipeline layers (embedding, each block, norm and head count one each).
     type:REGEX        balance the layers whose class name matches (DeepSpeed's method). `type:LlamaBlock` spreads the
@@ -30,12 +33,13 @@ from typing import Any, Optional
 
 from threed.config import ModelConfig, TrainConfig
 from threed.errors import ConfigError
+from threed.layer_costs import COSTS_PREFIX, parse_costs
 from threed.model.spec import PipelineLayer, layer_training_flops, pipeline_layers, stage_parameters
 
 PARTS_PREFIX = "parts:"
 CLASS_NAMES = {"embedding": "EmbeddingPipe", "block": "LlamaBlock", "final_norm": "FinalNormPipe",
                "lm_head": "LMHeadPipe"}
-METHODS = "balanced, layers:N1,N2,..., parameters, uniform, type:REGEX"
+METHODS = "balanced, layers:N1,N2,..., costs:block=1,lm_head=X,..., parameters, uniform, type:REGEX"
 
 
 def layer_params(model: ModelConfig, layer: PipelineLayer, tp: int) -> int:
@@ -101,7 +105,10 @@ def resolve_partition(method: str, model: ModelConfig, pp: int, seq_length: int,
                                  is_block)
     if m.lower().startswith("layers:"):
         return _explicit(m[len("layers:"):], model, pp)
-    # DeepSpeed's own methods, computed with its own split functions (imported here: the two above need no
+    if m.lower().startswith(COSTS_PREFIX):
+        costs = parse_costs(m[len(COSTS_PREFIX):])
+        return min_max_partition([costs[la.kind] for la in layers], pp, is_block)
+    # DeepSpeed's own methods, computed with its own split functions (imported here: the three above need no
     # DeepSpeed, so `threed check-config` can resolve them cheaply).
     from deepspeed.runtime import utils as ds_utils
 

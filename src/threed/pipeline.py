@@ -10,6 +10,7 @@ import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from megatron.core import parallel_state
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from threed.config import ModelConfig, RunConfig
 from threed.model.init import init_pipeline_layers_
@@ -29,32 +30,8 @@ def build_pipeline_module(cfg: RunConfig, world_size: int, initialize: bool = Tr
     """Each rank instantiates only the LayerSpecs of its own stage. `fused_swiglu` is CUDA-only
     (`threed.distributed.cuda_only`). `token_weighted` (SFT data): the loss takes per-token weights from the data
     side (`threed.model.layers.token_weighted_loss`)."""
-    # megatron's own init is always skipped: it draws full master weights from the global generator, which
-    # every stage seeds alike (copied blocks) and which changes with tp. `threed.model.init` replaces it.
-    mcore = megatron_config(cfg.model, cfg.parallel.tp, initialize=False, fused_swiglu=fused_swiglu,
-                            sequence_parallel=cfg.parallel.sequence_parallel,
-                            selective_recompute=cfg.train.recompute_granularity == "selective")
-    specs: list = []
-    for layer in pipeline_layers(cfg.model):
-        if tied(cfg.model) and layer.kind in ("embedding", "lm_head"):
-            # Llama 3.2: the first and the last stage each build the embedding module (at pp=1 one serves both);
-            # DeepSpeed sums the weight's gradient over the two copies before the step (the tied group, fp32
-            # `_hp_grad` under bf16), counts it once in the gradient norm (`ds_pipe_replicated` on the last
-            # stage's copy) and keeps the copies equal. Only the first stage's copy is saved (layer_00): the
-            # head is a function, not a module (gpt-neox ties the same way; megatron-core's
-            # share_embeddings_and_output_weights is the same idea without DeepSpeed).
-            owner = tie_owners()["embedding"]
-            forward_fn = TiedLMHead(cfg.model, mcore) if layer.kind == "lm_head" else None
-            specs.append(TiedLayerSpec(owner.tie, EmbeddingPipe, cfg.model, mcore, forward_fn=forward_fn,
-                                       tied_weight_attr=owner.name))
-        elif layer.kind == "embedding":
-            specs.append(LayerSpec(EmbeddingPipe, cfg.model, mcore))
-        elif layer.kind == "block":
-            specs.append(LayerSpec(LlamaBlock, cfg.model, mcore, layer.block + 1))
-        elif layer.kind == "final_norm":
-            specs.append(LayerSpec(FinalNormPipe, cfg.model, mcore))
-        else:
-            specs.append(LayerSpec(LMHeadPipe, cfg.model, mcore))
+    mcore = run_megatron_config(cfg, fused_swiglu)
+    specs = [layer_spec(layer, cfg.model, mcore) for layer in pipeline_layers(cfg.model)]
     recompute = full_recompute(cfg.train)
     recompute_summary(cfg)  # --recompute-num-layers against the stages (threed.train checked it already)
     topology = make_topology(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp(world_size))
@@ -79,6 +56,38 @@ def build_pipeline_module(cfg: RunConfig, world_size: int, initialize: bool = Tr
     # conversion (resume at another tp / pp / dp) needs it: threed.checkpoint.universal.
     module.universal_checkpoint_info = universal_checkpoint_info(cfg.model)
     return module
+
+
+def run_megatron_config(cfg: RunConfig, fused_swiglu: bool = False) -> TransformerConfig:
+    """megatron-core's config for the run's layers: its tp, sequence parallelism and selective recompute. megatron's
+    own init is always skipped: it draws full master weights from the global generator, which every stage seeds
+    alike (copied blocks) and which changes with tp. `threed.model.init` replaces it."""
+    return megatron_config(cfg.model, cfg.parallel.tp, initialize=False, fused_swiglu=fused_swiglu,
+                           sequence_parallel=cfg.parallel.sequence_parallel,
+                           selective_recompute=cfg.train.recompute_granularity == "selective")
+
+
+def layer_spec(layer: PipelineLayer, model: ModelConfig, mcore: TransformerConfig) -> LayerSpec:
+    """The DeepSpeed spec of one layer of `pipeline_layers` (its `build()` makes the module; `threed profile-layers`
+    builds one of each kind with it)."""
+    if tied(model) and layer.kind in ("embedding", "lm_head"):
+        # Llama 3.2: the first and the last stage each build the embedding module (at pp=1 one serves both);
+        # DeepSpeed sums the weight's gradient over the two copies before the step (the tied group, fp32
+        # `_hp_grad` under bf16), counts it once in the gradient norm (`ds_pipe_replicated` on the last
+        # stage's copy) and keeps the copies equal. Only the first stage's copy is saved (layer_00): the
+        # head is a function, not a module (gpt-neox ties the same way; megatron-core's
+        # share_embeddings_and_output_weights is the same idea without DeepSpeed).
+        owner = tie_owners()["embedding"]
+        forward_fn = TiedLMHead(model, mcore) if layer.kind == "lm_head" else None
+        return TiedLayerSpec(owner.tie, EmbeddingPipe, model, mcore, forward_fn=forward_fn,
+                             tied_weight_attr=owner.name)
+    if layer.kind == "embedding":
+        return LayerSpec(EmbeddingPipe, model, mcore)
+    if layer.kind == "block":
+        return LayerSpec(LlamaBlock, model, mcore, layer.block + 1)
+    if layer.kind == "final_norm":
+        return LayerSpec(FinalNormPipe, model, mcore)
+    return LayerSpec(LMHeadPipe, model, mcore)
 
 
 def local_modules(module: PipelineModule, model: ModelConfig) -> list[tuple[PipelineLayer, torch.nn.Module]]:
