@@ -6,6 +6,10 @@ spread (slowest / fastest: 1F1B runs at the slowest stage's pace), and what the 
 
     .venv/bin/python benchmarks/bench_pipeline.py [--partition balanced] [--gas 16] [--repeats 3] [--steps 8]
     .venv/bin/python benchmarks/bench_pipeline.py --partition measured [--layers 16]
+    .venv/bin/python benchmarks/bench_pipeline.py --schedule zb-h1      # the pp2 run under ZB-H1
+
+`--schedule` is the pp2 run's --pipeline-schedule; `benchmarks/bench_schedule.py` compares the schedules (pp2 and
+pp4, gas = 2·pp) with this file's worker.
 
 `--partition measured` first runs `threed profile-layers` in this process (one thread, as the ranks) on the
 benchmark's model and uses the `costs:...` method it prints for both runs.
@@ -53,8 +57,6 @@ def worker(a: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from deepspeed.runtime.pipe.schedule import TrainSchedule
-
     from threed.config import MetricsConfig, ParallelConfig, RunConfig, TrainConfig
     from threed.distributed import init_distributed
     from threed.engine import build_engine
@@ -66,7 +68,8 @@ def worker(a: argparse.Namespace) -> None:
     rt = init_distributed()
     steps = 2 + a.repeats * a.steps
     cfg = RunConfig(model=bench_model(a.layers),
-                    parallel=ParallelConfig(tp=1, pp=a.pp, partition_method=a.partition),
+                    parallel=ParallelConfig(tp=1, pp=a.pp, partition_method=a.partition,
+                                            pipeline_schedule=a.schedule if a.pp > 1 else "1f1b"),
                     train=TrainConfig(dtype="fp32", micro_batch_size=a.micro, grad_accum_steps=a.gas,
                                       seq_length=a.seq, steps=steps, log_interval=1),
                     metrics=MetricsConfig(tensorboard_dir=str(Path(a.out) / f"pp{a.pp}" / "tensorboard")))
@@ -129,13 +132,13 @@ def worker(a: argparse.Namespace) -> None:
     for _ in range(n):
         wrapped(engine)
     per_call = max(0.0, (time.perf_counter() - t1) - (t1 - t0)) / n
-    calls = sum(len(cmds) for cmds in TrainSchedule(micro_batches=a.gas, stages=a.pp, stage_id=engine.stage_id))
+    calls = sum(len(cmds) for cmds in engine._train_schedule())  # the schedule's instructions, W passes too
     result = {"chunks": chunks, "queues": queues, "stage": engine.stage_id, "writer": metrics.is_writer,
               "logging_s_per_step": in_logging / step, "wrapper_s_per_step": per_call * calls,
               "gather_s_per_step": in_gather / step, "stop_check_s": stop_check,
               "idle": idle,
               "loss": loss}
-    Path(a.out, f"pp{a.pp}_rank{rt.rank}.json").write_text(json.dumps(result))
+    Path(a.out, f"pp{a.pp}_{a.schedule}_rank{rt.rank}.json").write_text(json.dumps(result))
 
 
 def launch(a: argparse.Namespace, pp: int, out: str) -> list[dict]:
@@ -143,10 +146,10 @@ def launch(a: argparse.Namespace, pp: int, out: str) -> list[dict]:
 
     args = ["--worker", "--pp", str(pp), "--out", out, "--gas", str(a.gas), "--micro", str(a.micro), "--seq",
             str(a.seq), "--repeats", str(a.repeats), "--steps", str(a.steps), "--partition", a.partition,
-            "--layers", str(a.layers),
+            "--layers", str(a.layers), "--schedule", a.schedule,
             "--wait-quiet", str(a.wait_quiet)]
     run_ranks(pp, os.path.abspath(__file__), args, env={"OMP_NUM_THREADS": "1"}, timeout=1800)
-    return [json.loads(Path(out, f"pp{pp}_rank{r}.json").read_text()) for r in range(pp)]
+    return [json.loads(Path(out, f"pp{pp}_{a.schedule}_rank{r}.json").read_text()) for r in range(pp)]
 
 
 def main() -> int:
@@ -162,6 +165,7 @@ def main() -> int:
     p.add_argument("--partition", default="balanced",
                    help="--partition-method for both runs, or `measured`: threed profile-layers' costs:... method")
     p.add_argument("--layers", type=int, default=MODEL["num_layers"], help="transformer blocks (default: %(default)s)")
+    p.add_argument("--schedule", default="1f1b", choices=("1f1b", "zb-h1"), help="--pipeline-schedule of the pp2 run")
     p.add_argument("--wait-quiet", type=float, default=0, metavar="SECONDS",
                    help="on a shared machine: before each chunk wait up to SECONDS for the run queue to empty, and "
                         "count only chunks that ran alone")
@@ -197,7 +201,7 @@ def main() -> int:
 
     idle, idle1 = stage_means(writer, clean2), stage_means(one[0], clean1)
     print(f"model hidden {MODEL['hidden_size']}, {a.layers} layers, vocab {MODEL['vocab_size']}, seq "
-          f"{a.seq}, fp32, micro {a.micro} x gas {a.gas}, 1 thread per rank, partition {a.partition}")
+          f"{a.seq}, fp32, micro {a.micro} x gas {a.gas}, 1 thread per rank, partition {a.partition}, pp2 schedule {a.schedule}")
     def chunk_list(runs: list[dict]) -> str:
         return ", ".join(f"{max(r['chunks'][i] for r in runs) * 1000:.0f} (run queue {runs[0]['queues'][i]:.1f})"
                          for i in range(a.repeats))
