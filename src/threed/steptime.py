@@ -2,7 +2,8 @@
 `threed plan` (`threed.planner`) can rank layouts. A ranking, not a promise: bf16, no compute/communication overlap.
 
     step = pipeline(schedule, pp, gas; F, B, W of the slowest stage)  + t_dp + t_tied + t_optimizer
-    t_micro(stage) = F + B + W = tokens x (blocks x F_block + recomputed x F_block / 3 + last x F_head) / (tp x R)     compute
+    t_micro(stage) = F + B + W
+                   = tokens x (blocks x F_block + recomputed x F_block / 3 + last x F_head) / (tp x R)     compute
                    + n_tp x 2 (tp - 1) / tp x 2 s b h / B_tp                                          TP collectives
                    + 2 x 2 s b h / tp / B_pp  (+ 2 x all-gather of it over TP without SP)               PP p2p (pp > 1)
 
