@@ -23,10 +23,10 @@
 #                      as training: `threed check-config`)
 #   EXIT_DURATION  minutes after which the run saves and exits 0 (--exit-duration-in-mins; slurm/common.sh sets
 #                  it from the job's time limit)
-# Recipe variables: MODEL TP PP MICRO GAS GLOBAL SEQ LR MIN_LR WARMUP STEPS DTYPE ACT_CKPT SEQUENCE_PARALLEL
+# Recipe variables: MODEL TP PP PIPELINE_SCHEDULE (--pipeline-schedule 1f1b|zb-h1) MICRO GAS GLOBAL SEQ LR MIN_LR
+# WARMUP STEPS DTYPE ACT_CKPT SEQUENCE_PARALLEL
 # RECOMPUTE_GRANULARITY RECOMPUTE_METHOD RECOMPUTE_NUM_LAYERS (Megatron's --sequence-parallel, --recompute-granularity,
-# --recompute-method, --recompute-num-layers; SEQUENCE_PARALLEL=true passes the bare flag) PIPELINE_SCHEDULE
-# (--pipeline-schedule 1f1b | zb-h1) DATA SPLIT
+# --recompute-method, --recompute-num-layers; SEQUENCE_PARALLEL=true passes the bare flag) DATA SPLIT
 # DATA_CACHE_PATH EVAL_INTERVAL EVAL_ITERS (Megatron's --data-path, --split, --data-cache-path, --eval-interval,
 # --eval-iters) PACK (SFT data: --pack true|false) TOKENIZER INIT_FROM LOAD SAVE SAVE_INTERVAL LOG_INTERVAL
 # KEEP_LAST SKIP_NONFINITE. The defaults below (DEFAULTS) hold what the recipes share; a recipe states only the
@@ -51,9 +51,9 @@ RECIPE=$1
 shift
 [ -f "$RECIPE" ] || die "recipe $RECIPE not found"
 
-RECIPE_VARS=(MODEL TP PP MICRO GAS GLOBAL SEQ LR MIN_LR WARMUP STEPS DTYPE ACT_CKPT SEQUENCE_PARALLEL
-             RECOMPUTE_GRANULARITY RECOMPUTE_METHOD RECOMPUTE_NUM_LAYERS PIPELINE_SCHEDULE DATA SPLIT DATA_CACHE_PATH
-             PACK EVAL_INTERVAL EVAL_ITERS TOKENIZER INIT_FROM LOAD SAVE SAVE_INTERVAL LOG_INTERVAL KEEP_LAST SKIP_NONFINITE)
+RECIPE_VARS=(MODEL TP PP PIPELINE_SCHEDULE MICRO GAS GLOBAL SEQ LR MIN_LR WARMUP STEPS DTYPE ACT_CKPT SEQUENCE_PARALLEL
+             RECOMPUTE_GRANULARITY RECOMPUTE_METHOD RECOMPUTE_NUM_LAYERS DATA SPLIT DATA_CACHE_PATH PACK EVAL_INTERVAL
+             EVAL_ITERS TOKENIZER INIT_FROM LOAD SAVE SAVE_INTERVAL LOG_INTERVAL KEEP_LAST SKIP_NONFINITE)
 closest_var() {  # the known recipe variable with the smallest edit distance to $1
     awk -v w="$1" -v list="${RECIPE_VARS[*]}" '
         function lev(s, t,   i, j, m, n, d, c, a, b) {
@@ -210,6 +210,7 @@ opt --min-lr MIN_LR
 opt --warmup-steps WARMUP
 opt --dtype DTYPE
 opt --activation-checkpointing ACT_CKPT
+opt --pipeline-schedule PIPELINE_SCHEDULE
 case "${SEQUENCE_PARALLEL:-false}" in  # Megatron's store_true flag: bare when on, absent when off
     true) args+=(--sequence-parallel) ;;
     false) ;;
@@ -218,7 +219,6 @@ esac
 opt --recompute-granularity RECOMPUTE_GRANULARITY
 opt --recompute-method RECOMPUTE_METHOD
 opt --recompute-num-layers RECOMPUTE_NUM_LAYERS
-opt --pipeline-schedule PIPELINE_SCHEDULE
 if [ -n "${DATA:-}" ]; then  # a prefix, or a blend "WEIGHT PREFIX WEIGHT PREFIX ..." (Megatron's --data-path)
     read -ra data_words <<<"$DATA"
     args+=(--data-path "${data_words[@]}")

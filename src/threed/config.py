@@ -149,6 +149,9 @@ class ParallelConfig:
         padded = model.padded_vocab_size(tp)
         if padded % tp:
             raise ConfigError(f"tp={tp} does not divide the padded vocab {padded}; fix make_vocab_size_divisible_by")
+        if self.pipeline_schedule != "1f1b" and pp == 1:
+            raise ConfigError(f"--pipeline-schedule {self.pipeline_schedule} needs pp > 1 (one stage has no pipeline "
+                              f"bubble to fill); drop it or use --pipeline-model-parallel-size 2 or more")
         if self.sequence_parallel and tp == 1:
             raise ConfigError("--sequence-parallel needs tp > 1 (it splits the sequence over the tensor-parallel "
                               "group); drop it or raise --tp")

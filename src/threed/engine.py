@@ -13,6 +13,7 @@ from threed.checkpoint.start import StartDecision, start
 from threed.config import RunConfig
 from threed.distributed import Runtime, check_groups_agree, init_megatron_parallel_state, library_prints
 from threed.pipeline import build_pipeline_module
+from threed.schedule import use_schedule
 
 
 def deepspeed_config(cfg: RunConfig, world_size: int, load_universal: bool = False) -> dict[str, Any]:
@@ -159,6 +160,7 @@ def build_engine(cfg: RunConfig, rt: Runtime, decision: Optional[StartDecision] 
         ds_config = deepspeed_config(cfg, rt.world_size, load_universal=decision.universal)
         engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
                                                config=ds_config)
+        use_schedule(engine, cfg.parallel.pipeline_schedule)  # --pipeline-schedule (threed.schedule)
     client_state: dict = {}
     if resume:
         path, client_state = engine.load_checkpoint(decision.load_dir, tag=decision.tag)

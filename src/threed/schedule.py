@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import typing
+from typing import Any
 
 from threed.config import ParallelConfig
 
@@ -121,3 +122,92 @@ def simulate(schedule: str, pp: int, gas: int, f: float = 1.0, b: float = 1.0, w
     step = max(clock)
     busy = [sum(cost[k] for k, _ in o) for o in orders]
     return step, tuple(1 - x / step for x in busy)
+
+
+@functools.cache
+def zero_bubble_engine() -> type:
+    """DeepSpeed's PipelineEngine running ZB-H1 (created lazily: deepspeed and torch are imported only where an
+    engine is built). DeepSpeed 0.19.8's `deepspeed.initialize` picks the engine class from the module's type
+    alone (PipelineEngine, or DualPipeVEngine for a DualPipeVModule), so threed.engine re-classes the engine it
+    returns: this subclass adds methods and no state of its own beyond the deferral queue."""
+    # deepspeed, torch, megatron: heavy; the planner and the memory model use the pure part above without them
+    from deepspeed.runtime.pipe import schedule as ds_schedule
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    from threed.model.wgrad import DEFERRED
+
+    class WeightPass(ds_schedule.PipeInstruction):
+        """Run the oldest deferred weight gradients (those of `micro_batch`, first in, first out)."""
+
+    class ZeroBubbleSchedule(ds_schedule.TrainSchedule):
+        """DeepSpeed's 1F1B TrainSchedule, every command kept in place, with a WeightPass for micro-batch i placed
+        after B(i + delay) (threed.schedule.stage_order). A W goes at the start of the step after its B, behind
+        that step's SendGrad (the stage before waits for that gradient, not for our W) and before its receive
+        (which may wait: the W fills that wait); W passes still pending at the end run before the gradient
+        reductions."""
+
+        def steps(self):
+            delay = weight_delay("zb-h1", self.stages, self.stage_id)
+            due: list[int] = []  # W passes to issue at the start of the next step
+            next_w = 0
+            for step_id, cmds in enumerate(super().steps()):
+                cmds = list(cmds)
+                at = 1 if cmds and isinstance(cmds[0], ds_schedule.SendGrad) else 0
+                cmds[at:at] = [WeightPass(micro_batch=i) for i in due]
+                due = []
+                for k, cmd in enumerate(cmds):
+                    if isinstance(cmd, ds_schedule.BackwardPass):
+                        j, _ = self._step_to_micro_batch(step_id)
+                        last = j if j == self.micro_batches - 1 else j - delay
+                        due = list(range(next_w, last + 1))
+                        next_w = max(next_w, last + 1)
+                    if isinstance(cmd, ds_schedule.ReduceTiedGrads):
+                        # The end of the batch: every W before the reductions (the last B may be in this step).
+                        cmds[k:k] = [WeightPass(micro_batch=i) for i in due]
+                        due = []
+                        break
+                yield cmds
+            assert next_w == self.micro_batches and not due, (next_w, due)
+
+    class ZeroBubbleEngine(PipelineEngine):
+        """B computes input gradients only (`threed.model.wgrad`); WeightPass runs the deferred weight gradients."""
+
+        def train_batch(self, *args, **kwargs):
+            DEFERRED.clear()  # nothing left over from a batch that raised
+            return super().train_batch(*args, **kwargs)
+
+        def _train_schedule(self):
+            return ZeroBubbleSchedule(micro_batches=self.micro_batches, stages=self.num_stages,
+                                      stage_id=self.stage_id)
+
+        def _exec_backward_pass(self, buffer_id):
+            with DEFERRED.deferring():
+                super()._exec_backward_pass(buffer_id)
+
+        def _exec_weight_pass(self, micro_batch):
+            # Grads reach the weights through autograd (AccumulateGrad), so DeepSpeed's gradient hooks run as in
+            # backward (BF16_Optimizer's fp32 accumulation needs its immediate_grad_update: threed.engine sets it).
+            assert not self.using_bf16_optimizer or self._config.bfloat16_config.immediate_grad_update
+            self._running_engine_backward = True  # what DeepSpeed's own backward sets around gradient hooks
+            try:
+                DEFERRED.run_oldest()
+            finally:
+                self._running_engine_backward = False
+
+        def _exec_reduce_tied_grads(self):
+            assert DEFERRED.pending() == 0, f"{DEFERRED.pending()} weight-gradient passes never ran"
+            super()._exec_reduce_tied_grads()
+
+        # DeepSpeed dispatches through this map of functions, not through methods: the overrides go in it too.
+        _INSTRUCTION_MAP = {**PipelineEngine._INSTRUCTION_MAP, ds_schedule.BackwardPass: _exec_backward_pass,
+                            ds_schedule.ReduceTiedGrads: _exec_reduce_tied_grads, WeightPass: _exec_weight_pass}
+
+    ZeroBubbleEngine.WeightPass = WeightPass
+    return ZeroBubbleEngine
+
+
+def use_schedule(engine: Any, schedule: str) -> Any:
+    """Make a DeepSpeed PipelineEngine run `schedule` (1f1b: DeepSpeed's own, unchanged)."""
+    if schedule == "zb-h1":
+        engine.__class__ = zero_bubble_engine()
+    return engine

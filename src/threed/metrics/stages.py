@@ -2,7 +2,7 @@
 one all-gather per log interval that brings every rank's numbers to the metrics writer.
 
 Each 1F1B instruction falls in one bucket:
-  compute    LoadMicroBatch, ForwardPass, BackwardPass
+  compute    LoadMicroBatch, ForwardPass, BackwardPass, and zb-h1's WeightPass (threed.schedule)
   p2p        SendActivation, RecvActivation, SendGrad, RecvGrad (time blocked on the neighbouring stage)
   dp-reduce  ReduceGrads, ReduceTiedGrads (ZeRO-1 gradient reduction over DP)
   optimizer  OptimizerStep
@@ -24,6 +24,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from threed.schedule import zero_bubble_engine
+
 BUCKETS = ("iteration", "compute", "p2p", "dp-reduce", "optimizer", "loss-sync")
 # One row per rank in the all-gather: stage, steps in the window, the buckets (seconds), memory now and peak.
 ROW = ("stage", "steps", *BUCKETS, "mem-allocated-bytes", "mem-max-allocated-bytes")
@@ -33,6 +35,7 @@ def _instruction_buckets() -> dict[type, str]:
     from deepspeed.runtime.pipe import schedule as s  # deepspeed: heavy; `threed report` reads this module
 
     return {s.LoadMicroBatch: "compute", s.ForwardPass: "compute", s.BackwardPass: "compute",
+            zero_bubble_engine().WeightPass: "compute",
             s.SendActivation: "p2p", s.RecvActivation: "p2p", s.SendGrad: "p2p", s.RecvGrad: "p2p",
             s.ReduceGrads: "dp-reduce", s.ReduceTiedGrads: "dp-reduce", s.OptimizerStep: "optimizer"}
 

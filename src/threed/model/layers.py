@@ -2,7 +2,8 @@
 run with the embedding's weight), and the loss.
 
 Tensor parallelism is megatron-core's: the block is its `TransformerLayer` built from local (non-TE) layers, with
-our SDPA core attention and our RoPE angles plugged in. Between pipeline stages one tensor travels: hidden states
+our SDPA core attention and our RoPE angles plugged in. Its linears (and the LM head) are megatron's
+Column/RowParallelLinear whose weight gradient can be deferred for a zero-bubble schedule (`threed.model.wgrad`). Between pipeline stages one tensor travels: hidden states
 `[s, b, h]`. Positions (RoPE) are rebuilt on each stage from the sequence length; the causal mask is implicit.
 Packed SFT rows add a second, `doc_ids [b, s]` int32, from which each stage rebuilds the block-diagonal mask and
 the per-document positions.
@@ -30,6 +31,7 @@ from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from threed.config import ModelConfig
 from threed.model.attention import SDPACoreAttention, document_segments, reuse_per_tensor
 from threed.model.rope import RotaryAngles, document_positions
+from threed.model.wgrad import SplitColumnParallelLinear, SplitRowParallelLinear
 
 
 def megatron_config(model: ModelConfig, tp: int, initialize: bool = True, fused_swiglu: bool = False,
@@ -83,14 +85,14 @@ LLAMA_BLOCK_SUBMODULES = TransformerLayerSubmodules(
     self_attention=ModuleSpec(
         module=SelfAttention,
         params={"attn_mask_type": AttnMaskType.causal},
-        submodules=SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear, core_attention=SDPACoreAttention,
-                                           linear_proj=RowParallelLinear, q_layernorm=IdentityOp,
+        submodules=SelfAttentionSubmodules(linear_qkv=SplitColumnParallelLinear, core_attention=SDPACoreAttention,
+                                           linear_proj=SplitRowParallelLinear, q_layernorm=IdentityOp,
                                            k_layernorm=IdentityOp),
     ),
     self_attn_bda=get_bias_dropout_add,
     pre_mlp_layernorm=LlamaRMSNorm,
-    mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                                        linear_fc2=RowParallelLinear)),
+    mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=SplitColumnParallelLinear,
+                                                        linear_fc2=SplitRowParallelLinear)),
     mlp_bda=get_bias_dropout_add,
 )
 
@@ -103,7 +105,8 @@ def mark_tensor_parallel(module: torch.nn.Module) -> None:
     wrong clipping after every resume. Found by tests/test_training.py::test_resume_is_bit_exact.
     """
     for sub in module.modules():
-        dim = {ColumnParallelLinear: 0, VocabParallelEmbedding: 0, RowParallelLinear: 1}.get(type(sub))
+        dim = next((d for cls, d in ((ColumnParallelLinear, 0), (VocabParallelEmbedding, 0), (RowParallelLinear, 1))
+                    if isinstance(sub, cls)), None)
         weight = getattr(sub, "weight", None)
         if dim is not None and weight is not None and not getattr(weight, "tensor_model_parallel", False):
             set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=1)
@@ -209,8 +212,8 @@ class LMHeadPipe(torch.nn.Module):
     def __init__(self, model: ModelConfig, mcore: TransformerConfig):
         super().__init__()
         tp = mcore.tensor_model_parallel_size
-        self.lm_head = ColumnParallelLinear(model.hidden_size, model.padded_vocab_size(tp), config=mcore,
-                                            init_method=mcore.init_method, bias=False, gather_output=False)
+        self.lm_head = SplitColumnParallelLinear(model.hidden_size, model.padded_vocab_size(tp), config=mcore,
+                                                 init_method=mcore.init_method, bias=False, gather_output=False)
         mark_tensor_parallel(self)
         self.mask_padding = PaddedLogits(model, tp)
 
@@ -228,9 +231,9 @@ class TiedLMHead:
 
     def __init__(self, model: ModelConfig, mcore: TransformerConfig):
         tp = mcore.tensor_model_parallel_size
-        self.linear = ColumnParallelLinear(model.hidden_size, model.padded_vocab_size(tp), config=mcore,
-                                           init_method=mcore.init_method, bias=False, gather_output=False,
-                                           skip_weight_param_allocation=True)
+        self.linear = SplitColumnParallelLinear(model.hidden_size, model.padded_vocab_size(tp), config=mcore,
+                                                init_method=mcore.init_method, bias=False, gather_output=False,
+                                                skip_weight_param_allocation=True)
         self.mask_padding = PaddedLogits(model, tp)
 
     def __call__(self, embedding: "EmbeddingPipe", hidden: torch.Tensor) -> torch.Tensor:

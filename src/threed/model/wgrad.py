@@ -1,0 +1,140 @@
+"""The weight-gradient split for zero-bubble schedules (`--pipeline-schedule zb-h1`, threed.schedule): megatron-core's
+Column/RowParallelLinear with a backward that, while `DEFERRED.deferring()` is on, computes only the input gradient
+and queues the weight gradient for the schedule's W pass.
+
+The forward is megatron's function, and so is the backward outside a W-split schedule (1F1B, evaluation, anything
+else). While deferring, the backward is megatron's input-gradient half, with the same tensor-parallel
+communication (the all-reduce of the input gradient, or the sequence-parallel reduce-scatter), and the weight
+gradient is queued with what it needs: the saved input and the output gradient.
+
+The W pass recomputes nothing: it multiplies the kept output gradient by the kept input (all-gathered again over TP
+under sequence parallelism, as megatron's backward does) and hands the result to autograd on the weight itself
+(`torch.autograd.backward(weight, grad)`), so it lands exactly where the fused backward would put it, through the
+parameter's AccumulateGrad: DeepSpeed's BF16_Optimizer hooks (fp32 accumulation) and ZeRO's see it as usual.
+
+    python -m pytest tests/test_pipeline_schedule.py
+"""
+from __future__ import annotations
+
+import functools
+from collections import deque
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import torch
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.layers import LinearWithGradAccumulationAndAsyncCommunication
+from megatron.core.utils import get_tensor_model_parallel_group_if_none, prepare_input_tensors_for_wgrad_compute
+
+
+class DeferredWeightGrads:
+    """The queue of deferred weight gradients: one group per backward (micro-batch), run first in, first out.
+    One per process (like megatron's parallel_state): the linears deep inside a block cannot be handed it."""
+
+    def __init__(self) -> None:
+        self._active = False
+        self._current: list[Callable[[], None]] = []
+        self._groups: deque[list[Callable[[], None]]] = deque()
+
+    @contextmanager
+    def deferring(self) -> Iterator[None]:
+        """While on, split-backward linears queue their weight gradients; on exit they form one group."""
+        assert not self._active, "nested deferral"
+        self._active = True
+        try:
+            yield
+        finally:
+            self._active = False
+            self._groups.append(self._current)
+            self._current = []
+
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    def put(self, fn: Callable[[], None]) -> None:
+        self._current.append(fn)
+
+    def pending(self) -> int:
+        return len(self._groups)
+
+    def run_oldest(self) -> None:
+        """The W pass: the oldest backward's weight gradients, in the order its backward met the linears."""
+        for fn in self._groups.popleft():
+            fn()
+
+    def clear(self) -> None:
+        self._groups.clear()
+        self._current = []
+
+
+DEFERRED = DeferredWeightGrads()
+
+
+def _weight_grad(input_: torch.Tensor, weight: torch.Tensor, grad_output: torch.Tensor, sequence_parallel: bool,
+                 tp_group) -> None:
+    # What megatron's backward does for the weight (gradient_accumulation_fusion is off in threed: no main_grad),
+    # without recording a graph, as inside a backward.
+    with torch.no_grad():
+        if sequence_parallel:
+            gathered = torch.empty((input_.shape[0] * tp_group.size(), *input_.shape[1:]), dtype=input_.dtype,
+                                   device=input_.device)
+            torch.distributed.all_gather_into_tensor(gathered, input_.contiguous(), group=tp_group)
+            input_ = gathered
+        grad_output, total_input = prepare_input_tensors_for_wgrad_compute(grad_output, input_)
+        grad_weight = grad_output.t().matmul(total_input)
+    torch.autograd.backward(weight, grad_weight)
+
+
+class SplitBackwardLinear(LinearWithGradAccumulationAndAsyncCommunication):
+    """megatron's linear function (its forward, and its backward unless deferring); while DEFERRED is on, the
+    backward returns the input gradient only and queues the weight gradient."""
+
+    @staticmethod
+    def backward(ctx, grad_output):  # type: ignore[override]
+        base = LinearWithGradAccumulationAndAsyncCommunication.backward
+        if not DEFERRED.active or ctx.grad_output_buffer is not None or ctx.gradient_accumulation_fusion:
+            return base(ctx, grad_output)
+        input_, weight = ctx.saved_tensors
+        # megatron's backward without its weight-gradient half. (Its own deferral, `grad_output_buffer`, only
+        # skips the weight gradient under gradient_accumulation_fusion: the apex main_grad kernel, CUDA only,
+        # which threed does not use; without it megatron computes the weight gradient anyway.)
+        grad_input = grad_output.matmul(weight)
+        grad_bias = grad_output.sum(dim=tuple(range(grad_output.dim() - 1))) if ctx.use_bias else None
+        if ctx.sequence_parallel:
+            # The input was all-gathered over TP in forward: its gradient is reduce-scattered back (megatron's).
+            shape = (grad_input.shape[0] // ctx.tp_group.size(), *grad_input.shape[1:])
+            grad_input_part = torch.empty(shape, dtype=grad_input.dtype, device=grad_input.device)
+            torch.distributed.reduce_scatter_tensor(grad_input_part, grad_input.contiguous(), group=ctx.tp_group)
+            grad_input = grad_input_part
+        elif ctx.allreduce_dgrad:
+            torch.distributed.all_reduce(grad_input, group=ctx.tp_group)
+        DEFERRED.put(functools.partial(_weight_grad, input_, weight, grad_output, ctx.sequence_parallel,
+                                       ctx.tp_group))
+        return grad_input, None, grad_bias, None, None, None, None, None, None
+
+
+def _split_forward(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+                   grad_output_buffer=None, wgrad_deferral_limit=0, tp_group=None, **_ignored):
+    """megatron's `linear_with_grad_accumulation_and_async_allreduce`, applying `SplitBackwardLinear`."""
+    return SplitBackwardLinear.apply(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
+                                     sequence_parallel, grad_output_buffer, wgrad_deferral_limit,
+                                     get_tensor_model_parallel_group_if_none(tp_group))
+
+
+class _SplitBackward:
+    """Mixin over megatron's linear: its `_forward_impl` chooses between a frozen and a trainable linear function;
+    the trainable one becomes `SplitBackwardLinear` (same forward, same arguments)."""
+
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        if not weight.requires_grad or args:
+            return super()._forward_impl(input, weight, *args, **kwargs)  # type: ignore[misc]
+        return _split_forward(input, weight, **kwargs)
+
+
+class SplitColumnParallelLinear(_SplitBackward, ColumnParallelLinear):
+    """megatron's ColumnParallelLinear (qkv, gate+up, LM head) with the deferrable weight gradient."""
+
+
+class SplitRowParallelLinear(_SplitBackward, RowParallelLinear):
+    """megatron's RowParallelLinear (attention output, down) with the deferrable weight gradient."""
