@@ -24,6 +24,9 @@ of SP_CASES (sequence parallelism on/off, recompute none / first N blocks / all)
 one micro-batch's queued weight-gradient passes hold after its input-gradient backward (`threed.model.wgrad`'s
 queue: each linear's saved input and output gradient), next to `threed.memory.deferred`'s count.
 
+--schedule-peaks (tests/test_memory_zb.py; pp = the world): the CPU allocator's peak during a whole train step of a
+1F1B and of a ZB-H1 engine (after a first step), on every stage, next to the estimate's activation phase.
+
     python -m torch.distributed.run --nproc-per-node 2 tests/memory_worker.py --out /tmp/zb --deferred
 
     python -m torch.distributed.run --nproc-per-node 2 tests/memory_worker.py --out /tmp/sp --stage-activations
@@ -297,6 +300,38 @@ def deferred_cases(args: argparse.Namespace, rt: Runtime) -> None:
     rank_json(args.out, "deferred", results)
 
 
+PEAKS = dict(micro=2, gas=4, seq=512)
+
+
+def schedule_peaks(args: argparse.Namespace, rt: Runtime) -> None:
+    """Each schedule's engine (tp 1, pp = world, SP_MODEL in bf16): the CPU peak of its second train step above
+    what it held before, and the estimate's largest phase (activations here) with CPU kernels."""
+    pp, (micro, gas, seq) = rt.world_size, (PEAKS["micro"], PEAKS["gas"], PEAKS["seq"])
+    results = {}
+    for schedule in ("1f1b", "zb-h1"):
+        cfg = RunConfig(model=SP_MODEL, parallel=ParallelConfig(tp=1, pp=pp, pipeline_schedule=schedule),
+                        train=TrainConfig(dtype="bf16", micro_batch_size=micro, grad_accum_steps=gas,
+                                          seq_length=seq))
+        engine = build_engine(cfg, rt).engine
+
+        def step() -> None:
+            data = synthetic_batches(SP_MODEL.vocab_size, micro, seq, n=gas)
+            engine.train_batch(data_iter=data if reads_data(engine) else None)
+
+        step()  # grads, optimizer state and pipe buffers exist from here on
+        gc.collect()
+        dist.barrier()
+        measured = cpu_peak(step)
+        stage = stages(SP_MODEL, pp, 1, seq)[engine.stage_id]
+        mem = stage_memory(SP_MODEL, 1, pp, 1, micro, gas, seq, False, stage, "cpu", schedule=schedule)
+        results[schedule] = {"stage": engine.stage_id, "measured": measured, "activations": mem.activations,
+                             "phase": mem.phase[1]}
+        del engine
+        gc.collect()
+        dist.barrier()
+    rank_json(args.out, "schedule_peaks", results)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layouts", nargs="*", default=[], help="TPxPP, e.g. 2x2")
     p.add_argument("--activations", action="store_true", help="also the CPU activation peak (one process)")
@@ -306,6 +341,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline-schedule", default="1f1b", help="the --layouts engines' schedule")
     p.add_argument("--deferred", action="store_true",
                    help="the bytes queued for the deferred weight gradients (zb-h1), tp = the world")
+    p.add_argument("--schedule-peaks", action="store_true",
+                   help="the CPU peak of a train step under 1f1b and zb-h1, pp = the world")
     p.add_argument("--model", default=STATIC["model"],
                    help="preset of the --layouts engines (tests/test_memory_tied.py: tiny-tied)")
 
@@ -318,6 +355,8 @@ def main(args: argparse.Namespace, rt: Runtime) -> None:
         stage_activation_cases(args, rt)
     if args.deferred:
         deferred_cases(args, rt)
+    if args.schedule_peaks:
+        schedule_peaks(args, rt)
 
 
 if __name__ == "__main__":
