@@ -1,7 +1,7 @@
 """threed.memory under `--pipeline-schedule zb-h1` against what real CPU ranks hold (the engine: threed.model.wgrad,
 threed.schedule.zero_bubble_engine).
 
-One launch of tests/memory_worker.py on 2 ranks: a tp1 pp2 ZB-H1 engine's static terms after a step (the same as
+One launch of tests/memory_zb_worker.py on 2 ranks: a tp1 pp2 ZB-H1 engine's static terms after a step (the same as
 1F1B's: no W pass may be left queued, nothing kept beside the model states and buffers), and, on one stage of tp 2,
 the bytes one micro-batch's queued weight-gradient passes hold after its input-gradient backward, SP off and on,
 next to `threed.memory.deferred`'s count from the linears' widths; and the CPU peak of a whole train step (pp 2,
@@ -24,7 +24,7 @@ STATIC_TOL = 0.02  # as tests/test_memory.py
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
     out = tmp_path_factory.mktemp("memory_zb")
-    run_ranks(2, str(TESTS / "memory_worker.py"),
+    run_ranks(2, str(TESTS / "memory_zb_worker.py"),
               ["--out", str(out), "--layouts", "1x2", "--pipeline-schedule", "zb-h1", "--deferred", "--schedule-peaks"],
               timeout=900)
     return {"static": [json.loads(p.read_text()) for p in sorted(out.glob("static_1x2x1_rank*.json"))],
