@@ -278,7 +278,8 @@ if [ "${THREED_DRY_RUN:-0}" != 0 ]; then
     echo "TRAIN_BATCH_SIZE=$TRAIN_BATCH"
     ckpt=${ACT_CKPT:-0}
     recompute=()  # the layout's own memory flags, as training gets them
-    for flag in --sequence-parallel --recompute-granularity --recompute-method --recompute-num-layers; do
+    for flag in --sequence-parallel --recompute-granularity --recompute-method --recompute-num-layers \
+            --pipeline-schedule; do
         for ((i = 0; i < ${#args[@]}; i++)); do
             [ "${args[i]}" = "$flag" ] || continue
             recompute+=("$flag")

@@ -17,7 +17,8 @@ a whole one-stage model (the profiler's memory events), with and without activat
 
 --stage-activations (tests/test_memory_sp.py; tp = the world, one stage): the same peak on every TP rank for each
 of SP_CASES (sequence parallelism on/off, recompute none / first N blocks / all), next to the estimate.
---sequence-parallel: the --layouts engines run with Megatron's sequence parallelism.
+--sequence-parallel: the --layouts engines run with Megatron's sequence parallelism. --pipeline-schedule: the
+--layouts engines run that schedule (tests/test_memory_zb.py: zb-h1, whose static terms are 1F1B's).
 
     python -m torch.distributed.run --nproc-per-node 2 tests/memory_worker.py --out /tmp/sp --stage-activations
 """
@@ -127,7 +128,8 @@ def static(args: argparse.Namespace, rt: Runtime) -> None:
     for layout in args.layouts:
         tp, pp = (int(x) for x in layout.split("x"))
         dp = rt.world_size // (tp * pp)
-        cfg = RunConfig(model=mc, parallel=ParallelConfig(tp=tp, pp=pp, sequence_parallel=args.sequence_parallel),
+        cfg = RunConfig(model=mc, parallel=ParallelConfig(tp=tp, pp=pp, sequence_parallel=args.sequence_parallel,
+                                                          pipeline_schedule=args.pipeline_schedule),
                         train=TrainConfig(dtype="bf16", micro_batch_size=STATIC["micro"],
                                           grad_accum_steps=STATIC["gas"], seq_length=STATIC["seq"]))
         engine = build_engine(cfg, rt).engine
@@ -137,11 +139,12 @@ def static(args: argparse.Namespace, rt: Runtime) -> None:
         gc.collect()
         stage = stages(mc, pp, tp, STATIC["seq"])[engine.stage_id]
         mem = stage_memory(mc, tp, pp, dp, STATIC["micro"], STATIC["gas"], STATIC["seq"], False, stage, "cpu",
-                           sequence_parallel=args.sequence_parallel)
+                           sequence_parallel=args.sequence_parallel, schedule=args.pipeline_schedule)
         result = {"model": mc.name, "layout": [tp, pp, dp], "rank": rt.rank, "stage": engine.stage_id, "loss": loss,
                   "parts": [int(b) for b in engine.module.parts],
                   "predicted_parts": list(stage_bounds(mc, pp, tp, STATIC["seq"])),
-                  "optimizer": type(engine.optimizer).__name__, "measured": measure_static(engine),
+                  "optimizer": type(engine.optimizer).__name__, "engine": type(engine).__name__,
+                  "measured": measure_static(engine),
                   "predicted": {"weights": mem.weights, "grads": mem.grads, "optimizer": mem.optimizer,
                                 "model_states": mem.model_states, "buffers": mem.buffers, "static": mem.static,
                                 "params": mem.params}}
@@ -259,6 +262,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stage-activations", action="store_true",
                    help="the CPU activation peak of each SP_CASES case, tp = the world")
     p.add_argument("--sequence-parallel", action="store_true", help="the --layouts engines with SP")
+    p.add_argument("--pipeline-schedule", default="1f1b", help="the --layouts engines' schedule")
     p.add_argument("--model", default=STATIC["model"],
                    help="preset of the --layouts engines (tests/test_memory_tied.py: tiny-tied)")
 

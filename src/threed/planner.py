@@ -1,4 +1,5 @@
-"""`threed plan`: the (tp, pp, micro, gas, sequence parallelism, recompute) layouts of a model on a cluster, whether
+"""`threed plan`: the (tp, pp, micro, gas, sequence parallelism, schedule, recompute) layouts of a model on a cluster,
+whether
 each fits in GPU memory (`threed.memory`), ranked by a predicted step time (`threed.steptime`); then the recipe
 lines of the best one.
 
@@ -6,7 +7,8 @@ lines of the best one.
 
 Candidates: tp divides the heads and the KV heads and at most fills a node (TP collectives stay on NVLink);
 pp <= layers; dp = world / (tp pp); micro x dp divides the global batch and gas = global / (micro dp); Megatron's
-sequence parallelism on and off (tp > 1); and recompute: none, every block, and the fewest recomputed blocks per
+sequence parallelism on and off (tp > 1); the pipeline schedule (`threed.schedule.SCHEDULES`, pp > 1: ZB-H1 idles
+less and holds more); and recompute: none, every block, and the fewest recomputed blocks per
 stage that fit (Megatron's full recompute, method block: the first N blocks of every stage), found by bisection
 over N = 0..the largest stage's blocks (memory falls and step time grows with N, so no other N can win).
 Selective recompute is not searched: threed's SDPA keeps no s x s scores, so it saves next to nothing
@@ -17,55 +19,17 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
 from typing import Optional
 
 from threed.config import ConfigError, ModelConfig
 from threed.errors import guarded
 from threed.flags import model_config
-from threed.memory.model import GB, Memory, estimate, heaviest, quiet_deepspeed_import, stages
+from threed.memory.model import GB, estimate, heaviest, quiet_deepspeed_import, stages
 from threed.memory.recompute import Recompute
-from threed.steptime import Hardware, step_time, tied_allreduce_s  # noqa: F401 (tied_allreduce_s: re-exported)
-
-
-@dataclass(frozen=True)
-class Layout:
-    tp: int
-    pp: int
-    dp: int
-    micro: int
-    gas: int
-    recompute: Recompute
-    memory: Memory  # the heaviest stage
-    step_s: float
-    fits: bool
-    sp: bool = False
-    blocks: int = 0  # the largest stage's blocks
-
-    @property
-    def act_ckpt(self) -> bool:
-        """Every block of every stage recomputed (--activation-checkpointing's memory and cost)."""
-        return self.blocks > 0 and self.recompute.recomputed(self.blocks) == self.blocks
-
-    @property
-    def recomputed(self) -> int:
-        """Recomputed blocks of the largest stage."""
-        return self.recompute.recomputed(self.blocks)
-
-    @property
-    def bubble(self) -> float:
-        return (self.pp - 1) / (self.gas + self.pp - 1)
-
-    def recompute_words(self) -> str:
-        if self.act_ckpt:
-            return "recomputing every block"
-        if self.recomputed:
-            return f"recomputing the first {self.recomputed} of {self.blocks} blocks per stage"
-        return "without recompute"
-
-    def name(self) -> str:
-        sp = ", sequence parallel" if self.sp else ""
-        return f"tp{self.tp} pp{self.pp} dp{self.dp}, micro {self.micro} x gas {self.gas}{sp}, {self.recompute_words()}"
+# Layout, full_recompute_verdict: also names of threed.planner, where callers import them from.
+from threed.plan_layout import Layout, full_recompute_verdict, schedule_verdict, table  # noqa: F401
+from threed.schedule import SCHEDULES
+from threed.steptime import Hardware, pass_times, step_time, tied_allreduce_s  # noqa: F401 (re-exported)
 
 
 def _divisors(n: int) -> list[int]:
@@ -74,9 +38,10 @@ def _divisors(n: int) -> list[int]:
 
 def candidates(model: ModelConfig, hw: Hardware, seq: int, global_batch: int, tp: Optional[int] = None,
                pp: Optional[int] = None, micro: Optional[int] = None, act_ckpt: Optional[bool] = None,
-               sequence_parallel: Optional[bool] = None) -> list[Layout]:
+               sequence_parallel: Optional[bool] = None, schedule: Optional[str] = None) -> list[Layout]:
     """Every valid layout (optionally restricted), fitting or not, fastest first. `act_ckpt`: only every block
-    recomputed (True) or none (False); None: none, every block and the fewest that fit."""
+    recomputed (True) or none (False); None: none, every block and the fewest that fit. Each schedule is searched
+    on its own (ZB-H1 may need more recompute to fit); at pp 1 they are one."""
     out = []
     for t in _divisors(hw.gpus_per_node):
         if model.num_heads % t or model.num_kv_heads % t or (tp and t != tp):
@@ -93,24 +58,27 @@ def candidates(model: ModelConfig, hw: Hardware, seq: int, global_batch: int, tp
                 for sp in (False, True):  # Megatron's SP splits the sequence over TP: tp > 1, seq a multiple
                     if (sp and (t == 1 or seq % t)) or sequence_parallel not in (None, sp):
                         continue
-                    layout = _layouts(model, hw, seq, t, p, dp, m, gas, sp, most)
-                    none, every = layout(0), layout(most)
-                    out += {False: [none], True: [every]}.get(act_ckpt, [none, every])  # type: ignore[arg-type]
-                    if act_ckpt is None and every.fits and not none.fits and most > 1:
-                        fewest = _fewest_fitting(layout, most)
-                        out += [fewest] if fewest.recomputed < most else []
+                    for sched in SCHEDULES:
+                        if (p == 1 and sched != "1f1b") or schedule not in (None, sched):
+                            continue
+                        layout = _layouts(model, hw, seq, t, p, dp, m, gas, sp, most, sched)
+                        none, every = layout(0), layout(most)
+                        out += {False: [none], True: [every]}.get(act_ckpt, [none, every])  # type: ignore[arg-type]
+                        if act_ckpt is None and every.fits and not none.fits and most > 1:
+                            fewest = _fewest_fitting(layout, most)
+                            out += [fewest] if fewest.recomputed < most else []
     return sorted(out, key=lambda la: la.step_s)
 
 
 def _layouts(model: ModelConfig, hw: Hardware, seq: int, tp: int, pp: int, dp: int, micro: int, gas: int, sp: bool,
-             most: int):
+             most: int, schedule: str = "1f1b"):
     """N -> the layout recomputing the first N blocks of each stage (N = `most`: every block)."""
     def layout(n: int) -> Layout:
         rc = Recompute.of(True) if n >= most else Recompute.first_blocks(n)
-        mems = estimate(model, tp, pp, dp, micro, gas, seq, rc, sequence_parallel=sp)
-        seconds = step_time(model, hw, tp, pp, dp, micro, gas, seq, rc, max(x.params for x in mems), sp)
+        mems = estimate(model, tp, pp, dp, micro, gas, seq, rc, sequence_parallel=sp, schedule=schedule)
+        seconds = step_time(model, hw, tp, pp, dp, micro, gas, seq, rc, max(x.params for x in mems), sp, schedule)
         return Layout(tp, pp, dp, micro, gas, rc, heaviest(mems), seconds, heaviest(mems).peak <= hw.budget, sp,
-                      most)
+                      most, schedule, pass_times(model, hw, tp, pp, dp, micro, seq, rc, sp))
     return layout
 
 
@@ -145,7 +113,8 @@ def plan(model: ModelConfig, hw: Hardware, seq: int, global_batch: int, **only) 
                         ("--global-batch", global_batch), ("--gpu-memory", hw.gpu_memory_gb),
                         ("--tflops", hw.tflops), ("--nvlink-gbps", hw.nvlink_gbps),
                         ("--network-gbps", hw.network_gbps), ("--hbm-gbps", hw.hbm_gbps),
-                        *((f"--{k.replace('_', '-')}", v) for k, v in restricted.items() if not isinstance(v, bool))):
+                        *((f"--{k.replace('_', '-')}", v) for k, v in restricted.items()
+                          if not isinstance(v, (bool, str)))):
         if value <= 0:
             raise ConfigError(f"{what} must be a positive number, got {value:g}")
     if not 0 <= hw.reserve_gb < hw.gpu_memory_gb:
@@ -180,44 +149,15 @@ def _more_nodes(model: ModelConfig, hw: Hardware, seq: int) -> str:
 
 def recipe_lines(model: str, best: Layout, global_batch: int, seq: int) -> list[str]:
     """What to paste into a recipe (recipes/launch.sh's variables; GAS empty so GLOBAL decides it). Partial
-    recompute goes as Megatron's flags (RECOMPUTE_*), every block as ACT_CKPT."""
+    recompute goes as Megatron's flags (RECOMPUTE_*), every block as ACT_CKPT; a schedule other than 1f1b as
+    PIPELINE_SCHEDULE."""
     values = {"MODEL": model, "TP": best.tp, "PP": best.pp, "MICRO": best.micro, "GAS": "", "GLOBAL": global_batch,
               "SEQ": seq, "SEQUENCE_PARALLEL": str(best.sp).lower(), "ACT_CKPT": str(best.act_ckpt).lower()}
     if best.recomputed and not best.act_ckpt:
         values.update(RECOMPUTE_GRANULARITY="full", RECOMPUTE_METHOD="block", RECOMPUTE_NUM_LAYERS=best.recomputed)
+    if best.schedule != "1f1b":  # --pipeline-schedule
+        values.update(PIPELINE_SCHEDULE=best.schedule)
     return [f"{k}=${{{k}-{v}}}" for k, v in values.items()]
-
-
-def full_recompute_verdict(every: list[Layout]) -> str:
-    """One line: is recomputing every block needed, and why (fastest first)."""
-    fitting = [la for la in every if la.fits]
-    lighter = [la for la in fitting if not la.act_ckpt]
-    if lighter:
-        count = "1 layout fits" if len(lighter) == 1 else f"{len(lighter)} layouts fit"
-        return (f"full recomputation: not needed: {count} without recomputing every block; the fastest, "
-                f"{lighter[0].name()}, at {lighter[0].memory.peak / GB:.1f} GB/GPU")
-    others = [la for la in every if not la.act_ckpt]
-    if not others:
-        return "full recomputation: the only option searched (--act-ckpt true)"
-    leanest = min(others, key=lambda la: la.memory.peak)
-    return (f"full recomputation: needed: no layout fits without recomputing every block; the leanest, "
-            f"{leanest.name()}, needs {leanest.memory.peak / GB:.0f} GB/GPU")
-
-
-def _table(rows: list[Layout], budget: float) -> list[str]:
-    """Fitting layouts are numbered in rank order; the ones that do not fit are marked, not numbered. recompute:
-    recomputed blocks per stage / the largest stage's blocks."""
-    out = [f"{'rank':>4} {'tp':>3} {'pp':>3} {'dp':>4} {'micro':>5} {'gas':>5} {'sp':>3} {'recompute':>9} "
-           f"{'GB/GPU':>7} {'bubble':>7} {'step s':>8}  fits"]
-    rank = 0
-    for la in rows:
-        rank += la.fits
-        fits = "yes" if la.fits else f"NO: {la.memory.peak / GB:.0f} > {budget / GB:.0f} GB"
-        recompute = f"{la.recomputed}/{la.blocks}"
-        out.append(f"{rank if la.fits else '-':>4} {la.tp:>3} {la.pp:>3} {la.dp:>4} {la.micro:>5} {la.gas:>5} "
-                   f"{'yes' if la.sp else 'no':>3} {recompute:>9} {la.memory.peak / GB:>7.1f} {la.bubble:>7.1%} "
-                   f"{la.step_s:>8.2f}  {fits}")
-    return out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -237,6 +177,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro", type=int, help="only this micro-batch size")
     p.add_argument("--act-ckpt", choices=["true", "false"], help="only every block recomputed / none")
     p.add_argument("--sequence-parallel", choices=["true", "false"], help="only with / without sequence parallelism")
+    p.add_argument("--pipeline-schedule", choices=SCHEDULES, help="only this pipeline schedule")
     p.add_argument("--top", type=int, default=15, help="rows to list")
 
 
@@ -250,17 +191,18 @@ def run(ns: argparse.Namespace) -> int:
     ckpt = None if ns.act_ckpt is None else ns.act_ckpt == "true"
     sp = None if ns.sequence_parallel is None else ns.sequence_parallel == "true"
     best, every = plan(model, hw, ns.seq, ns.global_batch, tp=ns.tp, pp=ns.pp, micro=ns.micro, act_ckpt=ckpt,
-                       sequence_parallel=sp)
+                       sequence_parallel=sp, schedule=ns.pipeline_schedule)
     tokens = ns.seq * ns.global_batch
     fitting = [la for la in every if la.fits]
     print(f"{model.name} on {hw.nodes} x {hw.gpus_per_node} GPUs ({hw.gpu_memory_gb:g} GB, {hw.reserve_gb:g} "
           f"reserved), seq {ns.seq}, global batch {ns.global_batch} ({tokens / 1e6:.2f}M tokens): "
           f"{len(fitting)} of {len(every)} layouts fit. Fastest first, with up to 5 faster ones that do not fit:")
     shown = fitting[:ns.top] + [la for la in every if not la.fits and la.step_s < best.step_s][:5]
-    print("\n".join(_table(sorted(shown, key=lambda la: la.step_s), hw.budget)))
+    print("\n".join(table(sorted(shown, key=lambda la: la.step_s), hw.budget)))
     if len(fitting) > ns.top:
         print(f"({len(fitting) - ns.top} slower layouts that fit not shown; --top N lists more)")
     print(full_recompute_verdict(every))
+    print(f"pipeline schedule: {schedule_verdict(best, every)}")
     print(f"\nbest: {best.name()}: {best.step_s:.1f} s/step predicted ({tokens / best.step_s:,.0f} tokens/s), "
           f"bubble {best.bubble:.1%}, {best.memory.line(best.pp)}")
     print("recipe lines (recipes/<model>.sh):")
@@ -271,7 +213,8 @@ def run(ns: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("plan", help="rank (tp, pp, micro, gas, sequence parallel, recompute) layouts for a cluster",
+    p = sub.add_parser("plan", help="rank (tp, pp, micro, gas, sequence parallel, schedule, recompute) layouts for "
+                       "a cluster",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     p.set_defaults(run=run)

@@ -76,6 +76,13 @@ def held(schedule: str, pp: int, gas: int, stage: int) -> list[tuple[int, int]]:
     return out
 
 
+def held_before_backward(schedule: str, pp: int, gas: int, stage: int) -> list[tuple[int, int]]:
+    """`held` just before each B of the stage (the micro-batch about to go through B among those in flight): what
+    the backward's transients come on top of."""
+    before = [(0, 0), *held(schedule, pp, gas, stage)]
+    return [state for (kind, _), state in zip(stage_order(schedule, pp, gas, stage), before) if kind == "B"]
+
+
 def peak_held(schedule: str, pp: int, gas: int, stage: int, activation: float, weight_inputs: float) -> float:
     """The most a stage holds at once, given what one micro-batch holds in flight (`activation`) and while it
     awaits its W (`weight_inputs`)."""

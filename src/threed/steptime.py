@@ -1,17 +1,22 @@
 """The planner's step-time model: predicted seconds per optimizer step of a layout on a cluster, so that
 `threed plan` (`threed.planner`) can rank layouts. A ranking, not a promise: bf16, no compute/communication overlap.
 
-    step = (gas + pp - 1) x max over stages of t_micro(stage)  + t_dp + t_tied + t_optimizer
-    t_micro(stage) = tokens x (blocks x F_block + recomputed x F_block / 3 + last x F_head) / (tp x R)     compute
+    step = pipeline(schedule, pp, gas; F, B, W of the slowest stage)  + t_dp + t_tied + t_optimizer
+    t_micro(stage) = F + B + W
+                   = tokens x (blocks x F_block + recomputed x F_block / 3 + last x F_head) / (tp x R)     compute
                    + n_tp x 2 (tp - 1) / tp x 2 s b h / B_tp                                          TP collectives
                    + 2 x 2 s b h / tp / B_pp  (+ 2 x all-gather of it over TP without SP)               PP p2p (pp > 1)
 
   F_block, F_head: training FLOPs per token of a block and of the LM head, `threed.model.spec.layer_training_flops`
   (the repo's one FLOPs convention: 6 x matmul parameters, attention scores over the full seq x seq square, so
   causal attention's cost is overstated by 6 s h per block, as in every MFU figure). A recomputed block runs its
-  forward once more: F_block / 3 (`threed.memory.recompute` says which blocks of a stage are recomputed). The
-  first factor is the 1F1B schedule: the bubble is (pp - 1) / (gas + pp - 1) of the step, and the slowest stage
-  sets the pace.
+  forward once more: F_block / 3 (`threed.memory.recompute` says which blocks of a stage are recomputed).
+  The passes (`threed.schedule`): F is a third of the FLOPs; of the backward, W (weight gradients) is the
+  matmuls' forward FLOPs again (2 x matmul parameters per token) and B the rest (input gradients, the attention
+  scores' backward, the recompute forward). Collectives: the forward ones and the p2p send are F's, the backward
+  ones and the gradient send B's, SP's re-gather for the weight gradients W's. pipeline(): the step
+  `threed.schedule.simulate` finds when every stage runs the slowest stage's passes (the slowest sets the pace):
+  under 1F1B (gas + pp - 1)(F + B + W), a bubble of (pp - 1) / (gas + pp - 1); under ZB-H1 less.
   n_tp, in all-reduces of [s, b, h] (a ring all-reduce moves the bytes of one all-gather plus one reduce-scatter):
   per block 2 forward (attention and MLP outputs) + 2 backward (their inputs' gradients) + 2 more per recomputed
   block; plus the embedding's and the LM head's one each. Sequence parallelism (Megatron's) replaces each
@@ -36,7 +41,8 @@ from dataclasses import dataclass
 from threed.config import ModelConfig
 from threed.memory.model import GB, stages
 from threed.memory.recompute import Recompute
-from threed.model.spec import layer_training_flops, shard_shape, tie_owners, tied
+from threed.model.spec import layer_training_flops, matmul_parameters, shard_shape, tie_owners, tied
+from threed.schedule import simulate
 
 
 @dataclass(frozen=True)
@@ -66,34 +72,55 @@ def link_bytes_per_s(hw: Hardware, stride: int) -> float:
     return (hw.nvlink_gbps if stride < hw.gpus_per_node else hw.network_gbps) * 1e9
 
 
-def step_time(model: ModelConfig, hw: Hardware, tp: int, pp: int, dp: int, micro: int, gas: int, seq: int,
-              recompute: bool | Recompute, params: int, sequence_parallel: bool = False) -> float:
-    """Predicted seconds per optimizer step (the model in the module docstring); `params`: the largest stage's
-    parameters per GPU; `recompute`: True (every block), False, or Megatron's flags."""
+def pass_times(model: ModelConfig, hw: Hardware, tp: int, pp: int, dp: int, micro: int, seq: int,
+               recompute: bool | Recompute, sequence_parallel: bool = False) -> tuple[float, float, float]:
+    """Seconds of one micro-batch's F, B and W passes on the slowest stage (the model in the module docstring);
+    `recompute`: True (every block), False, or Megatron's flags."""
     rc = Recompute.of(recompute)
     sp = sequence_parallel and tp > 1
     h = model.hidden_size
-    f_block = layer_training_flops(model, "block", seq, tp)
-    f_head = layer_training_flops(model, "lm_head", seq, tp)
     tokens = seq * micro
     act_bytes = 2 * tokens * h
     rate = hw.tflops * 1e12
     allreduce = 2 * (tp - 1) / tp * act_bytes / (hw.nvlink_gbps * 1e9) if tp > 1 else 0.0
 
-    slowest = 0.0
+    def passes(kind: str) -> tuple[float, float, float]:
+        """Training FLOPs per token of one layer as (F, B, W): dgrad = wgrad = forward for the matmuls."""
+        total = layer_training_flops(model, kind, seq, tp)  # type: ignore[arg-type]
+        w = 2.0 * matmul_parameters(model, kind, tp)  # type: ignore[arg-type]
+        return total / 3, total - total / 3 - w, w
+
+    block, head = passes("block"), passes("lm_head")
+    slowest = (0.0, 0.0, 0.0)
     for st in stages(model, pp, tp, seq):
         recomputed = rc.recomputed(st.blocks)
-        flops = tokens * ((st.blocks + recomputed / 3) * f_block + st.last * f_head)
-        n_tp = st.blocks * (4 + sp) + 2 * recomputed + st.first + st.last * (1 + sp / 2)
-        t = flops / (tp * rate) + n_tp * allreduce
-        if pp > 1:  # activations forward, gradients backward: 1/tp of them each
-            t += 2 * act_bytes / tp / link_bytes_per_s(hw, tp * dp)
+        f_tp = 2 * st.blocks + st.first  # attention and MLP outputs; the embedding's
+        b_tp = 2 * st.blocks + 2 * recomputed + st.last  # their inputs' gradients, the recompute's; LM head's
+        w_tp = sp * (st.blocks + st.last / 2)  # megatron's re-gather of the column-parallel inputs
+        f, b, w = (tokens * (st.blocks * x + st.last * y) / (tp * rate) + n * allreduce
+                   for x, y, n in zip(block, head, (f_tp, b_tp, w_tp)))
+        b += tokens * recomputed * block[0] / (tp * rate)  # a recomputed block's forward runs again in B
+        if pp > 1:  # activations forward (F), gradients backward (B): 1/tp of them each
+            p2p = act_bytes / tp / link_bytes_per_s(hw, tp * dp)
             if not sp:  # DeepSpeed's TP partition, all-gathered over TP on arrival
-                t += 2 * (tp - 1) / tp * act_bytes / (hw.nvlink_gbps * 1e9)
-        slowest = max(slowest, t)
+                p2p += (tp - 1) / tp * act_bytes / (hw.nvlink_gbps * 1e9)
+            f, b = f + p2p, b + p2p
+        if f + b + w > sum(slowest):
+            slowest = (f, b, w)
+    return slowest
+
+
+def step_time(model: ModelConfig, hw: Hardware, tp: int, pp: int, dp: int, micro: int, gas: int, seq: int,
+              recompute: bool | Recompute, params: int, sequence_parallel: bool = False,
+              schedule: str = "1f1b") -> float:
+    """Predicted seconds per optimizer step (the model in the module docstring); `params`: the largest stage's
+    parameters per GPU; `recompute`: True (every block), False, or Megatron's flags; `schedule`:
+    `threed.schedule`'s."""
+    f, b, w = pass_times(model, hw, tp, pp, dp, micro, seq, recompute, sequence_parallel)
+    pipeline, _ = simulate(schedule, pp, gas, f, b, w)
     t_dp = (2 * 4 * params + 2 * params) * (dp - 1) / dp / link_bytes_per_s(hw, tp)  # DP ranks are tp apart
     t_opt = (36 * params / dp + 12 * params) / (hw.hbm_gbps * 1e9)
-    return (gas + pp - 1) * slowest + t_dp + tied_allreduce_s(model, hw, tp, pp, dp) + t_opt
+    return pipeline + t_dp + tied_allreduce_s(model, hw, tp, pp, dp) + t_opt
 
 
 def tied_allreduce_s(model: ModelConfig, hw: Hardware, tp: int, pp: int, dp: int) -> float:

@@ -1,10 +1,12 @@
 """The memory model: what each rank of a layout allocates, term by term, before anything is built.
 
-    model.py      the static estimate (weights, fp32 grads and master weights, ZeRO-1 shards, buffers, 1F1B
-                  activations, temporaries) as DeepSpeed + megatron-core + torch allocate them; checked against
-                  real engines by tests/test_memory.py
+    model.py      the static estimate (weights, fp32 grads and master weights, ZeRO-1 shards, buffers, the
+                  schedule's activations, temporaries) as DeepSpeed + megatron-core + torch allocate them;
+                  checked against real engines by tests/test_memory.py
     __main__.py   `python -m threed.memory ...` (recipes/launch.sh prints its line)
     recompute.py  which blocks of a stage Megatron's recompute flags recompute (shared with threed.steptime)
+    deferred.py   what a micro-batch holds between its B and its W under --pipeline-schedule zb-h1 (from the
+                  spec's linear shapes; checked against the engine's queue by tests/test_memory_zb.py)
 
 `threed plan` (`threed.planner`) ranks layouts with it.
 """

@@ -1,8 +1,8 @@
 """`python -m threed.memory --model M --tp T --pp P --dp D --micro B --gas G --seq S [--act-ckpt 1]
 [--sequence-parallel] [--recompute-granularity full --recompute-method block --recompute-num-layers N]
-[--all-stages]`: the memory model's estimate per GPU (`threed.memory.model`, whose docstring lists every term), one
-line for the heaviest stage or one per stage. recipes/launch.sh prints it before a run starts, with the run's own
-flags (the recompute ones are Megatron-LM's, as `threed train` takes them).
+[--pipeline-schedule 1f1b|zb-h1] [--all-stages]`: the memory model's estimate per GPU (`threed.memory.model`, whose
+docstring lists every term), one line for the heaviest stage or one per stage. recipes/launch.sh prints it before a
+run starts, with the run's own flags (the recompute ones are Megatron-LM's, as `threed train` takes them).
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from threed.flags import model_config
 from threed.memory.model import estimate, heaviest, quiet_deepspeed_import
 from threed.memory import model as memory_model
 from threed.memory.recompute import Recompute
+from threed.schedule import SCHEDULES
 
 TRUE = ("1", "true", "yes", "on")
 
@@ -31,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recompute-granularity", choices=["full", "selective"])
     p.add_argument("--recompute-method", choices=["uniform", "block"])
     p.add_argument("--recompute-num-layers", type=int)
+    p.add_argument("--pipeline-schedule", choices=SCHEDULES, default="1f1b", help="threed.schedule's")
     p.add_argument("--all-stages", action="store_true", help="one line per pipeline stage")
     a = p.parse_args(argv)
     sp = a.sequence_parallel.lower() in TRUE
@@ -48,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
                             recompute_num_layers=a.recompute_num_layers)
         train.validate(model)  # the recompute flags' checks (seq_length 1 passes the others), as training's
         mems = estimate(model, a.tp, a.pp, a.dp, a.micro, a.gas, a.seq, Recompute.from_train(train),
-                        sequence_parallel=sp)
+                        sequence_parallel=sp, schedule=a.pipeline_schedule)
         for m in (mems if a.all_stages else [heaviest(mems)]):
             print(m.line(a.pp))
 

@@ -48,9 +48,10 @@ activation estimate is reported against a measured CPU peak.
                5as/(ht) term to remove). Partial recompute (`threed.memory.recompute`, Megatron's flags): of a
                stage's blocks the recomputed ones keep only each chunk's input and backward re-creates one chunk
                at a time; the others keep everything; selective recompute drops only the attention logsumexp.
-               1F1B: stage s holds min(pp - s, gas) micro-batches. Backward adds the MLP gradients
-               (2 (3f/tp + h) per token) and one parameter's bf16 grad; the loss backward the logits' bf16
-               gradient (2V/tp).
+               Held micro-batches (`threed.schedule.held`): 1F1B min(pp - s, gas) in flight; ZB-H1 the same,
+               and each through B keeps its linears' W tensors till its W (`threed.memory.deferred`). Backward
+               adds the MLP gradients (2 (3f/tp + h) per token) and one parameter's bf16 grad; the loss
+               backward the logits' bf16 gradient (2V/tp).
   temporaries  after the last backward, never with the activations: DeepSpeed's DP all-reduce flattens the fp32
                grad groups into one copy when they share a 5e8-element bucket; torch's AdamW: none when fused
                (CUDA), two fp32 partitions in the CPU single-tensor path (`exp_avg_sq.sqrt() / c`).
@@ -71,8 +72,10 @@ from typing import Literal, Sequence
 from threed.config import ModelConfig, ParallelConfig
 from threed.flags import model_config
 from threed.model.spec import LayerKind, largest_parameter, stage_parameters
+from threed.memory.deferred import awaiting_w_bytes, deferred_bytes_per_token
 from threed.memory.recompute import Recompute
 from threed.partition import resolve_partition
+from threed.schedule import held_before_backward
 
 GB = 1e9
 BF16 = 2
@@ -198,9 +201,9 @@ def block_bytes_per_token(model: ModelConfig, tp: int, device: Device = "cuda", 
 
 def stage_activations(model: ModelConfig, tp: int, pp: int, stage: Stage, micro: int, gas: int, seq: int,
                       act_ckpt: bool | Recompute, device: Device = "cuda", max_param: int = 0,
-                      sequence_parallel: bool = False) -> float:
+                      sequence_parallel: bool = False, schedule: str = "1f1b") -> float:
     """Peak bytes of the forward/backward phase on one rank of `stage`, beyond the static terms. `act_ckpt`: True
-    (every block recomputed), False, or a `Recompute` (Megatron's flags)."""
+    (every block recomputed), False, or a `Recompute` (Megatron's flags); `schedule`: `threed.schedule`'s."""
     rc = Recompute.of(act_ckpt)
     sp = sequence_parallel and tp > 1
     h, f, v = model.hidden_size, model.ffn_hidden_size, model.padded_vocab_size(tp) // tp
@@ -224,14 +227,23 @@ def stage_activations(model: ModelConfig, tp: int, pp: int, stage: Stage, micro:
     # are in `buffers`).
     head = (_norm_bytes(h, device) // (tp if sp else 1) + 4 * v + 8) * tokens if stage.last else 0.0
     per_micro = kept_blocks + extras + head
-    in_flight = min(pp - stage.index, gas)
     grad = BF16 * max_param  # one parameter's bf16 .grad before the hook adds it to the fp32 buffer
-    # Backward through the blocks: the loss's tensors of this micro-batch are gone by then; a recomputed chunk's
-    # activations are re-created (one chunk at a time). Backward runs the blocks last to first, so by the time it
-    # reaches the recomputed ones (Megatron's `block`: the first N) the kept blocks of this micro-batch are freed.
+    deferred = schedule != "1f1b"  # under 1F1B, B computes the weight gradients: nothing awaits W
+    # The other micro-batches held when a B starts (1F1B: min(pp - s, gas) - 1 in flight; exact, as integers).
+    awaiting_w = deferred * awaiting_w_bytes(model, tp, stage_kinds(stage), sp) * tokens
+    others = max((live - 1) * per_micro + waiting * awaiting_w
+                 for live, waiting in held_before_backward(schedule, pp, gas, stage.index))
+    # Backward through the blocks: the loss's tensors of this micro-batch are gone by then (ZB-H1: but the LM
+    # head's W tensors); a recomputed chunk is re-created (one at a time). Blocks go last to first, so by the
+    # recomputed ones (`block`: the first N) the kept blocks of this micro-batch are freed. ZB-H1: a block past B
+    # holds its W tensors instead, so the larger end counts (with recompute, W's tensors outweigh a chunk's
+    # input). Assumed: ZB-H1's B makes 1F1B's gradient transients; the bf16 .grad (`grad`) moves to W.
+    head_w = deferred * stage.last * deferred_bytes_per_token(model, tp, "lm_head", sp) * tokens
+    this = max(per_micro - head + head_w, awaiting_w)
     recreated = max(0, rc.live_blocks(stage.blocks) - (stage.blocks - recomputed)) * full_block
-    blocks_phase = in_flight * per_micro - head + recreated + BF16 * (3 * f // tp + h) * tokens + grad
-    head_phase = in_flight * per_micro + BF16 * v * tokens + grad if stage.last else 0.0
+    blocks_phase = others + this + recreated + BF16 * (3 * f // tp + h) * tokens + grad
+    # The loss backward: the logits' bf16 gradient (ZB-H1: the LM head's output gradient, kept for W).
+    head_phase = others + per_micro + BF16 * v * tokens + grad if stage.last else 0.0
     return max(blocks_phase, head_phase)
 
 
@@ -250,7 +262,7 @@ def reduce_copy_bytes(groups: Sequence[int]) -> int:
 
 def stage_memory(model: ModelConfig, tp: int, pp: int, dp: int, micro: int, gas: int, seq: int,
                  act_ckpt: bool | Recompute, stage: Stage, device: Device = "cuda",
-                 sequence_parallel: bool = False) -> Memory:
+                 sequence_parallel: bool = False, schedule: str = "1f1b") -> Memory:
     h, d = model.hidden_size, model.head_dim
     tokens, v = seq * micro, model.padded_vocab_size(tp) // tp
     sp = sequence_parallel and tp > 1
@@ -270,18 +282,19 @@ def stage_memory(model: ModelConfig, tp: int, pp: int, dp: int, micro: int, gas:
         stage=stage, params=sum(groups), weights=float(BF16 * sum(padded)), grads=float(4 * sum(padded)),
         optimizer=float(12 * sum(padded) // dp + 4 * len(groups)),  # + AdamW's fp32 `step` per group
         buffers=float(buffers),
-        activations=stage_activations(model, tp, pp, stage, micro, gas, seq, act_ckpt, device, max_param, sp),
+        activations=stage_activations(model, tp, pp, stage, micro, gas, seq, act_ckpt, device, max_param, sp,
+                                      schedule),
         reduce_temp=float(reduce_copy_bytes(padded)),
         step_temp=float(4 * max(p // dp for p in padded) * adamw_temps))
 
 
 def estimate(model: ModelConfig | str, tp: int, pp: int, dp: int, micro: int, gas: int, seq: int,
              act_ckpt: bool | Recompute, device: Device = "cuda", partition_method: str | None = None,
-             sequence_parallel: bool = False) -> list[Memory]:
-    """Memory of every stage (one rank each; the TP ranks of a stage hold equal shards)."""
+             sequence_parallel: bool = False, schedule: str = "1f1b") -> list[Memory]:
+    """Memory of every stage (one rank each; the TP ranks of a stage hold equal shards) under `schedule`."""
     if isinstance(model, str):
         model = model_config(model)
-    return [stage_memory(model, tp, pp, dp, micro, gas, seq, act_ckpt, s, device, sequence_parallel)
+    return [stage_memory(model, tp, pp, dp, micro, gas, seq, act_ckpt, s, device, sequence_parallel, schedule)
             for s in stages(model, pp, tp, seq, partition_method)]
 
 

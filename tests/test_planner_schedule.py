@@ -1,0 +1,98 @@
+"""`threed plan` and the step-time model with the pipeline schedule as one more axis: the backward split into B (input
+gradients) and W (weight gradients), ZB-H1 faster where the pipeline idles, the 1F1B bubble unchanged, and the
+planner's choice (and its one phrase why) where ZB-H1 fits and where it does not. Pure functions of the memory and
+step-time models (no engine)."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from threed.flags import model_config
+from threed.model.spec import matmul_parameters
+from threed.planner import Hardware, main, plan, recipe_lines
+from threed.plan_layout import Layout, schedule_verdict
+from threed.steptime import pass_times, step_time
+
+M70, M8 = model_config("llama3.1-70b"), model_config("llama3.1-8b")
+HW = Hardware(nodes=4, gpus_per_node=8, gpu_memory_gb=80)
+
+
+def test_backward_split_dgrad_equals_wgrad_attention_in_b() -> None:
+    """One stage, tp 1 (no collectives, no p2p): F = 2 M + 4 s h per block, B = F + the attention scores'
+    backward (another 4 s h), W = 2 M (M: matmul parameters; the LM head's too)."""
+    seq, tokens, rate = 4096, 4096 * 2, HW.tflops * 1e12
+    f, b, w = pass_times(M8, HW, 1, 1, 8, 2, seq, False)
+    layers, h = M8.num_layers, M8.hidden_size
+    m_blocks, m_head = layers * matmul_parameters(M8, "block"), matmul_parameters(M8, "lm_head")
+    assert w == pytest.approx(tokens * 2 * (m_blocks + m_head) / rate, rel=1e-12)
+    assert f == pytest.approx(tokens * (2 * (m_blocks + m_head) + layers * 4 * seq * h) / rate, rel=1e-12)
+    assert b - f == pytest.approx(tokens * layers * 4 * seq * h / rate, rel=1e-12)
+    # Every block recomputed: the blocks' forward (F less the LM head's) runs again in B; F and W are unchanged.
+    f2, b2, w2 = pass_times(M8, HW, 1, 1, 8, 2, seq, True)
+    assert (f2, w2) == (f, w) and b2 == pytest.approx(b + f - tokens * 2 * m_head / rate, rel=1e-12)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_zb_h1_faster_at_pp4_gas8(sp: bool) -> None:
+    args = (M70, HW, 8, 4, 1, 1, 8, 8192, False, 0, sp)
+    f, b, w = pass_times(M70, HW, 8, 4, 1, 1, 8192, False, sp)
+    one, zb = step_time(*args), step_time(*args, schedule="zb-h1")
+    assert one == pytest.approx((8 + 4 - 1) * (f + b + w), rel=1e-12)  # 1F1B: (gas + pp - 1) slowest micros
+    # ZB-H1 fills the cool-down with the deferred W: about (pp - 1) W shorter, never more than (pp - 1)(F + B + W).
+    assert one - 3 * (f + b + w) < zb < one - 0.5 * 3 * w
+    assert step_time(M70, HW, 8, 1, 4, 1, 8, 8192, True, 0, sp, "zb-h1") == pytest.approx(
+        step_time(M70, HW, 8, 1, 4, 1, 8, 8192, True, 0, sp))  # one stage: nothing to fill
+
+
+def _layout(pp: int, gas: int, schedule: str, passes: tuple[float, float, float]) -> Layout:
+    return Layout(8, pp, 1, 1, gas, None, None, 0.0, True, schedule=schedule, passes=passes)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("pp, gas", [(2, 1), (4, 8), (8, 16), (4, 512), (1, 8)])
+def test_bubble_from_the_schedule(pp: int, gas: int) -> None:
+    passes = pass_times(M70, HW, 8, 4, 1, 1, 8192, False)
+    assert _layout(pp, gas, "1f1b", passes).bubble == pytest.approx((pp - 1) / (gas + pp - 1), abs=1e-12)
+    zb = _layout(pp, gas, "zb-h1", passes).bubble
+    assert zb < (pp - 1) / (gas + pp - 1) if pp > 1 else zb == 0
+
+
+def _plan(capsys, *args: str) -> str:
+    code = main(["--model", "llama3.1-8b", "--nodes", "1", "--gpu-memory", "80", "--seq", "8192",
+                 "--global-batch", "64", *args])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return out
+
+
+def test_plan_picks_zb_h1_where_it_fits_and_is_faster(capsys) -> None:
+    best, every = plan(M8, Hardware(1, 8, 80), 8192, 64, pp=2)
+    assert best.schedule == "zb-h1" and best.fits
+    twin = next(la for la in every if la.schedule == "1f1b" and (la.tp, la.dp, la.micro, la.sp, la.recompute)
+                == (best.tp, best.dp, best.micro, best.sp, best.recompute))
+    assert twin.fits and best.step_s < twin.step_s and best.bubble < twin.bubble
+    assert "PIPELINE_SCHEDULE=${PIPELINE_SCHEDULE-zb-h1}" in recipe_lines("llama3.1-8b", best, 64, 8192)
+    out = _plan(capsys, "--pp", "2")
+    said = re.search(r"^pipeline schedule: zb-h1: bubble (\d+\.\d)% -> (\d+\.\d)%$", out, re.M)
+    assert said, out
+    assert float(said[1]) == round(100 * twin.bubble, 1) and float(said[2]) == round(100 * best.bubble, 1)
+    assert "PIPELINE_SCHEDULE=${PIPELINE_SCHEDULE-zb-h1}" in out.splitlines()
+    assert re.search(r"^ +1 +\d+ +2 .* zb-h1 ", out, re.M), out  # the table's first row names it
+
+
+def test_plan_keeps_1f1b_where_zb_h1_does_not_fit(capsys) -> None:
+    """70B at tp8 pp4 with SP, 8k tokens: ZB-H1 would be faster, but its later stages hold pp - 1 micro-batches'
+    W tensors (full-h output gradients under SP) and no recompute brings that under 75 GB."""
+    best, every = plan(M70, HW, 8192, 512, tp=8, pp=4, micro=1, sequence_parallel=True)
+    assert best.schedule == "1f1b"
+    zb = [la for la in every if la.schedule == "zb-h1"]
+    assert zb and not any(la.fits for la in zb)
+    assert min(la.step_s for la in zb) < best.step_s
+    verdict = schedule_verdict(best, every)
+    assert verdict.startswith("1f1b: zb-h1 would need ") and "GB/GPU" in verdict, verdict
+    assert all(not line.startswith("PIPELINE_SCHEDULE") for line in recipe_lines("llama3.1-70b", best, 512, 8192))
+
+
+def test_plan_schedule_restriction(capsys) -> None:
+    out = _plan(capsys, "--pp", "2", "--pipeline-schedule", "1f1b")
+    assert " zb-h1 " not in out and "pipeline schedule: 1f1b: the only schedule searched" in out
