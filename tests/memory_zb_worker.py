@@ -17,7 +17,8 @@ import gc
 
 import torch.distributed as dist
 
-from memory_worker import ACT, SP_MODEL, StorageCounter, add_arguments as memory_arguments, cpu_peak, static
+from memory_worker import (ACT, SP_MODEL, StorageCounter, add_arguments as memory_arguments, cpu_peak, cuda_peak,
+                           static)
 from threed.config import ParallelConfig, RunConfig, TrainConfig
 from threed.distributed import Runtime, init_megatron_parallel_state
 from threed.engine import build_engine
@@ -81,9 +82,10 @@ def schedule_peaks(args: argparse.Namespace, rt: Runtime) -> None:
         step()  # grads, optimizer state and pipe buffers exist from here on
         gc.collect()
         dist.barrier()
-        measured = cpu_peak(step)
+        # tests/test_gpu.py runs this on CUDA: torch.cuda's peak and the estimate with CUDA kernels
+        measured = cuda_peak(step) if rt.device.type == "cuda" else cpu_peak(step)
         stage = stages(SP_MODEL, pp, 1, seq)[engine.stage_id]
-        mem = stage_memory(SP_MODEL, 1, pp, 1, micro, gas, seq, False, stage, "cpu", schedule=schedule)
+        mem = stage_memory(SP_MODEL, 1, pp, 1, micro, gas, seq, False, stage, rt.device.type, schedule=schedule)
         results[schedule] = {"stage": engine.stage_id, "measured": measured, "activations": mem.activations,
                              "phase": mem.phase[1]}
         del engine

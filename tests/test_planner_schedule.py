@@ -81,16 +81,27 @@ def test_plan_picks_zb_h1_where_it_fits_and_is_faster(capsys) -> None:
 
 
 def test_plan_keeps_1f1b_where_zb_h1_does_not_fit(capsys) -> None:
-    """70B at tp8 pp4 with SP, 8k tokens: ZB-H1 would be faster, but its later stages hold pp - 1 micro-batches'
-    W tensors (full-h output gradients under SP) and no recompute brings that under 75 GB."""
-    best, every = plan(M70, HW, 8192, 512, tp=8, pp=4, micro=1, sequence_parallel=True)
-    assert best.schedule == "1f1b"
-    zb = [la for la in every if la.schedule == "zb-h1"]
-    assert zb and not any(la.fits for la in zb)
-    assert min(la.step_s for la in zb) < best.step_s
+    """70B at tp8 pp4 without SP, 8k tokens, on GPUs with room for 1F1B's heaviest stage (stage 0: 20 blocks, 4 in
+    flight) but not for ZB-H1's (stage 2: 21 blocks, 2 in flight and 2 awaiting W): ZB-H1 fits only by recomputing
+    a block, which costs more than its smaller bubble saves; the planner keeps 1F1B and says so."""
+    hw = Hardware(nodes=4, gpus_per_node=8, gpu_memory_gb=109.5)
+    best, every = plan(M70, hw, 8192, 512, tp=8, pp=4, micro=1, sequence_parallel=False)
+    assert best.schedule == "1f1b" and best.fits
+    plain_zb = [la for la in every if la.schedule == "zb-h1" and not la.recompute.granularity]
+    assert plain_zb and not any(la.fits for la in plain_zb)
+    assert min(la.step_s for la in plain_zb) < best.step_s
     verdict = schedule_verdict(best, every)
-    assert verdict.startswith("1f1b: zb-h1 would need ") and "GB/GPU" in verdict, verdict
+    assert verdict.startswith("1f1b: zb-h1 fits only recomputing"), verdict
     assert all(not line.startswith("PIPELINE_SCHEDULE") for line in recipe_lines("llama3.1-70b", best, 512, 8192))
+
+
+def test_plan_picks_zb_h1_for_the_70b_recipe() -> None:
+    """The 70B recipe's layout (tp8 pp4 SP, 4 nodes of 80 GB): under SP a micro-batch awaiting W keeps 1/tp of its
+    linears' tensors (threed.model.wgrad), so ZB-H1's heaviest stage is 1F1B's and the smaller bubble wins."""
+    best, every = plan(M70, HW, 8192, 512, tp=8, pp=4, micro=1, sequence_parallel=True)
+    twin = next(la for la in every if la.schedule == "1f1b" and la.recompute == best.recompute and la.sp)
+    assert best.schedule == "zb-h1" and best.fits and best.step_s < twin.step_s
+    assert best.memory.peak == pytest.approx(twin.memory.peak, rel=0.01)
 
 
 def test_plan_schedule_restriction(capsys) -> None:

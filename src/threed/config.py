@@ -126,8 +126,8 @@ class ParallelConfig:
     # threed.schedule: 1f1b (DeepSpeed's TrainSchedule) | zb-h1 (Zero Bubble's ZB-H1: weight gradients deferred into
     # the bubble). Checkpoints do not depend on it: a run can switch on resume.
     pipeline_schedule: Literal["1f1b", "zb-h1"] = field(default="1f1b", metadata=meta(
-        "pipeline schedule: 1f1b (DeepSpeed's) | zb-h1 (weight gradients deferred into the bubble: less idle time, "
-        "the same peak memory as 1F1B's first stage)"))
+        "pipeline schedule: 1f1b (DeepSpeed's) | zb-h1 (weight gradients deferred into the bubble: less idle time; "
+        "no stage holds more micro-batches than 1F1B's first stage)"))
 
     def dp(self, world_size: int) -> int:
         return world_size // (self.tp * self.pp)

@@ -7,8 +7,9 @@ micro-batch is freed by B. Per TP rank and token, in the activation dtype:
 
     column-parallel (qkv, fc1, LM head)   input h (h / tp under sequence parallelism: megatron saves its own
                                           sequence part and all-gathers it again at W), output its rows / tp
-    row-parallel (o, fc2)                 input its columns / tp, output h (full h under sequence parallelism too:
-                                          the reduce-scatter's backward is an all-gather)
+    row-parallel (o, fc2)                 input its columns / tp, output h (h / tp under sequence parallelism:
+                                          the output gradient is the all-gather of the ranks' sequence parts;
+                                          threed.model.wgrad keeps its own part and gathers it again at W)
 
 The widths are the weights' own shapes per TP rank (`threed.model.spec.shard_shape`: [output, input]), so a
 linear added to the table is counted here without an edit. The LM head of a tied model runs the embedding's
@@ -33,9 +34,12 @@ def deferred_bytes_per_token(model: ModelConfig, tp: int, kind: LayerKind, seque
         if not p.megatron_linear:
             continue
         out_width, in_width = shard_shape(model, p, tp)
-        # A column-parallel linear (rows split) saves its input; under SP that input is the rank's sequence part.
-        if split_axis(p.split) == 0 and sp:
+        # Under SP a column-parallel linear (rows split) keeps its input as the rank's sequence part, a row-parallel
+        # one its output gradient.
+        if sp and split_axis(p.split) == 0:
             in_width //= tp
+        elif sp:
+            out_width //= tp
         total += BF16 * (in_width + out_width)
     return total
 

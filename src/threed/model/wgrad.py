@@ -7,8 +7,9 @@ else). While deferring, the backward is megatron's input-gradient half, with the
 communication (the all-reduce of the input gradient, or the sequence-parallel reduce-scatter), and the weight
 gradient is queued with what it needs: the saved input and the output gradient.
 
-The W pass recomputes nothing: it multiplies the kept output gradient by the kept input (all-gathered again over TP
-under sequence parallelism, as megatron's backward does) and hands the result to autograd on the weight itself
+The W pass recomputes nothing: it multiplies the kept output gradient by the kept input (under sequence parallelism
+both are kept as this rank's sequence part, 1/tp of the bytes, and all-gathered again over TP: megatron's backward
+re-gathers the input the same way) and hands the result to autograd on the weight itself
 (`torch.autograd.backward(weight, grad)`), so it lands exactly where the fused backward would put it, through the
 parameter's AccumulateGrad: DeepSpeed's BF16_Optimizer hooks (fp32 accumulation) and ZeRO's see it as usual.
 
@@ -71,19 +72,57 @@ class DeferredWeightGrads:
 DEFERRED = DeferredWeightGrads()
 
 
-def _weight_grad(input_: torch.Tensor, weight: torch.Tensor, grad_output: torch.Tensor, sequence_parallel: bool,
-                 tp_group) -> None:
+def _gather_sequence(part: torch.Tensor, tp_group) -> torch.Tensor:
+    """The TP group's sequence parts, concatenated along the first (sequence) dimension in group-rank order: what
+    megatron's sequence-parallel all-gather makes."""
+    full = torch.empty((part.shape[0] * tp_group.size(), *part.shape[1:]), dtype=part.dtype, device=part.device)
+    torch.distributed.all_gather_into_tensor(full, part.contiguous(), group=tp_group)
+    return full
+
+
+def _weight_grad(input_: torch.Tensor, weight: torch.Tensor, grad_output: torch.Tensor, input_part: bool,
+                 grad_output_part: bool, tp_group) -> None:
     # What megatron's backward does for the weight (gradient_accumulation_fusion is off in threed: no main_grad),
     # without recording a graph, as inside a backward.
     with torch.no_grad():
-        if sequence_parallel:
-            gathered = torch.empty((input_.shape[0] * tp_group.size(), *input_.shape[1:]), dtype=input_.dtype,
-                                   device=input_.device)
-            torch.distributed.all_gather_into_tensor(gathered, input_.contiguous(), group=tp_group)
-            input_ = gathered
+        if input_part:
+            input_ = _gather_sequence(input_, tp_group)
+        if grad_output_part:
+            grad_output = _gather_sequence(grad_output, tp_group)
         grad_output, total_input = prepare_input_tensors_for_wgrad_compute(grad_output, input_)
         grad_weight = grad_output.t().matmul(total_input)
     torch.autograd.backward(weight, grad_weight)
+
+
+def _backward(ctx, grad_output: torch.Tensor, keep_sequence_part: bool):
+    base = LinearWithGradAccumulationAndAsyncCommunication.backward
+    if not DEFERRED.active or ctx.grad_output_buffer is not None or ctx.gradient_accumulation_fusion:
+        return base(ctx, grad_output)
+    input_, weight = ctx.saved_tensors
+    # megatron's backward without its weight-gradient half. (Its own deferral, `grad_output_buffer`, only skips
+    # the weight gradient under gradient_accumulation_fusion: the apex main_grad kernel, CUDA only, which threed
+    # does not use; without it megatron computes the weight gradient anyway.)
+    grad_input = grad_output.matmul(weight)
+    grad_bias = grad_output.sum(dim=tuple(range(grad_output.dim() - 1))) if ctx.use_bias else None
+    if ctx.sequence_parallel:
+        # The input was all-gathered over TP in forward: its gradient is reduce-scattered back (megatron's).
+        shape = (grad_input.shape[0] // ctx.tp_group.size(), *grad_input.shape[1:])
+        grad_input_part = torch.empty(shape, dtype=grad_input.dtype, device=grad_input.device)
+        torch.distributed.reduce_scatter_tensor(grad_input_part, grad_input.contiguous(), group=ctx.tp_group)
+        grad_input = grad_input_part
+    elif ctx.allreduce_dgrad:
+        torch.distributed.all_reduce(grad_input, group=ctx.tp_group)
+    kept = grad_output
+    if keep_sequence_part:
+        # A row-parallel linear under sequence parallelism: its output gradient is the all-gather of the TP ranks'
+        # sequence parts (the reduce-scatter's backward), so every rank holds the same [s, b, h]. W keeps only
+        # this rank's part (its own bits: the gather concatenates the parts unchanged) and gathers again, as the
+        # column-parallel linears do with their input: 1/tp of the bytes while it waits.
+        rank = torch.distributed.get_rank(ctx.tp_group)
+        kept = grad_output.chunk(ctx.tp_group.size(), dim=0)[rank].clone()
+    DEFERRED.put(functools.partial(_weight_grad, input_, weight, kept, ctx.sequence_parallel, keep_sequence_part,
+                                   ctx.tp_group))
+    return grad_input, None, grad_bias, None, None, None, None, None, None
 
 
 class SplitBackwardLinear(LinearWithGradAccumulationAndAsyncCommunication):
@@ -92,44 +131,34 @@ class SplitBackwardLinear(LinearWithGradAccumulationAndAsyncCommunication):
 
     @staticmethod
     def backward(ctx, grad_output):  # type: ignore[override]
-        base = LinearWithGradAccumulationAndAsyncCommunication.backward
-        if not DEFERRED.active or ctx.grad_output_buffer is not None or ctx.gradient_accumulation_fusion:
-            return base(ctx, grad_output)
-        input_, weight = ctx.saved_tensors
-        # megatron's backward without its weight-gradient half. (Its own deferral, `grad_output_buffer`, only
-        # skips the weight gradient under gradient_accumulation_fusion: the apex main_grad kernel, CUDA only,
-        # which threed does not use; without it megatron computes the weight gradient anyway.)
-        grad_input = grad_output.matmul(weight)
-        grad_bias = grad_output.sum(dim=tuple(range(grad_output.dim() - 1))) if ctx.use_bias else None
-        if ctx.sequence_parallel:
-            # The input was all-gathered over TP in forward: its gradient is reduce-scattered back (megatron's).
-            shape = (grad_input.shape[0] // ctx.tp_group.size(), *grad_input.shape[1:])
-            grad_input_part = torch.empty(shape, dtype=grad_input.dtype, device=grad_input.device)
-            torch.distributed.reduce_scatter_tensor(grad_input_part, grad_input.contiguous(), group=ctx.tp_group)
-            grad_input = grad_input_part
-        elif ctx.allreduce_dgrad:
-            torch.distributed.all_reduce(grad_input, group=ctx.tp_group)
-        DEFERRED.put(functools.partial(_weight_grad, input_, weight, grad_output, ctx.sequence_parallel,
-                                       ctx.tp_group))
-        return grad_input, None, grad_bias, None, None, None, None, None, None
+        return _backward(ctx, grad_output, keep_sequence_part=False)
 
 
-def _split_forward(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+class SplitBackwardSequenceParallelRow(LinearWithGradAccumulationAndAsyncCommunication):
+    """The same, for a row-parallel linear under sequence parallelism (its W keeps a sequence part)."""
+
+    @staticmethod
+    def backward(ctx, grad_output):  # type: ignore[override]
+        return _backward(ctx, grad_output, keep_sequence_part=True)
+
+
+def _split_forward(function, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
                    grad_output_buffer=None, wgrad_deferral_limit=0, tp_group=None, **_ignored):
-    """megatron's `linear_with_grad_accumulation_and_async_allreduce`, applying `SplitBackwardLinear`."""
-    return SplitBackwardLinear.apply(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
-                                     sequence_parallel, grad_output_buffer, wgrad_deferral_limit,
-                                     get_tensor_model_parallel_group_if_none(tp_group))
+    """megatron's `linear_with_grad_accumulation_and_async_allreduce`, applying `function`."""
+    return function.apply(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+                          grad_output_buffer, wgrad_deferral_limit, get_tensor_model_parallel_group_if_none(tp_group))
 
 
 class _SplitBackward:
     """Mixin over megatron's linear: its `_forward_impl` chooses between a frozen and a trainable linear function;
-    the trainable one becomes `SplitBackwardLinear` (same forward, same arguments)."""
+    the trainable one becomes ours (same forward, same arguments)."""
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         if not weight.requires_grad or args:
             return super()._forward_impl(input, weight, *args, **kwargs)  # type: ignore[misc]
-        return _split_forward(input, weight, **kwargs)
+        row_sp = isinstance(self, RowParallelLinear) and self.sequence_parallel  # type: ignore[attr-defined]
+        return _split_forward(SplitBackwardSequenceParallelRow if row_sp else SplitBackwardLinear, input, weight,
+                              **kwargs)
 
 
 class SplitColumnParallelLinear(_SplitBackward, ColumnParallelLinear):
