@@ -78,7 +78,7 @@ def _layouts(model: ModelConfig, hw: Hardware, seq: int, tp: int, pp: int, dp: i
         mems = estimate(model, tp, pp, dp, micro, gas, seq, rc, sequence_parallel=sp, schedule=schedule)
         seconds = step_time(model, hw, tp, pp, dp, micro, gas, seq, rc, max(x.params for x in mems), sp, schedule)
         return Layout(tp, pp, dp, micro, gas, rc, heaviest(mems), seconds, heaviest(mems).peak <= hw.budget, sp,
-                      most, schedule, pass_times(model, hw, tp, pp, dp, micro, seq, rc, sp))
+                      most, schedule, pass_times(model, hw, tp, pp, dp, micro, seq, rc, sp, schedule))
     return layout
 
 

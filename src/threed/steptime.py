@@ -14,7 +14,8 @@
   The passes (`threed.schedule`): F is a third of the FLOPs; of the backward, W (weight gradients) is the
   matmuls' forward FLOPs again (2 x matmul parameters per token) and B the rest (input gradients, the attention
   scores' backward, the recompute forward). Collectives: the forward ones and the p2p send are F's, the backward
-  ones and the gradient send B's, SP's re-gather for the weight gradients W's. pipeline(): the step
+  ones and the gradient send B's, SP's re-gathers for the weight gradients W's (under ZB-H1 also the row-parallel
+  output gradients'). pipeline(): the step
   `threed.schedule.simulate` finds when every stage runs the slowest stage's passes (the slowest sets the pace):
   under 1F1B (gas + pp - 1)(F + B + W), a bubble of (pp - 1) / (gas + pp - 1); under ZB-H1 less.
   n_tp, in all-reduces of [s, b, h] (a ring all-reduce moves the bytes of one all-gather plus one reduce-scatter):
@@ -73,7 +74,8 @@ def link_bytes_per_s(hw: Hardware, stride: int) -> float:
 
 
 def pass_times(model: ModelConfig, hw: Hardware, tp: int, pp: int, dp: int, micro: int, seq: int,
-               recompute: bool | Recompute, sequence_parallel: bool = False) -> tuple[float, float, float]:
+               recompute: bool | Recompute, sequence_parallel: bool = False,
+               schedule: str = "1f1b") -> tuple[float, float, float]:
     """Seconds of one micro-batch's F, B and W passes on the slowest stage (the model in the module docstring);
     `recompute`: True (every block), False, or Megatron's flags."""
     rc = Recompute.of(recompute)
@@ -96,7 +98,9 @@ def pass_times(model: ModelConfig, hw: Hardware, tp: int, pp: int, dp: int, micr
         recomputed = rc.recomputed(st.blocks)
         f_tp = 2 * st.blocks + st.first  # attention and MLP outputs; the embedding's
         b_tp = 2 * st.blocks + 2 * recomputed + st.last  # their inputs' gradients, the recompute's; LM head's
-        w_tp = sp * (st.blocks + st.last / 2)  # megatron's re-gather of the column-parallel inputs
+        # megatron's re-gather of the column-parallel inputs; a deferred W (threed.model.wgrad) also re-gathers
+        # the row-parallel output gradients it kept as sequence parts (two all-gathers: one all-reduce's worth)
+        w_tp = sp * (st.blocks + st.last / 2 + (schedule != "1f1b") * st.blocks)
         f, b, w = (tokens * (st.blocks * x + st.last * y) / (tp * rate) + n * allreduce
                    for x, y, n in zip(block, head, (f_tp, b_tp, w_tp)))
         b += tokens * recomputed * block[0] / (tp * rate)  # a recomputed block's forward runs again in B
@@ -116,7 +120,7 @@ def step_time(model: ModelConfig, hw: Hardware, tp: int, pp: int, dp: int, micro
     """Predicted seconds per optimizer step (the model in the module docstring); `params`: the largest stage's
     parameters per GPU; `recompute`: True (every block), False, or Megatron's flags; `schedule`:
     `threed.schedule`'s."""
-    f, b, w = pass_times(model, hw, tp, pp, dp, micro, seq, recompute, sequence_parallel)
+    f, b, w = pass_times(model, hw, tp, pp, dp, micro, seq, recompute, sequence_parallel, schedule)
     pipeline, _ = simulate(schedule, pp, gas, f, b, w)
     t_dp = (2 * 4 * params + 2 * params) * (dp - 1) / dp / link_bytes_per_s(hw, tp)  # DP ranks are tp apart
     t_opt = (36 * params / dp + 12 * params) / (hw.hbm_gbps * 1e9)
