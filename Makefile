@@ -47,6 +47,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_preprocess.py
 	$(PY) benchmarks/bench_data.py
 	$(PY) benchmarks/bench_pipeline.py
+	$(PY) benchmarks/bench_schedule.py
 	$(PY) benchmarks/bench_packing.py
 	$(PY) benchmarks/bench_sp.py
 	$(PY) benchmarks/bench_guard.py

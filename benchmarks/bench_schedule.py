@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_pipeline import MODEL, launch, sample_run_queue  # noqa: E402  (the benchmark's worker and model)
+from bench_pipeline import MODEL, launch, measured_partition, sample_run_queue  # noqa: E402  (its worker and model)
 
 SCHEDULES = ("1f1b", "zb-h1")
 
@@ -52,12 +52,15 @@ def main() -> int:
     p.add_argument("--micro", type=int, default=1)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--layers", type=int, default=MODEL["num_layers"])
-    p.add_argument("--partition", default="balanced")
+    p.add_argument("--partition", default="balanced",
+                   help="--partition-method, or `measured` (threed profile-layers' costs:..., as bench_pipeline.py)")
     p.add_argument("--repeats", type=int, default=3, help="chunks per launch")
     p.add_argument("--steps", type=int, default=6, help="steps per chunk")
     p.add_argument("--rounds", type=int, default=1, help="launches per schedule and layout (alternating)")
     p.add_argument("--wait-quiet", type=float, default=0, metavar="SECONDS")
     a = p.parse_args()
+    if a.partition == "measured":
+        a.partition = measured_partition(a)
     queue: list[int] = []
     sampling = threading.Event()
     threading.Thread(target=sample_run_queue, args=(queue, sampling), daemon=True).start()

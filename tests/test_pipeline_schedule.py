@@ -34,7 +34,7 @@ def test_zb_h1_order_is_1f1b_plus_deferred_weight_passes(pp, gas) -> None:
             assert zb.index(("W", j)) > zb.index(("B", j))
         # stage s holds up to pp micro-batches: 1F1B's first stage, never more
         most = max(live + waiting for live, waiting in held("zb-h1", pp, gas, stage))
-        assert most == min(pp, gas) if stage < pp else True
+        assert most == min(pp, gas)
         assert max(live for live, _ in held("1f1b", pp, gas, stage)) == min(pp - stage, gas)
 
 
@@ -198,3 +198,16 @@ def test_checkpoint_resumes_under_the_other_schedule(request, fixture, saved, re
         got = r[f"{saved}_then_{resumed}"]
         want = {"losses": whole["losses"][3:], "grad_norms": whole["grad_norms"][3:]}
         assert_same_run(got, want, f"rank {rank} {saved} -> {resumed}")
+
+
+def test_weight_passes_count_as_compute_in_the_stage_metrics() -> None:
+    """threed.metrics.stages times every instruction of the engine's own map: a W pass is compute, so the idle
+    fraction (p2p / (compute + p2p)) of a zb-h1 stage is its waits, not its weight gradients."""
+    from deepspeed.runtime.pipe import schedule as ds
+
+    from threed.metrics.stages import _instruction_buckets
+
+    engine = zero_bubble_engine()
+    buckets = _instruction_buckets()
+    assert buckets[engine.WeightPass] == buckets[ds.BackwardPass] == "compute"
+    assert set(engine._INSTRUCTION_MAP) <= set(buckets), "every instruction of the zb-h1 engine is timed"

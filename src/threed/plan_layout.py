@@ -90,6 +90,9 @@ def schedule_verdict(best: Layout, every: list[Layout]) -> str:
         return (f"1f1b: {leanest.schedule} would need {leanest.memory.peak / GB:.0f} GB/GPU "
                 f"({leanest.recompute_words()}; bubble {best.bubble:.1%} -> {leanest.bubble:.1%})")
     fastest = fitting[0]
+    if fastest.recompute == best.recompute:  # it fits alike: its smaller bubble costs more than it saves
+        return (f"1f1b: {fastest.schedule} is slower here, {fastest.step_s:.1f} s/step (bubble {best.bubble:.1%} -> "
+                f"{fastest.bubble:.1%}, but its weight-gradient passes gather their inputs again)")
     return (f"1f1b: {fastest.schedule} fits only {fastest.recompute_words()}, {fastest.step_s:.1f} s/step "
             f"(bubble {best.bubble:.1%} -> {fastest.bubble:.1%})")
 

@@ -100,7 +100,7 @@ def pass_times(model: ModelConfig, hw: Hardware, tp: int, pp: int, dp: int, micr
         b_tp = 2 * st.blocks + 2 * recomputed + st.last  # their inputs' gradients, the recompute's; LM head's
         # megatron's re-gather of the column-parallel inputs; a deferred W (threed.model.wgrad) also re-gathers
         # the row-parallel output gradients it kept as sequence parts (two all-gathers: one all-reduce's worth)
-        w_tp = sp * (st.blocks + st.last / 2 + (schedule != "1f1b") * st.blocks)
+        w_tp = sp * (st.blocks + st.last / 2 + (schedule != "1f1b" and pp > 1) * st.blocks)
         f, b, w = (tokens * (st.blocks * x + st.last * y) / (tp * rate) + n * allreduce
                    for x, y, n in zip(block, head, (f_tp, b_tp, w_tp)))
         b += tokens * recomputed * block[0] / (tp * rate)  # a recomputed block's forward runs again in B
