@@ -6,8 +6,9 @@ One launch of tests/memory_zb_worker.py on 2 ranks: a tp1 pp2 ZB-H1 engine's sta
 the bytes one micro-batch's queued weight-gradient passes hold after its input-gradient backward, SP off and on,
 next to `threed.memory.deferred`'s count from the linears' widths; and the CPU peak of a whole train step (pp 2,
 gas 4) under 1F1B and under ZB-H1 on each stage, next to the activation estimate: the last stage's extra micro-batch
-awaiting W is what ZB-H1 adds (measured: 18612224 B more, predicted 18612224 B), stage 0 (W right after its B)
-nothing.
+awaiting W and the two gradients it sent without waiting are what ZB-H1 adds (measured: 19660800 B more, predicted
+19660800 B); stage 0 (W right after its B) only the copy of the gradient it received (predicted 524288 B; measured
+3014656 B more, 4.7% of its peak: the rest is not explained).
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import json
 import pytest
 
 from helpers import TESTS
+from memory_worker import SP_MODEL
+from memory_zb_worker import PEAKS
 from threed.launch import run_ranks
 
 STATIC_TOL = 0.02  # as tests/test_memory.py
@@ -71,5 +74,6 @@ def test_schedule_peaks_per_stage(measured) -> None:
             assert 0.8 <= x["phase"] / x["measured"] <= 1.25
         if stage == 1:  # one micro-batch awaiting W beside the one in flight
             assert want > 0.3 * one["activations"] and abs(got - want) <= 0.05 * want
-        else:  # W right after its B: at most the end of one B differs
-            assert want == 0 and abs(got) <= 0.05 * one["measured"]
+        else:  # W right after its B: the copy of the received gradient, and at most the end of one B differs
+            tokens = PEAKS["micro"] * PEAKS["seq"]
+            assert want == 2 * tokens * SP_MODEL.hidden_size and abs(got - want) <= 0.05 * one["measured"]

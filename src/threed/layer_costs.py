@@ -2,7 +2,7 @@
 given) relative costs per layer kind instead of `balanced`'s FLOP formula.
 
 Why: the formula prices the LM head + loss at 6·h·V and the embedding and norms at zero, but what 1F1B waits on is
-time, and time is not FLOPs (on the benchmark's model the head costs ~1.2 blocks, not the formula's 1.3; the
+time, and time is not FLOPs (on the benchmark's model the head measured 0.98-1.0 blocks, not the formula's 1.3; the
 embedding's backward is not free). `threed profile-layers` measures each kind and prints this string; the split
 itself is `threed.partition.min_max_partition`'s, as for `balanced`. The numbers are part of the flag, not measured
 at start-up, so a resumed run given the same flag gets the same stages.

@@ -5,7 +5,7 @@
 
 Why: 1F1B runs at the pace of its slowest stage, and `balanced` splits by a FLOP formula that misprices what is
 not a matmul (the embedding's backward, the loss's softmax, norms; on CPU the formula's 1.3 blocks for the
-benchmark's LM head measure ~1.2). This builds one of each kind (embedding, one transformer block, final norm, LM
+benchmark's LM head measured 0.98-1.0 on a quiet machine, `benchmarks/bench_pipeline.py --partition measured`). This builds one of each kind (embedding, one transformer block, final norm, LM
 head + loss) exactly as the pipeline does (`threed.pipeline.layer_spec`, `run_megatron_config`,
 `threed.model.init`), runs forward + backward on random micro-batches of the run's size, sequence length and
 dtype, interleaving the kinds so background load hits all alike, and takes each kind's median after a warm-up.

@@ -12,8 +12,9 @@ input-gradient (B) and weight-gradient (W) passes, and what that order costs in 
 
 Why ZB-H1 and not DeepSpeed's DualPipeV: see README ("Pipeline schedules"). Why on DeepSpeed's engine: the F/B
 order and every send and receive are DeepSpeed's own TrainSchedule, so ZB-H1 cannot deadlock where 1F1B does not;
-the W passes are local and slot in between (`zero_bubble_engine`). The weight-gradient split is megatron-core's
-own deferral in its Column/RowParallelLinear backward (`threed.model.wgrad`).
+the W passes are local and slot in between, and its sends do not wait for the receiver, so that a stage runs its W
+instead (`zero_bubble_engine`). The weight-gradient split is `threed.model.wgrad`, on megatron-core's
+Column/RowParallelLinear.
 
 The pure part (orders, `simulate`, `held`) needs no torch: the memory model, the step-time model and the planner
 use it. The DeepSpeed part is built lazily, where an engine is built.
@@ -130,7 +131,8 @@ def zero_bubble_engine() -> type:
     """DeepSpeed's PipelineEngine running ZB-H1 (created lazily: deepspeed and torch are imported only where an
     engine is built). DeepSpeed 0.19.8's `deepspeed.initialize` picks the engine class from the module's type
     alone (PipelineEngine, or DualPipeVEngine for a DualPipeVModule), so threed.engine re-classes the engine it
-    returns: this subclass adds methods and no state of its own beyond the deferral queue."""
+    returns: this subclass adds methods, and no state of its own beyond the deferral queue and its sends in
+    flight."""
     # deepspeed, torch, megatron: heavy; the planner and the memory model use the pure part above without them
     import torch
     import torch.distributed as dist
@@ -190,6 +192,7 @@ def zero_bubble_engine() -> type:
             # stream hands that very tensor to the block's last linear as its output gradient, which a deferred W
             # keeps: the next RecvGrad would overwrite it before W runs (found at tp1 pp4). Backward gets its own
             # copy; the buffer stays DeepSpeed's.
+            self._let_go_of_received_sends()
             received = self.grad_layer
             if received is not None and not self.is_last_stage():
                 self.grad_layer = received.clone() if torch.is_tensor(received) else [t.clone() for t in received]
@@ -213,8 +216,8 @@ def zero_bubble_engine() -> type:
         # both wait for the matching receive), so a stage that has sent a gradient would sit in the send until the
         # stage before reaches its receive, instead of running the W that the schedule put there (measured at pp2
         # gas4: 16 ms of a 13 ms backward, every micro-batch). The sent tensors (a micro-batch's output, or its
-        # input's gradient) are not written again; they are kept alive here until received (checked at the next
-        # send: a handful of micro-batches at most), and every send is waited for before the gradient reductions.
+        # input's gradient) are not written again; they are kept alive here until received (checked at every send
+        # and backward: a micro-batch or two), and every send is waited for before the gradient reductions.
         # The receives stay DeepSpeed's: a stage needs what it receives.
         def _exec_send_activations(self, buffer_id):
             with self._sends_in_flight():
@@ -229,8 +232,7 @@ def zero_bubble_engine() -> type:
             if not torch.is_grad_enabled():  # evaluation (InferenceSchedule): no W to run meanwhile; DeepSpeed's
                 yield
                 return
-            pending = self.__dict__.setdefault("_threed_sends", [])
-            pending[:] = [(work, t) for work, t in pending if not work.is_completed()]  # received: let them go
+            pending = self._let_go_of_received_sends()
 
             def isend(tensor, dest_stage, async_op=False):
                 pending.append((dist.isend(tensor, self.grid.stage_to_global(dest_stage)), tensor))
@@ -240,6 +242,11 @@ def zero_bubble_engine() -> type:
                 yield
             finally:
                 p2p.send = blocking
+
+        def _let_go_of_received_sends(self) -> list:
+            pending = self.__dict__.setdefault("_threed_sends", [])
+            pending[:] = [(work, t) for work, t in pending if not work.is_completed()]
+            return pending
 
         def _wait_for_sends(self):
             for work, _ in self.__dict__.pop("_threed_sends", []):

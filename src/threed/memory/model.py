@@ -231,15 +231,20 @@ def stage_activations(model: ModelConfig, tp: int, pp: int, stage: Stage, micro:
     deferred = schedule != "1f1b"  # under 1F1B, B computes the weight gradients: nothing awaits W
     # The other micro-batches held when a B starts (1F1B: min(pp - s, gas) - 1 in flight; exact, as integers).
     awaiting_w = deferred * awaiting_w_bytes(model, tp, stage_kinds(stage), sp) * tokens
-    others = max((live - 1) * per_micro + waiting * awaiting_w
-                 for live, waiting in held_before_backward(schedule, pp, gas, stage.index))
+    # ZB-H1 sends without waiting for the receiver (threed.schedule): the gradients a later stage sent stay alive
+    # until the stage before has received them, and are let go at its next send; during a B that is the last two
+    # micro-batches' (1/tp of [s, b, h] each per TP rank; measured: tests/test_memory_zb.py).
+    in_send = deferred * (stage.index > 0) * min(2, gas - 1) * BF16 * tokens * h // tp
+    others = in_send + max((live - 1) * per_micro + waiting * awaiting_w
+                           for live, waiting in held_before_backward(schedule, pp, gas, stage.index))
     # Backward through the blocks: the loss's tensors of this micro-batch are gone by then (ZB-H1: but the LM
     # head's W tensors); a recomputed chunk is re-created (one at a time). Blocks go last to first, so by the
     # recomputed ones (`block`: the first N) the kept blocks of this micro-batch are freed. ZB-H1: a block past B
     # holds its W tensors instead, so the larger end counts (with recompute, W's tensors outweigh a chunk's
     # input). Assumed: ZB-H1's B makes 1F1B's gradient transients; the bf16 .grad (`grad`) moves to W.
     head_w = deferred * stage.last * deferred_bytes_per_token(model, tp, "lm_head", sp) * tokens
-    this = max(per_micro - head + head_w, awaiting_w)
+    # (ZB-H1: B runs on its own copy of the received output gradient, one [s/tp, b, h], threed.schedule.)
+    this = max(per_micro - head + head_w, awaiting_w) + deferred * (not stage.last) * BF16 * tokens * h // tp
     recreated = max(0, rc.live_blocks(stage.blocks) - (stage.blocks - recomputed)) * full_block
     blocks_phase = others + this + recreated + BF16 * (3 * f // tp + h) * tokens + grad
     # The loss backward: the logits' bf16 gradient (ZB-H1: the LM head's output gradient, kept for W).
