@@ -1,7 +1,6 @@
 """`threed plan`: the (tp, pp, micro, gas, sequence parallelism, schedule, recompute) layouts of a model on a cluster,
-whether
-each fits in GPU memory (`threed.memory`), ranked by a predicted step time (`threed.steptime`); then the recipe
-lines of the best one.
+whether each fits in GPU memory (`threed.memory`), ranked by a predicted step time (`threed.steptime`); then the
+recipe lines of the best one.
 
     threed plan --model llama3.1-70b --nodes 4 --gpus-per-node 8 --gpu-memory 80 --seq 8192 --global-batch 512
 
@@ -76,9 +75,11 @@ def _layouts(model: ModelConfig, hw: Hardware, seq: int, tp: int, pp: int, dp: i
     def layout(n: int) -> Layout:
         rc = Recompute.of(True) if n >= most else Recompute.first_blocks(n)
         mems = estimate(model, tp, pp, dp, micro, gas, seq, rc, sequence_parallel=sp, schedule=schedule)
-        seconds = step_time(model, hw, tp, pp, dp, micro, gas, seq, rc, max(x.params for x in mems), sp, schedule)
+        passes = pass_times(model, hw, tp, pp, dp, micro, seq, rc, sp, schedule)
+        seconds = step_time(model, hw, tp, pp, dp, micro, gas, seq, rc, max(x.params for x in mems), sp, schedule,
+                            passes)
         return Layout(tp, pp, dp, micro, gas, rc, heaviest(mems), seconds, heaviest(mems).peak <= hw.budget, sp,
-                      most, schedule, pass_times(model, hw, tp, pp, dp, micro, seq, rc, sp, schedule))
+                      most, schedule, passes)
     return layout
 
 

@@ -16,7 +16,7 @@ the W passes are local and slot in between, and its sends do not wait for the re
 instead (`zero_bubble_engine`). The weight-gradient split is `threed.model.wgrad`, on megatron-core's
 Column/RowParallelLinear.
 
-The pure part (orders, `simulate`, `held`) needs no torch: the memory model, the step-time model and the planner
+The pure part (orders, `held`, `simulate`) needs no torch: the memory model, the step-time model and the planner
 use it. The DeepSpeed part is built lazily, where an engine is built.
 """
 from __future__ import annotations
@@ -85,12 +85,6 @@ def held_before_backward(schedule: str, pp: int, gas: int, stage: int) -> list[t
     return [state for (kind, _), state in zip(stage_order(schedule, pp, gas, stage), before) if kind == "B"]
 
 
-def peak_held(schedule: str, pp: int, gas: int, stage: int, activation: float, weight_inputs: float) -> float:
-    """The most a stage holds at once, given what one micro-batch holds in flight (`activation`) and while it
-    awaits its W (`weight_inputs`)."""
-    return max(live * activation + waiting * weight_inputs for live, waiting in held(schedule, pp, gas, stage))
-
-
 @functools.lru_cache(maxsize=4096)
 def simulate(schedule: str, pp: int, gas: int, f: float = 1.0, b: float = 1.0, w: float = 1.0,
              ) -> tuple[float, tuple[float, ...]]:
@@ -153,9 +147,14 @@ def zero_bubble_engine() -> type:
         reductions."""
 
         def steps(self):
-            delay = weight_delay("zb-h1", self.stages, self.stage_id)
+            # Which W passes follow each B: read off stage_order, the one place that says where they go.
+            after: dict[int, list[int]] = {}
+            for kind, j in stage_order("zb-h1", self.stages, self.micro_batches, self.stage_id):
+                if kind == "B":
+                    after[j] = backward = []
+                elif kind == "W":
+                    backward.append(j)
             due: list[int] = []  # W passes to issue at the start of the next step
-            next_w = 0
             for step_id, cmds in enumerate(super().steps()):
                 cmds = list(cmds)
                 at = 1 if cmds and isinstance(cmds[0], ds_schedule.SendGrad) else 0
@@ -163,17 +162,14 @@ def zero_bubble_engine() -> type:
                 due = []
                 for k, cmd in enumerate(cmds):
                     if isinstance(cmd, ds_schedule.BackwardPass):
-                        j, _ = self._step_to_micro_batch(step_id)
-                        last = j if j == self.micro_batches - 1 else j - delay
-                        due = list(range(next_w, last + 1))
-                        next_w = max(next_w, last + 1)
+                        due = after.pop(self._step_to_micro_batch(step_id)[0])
                     if isinstance(cmd, ds_schedule.ReduceTiedGrads):
                         # The end of the batch: every W before the reductions (the last B may be in this step).
                         cmds[k:k] = [WeightPass(micro_batch=i) for i in due]
                         due = []
                         break
                 yield cmds
-            assert next_w == self.micro_batches and not due, (next_w, due)
+            assert not after and not due, (after, due)
 
     class ZeroBubbleEngine(PipelineEngine):
         """B computes input gradients only (`threed.model.wgrad`); WeightPass runs the deferred weight gradients."""

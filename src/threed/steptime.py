@@ -38,6 +38,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from threed.config import ModelConfig
 from threed.memory.model import GB, stages
@@ -116,12 +117,12 @@ def pass_times(model: ModelConfig, hw: Hardware, tp: int, pp: int, dp: int, micr
 
 def step_time(model: ModelConfig, hw: Hardware, tp: int, pp: int, dp: int, micro: int, gas: int, seq: int,
               recompute: bool | Recompute, params: int, sequence_parallel: bool = False,
-              schedule: str = "1f1b") -> float:
+              schedule: str = "1f1b", passes: Optional[tuple[float, float, float]] = None) -> float:
     """Predicted seconds per optimizer step (the model in the module docstring); `params`: the largest stage's
     parameters per GPU; `recompute`: True (every block), False, or Megatron's flags; `schedule`:
-    `threed.schedule`'s."""
-    f, b, w = pass_times(model, hw, tp, pp, dp, micro, seq, recompute, sequence_parallel, schedule)
-    pipeline, _ = simulate(schedule, pp, gas, f, b, w)
+    `threed.schedule`'s; `passes`: `pass_times` of the same arguments, when the caller has them already."""
+    passes = passes or pass_times(model, hw, tp, pp, dp, micro, seq, recompute, sequence_parallel, schedule)
+    pipeline, _ = simulate(schedule, pp, gas, *passes)
     t_dp = (2 * 4 * params + 2 * params) * (dp - 1) / dp / link_bytes_per_s(hw, tp)  # DP ranks are tp apart
     t_opt = (36 * params / dp + 12 * params) / (hw.hbm_gbps * 1e9)
     return pipeline + t_dp + tied_allreduce_s(model, hw, tp, pp, dp) + t_opt
