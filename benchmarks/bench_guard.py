@@ -8,6 +8,7 @@ median times and the ratio norm / step.
 
     .venv/bin/python benchmarks/bench_guard.py [--model tiny --batch 4 --seq 128 --gas 4 --threads 1]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,9 +33,9 @@ def main() -> None:
 
     from threed.checkpoint.save import weight_norm
     from threed.config import ParallelConfig, RunConfig, TrainConfig
-    from threed.distributed import init_distributed, init_megatron_parallel_state
-    from threed.pipeline import build_pipeline_module
-    from threed.presets import PRESETS
+    from threed.parallel.distributed import init_distributed, init_megatron_parallel_state
+    from threed.parallel.pipeline import build_pipeline_module
+    from threed.model.presets import PRESETS
 
     model_cfg = PRESETS[a.model]
     cfg = RunConfig(model=model_cfg, parallel=ParallelConfig(1, 1), train=TrainConfig(dtype="fp32", seq_length=a.seq))
@@ -57,8 +58,10 @@ def main() -> None:
 
     t_step, t_norm = median_times([step, norm], a.warmup, a.iters)
     n = sum(p.numel() for p in model.parameters())
-    print(f"config: {a.model} ({n / 1e6:.2f}M params, one process), step = {a.gas} x fwd+bwd of batch {a.batch} x "
-          f"seq {a.seq}, fp32, {a.threads} thread(s)")
+    print(
+        f"config: {a.model} ({n / 1e6:.2f}M params, one process), step = {a.gas} x fwd+bwd of batch {a.batch} x "
+        f"seq {a.seq}, fp32, {a.threads} thread(s)"
+    )
     print(f"step {t_step * 1000:.1f} ms   weight_norm {t_norm * 1000:.3f} ms")
     print(f"ratio weight_norm / step = {t_norm / t_step:.4f}")
 

@@ -7,6 +7,7 @@ megatron-core's `use_cpu_initialization` (each TP rank draws the full unsharded 
 Ours draws only the rank's shard, row by row on a thread pool (`threed.model.init`). The baseline is timed with
 the same torch normal_ on the full master shapes, on one thread as megatron does.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,7 +17,7 @@ import time
 import torch
 
 from threed.model.init import shard_of
-from threed.flags import model_config
+from threed.model.resolve import model_config
 from threed.model.spec import full_shape, layer_parameters
 
 
@@ -47,11 +48,15 @@ def main() -> None:
         peak = max(peak, master.numel() * 4)
         del master
     base = time.perf_counter() - t0
-    print(f"{a.model} tp{a.tp} pp{a.pp}: one block on one rank: ours {ours:.2f} s ({a.threads} threads, "
-          f"{ours_bytes / 2**20:.0f} MiB drawn), megatron full-master {base:.2f} s (largest master "
-          f"{peak / 2**30:.2f} GiB)")
-    print(f"one stage = {blocks_per_stage} blocks: ours ~{ours * blocks_per_stage:.0f} s, megatron "
-          f"~{base * blocks_per_stage:.0f} s; ratio ours/megatron = {ours / base:.3f}")
+    print(
+        f"{a.model} tp{a.tp} pp{a.pp}: one block on one rank: ours {ours:.2f} s ({a.threads} threads, "
+        f"{ours_bytes / 2**20:.0f} MiB drawn), megatron full-master {base:.2f} s (largest master "
+        f"{peak / 2**30:.2f} GiB)"
+    )
+    print(
+        f"one stage = {blocks_per_stage} blocks: ours ~{ours * blocks_per_stage:.0f} s, megatron "
+        f"~{base * blocks_per_stage:.0f} s; ratio ours/megatron = {ours / base:.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ threads, same batch, fp32, same weights. Prints both median times and the ratio 
 
     .venv/bin/python benchmarks/bench_model.py [--hidden 512 --layers 8 --seq 256 --batch 4 --threads 2]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,13 +56,20 @@ def main() -> None:
 
     from threed.config import ParallelConfig, RunConfig, TrainConfig
     from threed.convert.in_memory import load_hf_state
-    from threed.distributed import init_distributed, init_megatron_parallel_state
+    from threed.parallel.distributed import init_distributed, init_megatron_parallel_state
     from threed.hf.config import from_hf_config
-    from threed.pipeline import build_pipeline_module
+    from threed.parallel.pipeline import build_pipeline_module
 
-    hf_cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, num_hidden_layers=a.layers,
-                         num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, intermediate_size=a.ffn,
-                         max_position_embeddings=max(a.seq, 2048), tie_word_embeddings=False)
+    hf_cfg = LlamaConfig(
+        vocab_size=a.vocab,
+        hidden_size=a.hidden,
+        num_hidden_layers=a.layers,
+        num_attention_heads=a.heads,
+        num_key_value_heads=a.kv_heads,
+        intermediate_size=a.ffn,
+        max_position_embeddings=max(a.seq, 2048),
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     hf = LlamaForCausalLM(hf_cfg).train()
     model_cfg = from_hf_config(hf_cfg.to_dict(), name="bench")
@@ -90,11 +98,15 @@ def main() -> None:
         l_ours = ours.loss_fn(ours(inputs), labels).item()
     t_hf, t_ours = median_times([step_hf, step_ours], a.warmup, a.iters)
     tokens_per_step = a.batch * a.seq
-    print(f"config: hidden {a.hidden}, layers {a.layers}, heads {a.heads}/{a.kv_heads}, ffn {a.ffn}, vocab {a.vocab}, "
-          f"batch {a.batch} x seq {a.seq}, fp32, {a.threads} threads")
+    print(
+        f"config: hidden {a.hidden}, layers {a.layers}, heads {a.heads}/{a.kv_heads}, ffn {a.ffn}, vocab {a.vocab}, "
+        f"batch {a.batch} x seq {a.seq}, fp32, {a.threads} threads"
+    )
     print(f"loss   ours {l_ours:.6f}  HF {l_hf:.6f}")
-    print(f"fwd+bwd ours {t_ours * 1000:.1f} ms ({tokens_per_step / t_ours:.0f} tok/s)   "
-          f"HF {t_hf * 1000:.1f} ms ({tokens_per_step / t_hf:.0f} tok/s)")
+    print(
+        f"fwd+bwd ours {t_ours * 1000:.1f} ms ({tokens_per_step / t_ours:.0f} tok/s)   "
+        f"HF {t_hf * 1000:.1f} ms ({tokens_per_step / t_hf:.0f} tok/s)"
+    )
     print(f"ratio ours / HF = {t_ours / t_hf:.3f}  (below 1: ours is faster)")
 
 

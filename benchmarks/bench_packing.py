@@ -8,11 +8,13 @@
    ShareGPT have medians of a few hundred tokens and a long tail) and "short" (median 120, sigma 0.7: single-turn
    instruction data such as Alpaca / FLAN). Lengths are capped at the sequence (what `threed preprocess --sft
    --truncate-long` does).
-2. Times real training steps of the `tiny` model in this process (a world of one, fp32, seq 256 (its longest), 8 rows per step)
-   on both layouts of the same examples (median 40 tokens, scaled with the sequence), and reports real tokens per second: packing
-   pays a block-diagonal attention mask (on CPU; `varlen_attn` on CUDA), padding pays for the padding.
+2. Times real training steps of the `tiny` model in this process (a world of one, fp32, seq 256 (its longest), 8 rows
+   per step) on both layouts of the same examples (median 40 tokens, scaled with the sequence), and reports real tokens
+   per second: packing pays a block-diagonal attention mask (on CPU; `varlen_attn` on CUDA), padding pays for
+   the padding.
 Ratios are measured in one run on this machine; nothing is asserted.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -27,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from helpers import gpt_dataset, write_sft_dataset  # noqa: E402
 from threed.config import DataConfig, RunConfig, TrainConfig  # noqa: E402
-from threed.flags import model_config  # noqa: E402
+from threed.model.resolve import model_config  # noqa: E402
 
 DISTRIBUTIONS = {"chat": (350, 1.0), "short": (120, 0.7)}  # median tokens, log-normal sigma
 
@@ -47,10 +49,11 @@ def examples(lens: np.ndarray, vocab: int, seed: int = 0) -> list[tuple]:
 
 
 def config(prefix: str, seq: int, pack: bool, rows: int, steps: int) -> RunConfig:
-    return RunConfig(model=model_config("tiny"),
-                     train=TrainConfig(dtype="fp32", seq_length=seq, micro_batch_size=rows, steps=steps,
-                                       eval_interval=0),
-                     data=DataConfig(data_path=(prefix,), split="100,0,0", pack=pack))
+    return RunConfig(
+        model=model_config("tiny"),
+        train=TrainConfig(dtype="fp32", seq_length=seq, micro_batch_size=rows, steps=steps, eval_interval=0),
+        data=DataConfig(data_path=(prefix,), split="100,0,0", pack=pack),
+    )
 
 
 def real_tokens_per_step(prefix: str, seq: int, pack: bool, rows: int, steps: int) -> float:
@@ -66,17 +69,20 @@ def count_table(tmp: Path) -> None:
             prefix = write_sft_dataset(tmp / f"{name}{seq}", examples(lens, 512), 512)
             packed = real_tokens_per_step(prefix, seq, True, rows, steps)
             padded = real_tokens_per_step(prefix, seq, False, rows, steps)
-            print(f"{name:5s} seq {seq}: median example {int(np.median(lens))} tokens; real tokens per step "
-                  f"(64 rows): packed {packed:,.0f} ({packed / (rows * seq):.1%} of the positions), padded "
-                  f"{padded:,.0f} ({padded / (rows * seq):.1%}) -> packing x{packed / padded:.2f}", flush=True)
+            print(
+                f"{name:5s} seq {seq}: median example {int(np.median(lens))} tokens; real tokens per step "
+                f"(64 rows): packed {packed:,.0f} ({packed / (rows * seq):.1%} of the positions), padded "
+                f"{padded:,.0f} ({padded / (rows * seq):.1%}) -> packing x{packed / padded:.2f}",
+                flush=True,
+            )
 
 
 def timed_run(prefix: str, seq: int, pack: bool, rows: int, steps: int) -> tuple[float, float]:
     """(median seconds per step, real tokens per step) over `steps` steps after two warm-up steps."""
     from threed.data.loader import micro_batches
-    from threed.distributed import init_distributed
-    from threed.engine import build_engine
-    from threed.train import step_batches
+    from threed.parallel.distributed import init_distributed
+    from threed.train.engine import build_engine
+    from threed.train.loop import step_batches
 
     cfg = config(prefix, seq, pack, rows, steps + 2)
     rt = init_distributed()
@@ -102,8 +108,11 @@ def timed_table(tmp: Path) -> None:
     for pack in (True, False):
         seconds, real = timed_run(prefix, seq, pack, rows, steps)
         result[pack] = real / seconds
-        print(f"tiny, seq {seq}, {rows} rows/step, {'packed' if pack else 'padded'}: {seconds * 1e3:.0f} ms/step, "
-              f"{real:,.0f} real tokens/step, {real / seconds:,.0f} real tokens/s", flush=True)
+        print(
+            f"tiny, seq {seq}, {rows} rows/step, {'packed' if pack else 'padded'}: {seconds * 1e3:.0f} ms/step, "
+            f"{real:,.0f} real tokens/step, {real / seconds:,.0f} real tokens/s",
+            flush=True,
+        )
     print(f"packing x{result[True] / result[False]:.2f} real tokens/s (median example {int(np.median(lens))} tokens)")
 
 

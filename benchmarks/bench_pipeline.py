@@ -1,5 +1,5 @@
 """Pipeline efficiency: the same model and global batch at pp=1 (one process) and pp=2 (two processes), one thread
-per rank, fp32, gas 16, through `threed.engine.build_engine` with synthetic batches and the metrics writer on at
+per rank, fp32, gas 16, through `threed.train.engine.build_engine` with synthetic batches and the metrics writer on at
 log interval 1 (stdout, metrics.jsonl, TensorBoard). Prints the speedup pp1/pp2 divided by the ideal
 pp·gas/(gas+pp−1), the per-stage idle fractions next to the ideal bubble, each stage's compute time and their
 spread (slowest / fastest: 1F1B runs at the slowest stage's pace), and what the logging cost.
@@ -17,6 +17,7 @@ benchmark's model and uses the `costs:...` method it prints for both runs.
 Each configuration runs 2 warm-up steps, then `repeats` chunks of `steps` steps; a chunk's time is its mean step
 time and the reported time the median chunk.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,15 @@ import threading
 import time
 from pathlib import Path
 
-MODEL = dict(vocab_size=4096, hidden_size=256, num_layers=8, num_heads=8, num_kv_heads=4, ffn_hidden_size=704,
-             max_position_embeddings=256)
+MODEL = dict(
+    vocab_size=4096,
+    hidden_size=256,
+    num_layers=8,
+    num_heads=8,
+    num_kv_heads=4,
+    ffn_hidden_size=704,
+    max_position_embeddings=256,
+)
 
 
 def bench_model(layers: int):
@@ -44,10 +52,13 @@ def measured_partition(a: argparse.Namespace) -> str:
     """`threed profile-layers` on the benchmark's model, micro-batch and sequence, one thread (as each rank runs):
     prints its table and returns its `costs:...` method."""
     from threed.config import ParallelConfig, RunConfig, TrainConfig
-    from threed.layer_profile import profile_layers, report
+    from threed.plan.profile import profile_layers, report
 
-    cfg = RunConfig(model=bench_model(a.layers), parallel=ParallelConfig(tp=1, pp=2),
-                    train=TrainConfig(dtype="fp32", micro_batch_size=a.micro, seq_length=a.seq))
+    cfg = RunConfig(
+        model=bench_model(a.layers),
+        parallel=ParallelConfig(tp=1, pp=2),
+        train=TrainConfig(dtype="fp32", micro_batch_size=a.micro, seq_length=a.seq),
+    )
     profile = profile_layers(cfg, threads=1)
     print("\n".join(report(profile, cfg)), flush=True)
     return profile.method
@@ -58,8 +69,8 @@ def worker(a: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     from threed.config import MetricsConfig, ParallelConfig, RunConfig, TrainConfig
-    from threed.distributed import init_distributed
-    from threed.engine import build_engine
+    from threed.parallel.distributed import init_distributed
+    from threed.train.engine import build_engine
     from threed.metrics.writer import RunMetrics
     from threed.metrics.stages import StageTimer
 
@@ -67,12 +78,21 @@ def worker(a: argparse.Namespace) -> None:
 
     rt = init_distributed()
     steps = 2 + a.repeats * a.steps
-    cfg = RunConfig(model=bench_model(a.layers),
-                    parallel=ParallelConfig(tp=1, pp=a.pp, partition_method=a.partition,
-                                            pipeline_schedule=a.schedule if a.pp > 1 else "1f1b"),
-                    train=TrainConfig(dtype="fp32", micro_batch_size=a.micro, grad_accum_steps=a.gas,
-                                      seq_length=a.seq, steps=steps, log_interval=1),
-                    metrics=MetricsConfig(tensorboard_dir=str(Path(a.out) / f"pp{a.pp}" / "tensorboard")))
+    cfg = RunConfig(
+        model=bench_model(a.layers),
+        parallel=ParallelConfig(
+            tp=1, pp=a.pp, partition_method=a.partition, pipeline_schedule=a.schedule if a.pp > 1 else "1f1b"
+        ),
+        train=TrainConfig(
+            dtype="fp32",
+            micro_batch_size=a.micro,
+            grad_accum_steps=a.gas,
+            seq_length=a.seq,
+            steps=steps,
+            log_interval=1,
+        ),
+        metrics=MetricsConfig(tensorboard_dir=str(Path(a.out) / f"pp{a.pp}" / "tensorboard")),
+    )
     engine = build_engine(cfg, rt).engine
     reads = engine.is_first_stage() or engine.is_last_stage()
     gen = torch.Generator().manual_seed(0)
@@ -107,8 +127,11 @@ def worker(a: argparse.Namespace) -> None:
         if chunk >= 0:
             chunks.append((time.perf_counter() - t0) / a.steps)
             queues.append(statistics.mean(queue) if queue else 0.0)
-            idle.append({k: statistics.mean(r[k] for r in records) for k in records[0]
-                         if k.startswith(("stage", "pipeline/"))} if records else {})
+            idle.append(
+                {k: statistics.mean(r[k] for r in records) for k in records[0] if k.startswith(("stage", "pipeline/"))}
+                if records
+                else {}
+            )
     in_logging, in_gather = metrics.overhead_s, metrics.collective_s
     metrics.close()
 
@@ -133,21 +156,49 @@ def worker(a: argparse.Namespace) -> None:
         wrapped(engine)
     per_call = max(0.0, (time.perf_counter() - t1) - (t1 - t0)) / n
     calls = sum(len(cmds) for cmds in engine._train_schedule())  # the schedule's instructions, W passes too
-    result = {"chunks": chunks, "queues": queues, "stage": engine.stage_id, "writer": metrics.is_writer,
-              "logging_s_per_step": in_logging / step, "wrapper_s_per_step": per_call * calls,
-              "gather_s_per_step": in_gather / step, "stop_check_s": stop_check,
-              "idle": idle,
-              "loss": loss}
+    result = {
+        "chunks": chunks,
+        "queues": queues,
+        "stage": engine.stage_id,
+        "writer": metrics.is_writer,
+        "logging_s_per_step": in_logging / step,
+        "wrapper_s_per_step": per_call * calls,
+        "gather_s_per_step": in_gather / step,
+        "stop_check_s": stop_check,
+        "idle": idle,
+        "loss": loss,
+    }
     Path(a.out, f"pp{a.pp}_{a.schedule}_rank{rt.rank}.json").write_text(json.dumps(result))
 
 
 def launch(a: argparse.Namespace, pp: int, out: str) -> list[dict]:
-    from threed.launch import run_ranks
+    from threed.parallel.launch import run_ranks
 
-    args = ["--worker", "--pp", str(pp), "--out", out, "--gas", str(a.gas), "--micro", str(a.micro), "--seq",
-            str(a.seq), "--repeats", str(a.repeats), "--steps", str(a.steps), "--partition", a.partition,
-            "--layers", str(a.layers), "--schedule", a.schedule,
-            "--wait-quiet", str(a.wait_quiet)]
+    args = [
+        "--worker",
+        "--pp",
+        str(pp),
+        "--out",
+        out,
+        "--gas",
+        str(a.gas),
+        "--micro",
+        str(a.micro),
+        "--seq",
+        str(a.seq),
+        "--repeats",
+        str(a.repeats),
+        "--steps",
+        str(a.steps),
+        "--partition",
+        a.partition,
+        "--layers",
+        str(a.layers),
+        "--schedule",
+        a.schedule,
+        "--wait-quiet",
+        str(a.wait_quiet),
+    ]
     run_ranks(pp, os.path.abspath(__file__), args, env={"OMP_NUM_THREADS": "1"}, timeout=1800)
     return [json.loads(Path(out, f"pp{pp}_{a.schedule}_rank{r}.json").read_text()) for r in range(pp)]
 
@@ -162,13 +213,21 @@ def main() -> int:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--partition", default="balanced",
-                   help="--partition-method for both runs, or `measured`: threed profile-layers' costs:... method")
+    p.add_argument(
+        "--partition",
+        default="balanced",
+        help="--partition-method for both runs, or `measured`: threed profile-layers' costs:... method",
+    )
     p.add_argument("--layers", type=int, default=MODEL["num_layers"], help="transformer blocks (default: %(default)s)")
     p.add_argument("--schedule", default="1f1b", choices=("1f1b", "zb-h1"), help="--pipeline-schedule of the pp2 run")
-    p.add_argument("--wait-quiet", type=float, default=0, metavar="SECONDS",
-                   help="on a shared machine: before each chunk wait up to SECONDS for the run queue to empty, and "
-                        "count only chunks that ran alone")
+    p.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=0,
+        metavar="SECONDS",
+        help="on a shared machine: before each chunk wait up to SECONDS for the run queue to empty, and "
+        "count only chunks that ran alone",
+    )
     a = p.parse_args()
     if a.worker:
         worker(a)
@@ -192,48 +251,76 @@ def main() -> int:
     ideal = 2 * a.gas / (a.gas + 1)
     speedup = t1 / t2
     best = min(one_chunks) / min(two_chunks)
-    every = statistics.median(one[0]["chunks"]) / statistics.median(max(r["chunks"][i] for r in two)
-                                                                     for i in range(a.repeats))
+    every = statistics.median(one[0]["chunks"]) / statistics.median(
+        max(r["chunks"][i] for r in two) for i in range(a.repeats)
+    )
     writer = next(r for r in two if r["writer"])
 
     def stage_means(w: dict, clean: list[int]) -> dict[str, float]:
         return {k: statistics.mean(w["idle"][i][k] for i in clean) for k in w["idle"][clean[0]]}
 
     idle, idle1 = stage_means(writer, clean2), stage_means(one[0], clean1)
-    print(f"model hidden {MODEL['hidden_size']}, {a.layers} layers, vocab {MODEL['vocab_size']}, seq "
-          f"{a.seq}, fp32, micro {a.micro} x gas {a.gas}, 1 thread per rank, partition {a.partition}, pp2 schedule {a.schedule}")
-    def chunk_list(runs: list[dict]) -> str:
-        return ", ".join(f"{max(r['chunks'][i] for r in runs) * 1000:.0f} (run queue {runs[0]['queues'][i]:.1f})"
-                         for i in range(a.repeats))
+    print(
+        f"model hidden {MODEL['hidden_size']}, {a.layers} layers, vocab {MODEL['vocab_size']}, seq "
+        f"{a.seq}, fp32, micro {a.micro} x gas {a.gas}, 1 thread per rank, partition {a.partition}, "
+        f"pp2 schedule {a.schedule}"
+    )
 
-    print(f"pp1 {t1 * 1000:.0f} ms/step, chunks {chunk_list(one)}; pp2 {t2 * 1000:.0f} ms/step, chunks "
-          f"{chunk_list(two)}" + (f"; counted: pp1 {clean1}, pp2 {clean2}" if a.wait_quiet else ""))
-    print(f"speedup {speedup:.3f} / ideal {ideal:.3f} = {speedup / ideal * 100:.1f}% of ideal "
-          f"(best chunks: {best / ideal * 100:.1f}%" + (f"; all chunks, quiet or not: {every / ideal * 100:.1f}%"
-                                                        if a.wait_quiet else "") + ")")
-    print("pp2 idle per stage: " + ", ".join(f"stage {s} {idle[f'stage{s}/idle-fraction'] * 100:.1f}%"
-                                             for s in range(2))
-          + f" (ideal bubble {idle['pipeline/ideal-bubble'] * 100:.1f}%)")
+    def chunk_list(runs: list[dict]) -> str:
+        return ", ".join(
+            f"{max(r['chunks'][i] for r in runs) * 1000:.0f} (run queue {runs[0]['queues'][i]:.1f})"
+            for i in range(a.repeats)
+        )
+
+    print(
+        f"pp1 {t1 * 1000:.0f} ms/step, chunks {chunk_list(one)}; pp2 {t2 * 1000:.0f} ms/step, chunks "
+        f"{chunk_list(two)}" + (f"; counted: pp1 {clean1}, pp2 {clean2}" if a.wait_quiet else "")
+    )
+    print(
+        f"speedup {speedup:.3f} / ideal {ideal:.3f} = {speedup / ideal * 100:.1f}% of ideal "
+        f"(best chunks: {best / ideal * 100:.1f}%"
+        + (f"; all chunks, quiet or not: {every / ideal * 100:.1f}%" if a.wait_quiet else "")
+        + ")"
+    )
+    print(
+        "pp2 idle per stage: "
+        + ", ".join(f"stage {s} {idle[f'stage{s}/idle-fraction'] * 100:.1f}%" for s in range(2))
+        + f" (ideal bubble {idle['pipeline/ideal-bubble'] * 100:.1f}%)"
+    )
     for name, st, n in (("pp1", idle1, 1), ("pp2", idle, 2)):
-        print(f"{name} ms/step per stage: " + " | ".join(
-            f"stage {s}: " + " ".join(f"{k} {st[f'stage{s}/{k}-time'] * 1000:.0f}" for k in
-                                      ("compute", "p2p-wait", "dp-reduce", "optimizer", "loss-sync", "iteration"))
-            for s in range(n)))
+        print(
+            f"{name} ms/step per stage: "
+            + " | ".join(
+                f"stage {s}: "
+                + " ".join(
+                    f"{k} {st[f'stage{s}/{k}-time'] * 1000:.0f}"
+                    for k in ("compute", "p2p-wait", "dp-reduce", "optimizer", "loss-sync", "iteration")
+                )
+                for s in range(n)
+            )
+        )
     compute = [idle[f"stage{s}/compute-time"] for s in range(2)]
-    print("pp2 compute per stage: " + ", ".join(f"stage {s} {c * 1000:.0f} ms" for s, c in enumerate(compute))
-          + f"; spread (slowest / fastest) {max(compute) / min(compute):.3f}")
+    print(
+        "pp2 compute per stage: "
+        + ", ".join(f"stage {s} {c * 1000:.0f} ms" for s, c in enumerate(compute))
+        + f"; spread (slowest / fastest) {max(compute) / min(compute):.3f}"
+    )
     for name, runs, t in (("pp1", one, t1), ("pp2", two, t2)):
         worst = max(r["logging_s_per_step"] + r["wrapper_s_per_step"] for r in runs)
         gather = max(r["gather_s_per_step"] for r in runs)
-        print(f"{name} logging cost (log interval 1, all sinks): {worst * 1000:.2f} ms/step = "
-              f"{worst / t * 100:.2f}% of step time (all-gather {gather * 1000:.2f} ms); a stop-check all-reduce "
-              f"{max(r['stop_check_s'] for r in runs) * 1000:.2f} ms")
+        print(
+            f"{name} logging cost (log interval 1, all sinks): {worst * 1000:.2f} ms/step = "
+            f"{worst / t * 100:.2f}% of step time (all-gather {gather * 1000:.2f} ms); a stop-check all-reduce "
+            f"{max(r['stop_check_s'] for r in runs) * 1000:.2f} ms"
+        )
     print(f"losses pp1 {one[0]['loss']:.6f} pp2 {writer['loss']:.6f}")
     if queue:
         cores = os.cpu_count() or 1
         mean = statistics.mean(queue)
-        print(f"run queue during the runs: mean {mean:.1f}, max {max(queue)} on {cores} cores"
-              + (" -- other work competed for the cores: times are inflated, pp2 most" if mean > cores + 0.5 else ""))
+        print(
+            f"run queue during the runs: mean {mean:.1f}, max {max(queue)} on {cores} cores"
+            + (" -- other work competed for the cores: times are inflated, pp2 most" if mean > cores + 0.5 else "")
+        )
     return 0
 
 

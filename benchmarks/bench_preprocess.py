@@ -8,6 +8,7 @@ each line, json.loads, [BOS] + Tokenizer.encode(text), IndexedDatasetBuilder.add
 the same bytes (checked). Times are wall clock of the whole call, imports done beforehand; best of --repeat.
 Goal: >= 1.7x on 2 cores.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -86,8 +87,11 @@ def main() -> int:
         model = train_tokenizer([str(sample)], args.vocab, str(d / "sp"))
         src = str(d / "corpus.jsonl")
         indexed_dataset()  # import megatron-core (seconds) before anything is timed
-        print(f"corpus: {os.path.getsize(src) / 2**20:.1f} MiB JSONL, {docs:,} documents; sentencepiece BPE vocab "
-              f"{args.vocab}; set-up {time.perf_counter() - t:.1f}s; {os.cpu_count()} cores", flush=True)
+        print(
+            f"corpus: {os.path.getsize(src) / 2**20:.1f} MiB JSONL, {docs:,} documents; sentencepiece BPE vocab "
+            f"{args.vocab}; set-up {time.perf_counter() - t:.1f}s; {os.cpu_count()} cores",
+            flush=True,
+        )
 
         # Interleaved rounds, best of each: a burst of load from elsewhere then hurts every contender alike.
         kinds = ["baseline"] + [f"w{w}" for w in sorted({1, args.workers})]
@@ -113,11 +117,15 @@ def main() -> int:
         runs = {int(k[1:]): min(times[k]) for k in kinds[1:]}
         # CPU seconds show the work is the same; wall clock (the ratio) needs idle cores to mean anything, hence
         # the load average (1 min, before and after) next to it.
-        print(f"baseline (1 process loop)      : {base_s:6.2f}s  {tokens / base_s:12,.0f} tokens/s  "
-              f"cpu {min(cpu['baseline']):.2f}s")
+        print(
+            f"baseline (1 process loop)      : {base_s:6.2f}s  {tokens / base_s:12,.0f} tokens/s  "
+            f"cpu {min(cpu['baseline']):.2f}s"
+        )
         for workers, secs in runs.items():
-            print(f"threed preprocess --workers {workers:<3}: {secs:6.2f}s  {tokens / secs:12,.0f} tokens/s  "
-                  f"cpu {min(cpu[f'w{workers}']):.2f}s  ({base_s / secs:.2f}x the baseline)")
+            print(
+                f"threed preprocess --workers {workers:<3}: {secs:6.2f}s  {tokens / secs:12,.0f} tokens/s  "
+                f"cpu {min(cpu[f'w{workers}']):.2f}s  ({base_s / secs:.2f}x the baseline)"
+            )
         print(f"load average {load:.1f} -> {os.getloadavg()[0]:.1f}; {tokens:,} tokens each run")
         ratio = base_s / runs[args.workers]
         print(f"ratio --workers {args.workers} / baseline: {ratio:.2f}x (goal >= 1.7x on 2 cores); outputs identical")

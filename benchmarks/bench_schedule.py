@@ -1,8 +1,8 @@
 """Pipeline schedules against each other: the benchmark model of `bench_pipeline.py` (its worker, one thread per
 rank, fp32, synthetic batches, the metrics writer's per-stage timings) at pp2 and pp4 with gas = 2·pp, under
-`--pipeline-schedule 1f1b` and `zb-h1` (one launch each, alternating `--rounds` times). Prints each stage's idle fraction
-(time blocked on its neighbours / time in the pipelined phase, `threed.metrics.stages`) under both schedules,
-next to what `threed.schedule.simulate` predicts in unit costs, and the step-time ratio 1f1b / zb-h1.
+`--pipeline-schedule 1f1b` and `zb-h1` (one launch each, alternating `--rounds` times). Prints each stage's idle
+fraction (time blocked on its neighbours / time in the pipelined phase, `threed.metrics.stages`) under both schedules,
+next to what `threed.parallel.schedule.simulate` predicts in unit costs, and the step-time ratio 1f1b / zb-h1.
 
     .venv/bin/python benchmarks/bench_schedule.py [--pps 2,4] [--gas 0] [--rounds 2] [--wait-quiet 120]
 
@@ -10,6 +10,7 @@ On a machine with fewer cores than ranks (pp4 on 2 cores) the ranks take turns o
 lends its core to another, so the step time shows little of any bubble and the ratio says nothing about a GPU
 cluster; the idle fractions still count the waits.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,14 +38,19 @@ def measure(a: argparse.Namespace, pp: int, gas: int, schedule: str, out: str) -
     writer = next(r for r in ranks if r["writer"])
     idle = [statistics.mean(writer["idle"][i][f"stage{s}/idle-fraction"] for i in quiet) for s in range(pp)]
     compute = [statistics.mean(writer["idle"][i][f"stage{s}/compute-time"] for i in quiet) for s in range(pp)]
-    return {"step": statistics.median(steps), "idle": idle, "compute": compute, "chunks": len(quiet),
-            "loss": writer["loss"]}
+    return {
+        "step": statistics.median(steps),
+        "idle": idle,
+        "compute": compute,
+        "chunks": len(quiet),
+        "loss": writer["loss"],
+    }
 
 
 def main() -> int:
     import threading
 
-    from threed.schedule import simulate
+    from threed.parallel.schedule import simulate
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pps", default="2,4")
@@ -52,8 +58,11 @@ def main() -> int:
     p.add_argument("--micro", type=int, default=1)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--layers", type=int, default=MODEL["num_layers"])
-    p.add_argument("--partition", default="balanced",
-                   help="--partition-method, or `measured` (threed profile-layers' costs:..., as bench_pipeline.py)")
+    p.add_argument(
+        "--partition",
+        default="balanced",
+        help="--partition-method, or `measured` (threed profile-layers' costs:..., as bench_pipeline.py)",
+    )
     p.add_argument("--repeats", type=int, default=3, help="chunks per launch")
     p.add_argument("--steps", type=int, default=6, help="steps per chunk")
     p.add_argument("--rounds", type=int, default=1, help="launches per schedule and layout (alternating)")
@@ -64,8 +73,11 @@ def main() -> int:
     queue: list[int] = []
     sampling = threading.Event()
     threading.Thread(target=sample_run_queue, args=(queue, sampling), daemon=True).start()
-    print(f"model hidden {MODEL['hidden_size']}, {a.layers} layers, vocab {MODEL['vocab_size']}, seq {a.seq}, fp32, "
-          f"micro {a.micro}, 1 thread per rank, partition {a.partition}; {os.cpu_count()} cores", flush=True)
+    print(
+        f"model hidden {MODEL['hidden_size']}, {a.layers} layers, vocab {MODEL['vocab_size']}, seq {a.seq}, fp32, "
+        f"micro {a.micro}, 1 thread per rank, partition {a.partition}; {os.cpu_count()} cores",
+        flush=True,
+    )
     with tempfile.TemporaryDirectory() as out:
         for pp in (int(x) for x in a.pps.split(",")):
             gas = a.gas or 2 * pp
@@ -73,21 +85,32 @@ def main() -> int:
             for _ in range(a.rounds):
                 for schedule in SCHEDULES:
                     runs[schedule].append(measure(a, pp, gas, schedule, out))
-            got = {s: {"step": statistics.median(r["step"] for r in rs),
-                       "idle": [statistics.mean(r["idle"][k] for r in rs) for k in range(pp)],
-                       "compute": [statistics.mean(r["compute"][k] for r in rs) for k in range(pp)]}
-                   for s, rs in runs.items()}
+            got = {
+                s: {
+                    "step": statistics.median(r["step"] for r in rs),
+                    "idle": [statistics.mean(r["idle"][k] for r in rs) for k in range(pp)],
+                    "compute": [statistics.mean(r["compute"][k] for r in rs) for k in range(pp)],
+                }
+                for s, rs in runs.items()
+            }
             for s in SCHEDULES:
                 unit = simulate(s, pp, gas)[1]
-                print(f"pp{pp} gas{gas} {s:>5}: step {got[s]['step'] * 1000:.0f} ms; idle per stage "
-                      + " ".join(f"{x * 100:.1f}%" for x in got[s]["idle"])
-                      + f" (unit-cost model {unit[0] * 100:.1f}%); compute per stage "
-                      + " ".join(f"{x * 1000:.0f}" for x in got[s]["compute"]) + " ms", flush=True)
+                print(
+                    f"pp{pp} gas{gas} {s:>5}: step {got[s]['step'] * 1000:.0f} ms; idle per stage "
+                    + " ".join(f"{x * 100:.1f}%" for x in got[s]["idle"])
+                    + f" (unit-cost model {unit[0] * 100:.1f}%); compute per stage "
+                    + " ".join(f"{x * 1000:.0f}" for x in got[s]["compute"])
+                    + " ms",
+                    flush=True,
+                )
             base, zb = got["1f1b"], got["zb-h1"]
-            print(f"pp{pp} gas{gas}: zb-h1 speed-up over 1f1b {base['step'] / zb['step']:.3f}x; mean idle "
-                  f"{statistics.mean(zb['idle']) * 100:.1f}% vs {statistics.mean(base['idle']) * 100:.1f}% "
-                  f"({statistics.mean(zb['idle']) / statistics.mean(base['idle']):.2f} of 1f1b's); losses "
-                  f"{runs['1f1b'][0]['loss']:.6f} / {runs['zb-h1'][0]['loss']:.6f}", flush=True)
+            print(
+                f"pp{pp} gas{gas}: zb-h1 speed-up over 1f1b {base['step'] / zb['step']:.3f}x; mean idle "
+                f"{statistics.mean(zb['idle']) * 100:.1f}% vs {statistics.mean(base['idle']) * 100:.1f}% "
+                f"({statistics.mean(zb['idle']) / statistics.mean(base['idle']):.2f} of 1f1b's); losses "
+                f"{runs['1f1b'][0]['loss']:.6f} / {runs['zb-h1'][0]['loss']:.6f}",
+                flush=True,
+            )
     sampling.set()
     if queue:
         mean = statistics.mean(queue)

@@ -9,6 +9,7 @@ A CPU number is not a GPU number: gloo's all-gather / reduce-scatter on 2 shared
 and CPU kernels whose speed depends on other things than a GPU's. The ratios say that the code paths run and
 what they cost here, not what an H100 node will see (`threed plan`'s step-time model is for that).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,18 +20,29 @@ import tempfile
 import time
 from pathlib import Path
 
-MODEL = dict(vocab_size=2048, hidden_size=256, num_layers=8, num_heads=8, num_kv_heads=4, ffn_hidden_size=704,
-             max_position_embeddings=1024)
+MODEL = dict(
+    vocab_size=2048,
+    hidden_size=256,
+    num_layers=8,
+    num_heads=8,
+    num_kv_heads=4,
+    ffn_hidden_size=704,
+    max_position_embeddings=1024,
+)
 
 
 def cases(partial: int) -> dict[str, dict]:
     """name -> (ParallelConfig, TrainConfig) extra fields."""
-    out = {"tp": ({}, {}), "sp": ({"sequence_parallel": True}, {}),
-           "sp_full": ({"sequence_parallel": True}, {"activation_checkpointing": True})}
+    out = {
+        "tp": ({}, {}),
+        "sp": ({"sequence_parallel": True}, {}),
+        "sp_full": ({"sequence_parallel": True}, {"activation_checkpointing": True}),
+    }
     if partial:
-        out["sp_partial"] = ({"sequence_parallel": True}, {"recompute_granularity": "full",
-                                                           "recompute_method": "block",
-                                                           "recompute_num_layers": partial})
+        out["sp_partial"] = (
+            {"sequence_parallel": True},
+            {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": partial},
+        )
     return out
 
 
@@ -39,16 +51,20 @@ def worker(a: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     from threed.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
-    from threed.distributed import init_distributed
-    from threed.engine import build_engine
+    from threed.parallel.distributed import init_distributed
+    from threed.train.engine import build_engine
 
     rt = init_distributed()
     gen = torch.Generator().manual_seed(0)
     result = {}
     for name, (parallel, train) in cases(a.partial).items():
-        cfg = RunConfig(model=ModelConfig(name="bench", **MODEL), parallel=ParallelConfig(tp=2, pp=2, **parallel),
-                        train=TrainConfig(dtype="bf16", micro_batch_size=1, grad_accum_steps=a.gas,
-                                          seq_length=a.seq, steps=a.steps + 2, **train))
+        cfg = RunConfig(
+            model=ModelConfig(name="bench", **MODEL),
+            parallel=ParallelConfig(tp=2, pp=2, **parallel),
+            train=TrainConfig(
+                dtype="bf16", micro_batch_size=1, grad_accum_steps=a.gas, seq_length=a.seq, steps=a.steps + 2, **train
+            ),
+        )
         engine = build_engine(cfg, rt).engine
 
         def batches():
@@ -75,29 +91,54 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=6, help="timed steps per case (median), after 2 warm-up steps")
     p.add_argument("--gas", type=int, default=4)
     p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--partial", type=int, default=2, metavar="N",
-                   help="also recompute the first N blocks of each stage (0: skip that case)")
+    p.add_argument(
+        "--partial",
+        type=int,
+        default=2,
+        metavar="N",
+        help="also recompute the first N blocks of each stage (0: skip that case)",
+    )
     a = p.parse_args()
     if a.worker:
         worker(a)
         return 0
-    from threed.launch import run_ranks
+    from threed.parallel.launch import run_ranks
 
     with tempfile.TemporaryDirectory() as out:
-        run_ranks(4, os.path.abspath(__file__), ["--worker", "--out", out, "--steps", str(a.steps), "--gas",
-                                                  str(a.gas), "--seq", str(a.seq), "--partial", str(a.partial)],
-                  env={"OMP_NUM_THREADS": "1"}, timeout=3600)
+        run_ranks(
+            4,
+            os.path.abspath(__file__),
+            [
+                "--worker",
+                "--out",
+                out,
+                "--steps",
+                str(a.steps),
+                "--gas",
+                str(a.gas),
+                "--seq",
+                str(a.seq),
+                "--partial",
+                str(a.partial),
+            ],
+            env={"OMP_NUM_THREADS": "1"},
+            timeout=3600,
+        )
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(4)]
     step = {name: max(r[name]["step_s"] for r in ranks) for name in ranks[0]}  # a step ends on the slowest rank
-    print(f"model hidden {MODEL['hidden_size']}, {MODEL['num_layers']} layers, seq {a.seq}, bf16, tp 2 pp 2, "
-          f"micro 1 x gas {a.gas}, 1 thread per rank, median of {a.steps} steps (CPU: not a GPU number)")
+    print(
+        f"model hidden {MODEL['hidden_size']}, {MODEL['num_layers']} layers, seq {a.seq}, bf16, tp 2 pp 2, "
+        f"micro 1 x gas {a.gas}, 1 thread per rank, median of {a.steps} steps (CPU: not a GPU number)"
+    )
     for name, s in step.items():
         print(f"{name}: {s * 1000:.0f} ms/step, loss {ranks[-1][name]['loss']:.4f}")
     print(f"sequence parallel / tensor parallel: {step['sp'] / step['tp']:.3f}x step time")
     print(f"every block recomputed / none (with SP): {step['sp_full'] / step['sp']:.3f}x step time")
     if "sp_partial" in step:
-        print(f"first {a.partial} blocks per stage recomputed / every block (with SP): "
-              f"{step['sp_partial'] / step['sp_full']:.3f}x step time")
+        print(
+            f"first {a.partial} blocks per stage recomputed / every block (with SP): "
+            f"{step['sp_partial'] / step['sp_full']:.3f}x step time"
+        )
     return 0
 
 

@@ -240,9 +240,9 @@ opt --exit-duration-in-mins EXIT_DURATION
 # shellcheck disable=SC2206
 args+=(${THREED_ARGS:-} "$@")
 
-# torchrun, through threed.launch (torchrun_main): a refusal in the ranks ends with rank 0's one line and the ranks'
+# torchrun, through threed.parallel.launch (torchrun_main): a refusal in the ranks ends with rank 0's one line and the ranks'
 # exit status (2 for bad input), not torchrun's ChildFailedError traceback and exit 1.
-run=("$PYTHON" -m threed.launch --nnodes="$NNODES" --nproc-per-node="$GPUS_PER_NODE" --max-restarts=0)
+run=("$PYTHON" -m threed.parallel.launch --nnodes="$NNODES" --nproc-per-node="$GPUS_PER_NODE" --max-restarts=0)
 if ((NNODES == 1)); then
     run+=(--standalone)
 else
@@ -308,7 +308,7 @@ case "$DEVICE" in
     cpu) export CUDA_VISIBLE_DEVICES="" ;;
     *) die "DEVICE must be auto, cuda or cpu, got '$DEVICE'" ;;
 esac
-export THREED_DEVICE=$DEVICE # threed.distributed.device_and_backend: cuda without a usable GPU is an error
+export THREED_DEVICE=$DEVICE # threed.parallel.distributed.device_and_backend: cuda without a usable GPU is an error
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export PYTHONUNBUFFERED=1
 exec "${run[@]}"

@@ -13,7 +13,7 @@
 #          SP without recompute needs ~74 GB, over the 72 GB this recipe allows itself; recomputing every block
 #          ~42 GB. At DP=4 the ZeRO-1 optimizer shard halves: ~61 GB/GPU.
 # Speed    predicted by `threed plan --model llama3.1-405b --nodes 32 --gpu-memory 80 --seq 4096 --global-batch 1024
-#          --tp 8 --pp 16 --micro 1 --reserve 8` (a ranking model, threed.steptime; it chooses this): 127 s/step,
+#          --tp 8 --pp 16 --micro 1 --reserve 8` (a ranking model, threed.plan.steptime; it chooses this): 127 s/step,
 #          against 161 s recomputing every block (ACT_CKPT=true, no SP) and 155 s recomputing 7 of 8 without SP.
 #          SEQ=8192: the same command with --seq 8192 chooses RECOMPUTE_NUM_LAYERS=5 (~69 GB, 305 s/step
 #          against 337 s recomputing every block).

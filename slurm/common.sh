@@ -114,7 +114,7 @@ srun --nodes="$SLURM_NNODES" --ntasks-per-node=1 --cpus-per-task="${SLURM_CPUS_O
     bash recipes/launch.sh "$RECIPE" "$@" &
 srun_pid=$!
 
-# c10d numbers the nodes in its own order, so the rank that prints the step lines (threed.distributed.loss_rank:
+# c10d numbers the nodes in its own order, so the rank that prints the step lines (threed.parallel.distributed.loss_rank:
 # the last pipeline stage's first rank) can be on any node: point train.log at the node log that has them; until
 # the first step, at the one with global rank 0's start-up line. Succeeds once step lines are found.
 link_train_log() {

@@ -13,6 +13,7 @@ chosen rank (or every rank: RANK=all) SIGKILL itself at a point of the save of s
   file1   after its first file of DeepSpeed's save      ds      after DeepSpeed's save, before the manifest
   latest  rank 0, after the manifest, before `latest`   prune   rank 0, after `latest`, before pruning
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,13 +25,22 @@ import torch
 
 import threed.checkpoint.save as ckpt
 from threed.config import CheckpointConfig, ModelConfig, ParallelConfig, RunConfig, RunControlConfig, TrainConfig
-from threed.distributed import Runtime
-from threed.engine import build_engine
-from threed.guard import RunGuard
+from threed.parallel.distributed import Runtime
+from threed.train.engine import build_engine
+from threed.train.guard import RunGuard
 from worker_setup import local_weights, reads_data, run_worker, write_json
 
-MODEL = ModelConfig(name="ckpt-test", vocab_size=200, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
-                    ffn_hidden_size=176, max_position_embeddings=64, make_vocab_size_divisible_by=16)
+MODEL = ModelConfig(
+    name="ckpt-test",
+    vocab_size=200,
+    hidden_size=64,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    ffn_hidden_size=176,
+    max_position_embeddings=64,
+    make_vocab_size_divisible_by=16,
+)
 SEQ = 16
 
 
@@ -70,6 +80,7 @@ def install_kill(spec: str, engine, rank: int) -> None:
             if at_save():
                 kill_self()
             return out
+
         engine.checkpoint_engine.save = save
     elif where == "ds":
         original_manifest = ckpt.write_manifest
@@ -78,6 +89,7 @@ def install_kill(spec: str, engine, rank: int) -> None:
             if at_save():
                 kill_self()
             return original_manifest(*a, **k)
+
         ckpt.write_manifest = write_manifest
     elif where in ("latest", "prune"):
         original_atomic, original_prune = ckpt.write_atomic, ckpt.prune
@@ -91,6 +103,7 @@ def install_kill(spec: str, engine, rank: int) -> None:
             if where == "prune" and at_save():
                 kill_self()
             return original_prune(*a, **k)
+
         ckpt.write_atomic, ckpt.prune = write_atomic, prune
     else:
         raise SystemExit(f"unknown kill point {where}")
@@ -119,15 +132,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(a: argparse.Namespace, rt: Runtime) -> None:
-    cfg = RunConfig(model=MODEL, parallel=ParallelConfig(tp=a.tp, pp=a.pp),
-                    train=TrainConfig(dtype=a.dtype, micro_batch_size=a.micro, global_batch_size=a.global_batch,
-                                      seq_length=SEQ, steps=a.steps, lr=a.lr, min_lr=a.lr / 10, warmup_steps=2,
-                                      grad_clip=1.0),
-                    checkpoint=CheckpointConfig(save=a.save, load=a.load, save_interval=a.save_interval,
-                                                keep_last=a.keep_last),
-                    control=RunControlConfig(skip_nonfinite=a.skip_nonfinite, watchdog_factor=3.0,
-                                             watchdog_min_seconds=a.watchdog_min_seconds,
-                                             exit_duration_in_mins=a.exit_duration_in_mins))
+    cfg = RunConfig(
+        model=MODEL,
+        parallel=ParallelConfig(tp=a.tp, pp=a.pp),
+        train=TrainConfig(
+            dtype=a.dtype,
+            micro_batch_size=a.micro,
+            global_batch_size=a.global_batch,
+            seq_length=SEQ,
+            steps=a.steps,
+            lr=a.lr,
+            min_lr=a.lr / 10,
+            warmup_steps=2,
+            grad_clip=1.0,
+        ),
+        checkpoint=CheckpointConfig(save=a.save, load=a.load, save_interval=a.save_interval, keep_last=a.keep_last),
+        control=RunControlConfig(
+            skip_nonfinite=a.skip_nonfinite,
+            watchdog_factor=3.0,
+            watchdog_min_seconds=a.watchdog_min_seconds,
+            exit_duration_in_mins=a.exit_duration_in_mins,
+        ),
+    )
     built = build_engine(cfg, rt)
     engine = built.engine
     out = a.out
@@ -135,29 +161,36 @@ def main(a: argparse.Namespace, rt: Runtime) -> None:
         install_kill(a.kill, engine, rt.rank)
     if a.poison_step and engine.is_last_stage():
         head = engine.module.forward_funcs[-1]
-        head.register_forward_hook(
-            lambda m, i, o: o * float("nan") if engine.global_steps + 1 == a.poison_step else o)
+        head.register_forward_hook(lambda m, i, o: o * float("nan") if engine.global_steps + 1 == a.poison_step else o)
     if a.sleep_step and rt.rank == 0:
         first = engine.module.forward_funcs[0]
 
         def slow(m, i, o):
             if engine.global_steps + 1 == a.sleep_step:
                 import time
+
                 time.sleep(30)
             return o
+
         first.register_forward_hook(slow)
     dp, dp_rank = engine.grid.get_data_parallel_world_size(), engine.grid.get_data_parallel_rank()
     micro, gas, glob = cfg.train.resolve_batch(dp)
     start = engine.global_steps
     if rt.rank == 0:
-        write_json(out / "result.json", {"start": start, "client_state": built.client_state,
-                                         "resumed_from": built.resumed_from,
-                                         "universal": bool(built.decision and built.decision.universal)})
+        write_json(
+            out / "result.json",
+            {
+                "start": start,
+                "client_state": built.client_state,
+                "resumed_from": built.resumed_from,
+                "universal": bool(built.decision and built.decision.universal),
+            },
+        )
     it = batches(start, micro, gas, dp, dp_rank) if reads_data(engine) else None
     guard = RunGuard(cfg, rt.rank, engine, None, rt.device)
     for step in range(start, cfg.train.steps):
         if a.lr_jump_step and step + 1 >= a.lr_jump_step:  # a finite blow-up after sane steps (the scheduler sets
-            for group in engine.optimizer.param_groups:   # the lr after the optimizer step: this one is used)
+            for group in engine.optimizer.param_groups:  # the lr after the optimizer step: this one is used)
                 group["lr"] = a.lr_jump
         loss = engine.train_batch(data_iter=it).item()
         norm = engine.get_global_grad_norm()

@@ -3,6 +3,7 @@ reads, and helpers to read HF directories back.
 
     from convert_fixtures import save_hf, hf_tensors, TINY
 """
+
 from __future__ import annotations
 
 import json
@@ -13,18 +14,41 @@ import numpy as np
 import torch
 
 
-LLAMA31_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                   "original_max_position_embeddings": 16}
+LLAMA31_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
 
 # GQA (16 query heads / 8 KV heads, 2 per group) so tp 1..8 all hold whole KV groups and tp=8 holds exactly
 # one KV head per rank; vocab 200 needs padding at every tp (multiple 16*tp); Llama 3.1 rope scaling.
-GQA8: dict[str, Any] = dict(vocab_size=200, hidden_size=128, num_hidden_layers=4, num_attention_heads=16,
-                            num_key_value_heads=8, intermediate_size=96, rope_theta=500000.0,
-                            max_position_embeddings=128, rms_norm_eps=1e-5, rope_scaling=LLAMA31_SCALING)
+GQA8: dict[str, Any] = dict(
+    vocab_size=200,
+    hidden_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    intermediate_size=96,
+    rope_theta=500000.0,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+    rope_scaling=LLAMA31_SCALING,
+)
 # 8 query heads / 4 KV heads: at tp=4 each rank holds exactly one KV head and its two query heads.
-GQA4: dict[str, Any] = dict(vocab_size=200, hidden_size=64, num_hidden_layers=4, num_attention_heads=8,
-                            num_key_value_heads=4, intermediate_size=176, rope_theta=500000.0,
-                            max_position_embeddings=128, rms_norm_eps=1e-5, rope_scaling=LLAMA31_SCALING)
+GQA4: dict[str, Any] = dict(
+    vocab_size=200,
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    intermediate_size=176,
+    rope_theta=500000.0,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+    rope_scaling=LLAMA31_SCALING,
+)
 DIVISIBLE_BY = "16"  # --make-vocab-size-divisible-by for the tests: 200 -> 208 / 224 / 256 at tp 1 / 2 / 4
 
 
@@ -35,8 +59,14 @@ def hf_model(config: dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.f
     return LlamaForCausalLM(LlamaConfig(**config, tie_word_embeddings=False)).to(dtype).eval()
 
 
-def save_hf(out: Path, config: dict[str, Any] = GQA8, fmt: str = "safetensors", shard_kb: int = 0, seed: int = 0,
-            dtype: torch.dtype = torch.float32) -> Path:
+def save_hf(
+    out: Path,
+    config: dict[str, Any] = GQA8,
+    fmt: str = "safetensors",
+    shard_kb: int = 0,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
     """Save a random HF Llama: fmt 'safetensors' (transformers' own writer; sharded with an index when
     shard_kb > 0) or 'bin' (old pytorch_model*.bin shards with pytorch_model.bin.index.json, written here
     because transformers 5 no longer writes them)."""
@@ -80,8 +110,9 @@ def hf_tensors(path: Path) -> dict[str, torch.Tensor]:
 def assert_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert sorted(a) == sorted(b), f"names differ: {sorted(set(a) ^ set(b))}"
     for k in a:
-        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, f"{k}: {a[k].dtype}{list(a[k].shape)} vs " \
-                                                                      f"{b[k].dtype}{list(b[k].shape)}"
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, (
+            f"{k}: {a[k].dtype}{list(a[k].shape)} vs {b[k].dtype}{list(b[k].shape)}"
+        )
         assert torch.equal(a[k], b[k]), f"{k} differs (max abs {(a[k].float() - b[k].float()).abs().max()})"
 
 
@@ -100,10 +131,19 @@ def write_tokens(prefix: Path, n: int, vocab: int, seed: int = 0) -> str:
 # Llama 3.2's layout at test size: the LM head tied to the embedding (transformers saves no lm_head.weight), GQA
 # 4 query heads / 2 KV heads, 5 blocks (7 pipeline layers with files, 8 with the tied head: pp=3 is uneven), a
 # vocab of 500 that --make-vocab-size-divisible-by 32 pads to 512 at tp 1 and 2.
-TIED: dict[str, Any] = dict(vocab_size=500, hidden_size=64, num_hidden_layers=5, num_attention_heads=4,
-                            num_key_value_heads=2, intermediate_size=96, rope_theta=500000.0,
-                            max_position_embeddings=128, rms_norm_eps=1e-5, rope_scaling=LLAMA31_SCALING,
-                            tie_word_embeddings=True)
+TIED: dict[str, Any] = dict(
+    vocab_size=500,
+    hidden_size=64,
+    num_hidden_layers=5,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=96,
+    rope_theta=500000.0,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+    rope_scaling=LLAMA31_SCALING,
+    tie_word_embeddings=True,
+)
 TIED_DIVISIBLE_BY = "32"
 
 

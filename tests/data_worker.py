@@ -1,7 +1,8 @@
-"""8-rank runs of `threed.train.train` on megatron-core datasets, for tests/test_data_dist.py.
+"""8-rank runs of `threed.train.loop.train` on megatron-core datasets, for tests/test_data_dist.py.
 
-    python -m torch.distributed.run --nproc-per-node 8 tests/data_worker.py --out DIR --a PREFIX_A --b PREFIX_B
+python -m torch.distributed.run --nproc-per-node 8 tests/data_worker.py --out DIR --a PREFIX_A --b PREFIX_B
 """
+
 from __future__ import annotations
 
 import argparse
@@ -9,16 +10,29 @@ import dataclasses
 
 from helpers import model_config
 from threed.config import CheckpointConfig, DataConfig, ParallelConfig, RunConfig, TrainConfig
-from threed.distributed import Runtime
-from threed.train import train
+from threed.parallel.distributed import Runtime
+from threed.train.loop import train
 from worker_setup import rank_json, run_worker, stopped_then_resumed
 
 
 def base_config(a: str, b: str) -> RunConfig:
-    return RunConfig(model=model_config("gqa31"), parallel=ParallelConfig(tp=2, pp=2),
-                     train=TrainConfig(dtype="fp32", micro_batch_size=2, grad_accum_steps=2, seq_length=32, steps=4,
-                                       lr=1e-3, min_lr=1e-4, eval_interval=2, eval_iters=2, log_interval=10),
-                     data=DataConfig(data_path=("0.4", a, "0.6", b), split="90,10,0"))
+    return RunConfig(
+        model=model_config("gqa31"),
+        parallel=ParallelConfig(tp=2, pp=2),
+        train=TrainConfig(
+            dtype="fp32",
+            micro_batch_size=2,
+            grad_accum_steps=2,
+            seq_length=32,
+            steps=4,
+            lr=1e-3,
+            min_lr=1e-4,
+            eval_interval=2,
+            eval_iters=2,
+            log_interval=10,
+        ),
+        data=DataConfig(data_path=("0.4", a, "0.6", b), split="90,10,0"),
+    )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,8 +48,12 @@ def main(args: argparse.Namespace, rt: Runtime) -> None:
     # Uninterrupted, with validation every 2 steps, checkpoints at 2 and 4.
     cfg = dataclasses.replace(base, checkpoint=CheckpointConfig(save=str(out / "full"), save_interval=2))
     r = train(cfg)
-    results["full"] = {"losses": r.losses, "evals": r.evals, "samples_read": r.samples_read,
-                       "consumed": r.consumed_samples}
+    results["full"] = {
+        "losses": r.losses,
+        "evals": r.evals,
+        "samples_read": r.samples_read,
+        "consumed": r.consumed_samples,
+    }
 
     # The same without validation: training must not notice evaluation.
     r = train(dataclasses.replace(base, train=dataclasses.replace(base.train, eval_interval=0)))
@@ -45,12 +63,22 @@ def main(args: argparse.Namespace, rt: Runtime) -> None:
     resumed_dir = out / "resumed"
     cfg = dataclasses.replace(base, checkpoint=CheckpointConfig(save=str(resumed_dir), save_interval=2))
     first, second = stopped_then_resumed(train, resumed_dir, cfg, cfg)
-    results["resumed"] = {"first": first.losses, "preempted": first.preempted, "second": second.losses,
-                          "start": second.start_step, "evals": second.evals}
+    results["resumed"] = {
+        "first": first.losses,
+        "preempted": first.preempted,
+        "second": second.losses,
+        "start": second.start_step,
+        "evals": second.evals,
+    }
 
     # tp2 x pp4: the two middle stages must read no data.
-    r = train(dataclasses.replace(base, parallel=ParallelConfig(tp=2, pp=4),
-                                  train=dataclasses.replace(base.train, steps=1, eval_interval=1, eval_iters=1)))
+    r = train(
+        dataclasses.replace(
+            base,
+            parallel=ParallelConfig(tp=2, pp=4),
+            train=dataclasses.replace(base.train, steps=1, eval_interval=1, eval_iters=1),
+        )
+    )
     results["pp4_samples_read"] = r.samples_read
     rank_json(out, "", results)
 

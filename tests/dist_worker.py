@@ -5,6 +5,7 @@ HuggingFace references computed in its own process.
     python -m torch.distributed.run --nproc-per-node 4 tests/dist_worker.py parity --out /tmp/x
     python -m torch.distributed.run --nproc-per-node 8 tests/dist_worker.py train --out /tmp/x --data tokens.bin
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,8 +19,8 @@ from threed.config import CheckpointConfig, DataConfig, ParallelConfig, RunConfi
 from threed.data.datasets import build_datasets
 from threed.data.loader import micro_batches
 from threed.data.splits import read_data_flags
-from threed.distributed import GroupMismatch, Runtime, check_groups_agree
-from threed.engine import build_engine
+from threed.parallel.distributed import GroupMismatch, Runtime, check_groups_agree
+from threed.train.engine import build_engine
 from threed.verify.logits import pipeline_logits
 from worker_setup import keeps_logits, load_hf_weights, local_weights, rank_json, reads_data, run_worker
 
@@ -35,9 +36,16 @@ def parity(args: argparse.Namespace, rt: Runtime) -> None:
         for tp, pp in ((1, 1), (2, 1), (1, 2), (2, 2)):
             if rt.world_size % (tp * pp):
                 continue  # fewer ranks than the layout needs (make test-gpu on a machine with few GPUs)
-            cfg = RunConfig(model=mc, parallel=ParallelConfig(tp=tp, pp=pp),
-                            train=TrainConfig(dtype="fp32", seq_length=PARITY_TOKENS["seq"],
-                                              micro_batch_size=PARITY_TOKENS["batch"], grad_accum_steps=1))
+            cfg = RunConfig(
+                model=mc,
+                parallel=ParallelConfig(tp=tp, pp=pp),
+                train=TrainConfig(
+                    dtype="fp32",
+                    seq_length=PARITY_TOKENS["seq"],
+                    micro_batch_size=PARITY_TOKENS["batch"],
+                    grad_accum_steps=1,
+                ),
+            )
             engine = build_engine(cfg, rt).engine
             load_hf_weights(engine, cfg, hf_state)
             logits = pipeline_logits(engine, tokens, mc.vocab_size)
@@ -48,7 +56,9 @@ def parity(args: argparse.Namespace, rt: Runtime) -> None:
 
 def train_dataset(cfg: RunConfig, world_size: int):
     """The train split `threed train` reads for cfg (built on every rank here; only stages 0 and -1 read it)."""
-    return build_datasets(cfg, read_data_flags(cfg), cfg.train.resolve_batch(cfg.parallel.dp(world_size))[2], True).train
+    return build_datasets(
+        cfg, read_data_flags(cfg), cfg.train.resolve_batch(cfg.parallel.dp(world_size))[2], True
+    ).train
 
 
 def run_steps(engine, cfg: RunConfig, ds, start: int, stop: int) -> tuple[list[float], list[float]]:
@@ -66,10 +76,22 @@ def train(args: argparse.Namespace, rt: Runtime) -> None:
     out = args.out
     mc = model_config("gqa31")
     hf_state = hf_model("gqa31").state_dict()
-    base = RunConfig(model=mc, parallel=ParallelConfig(tp=2, pp=2),
-                     train=TrainConfig(dtype="fp32", micro_batch_size=2, grad_accum_steps=2, seq_length=32, steps=5,
-                                       lr=1e-3, min_lr=1e-4, warmup_steps=2, grad_clip=0.5),
-                     data=DataConfig(data_path=(args.data,)))
+    base = RunConfig(
+        model=mc,
+        parallel=ParallelConfig(tp=2, pp=2),
+        train=TrainConfig(
+            dtype="fp32",
+            micro_batch_size=2,
+            grad_accum_steps=2,
+            seq_length=32,
+            steps=5,
+            lr=1e-3,
+            min_lr=1e-4,
+            warmup_steps=2,
+            grad_clip=0.5,
+        ),
+        data=DataConfig(data_path=(args.data,)),
+    )
     results: dict = {}
 
     # 1. fp32 parity run, with a checkpoint after step 3.
@@ -97,15 +119,20 @@ def train(args: argparse.Namespace, rt: Runtime) -> None:
 
     # 3. bf16 (micro 2 x gas 2, fp32 grad accumulation) against fp32 on learnable data.
     for dtype in ("bf16", "fp32"):
-        cfg_d = dataclasses.replace(base, train=dataclasses.replace(base.train, dtype=dtype, steps=args.bf16_steps,
-                                                                    lr=3e-3, min_lr=3e-4, warmup_steps=3,
-                                                                    grad_clip=1.0),
-                                    data=DataConfig(data_path=(args.learnable,)))
+        cfg_d = dataclasses.replace(
+            base,
+            train=dataclasses.replace(
+                base.train, dtype=dtype, steps=args.bf16_steps, lr=3e-3, min_lr=3e-4, warmup_steps=3, grad_clip=1.0
+            ),
+            data=DataConfig(data_path=(args.learnable,)),
+        )
         learn = train_dataset(cfg_d, rt.world_size)
         eng = build_engine(cfg_d, rt).engine
         load_hf_weights(eng, cfg_d, hf_state)
-        results[f"learn_{dtype}"] = {"losses": run_steps(eng, cfg_d, learn, 0, args.bf16_steps)[0],
-                                     "optimizer": type(eng.optimizer).__name__}
+        results[f"learn_{dtype}"] = {
+            "losses": run_steps(eng, cfg_d, learn, 0, args.bf16_steps)[0],
+            "optimizer": type(eng.optimizer).__name__,
+        }
 
     # 4. Activation checkpointing (recompute each block in backward) changes memory, not numbers.
     cfg_ac = dataclasses.replace(base, train=dataclasses.replace(base.train, activation_checkpointing=True))

@@ -1,4 +1,5 @@
 """Shared test helpers: tiny random HF Llamas built locally, synthetic token files, rank launching."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,19 +13,41 @@ from threed.config import ModelConfig
 from threed.hf.config import from_hf_config
 
 TESTS = Path(__file__).resolve().parent
-LLAMA31_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                   "original_max_position_embeddings": 16}
+LLAMA31_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
 
 # name -> LlamaConfig kwargs. Vocab 200 with padding multiple 16 pads to 208/224/256 at tp 1/2/4: padding is real.
 HF_CONFIGS: dict[str, dict[str, Any]] = {
     # GQA (4 query heads / 2 KV heads) with Llama 3.1 rope scaling, short original context so scaling matters.
-    "gqa31": dict(vocab_size=200, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, intermediate_size=176, rope_theta=500000.0, max_position_embeddings=128,
-                  rms_norm_eps=1e-5, rope_scaling=LLAMA31_SCALING),
+    "gqa31": dict(
+        vocab_size=200,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=176,
+        rope_theta=500000.0,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        rope_scaling=LLAMA31_SCALING,
+    ),
     # Llama-2-like multi-head attention, default RoPE.
-    "mha2": dict(vocab_size=200, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=4, intermediate_size=160, rope_theta=10000.0, max_position_embeddings=128,
-                 rms_norm_eps=1e-6),
+    "mha2": dict(
+        vocab_size=200,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=160,
+        rope_theta=10000.0,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+    ),
 }
 
 
@@ -41,8 +64,9 @@ def model_config(name: str) -> ModelConfig:
     return dataclasses.replace(from_hf_config(hf, name=name), make_vocab_size_divisible_by=16)
 
 
-def write_dataset(prefix: Path | str, tokens: np.ndarray, vocab_size: int, doc_len: tuple[int, int] = (40, 400),
-                  seed: int = 0) -> str:
+def write_dataset(
+    prefix: Path | str, tokens: np.ndarray, vocab_size: int, doc_len: tuple[int, int] = (40, 400), seed: int = 0
+) -> str:
     """Cut a token stream into documents of random length and write them as a megatron-core `.bin/.idx` pair with
     megatron's own IndexedDatasetBuilder (the format Megatron-LM's preprocess_data.py writes). Returns the prefix."""
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
@@ -54,7 +78,7 @@ def write_dataset(prefix: Path | str, tokens: np.ndarray, vocab_size: int, doc_l
     start = 0
     while start < len(tokens):
         n = int(rng.integers(*doc_len))
-        builder.add_item(torch.from_numpy(np.asarray(tokens[start:start + n], dtype=np.int64)))
+        builder.add_item(torch.from_numpy(np.asarray(tokens[start : start + n], dtype=np.int64)))
         builder.end_document()
         start += n
     builder.finalize(prefix + ".idx")
@@ -118,13 +142,16 @@ def plain_adamw(model, train) -> tuple:
     """The single-process reference's optimizer: torch AdamW (no decay on 1-D weights, as Megatron) and threed's
     warmup + cosine multiplier, for a TrainConfig `train`."""
     from threed.config import RunConfig
-    from threed.engine import lr_lambda
+    from threed.train.engine import lr_lambda
 
     decay = [p for p in model.parameters() if p.ndim > 1]
     no_decay = [p for p in model.parameters() if p.ndim <= 1]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": train.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=train.lr,
-                            betas=(train.beta1, train.beta2), eps=train.adam_eps)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=train.lr,
+        betas=(train.beta1, train.beta2),
+        eps=train.adam_eps,
+    )
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(RunConfig(model=None, train=train)))
 
 

@@ -1,7 +1,8 @@
 """4-rank scenarios for tests/test_init.py: random init at several layouts, and the bf16 gradient reduction.
 
-    python -m torch.distributed.run --nproc-per-node 4 tests/init_worker.py --out /tmp/x
+python -m torch.distributed.run --nproc-per-node 4 tests/init_worker.py --out /tmp/x
 """
+
 from __future__ import annotations
 
 import argparse
@@ -10,11 +11,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import threed.engine
+import threed.train.engine
 from helpers import model_config
 from threed.config import ParallelConfig, RunConfig, TrainConfig
-from threed.distributed import Runtime
-from threed.engine import build_engine, deepspeed_config
+from threed.parallel.distributed import Runtime
+from threed.train.engine import build_engine, deepspeed_config
 from worker_setup import local_layers, run_worker, write_json
 
 LAYOUTS = ((1, 1), (2, 1), (1, 2), (1, 4), (2, 2))
@@ -24,25 +25,33 @@ def save_init_weights(rt, out: Path) -> None:
     """Each (tp rank, stage) of data-parallel replica 0 saves its local layers as built (no step taken)."""
     mc = model_config("gqa31")
     for tp, pp in LAYOUTS:
-        cfg = RunConfig(model=mc, parallel=ParallelConfig(tp=tp, pp=pp),
-                        train=TrainConfig(dtype="fp32", seq_length=16, seed=4321))
+        cfg = RunConfig(
+            model=mc, parallel=ParallelConfig(tp=tp, pp=pp), train=TrainConfig(dtype="fp32", seq_length=16, seed=4321)
+        )
         engine = build_engine(cfg, rt).engine
         mod = engine.module
         if (tp, pp) == (2, 2) and rt.rank == 0:
             from megatron.core import parallel_state as ps
 
             mlp = next(m for m in mod.modules() if type(m).__name__ == "MLP")
-            write_json(out / "cpu_switches.json", {
-                "fused_adamw": bool(engine.optimizer.optimizer.defaults.get("fused")),
-                "fused_swiglu": mlp.config.bias_activation_fusion,
-                "device": str(next(mod.parameters()).device),
-                "megatron_gloo_groups": ps.get_data_parallel_group_gloo() is not None,
-            })
+            write_json(
+                out / "cpu_switches.json",
+                {
+                    "fused_adamw": bool(engine.optimizer.optimizer.defaults.get("fused")),
+                    "fused_swiglu": mlp.config.bias_activation_fusion,
+                    "device": str(next(mod.parameters()).device),
+                    "megatron_gloo_groups": ps.get_data_parallel_group_gloo() is not None,
+                },
+            )
         if engine.grid.get_data_parallel_rank() == 0:
-            layers = {idx: {k: v.detach().cpu() for k, v in m.state_dict().items() if isinstance(v, torch.Tensor)}
-                      for idx, m in local_layers(engine)}
-            torch.save(layers, out / f"init_tp{tp}_pp{pp}_t{engine.grid.get_slice_parallel_rank()}"
-                                     f"_s{engine.grid.get_stage_id()}.pt")
+            layers = {
+                idx: {k: v.detach().cpu() for k, v in m.state_dict().items() if isinstance(v, torch.Tensor)}
+                for idx, m in local_layers(engine)
+            }
+            torch.save(
+                layers,
+                out / f"init_tp{tp}_pp{pp}_t{engine.grid.get_slice_parallel_rank()}_s{engine.grid.get_stage_id()}.pt",
+            )
         dist.barrier()
 
 
@@ -53,24 +62,29 @@ def grad_norms(rt, out: Path) -> None:
     tokens = torch.randint(0, mc.vocab_size, (4, 17), generator=torch.Generator().manual_seed(7))
     results = {}
     for comm in ("fp32", "bf16"):
+
         def config(cfg, world, comm=comm, **kw):
             ds = deepspeed_config(cfg, world, **kw)
             ds["communication_data_type"] = comm
             return ds
 
-        threed.engine.deepspeed_config = config  # the bf16 variant exists only to show what fp32 fixes
+        threed.train.engine.deepspeed_config = config  # the bf16 variant exists only to show what fp32 fixes
         for name, (tp, pp, gas) in {"dp2_gas1": (2, 1, 1), "dp1_gas2": (2, 2, 2)}.items():
-            cfg = RunConfig(model=mc, parallel=ParallelConfig(tp=tp, pp=pp),
-                            train=TrainConfig(dtype="bf16", seq_length=16, micro_batch_size=2, grad_accum_steps=gas,
-                                              lr=1e-3, seed=99))
+            cfg = RunConfig(
+                model=mc,
+                parallel=ParallelConfig(tp=tp, pp=pp),
+                train=TrainConfig(
+                    dtype="bf16", seq_length=16, micro_batch_size=2, grad_accum_steps=gas, lr=1e-3, seed=99
+                ),
+            )
             engine = build_engine(cfg, rt).engine
             dp, dp_rank = engine.grid.get_data_parallel_world_size(), engine.grid.get_data_parallel_rank()
             share = tokens.shape[0] // dp
-            mine = tokens[dp_rank * share:(dp_rank + 1) * share]
-            micro = [(mine[i:i + 2, :-1], mine[i:i + 2, 1:]) for i in range(0, share, 2)]
+            mine = tokens[dp_rank * share : (dp_rank + 1) * share]
+            micro = [(mine[i : i + 2, :-1], mine[i : i + 2, 1:]) for i in range(0, share, 2)]
             engine.train_batch(data_iter=iter(micro))
             results[f"{comm}_{name}"] = float(engine.get_global_grad_norm())
-    threed.engine.deepspeed_config = deepspeed_config
+    threed.train.engine.deepspeed_config = deepspeed_config
     if rt.rank == 0:
         write_json(out / "grad_norms.json", results)
 

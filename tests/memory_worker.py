@@ -22,6 +22,7 @@ of SP_CASES (sequence parallelism on/off, recompute none / first N blocks / all)
 
     python -m torch.distributed.run --nproc-per-node 2 tests/memory_worker.py --out /tmp/sp --stage-activations
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,24 +36,35 @@ import torch
 import torch.distributed as dist
 
 from threed.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
-from threed.distributed import Runtime, init_megatron_parallel_state
-from threed.engine import build_engine
-from threed.flags import model_config
+from threed.parallel.distributed import Runtime, init_megatron_parallel_state
+from threed.train.engine import build_engine
+from threed.model.resolve import model_config
 from threed.memory.model import Stage, stage_activations, stage_bounds, stage_memory, stages
 from threed.memory.recompute import Recompute
-from threed.pipeline import build_pipeline_module
+from threed.parallel.pipeline import build_pipeline_module
 from worker_setup import rank_json, reads_data, run_worker, synthetic_batches, write_json
 
 STATIC = dict(model="tiny", micro=2, gas=2, seq=32)
 # Wide enough that activations dwarf everything else allocated during a step.
-ACT_MODEL = ModelConfig(name="act", vocab_size=1000, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
-                        ffn_hidden_size=704, max_position_embeddings=1024, make_vocab_size_divisible_by=32)
+ACT_MODEL = ModelConfig(
+    name="act",
+    vocab_size=1000,
+    hidden_size=256,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    ffn_hidden_size=704,
+    max_position_embeddings=1024,
+    make_vocab_size_divisible_by=32,
+)
 ACT = dict(micro=2, seq=512)
 # --stage-activations: four blocks, so that partial recompute has an N strictly between 0 and all of them.
 SP_MODEL = dataclasses.replace(ACT_MODEL, name="act-sp", num_layers=4)
 SP_CASES = {  # name -> (sequence parallel, recompute)
-    "tp": (False, Recompute()), "sp": (True, Recompute()),
-    "tp_full": (False, Recompute.of(True)), "sp_full": (True, Recompute.of(True)),
+    "tp": (False, Recompute()),
+    "sp": (True, Recompute()),
+    "tp_full": (False, Recompute.of(True)),
+    "sp_full": (True, Recompute.of(True)),
     "sp_block2": (True, Recompute.first_blocks(2)),
 }
 
@@ -101,7 +113,7 @@ def measure_static(engine) -> dict[str, int]:
     from megatron.core import parallel_state  # heavy: only here (sequence parallelism's all-gather buffer)
 
     memory_buffer = getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None)
-    for t in (memory_buffer.buffer.values() if memory_buffer is not None else []):
+    for t in memory_buffer.buffer.values() if memory_buffer is not None else []:
         c.add("buffers", t)
     for key in ("outputs", "output_tensors"):  # the last stage's logits stay here after backward
         for t in engine.pipe_buffers[key]:
@@ -112,8 +124,9 @@ def measure_static(engine) -> dict[str, int]:
     largest = []
     with warnings.catch_warnings():  # isinstance() on deprecated torch objects warns
         warnings.simplefilter("ignore")
-        tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.layout == torch.strided
-                   and not o.is_meta]
+        tensors = [
+            o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.layout == torch.strided and not o.is_meta
+        ]
     for t in tensors:
         if t.untyped_storage().data_ptr() not in c.seen:
             c.add("unaccounted", t)
@@ -128,26 +141,57 @@ def static(args: argparse.Namespace, rt: Runtime) -> None:
     for layout in args.layouts:
         tp, pp = (int(x) for x in layout.split("x"))
         dp = rt.world_size // (tp * pp)
-        cfg = RunConfig(model=mc, parallel=ParallelConfig(tp=tp, pp=pp, sequence_parallel=args.sequence_parallel,
-                                                          pipeline_schedule=args.pipeline_schedule),
-                        train=TrainConfig(dtype="bf16", micro_batch_size=STATIC["micro"],
-                                          grad_accum_steps=STATIC["gas"], seq_length=STATIC["seq"]))
+        cfg = RunConfig(
+            model=mc,
+            parallel=ParallelConfig(
+                tp=tp, pp=pp, sequence_parallel=args.sequence_parallel, pipeline_schedule=args.pipeline_schedule
+            ),
+            train=TrainConfig(
+                dtype="bf16", micro_batch_size=STATIC["micro"], grad_accum_steps=STATIC["gas"], seq_length=STATIC["seq"]
+            ),
+        )
         engine = build_engine(cfg, rt).engine
-        data = synthetic_batches(mc.vocab_size, STATIC["micro"], STATIC["seq"],
-                                 seed=engine.grid.get_data_parallel_rank(), n=STATIC["gas"])
+        data = synthetic_batches(
+            mc.vocab_size, STATIC["micro"], STATIC["seq"], seed=engine.grid.get_data_parallel_rank(), n=STATIC["gas"]
+        )
         loss = engine.train_batch(data_iter=data if reads_data(engine) else None).item()
         gc.collect()
         stage = stages(mc, pp, tp, STATIC["seq"])[engine.stage_id]
-        mem = stage_memory(mc, tp, pp, dp, STATIC["micro"], STATIC["gas"], STATIC["seq"], False, stage, "cpu",
-                           sequence_parallel=args.sequence_parallel, schedule=args.pipeline_schedule)
-        result = {"model": mc.name, "layout": [tp, pp, dp], "rank": rt.rank, "stage": engine.stage_id, "loss": loss,
-                  "parts": [int(b) for b in engine.module.parts],
-                  "predicted_parts": list(stage_bounds(mc, pp, tp, STATIC["seq"])),
-                  "optimizer": type(engine.optimizer).__name__, "engine": type(engine).__name__,
-                  "measured": measure_static(engine),
-                  "predicted": {"weights": mem.weights, "grads": mem.grads, "optimizer": mem.optimizer,
-                                "model_states": mem.model_states, "buffers": mem.buffers, "static": mem.static,
-                                "params": mem.params}}
+        mem = stage_memory(
+            mc,
+            tp,
+            pp,
+            dp,
+            STATIC["micro"],
+            STATIC["gas"],
+            STATIC["seq"],
+            False,
+            stage,
+            "cpu",
+            sequence_parallel=args.sequence_parallel,
+            schedule=args.pipeline_schedule,
+        )
+        result = {
+            "model": mc.name,
+            "layout": [tp, pp, dp],
+            "rank": rt.rank,
+            "stage": engine.stage_id,
+            "loss": loss,
+            "parts": [int(b) for b in engine.module.parts],
+            "predicted_parts": list(stage_bounds(mc, pp, tp, STATIC["seq"])),
+            "optimizer": type(engine.optimizer).__name__,
+            "engine": type(engine).__name__,
+            "measured": measure_static(engine),
+            "predicted": {
+                "weights": mem.weights,
+                "grads": mem.grads,
+                "optimizer": mem.optimizer,
+                "model_states": mem.model_states,
+                "buffers": mem.buffers,
+                "static": mem.static,
+                "params": mem.params,
+            },
+        }
         rank_json(args.out, f"static_{tp}x{pp}x{dp}", result)
         del engine
         gc.collect()
@@ -179,8 +223,9 @@ def activations(args: argparse.Namespace) -> None:
     micro, seq = ACT["micro"], ACT["seq"]
     results = {}
     for ckpt in (False, True):
-        cfg = RunConfig(model=ACT_MODEL, train=TrainConfig(seq_length=seq, micro_batch_size=micro,
-                                                           activation_checkpointing=ckpt))
+        cfg = RunConfig(
+            model=ACT_MODEL, train=TrainConfig(seq_length=seq, micro_batch_size=micro, activation_checkpointing=ckpt)
+        )
         module = build_pipeline_module(cfg, 1).bfloat16()
         module._precompute_checkpointable_values()  # what the engine does before the first forward
         tokens, labels = next(synthetic_batches(ACT_MODEL.vocab_size, micro, seq, n=1))
@@ -200,8 +245,11 @@ def activations(args: argparse.Namespace) -> None:
         logits = 2 * micro * seq * ACT_MODEL.padded_vocab_size(1)
         cpu = stage_activations(ACT_MODEL, 1, 1, device="cpu", **kw) + logits
         cuda = stage_activations(ACT_MODEL, 1, 1, device="cuda", **kw) + logits
-        results["ckpt" if ckpt else "no_ckpt"] = {"measured": measured, "estimate_cpu_kernels": cpu,
-                                                  "estimate_cuda_kernels": cuda}
+        results["ckpt" if ckpt else "no_ckpt"] = {
+            "measured": measured,
+            "estimate_cpu_kernels": cpu,
+            "estimate_cuda_kernels": cuda,
+        }
     write_json(args.out / "activations.json", results)
 
 
@@ -209,8 +257,11 @@ def recompute_config(rc: Recompute) -> dict:
     """TrainConfig's fields for `rc` (Megatron's flags; all blocks is --activation-checkpointing)."""
     if rc == Recompute.of(True):
         return {"activation_checkpointing": True}
-    return {"recompute_granularity": rc.granularity, "recompute_method": rc.method,
-            "recompute_num_layers": rc.num_layers or None}
+    return {
+        "recompute_granularity": rc.granularity,
+        "recompute_method": rc.method,
+        "recompute_num_layers": rc.num_layers or None,
+    }
 
 
 def cuda_peak(fn) -> int:
@@ -231,16 +282,19 @@ def stage_activation_cases(args: argparse.Namespace, rt: Runtime) -> None:
     init_megatron_parallel_state(tp, 1)
     results = {}
     for case, (sp, rc) in SP_CASES.items():
-        cfg = RunConfig(model=SP_MODEL, parallel=ParallelConfig(tp=tp, sequence_parallel=sp),
-                        train=TrainConfig(seq_length=seq, micro_batch_size=micro, **recompute_config(rc)))
+        cfg = RunConfig(
+            model=SP_MODEL,
+            parallel=ParallelConfig(tp=tp, sequence_parallel=sp),
+            train=TrainConfig(seq_length=seq, micro_batch_size=micro, **recompute_config(rc)),
+        )
         module = build_pipeline_module(cfg, tp, fused_swiglu=rt.cuda_only.fused_swiglu).bfloat16().to(rt.device)
         module._precompute_checkpointable_values()
         tokens, labels = (t.to(rt.device) for t in next(synthetic_batches(SP_MODEL.vocab_size, micro, seq, n=1)))
         module.loss_fn(module(tokens), labels).backward()
 
         def step() -> None:
-            logits = module(tokens)  # kept until backward ends, as the pipeline engine keeps its outputs
-            module.loss_fn(logits, labels).backward()
+            logits = module(tokens)  # kept until backward ends, as the pipeline engine keeps its outputs  # noqa: F821 (bound in the loop; ruff sees its `del` below)
+            module.loss_fn(logits, labels).backward()  # noqa: F821
             del logits
 
         # The least of three peaks: a collective's buffers are freed a little earlier or later depending on when
@@ -259,12 +313,16 @@ def stage_activation_cases(args: argparse.Namespace, rt: Runtime) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layouts", nargs="*", default=[], help="TPxPP, e.g. 2x2")
     p.add_argument("--activations", action="store_true", help="also the CPU activation peak (one process)")
-    p.add_argument("--stage-activations", action="store_true",
-                   help="the CPU activation peak of each SP_CASES case, tp = the world")
+    p.add_argument(
+        "--stage-activations", action="store_true", help="the CPU activation peak of each SP_CASES case, tp = the world"
+    )
     p.add_argument("--sequence-parallel", action="store_true", help="the --layouts engines with SP")
     p.add_argument("--pipeline-schedule", default="1f1b", help="the --layouts engines' schedule")
-    p.add_argument("--model", default=STATIC["model"],
-                   help="preset of the --layouts engines (tests/test_memory_tied.py: tiny-tied)")
+    p.add_argument(
+        "--model",
+        default=STATIC["model"],
+        help="preset of the --layouts engines (tests/test_memory_tied.py: tiny-tied)",
+    )
 
 
 def main(args: argparse.Namespace, rt: Runtime) -> None:

@@ -10,6 +10,7 @@ input and output gradient), next to `threed.memory.deferred`'s count.
 --schedule-peaks (tp 1, pp = the world): the CPU allocator's peak during a whole train step of a 1F1B and of a ZB-H1
 engine (after a first step), on every stage, next to the estimate's activation phase.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,15 +18,14 @@ import gc
 
 import torch.distributed as dist
 
-from memory_worker import (ACT, SP_MODEL, StorageCounter, add_arguments as memory_arguments, cpu_peak, cuda_peak,
-                           static)
+from memory_worker import ACT, SP_MODEL, StorageCounter, add_arguments as memory_arguments, cpu_peak, cuda_peak, static
 from threed.config import ParallelConfig, RunConfig, TrainConfig
-from threed.distributed import Runtime, init_megatron_parallel_state
-from threed.engine import build_engine
+from threed.parallel.distributed import Runtime, init_megatron_parallel_state
+from threed.train.engine import build_engine
 from threed.memory.deferred import awaiting_w_bytes
 from threed.memory.model import Stage, stage_kinds, stage_memory, stages
 from threed.model.wgrad import DEFERRED
-from threed.pipeline import build_pipeline_module
+from threed.parallel.pipeline import build_pipeline_module
 from worker_setup import rank_json, reads_data, run_worker, synthetic_batches
 
 
@@ -36,8 +36,11 @@ def deferred_cases(args: argparse.Namespace, rt: Runtime) -> None:
     init_megatron_parallel_state(tp, 1)
     results = {}
     for sp in (False, True):
-        cfg = RunConfig(model=SP_MODEL, parallel=ParallelConfig(tp=tp, sequence_parallel=sp),
-                        train=TrainConfig(seq_length=seq, micro_batch_size=micro))
+        cfg = RunConfig(
+            model=SP_MODEL,
+            parallel=ParallelConfig(tp=tp, sequence_parallel=sp),
+            train=TrainConfig(seq_length=seq, micro_batch_size=micro),
+        )
         module = build_pipeline_module(cfg, tp).bfloat16()
         module._precompute_checkpointable_values()
         tokens, labels = next(synthetic_batches(SP_MODEL.vocab_size, micro, seq, n=1))
@@ -54,8 +57,11 @@ def deferred_cases(args: argparse.Namespace, rt: Runtime) -> None:
         DEFERRED.run_oldest()
         stage = Stage(index=0, blocks=SP_MODEL.num_layers, first=True, last=True)
         results["sp" if sp else "tp"] = {
-            "linears": len(group), "storage_bytes": held.bytes["deferred"], "tensor_bytes": tensor_bytes,
-            "estimate": awaiting_w_bytes(SP_MODEL, tp, stage_kinds(stage), sp) * micro * seq}
+            "linears": len(group),
+            "storage_bytes": held.bytes["deferred"],
+            "tensor_bytes": tensor_bytes,
+            "estimate": awaiting_w_bytes(SP_MODEL, tp, stage_kinds(stage), sp) * micro * seq,
+        }
         del module, loss, group
         gc.collect()
     rank_json(args.out, "deferred", results)
@@ -70,14 +76,16 @@ def schedule_peaks(args: argparse.Namespace, rt: Runtime) -> None:
     pp, (micro, gas, seq) = rt.world_size, (PEAKS["micro"], PEAKS["gas"], PEAKS["seq"])
     results = {}
     for schedule in ("1f1b", "zb-h1"):
-        cfg = RunConfig(model=SP_MODEL, parallel=ParallelConfig(tp=1, pp=pp, pipeline_schedule=schedule),
-                        train=TrainConfig(dtype="bf16", micro_batch_size=micro, grad_accum_steps=gas,
-                                          seq_length=seq))
+        cfg = RunConfig(
+            model=SP_MODEL,
+            parallel=ParallelConfig(tp=1, pp=pp, pipeline_schedule=schedule),
+            train=TrainConfig(dtype="bf16", micro_batch_size=micro, grad_accum_steps=gas, seq_length=seq),
+        )
         engine = build_engine(cfg, rt).engine
 
         def step() -> None:
             data = synthetic_batches(SP_MODEL.vocab_size, micro, seq, n=gas)
-            engine.train_batch(data_iter=data if reads_data(engine) else None)
+            engine.train_batch(data_iter=data if reads_data(engine) else None)  # noqa: F821 (bound in the loop; ruff sees its `del` below)
 
         step()  # grads, optimizer state and pipe buffers exist from here on
         gc.collect()
@@ -86,8 +94,12 @@ def schedule_peaks(args: argparse.Namespace, rt: Runtime) -> None:
         measured = cuda_peak(step) if rt.device.type == "cuda" else cpu_peak(step)
         stage = stages(SP_MODEL, pp, 1, seq)[engine.stage_id]
         mem = stage_memory(SP_MODEL, 1, pp, 1, micro, gas, seq, False, stage, rt.device.type, schedule=schedule)
-        results[schedule] = {"stage": engine.stage_id, "measured": measured, "activations": mem.activations,
-                             "phase": mem.phase[1]}
+        results[schedule] = {
+            "stage": engine.stage_id,
+            "measured": measured,
+            "activations": mem.activations,
+            "phase": mem.phase[1],
+        }
         del engine
         gc.collect()
         dist.barrier()
@@ -96,10 +108,16 @@ def schedule_peaks(args: argparse.Namespace, rt: Runtime) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     memory_arguments(p)
-    p.add_argument("--deferred", action="store_true",
-                   help="the bytes queued for the deferred weight gradients (zb-h1), tp = the world")
-    p.add_argument("--schedule-peaks", action="store_true",
-                   help="the CPU peak of a train step under 1f1b and zb-h1, pp = the world")
+    p.add_argument(
+        "--deferred",
+        action="store_true",
+        help="the bytes queued for the deferred weight gradients (zb-h1), tp = the world",
+    )
+    p.add_argument(
+        "--schedule-peaks",
+        action="store_true",
+        help="the CPU peak of a train step under 1f1b and zb-h1, pp = the world",
+    )
 
 
 def main(args: argparse.Namespace, rt: Runtime) -> None:

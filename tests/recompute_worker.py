@@ -6,6 +6,7 @@ layers the stage recomputes together (`StagedPipelineModule.recompute_runs`).
 
     python -m torch.distributed.run --nproc-per-node 8 tests/recompute_worker.py --out /tmp/x --data PREFIX
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,32 +18,50 @@ import torch
 from dist_worker import run_steps, train_dataset
 from helpers import hf_model, model_config
 from threed.config import DataConfig, ParallelConfig, RunConfig, TrainConfig
-from threed.distributed import Runtime
-from threed.engine import build_engine
+from threed.parallel.distributed import Runtime
+from threed.train.engine import build_engine
 from worker_setup import load_hf_weights, rank_json, reads_data, run_worker
 
 STEPS = 3
 FULL = {"uniform1": ("uniform", 1), "block1": ("block", 1), "uniform2": ("uniform", 2)}
 # (name, --recompute-granularity / method / num layers, --sequence-parallel)
-RUNS = [("none", {}, False), *[(k, dict(recompute_granularity="full", recompute_method=m, recompute_num_layers=n),
-                                False) for k, (m, n) in FULL.items()],
-        ("selective", dict(recompute_granularity="selective"), False),
-        ("sp_none", {}, True), ("sp_block1", dict(recompute_granularity="full", recompute_method="block",
-                                                  recompute_num_layers=1), True),
-        ("sp_selective", dict(recompute_granularity="selective"), True)]
-PACKED_RUNS = [("packed_none", {}), ("packed_block1", dict(recompute_granularity="full", recompute_method="block",
-                                                            recompute_num_layers=1)),
-               ("packed_selective", dict(recompute_granularity="selective"))]
+RUNS = [
+    ("none", {}, False),
+    *[
+        (k, dict(recompute_granularity="full", recompute_method=m, recompute_num_layers=n), False)
+        for k, (m, n) in FULL.items()
+    ],
+    ("selective", dict(recompute_granularity="selective"), False),
+    ("sp_none", {}, True),
+    ("sp_block1", dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1), True),
+    ("sp_selective", dict(recompute_granularity="selective"), True),
+]
+PACKED_RUNS = [
+    ("packed_none", {}),
+    ("packed_block1", dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1)),
+    ("packed_selective", dict(recompute_granularity="selective")),
+]
 
 
 def base_config(data: str, pack: bool = False, sequence_parallel: bool = False, **recompute: Any) -> RunConfig:
     # layers:2,2: two blocks per stage (block / 1 recomputes one of them), whatever the balanced split would pick.
-    return RunConfig(model=model_config("gqa31"),
-                     parallel=ParallelConfig(tp=2, pp=2, partition_method="layers:2,2",
-                                             sequence_parallel=sequence_parallel),
-                     train=TrainConfig(dtype="fp32", micro_batch_size=2, grad_accum_steps=2, seq_length=32,
-                                       steps=STEPS, lr=1e-3, min_lr=1e-4, warmup_steps=2, grad_clip=0.5, **recompute),
-                     data=DataConfig(data_path=(data,), pack=pack))
+    return RunConfig(
+        model=model_config("gqa31"),
+        parallel=ParallelConfig(tp=2, pp=2, partition_method="layers:2,2", sequence_parallel=sequence_parallel),
+        train=TrainConfig(
+            dtype="fp32",
+            micro_batch_size=2,
+            grad_accum_steps=2,
+            seq_length=32,
+            steps=STEPS,
+            lr=1e-3,
+            min_lr=1e-4,
+            warmup_steps=2,
+            grad_clip=0.5,
+            **recompute,
+        ),
+        data=DataConfig(data_path=(data,), pack=pack),
+    )
 
 
 class ForwardCounts:
@@ -52,21 +71,26 @@ class ForwardCounts:
         blocks = [f for f in engine.module.forward_funcs if type(f).__name__ == "LlamaBlock"]
         self.blocks, self.core = Counter(), Counter()
         self.handles = [m.register_forward_hook(self._counter(self.blocks, i)) for i, m in enumerate(blocks)]
-        self.handles += [b.self_attention.core_attention.register_forward_hook(self._counter(self.core, i))
-                         for i, b in enumerate(blocks)]
+        self.handles += [
+            b.self_attention.core_attention.register_forward_hook(self._counter(self.core, i))
+            for i, b in enumerate(blocks)
+        ]
         self.n = len(blocks)
 
     @staticmethod
     def _counter(counts: Counter, index: int):
         def hook(*_: Any) -> None:
             counts[index] += 1
+
         return hook
 
     def per_micro_batch(self, micro_batches: int) -> dict:
         for h in self.handles:
             h.remove()
-        return {"blocks": [self.blocks[i] / micro_batches for i in range(self.n)],
-                "core_attn": [self.core[i] / micro_batches for i in range(self.n)]}
+        return {
+            "blocks": [self.blocks[i] / micro_batches for i in range(self.n)],
+            "core_attn": [self.core[i] / micro_batches for i in range(self.n)],
+        }
 
 
 def packed_batches(cfg: RunConfig) -> Iterator:
@@ -95,17 +119,25 @@ def trained(cfg: RunConfig, rt: Runtime, hf_state: dict, ds=None) -> dict:
     load_hf_weights(engine, cfg, hf_state)
     counts = ForwardCounts(engine)
     losses, norms = run_packed(cfg, engine) if ds is None else run_steps(engine, cfg, ds, 0, STEPS)
-    return {"losses": losses, "grad_norms": norms, "stage": engine.stage_id, "runs": engine.module.recompute_runs,
-            **counts.per_micro_batch(STEPS * cfg.train.grad_accum_steps)}
+    return {
+        "losses": losses,
+        "grad_norms": norms,
+        "stage": engine.stage_id,
+        "runs": engine.module.recompute_runs,
+        **counts.per_micro_batch(STEPS * cfg.train.grad_accum_steps),
+    }
 
 
 def main(args: argparse.Namespace, rt: Runtime) -> None:
     hf_state = hf_model("gqa31").state_dict()
     ds = train_dataset(base_config(args.data), rt.world_size)
-    results = {name: trained(base_config(args.data, sequence_parallel=sp, **recompute), rt, hf_state, ds)
-               for name, recompute, sp in RUNS}
-    results.update({name: trained(base_config(args.data, pack=True, **recompute), rt, hf_state)
-                    for name, recompute in PACKED_RUNS})
+    results = {
+        name: trained(base_config(args.data, sequence_parallel=sp, **recompute), rt, hf_state, ds)
+        for name, recompute, sp in RUNS
+    }
+    results.update(
+        {name: trained(base_config(args.data, pack=True, **recompute), rt, hf_state) for name, recompute in PACKED_RUNS}
+    )
     rank_json(args.out, "recompute", results)
 
 

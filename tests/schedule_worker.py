@@ -7,6 +7,7 @@ the other, evaluation, and zb-h1 with bf16, sequence parallelism, recompute, pac
     python -m torch.distributed.run --nproc-per-node 4 tests/schedule_worker.py --out /tmp/y --data PREFIX \
         --tp 1 --pp 4 --gas 8,3 --variants ""
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,8 +21,8 @@ from helpers import hf_model, model_config
 from recompute_worker import packed_batches
 from tied_worker import tied_hf_model, tied_model_config
 from threed.config import CheckpointConfig, DataConfig, ParallelConfig, RunConfig, TrainConfig
-from threed.distributed import Runtime
-from threed.engine import build_engine
+from threed.parallel.distributed import Runtime
+from threed.train.engine import build_engine
 from threed.model.wgrad import DEFERRED
 from worker_setup import load_hf_weights, rank_json, reads_data, run_worker
 
@@ -29,8 +30,10 @@ STEPS = 6
 # zb-h1 variants checked against 1f1b with the same switches (tp2 pp2 launch): name -> (config changes, model)
 VARIANTS: dict[str, tuple[dict[str, Any], str]] = {
     "bf16": (dict(dtype="bf16"), "gqa31"),
-    "sp_block1": (dict(sequence_parallel=True, recompute_granularity="full", recompute_method="block",
-                       recompute_num_layers=1), "gqa31"),
+    "sp_block1": (
+        dict(sequence_parallel=True, recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
+        "gqa31",
+    ),
     "uniform1": (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1), "gqa31"),
     "selective": (dict(recompute_granularity="selective"), "gqa31"),
     "packed": (dict(pack=True), "gqa31"),
@@ -42,17 +45,44 @@ def model(name: str):
     return tied_model_config() if name == "tied" else model_config(name)
 
 
-def config(args: argparse.Namespace, schedule: str, gas: int, name: str = "gqa31", pack: bool = False,
-           sequence_parallel: bool = False, **train: Any) -> RunConfig:
+def config(
+    args: argparse.Namespace,
+    schedule: str,
+    gas: int,
+    name: str = "gqa31",
+    pack: bool = False,
+    sequence_parallel: bool = False,
+    **train: Any,
+) -> RunConfig:
     blocks = model(name).num_layers
     per_stage = ",".join([str(blocks // args.pp)] * args.pp)
-    return RunConfig(model=model(name),
-                     parallel=ParallelConfig(tp=args.tp, pp=args.pp, partition_method=f"layers:{per_stage}",
-                                             sequence_parallel=sequence_parallel, pipeline_schedule=schedule),
-                     train=TrainConfig(**{**dict(dtype="fp32", micro_batch_size=1, grad_accum_steps=gas,
-                                                 seq_length=32, steps=STEPS, lr=1e-3, min_lr=1e-4, warmup_steps=2,
-                                                 grad_clip=0.5), **train}),
-                     data=DataConfig(data_path=(args.data,), pack=pack))
+    return RunConfig(
+        model=model(name),
+        parallel=ParallelConfig(
+            tp=args.tp,
+            pp=args.pp,
+            partition_method=f"layers:{per_stage}",
+            sequence_parallel=sequence_parallel,
+            pipeline_schedule=schedule,
+        ),
+        train=TrainConfig(
+            **{
+                **dict(
+                    dtype="fp32",
+                    micro_batch_size=1,
+                    grad_accum_steps=gas,
+                    seq_length=32,
+                    steps=STEPS,
+                    lr=1e-3,
+                    min_lr=1e-4,
+                    warmup_steps=2,
+                    grad_clip=0.5,
+                ),
+                **train,
+            }
+        ),
+        data=DataConfig(data_path=(args.data,), pack=pack),
+    )
 
 
 def run(cfg: RunConfig, engine, ds, start: int, stop: int) -> tuple[list[float], list[float]]:
@@ -88,18 +118,32 @@ def trained(cfg: RunConfig, rt: Runtime, ds, hf_state: dict, save_after: int = 0
     weights = dict(engine.module.named_parameters())  # the same module under either schedule
     gen = torch.Generator().manual_seed(3)
     vocab, micro, seq = cfg.model.vocab_size, cfg.train.micro_batch_size, cfg.train.seq_length
-    evals = [(t[:, :-1].contiguous(), t[:, 1:].contiguous())
-             for t in (torch.randint(0, vocab, (micro, seq + 1), generator=gen)
-                       for _ in range(cfg.train.grad_accum_steps))]
-    eval_loss = float(engine.eval_batch(iter(evals) if reads_data(engine) and not cfg.data.pack else None)) \
-        if not cfg.data.pack else None
-    linears = [type(m).__name__ for m in engine.module.modules()
-               if type(m).__name__ in ("SplitColumnParallelLinear", "SplitRowParallelLinear")]
-    return {"losses": losses, "grad_norms": norms, "eval": eval_loss, "stage": engine.stage_id,
-            "class": type(engine).__name__, "deferred_per_micro_batch": len(deferred) / cfg.train.grad_accum_steps,
-            "split_linears": len(linears) + int(engine.is_last_stage() and cfg.model.tie_word_embeddings),
-            "weights": {k: [float(v.detach().double().sum()), float(v.detach().double().abs().sum())]
-                        for k, v in weights.items()}}
+    evals = [
+        (t[:, :-1].contiguous(), t[:, 1:].contiguous())
+        for t in (torch.randint(0, vocab, (micro, seq + 1), generator=gen) for _ in range(cfg.train.grad_accum_steps))
+    ]
+    eval_loss = (
+        float(engine.eval_batch(iter(evals) if reads_data(engine) and not cfg.data.pack else None))
+        if not cfg.data.pack
+        else None
+    )
+    linears = [
+        type(m).__name__
+        for m in engine.module.modules()
+        if type(m).__name__ in ("SplitColumnParallelLinear", "SplitRowParallelLinear")
+    ]
+    return {
+        "losses": losses,
+        "grad_norms": norms,
+        "eval": eval_loss,
+        "stage": engine.stage_id,
+        "class": type(engine).__name__,
+        "deferred_per_micro_batch": len(deferred) / cfg.train.grad_accum_steps,
+        "split_linears": len(linears) + int(engine.is_last_stage() and cfg.model.tie_word_embeddings),
+        "weights": {
+            k: [float(v.detach().double().sum()), float(v.detach().double().abs().sum())] for k, v in weights.items()
+        },
+    }
 
 
 def resumed(cfg: RunConfig, rt: Runtime, ds, load: str, start: int) -> dict:
@@ -117,8 +161,9 @@ def main(args: argparse.Namespace, rt: Runtime) -> None:
         for schedule in ("1f1b", "zb-h1"):
             cfg = config(args, schedule, gas)
             if gas == int(args.gas.split(",")[0]):  # the first gas also saves at step 3, for the cross resume
-                cfg = dataclasses.replace(cfg, checkpoint=CheckpointConfig(save=f"{args.out}/ckpt_{schedule}",
-                                                                           auto_resume=False))
+                cfg = dataclasses.replace(
+                    cfg, checkpoint=CheckpointConfig(save=f"{args.out}/ckpt_{schedule}", auto_resume=False)
+                )
                 results[f"{schedule}_gas{gas}"] = trained(cfg, rt, ds, hf["gqa31"], save_after=3)
             else:
                 results[f"{schedule}_gas{gas}"] = trained(cfg, rt, ds, hf["gqa31"])
@@ -131,11 +176,15 @@ def main(args: argparse.Namespace, rt: Runtime) -> None:
         train = {k: v for k, v in changes.items() if k not in ("pack", "sequence_parallel")}
         extra = {k: v for k, v in changes.items() if k in ("pack", "sequence_parallel")}
         # packed rows are synthetic (recompute_worker.packed_batches): no dataset
-        ds = None if extra.get("pack") else train_dataset(config(args, "1f1b", gas, which, **extra, **train),
-                                                          rt.world_size)
+        ds = (
+            None
+            if extra.get("pack")
+            else train_dataset(config(args, "1f1b", gas, which, **extra, **train), rt.world_size)
+        )
         for schedule in ("1f1b", "zb-h1"):
-            results[f"{name}_{schedule}"] = trained(config(args, schedule, gas, which, **extra, **train), rt, ds,
-                                                    hf[which])
+            results[f"{name}_{schedule}"] = trained(
+                config(args, schedule, gas, which, **extra, **train), rt, ds, hf[which]
+            )
     rank_json(args.out, "schedule", results)
 
 

@@ -3,6 +3,7 @@ and `.pt`, and the pytest side compares them with HuggingFace references compute
 
     python -m torch.distributed.run --nproc-per-node 8 tests/sft_worker.py --out /tmp/x --data PREFIX_text_document
 """
+
 from __future__ import annotations
 
 import argparse
@@ -13,10 +14,10 @@ import torch.distributed as dist
 
 from helpers import hf_model, model_config
 from threed.config import CheckpointConfig, DataConfig, ParallelConfig, RunConfig, TrainConfig
-from threed.distributed import Runtime
-from threed.engine import build_engine
+from threed.parallel.distributed import Runtime
+from threed.train.engine import build_engine
 from threed.verify.logits import pipeline_logits
-from threed.train import train
+from threed.train.loop import train
 from worker_setup import keeps_logits, load_hf_weights, rank_json, run_worker, stopped_then_resumed
 
 MODEL = "gqa31"
@@ -27,11 +28,25 @@ ROWS = [[5, 17, 9, 1, 32], [20, 20, 24]]  # example lengths (positions) of two p
 def sft_config(data: str, pack: bool, steps: int, **train_kw) -> RunConfig:
     """The run both sides train: tp2 pp2 (dp2 on 8 ranks), micro 2 x gas 2 x dp 2 = 8 rows of 64 per step, fp32,
     validation on the held-out 10% after the last step."""
-    return RunConfig(model=model_config(MODEL), parallel=ParallelConfig(tp=2, pp=2),
-                     train=TrainConfig(dtype="fp32", micro_batch_size=2, grad_accum_steps=2, seq_length=SEQ,
-                                       steps=steps, lr=1e-3, min_lr=1e-4, warmup_steps=2, grad_clip=0.5,
-                                       eval_interval=steps, eval_iters=1, **train_kw),
-                     data=DataConfig(data_path=(data,), split="90,10,0", pack=pack))
+    return RunConfig(
+        model=model_config(MODEL),
+        parallel=ParallelConfig(tp=2, pp=2),
+        train=TrainConfig(
+            dtype="fp32",
+            micro_batch_size=2,
+            grad_accum_steps=2,
+            seq_length=SEQ,
+            steps=steps,
+            lr=1e-3,
+            min_lr=1e-4,
+            warmup_steps=2,
+            grad_clip=0.5,
+            eval_interval=steps,
+            eval_iters=1,
+            **train_kw,
+        ),
+        data=DataConfig(data_path=(data,), split="90,10,0", pack=pack),
+    )
 
 
 def packed_rows() -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,12 +76,13 @@ def main(args: argparse.Namespace, rt: Runtime) -> None:
 
     # 2. Training through threed.train (the real loop): packed, packed with activation checkpointing, unpacked.
     results = {}
-    for name, c in (("packed", sft_config(args.data, True, 5)),
-                    ("packed_act_ckpt", sft_config(args.data, True, 2, activation_checkpointing=True)),
-                    ("unpacked", sft_config(args.data, False, 3))):
+    for name, c in (
+        ("packed", sft_config(args.data, True, 5)),
+        ("packed_act_ckpt", sft_config(args.data, True, 2, activation_checkpointing=True)),
+        ("unpacked", sft_config(args.data, False, 3)),
+    ):
         r = train(c)
-        results[name] = {"losses": r.losses, "grad_norms": r.grad_norms, "evals": r.evals,
-                         "loss_tokens": r.loss_tokens}
+        results[name] = {"losses": r.losses, "grad_norms": r.grad_norms, "evals": r.evals, "loss_tokens": r.loss_tokens}
 
     # 3. Preempted after step 1 (a STOP file) at tp2 pp2 dp2, resumed at tp1 pp2 dp4 (DeepSpeed's universal
     # checkpoint): the packed rows' order depends only on the global batch, so steps 2-5 are the uninterrupted ones.
@@ -74,10 +90,20 @@ def main(args: argparse.Namespace, rt: Runtime) -> None:
     cfg = sft_config(args.data, True, 5)
     cfg = dataclasses.replace(cfg, checkpoint=CheckpointConfig(save=str(save)))
     # The same global batch of 8 rows: micro 2 x gas 1 x dp 4.
-    first, second = stopped_then_resumed(train, save, cfg, dataclasses.replace(
-        cfg, parallel=ParallelConfig(tp=1, pp=2), train=dataclasses.replace(cfg.train, grad_accum_steps=1)))
-    results["resumed"] = {"first": first.losses, "preempted": first.preempted, "second": second.losses,
-                          "start": second.start_step}
+    first, second = stopped_then_resumed(
+        train,
+        save,
+        cfg,
+        dataclasses.replace(
+            cfg, parallel=ParallelConfig(tp=1, pp=2), train=dataclasses.replace(cfg.train, grad_accum_steps=1)
+        ),
+    )
+    results["resumed"] = {
+        "first": first.losses,
+        "preempted": first.preempted,
+        "second": second.losses,
+        "start": second.start_step,
+    }
     rank_json(out, "sft", results)
 
 

@@ -90,6 +90,7 @@ def _alive(pid: int) -> bool:
 
 def _terminate(pids: list[int], grace_s: float) -> None:
     """Give pids grace_s to exit, then SIGTERM, then SIGKILL whatever is still running."""
+
     def wait(seconds: float) -> None:
         deadline = time.monotonic() + seconds
         while any(_alive(p) for p in pids) and time.monotonic() < deadline:
@@ -129,8 +130,17 @@ def _tail(path: Path, n: int = 15) -> str:
 class LocalSlurm:
     """A Slurm controller plus ``num_nodes`` slurmd daemons named node1..nodeN, all on 127.0.0.1."""
 
-    def __init__(self, num_nodes: int, cpus_per_node: int, workdir: Path, *, real_memory_mb: int = 5000,
-                 cred_expire_s: int = 10, extra_conf: str = "", start_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        num_nodes: int,
+        cpus_per_node: int,
+        workdir: Path,
+        *,
+        real_memory_mb: int = 5000,
+        cred_expire_s: int = 10,
+        extra_conf: str = "",
+        start_timeout_s: float = 60.0,
+    ) -> None:
         self.num_nodes, self.cpus_per_node = num_nodes, cpus_per_node
         self.workdir = Path(workdir).resolve()
         self.conf = self.workdir / "slurm.conf"
@@ -166,17 +176,33 @@ class LocalSlurm:
         ports = _free_ports(self.num_nodes + 1)
         w = self.workdir
         lines = [
-            "ClusterName=threedtest", f"SlurmctldHost={host}(127.0.0.1)", f"SlurmctldPort={ports[0]}",
-            "AuthType=auth/munge", f"AuthInfo=socket={self.munge_socket},cred_expire={self.cred_expire_s}",
-            "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "MpiDefault=none", "SlurmUser=root",
-            "ReturnToService=2", "SlurmdParameters=config_overrides", "MinJobAge=600",
-            "SchedulerType=sched/backfill", "SchedulerParameters=bf_interval=1,sched_interval=2",
-            "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core",
-            f"StateSaveLocation={w}/state", f"SlurmctldPidFile={w}/slurmctld.pid",
-            f"SlurmctldLogFile={w}/slurmctld.log", f"SlurmdPidFile={w}/slurmd-%n.pid",
-            f"SlurmdSpoolDir={w}/slurmd-%n", f"SlurmdLogFile={w}/slurmd-%n.log",
-            *(f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 Port={p} CPUs={self.cpus_per_node} "
-              f"RealMemory={self.real_memory_mb} State=UNKNOWN" for n, p in zip(self.nodes, ports[1:])),
+            "ClusterName=threedtest",
+            f"SlurmctldHost={host}(127.0.0.1)",
+            f"SlurmctldPort={ports[0]}",
+            "AuthType=auth/munge",
+            f"AuthInfo=socket={self.munge_socket},cred_expire={self.cred_expire_s}",
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "MpiDefault=none",
+            "SlurmUser=root",
+            "ReturnToService=2",
+            "SlurmdParameters=config_overrides",
+            "MinJobAge=600",
+            "SchedulerType=sched/backfill",
+            "SchedulerParameters=bf_interval=1,sched_interval=2",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_Core",
+            f"StateSaveLocation={w}/state",
+            f"SlurmctldPidFile={w}/slurmctld.pid",
+            f"SlurmctldLogFile={w}/slurmctld.log",
+            f"SlurmdPidFile={w}/slurmd-%n.pid",
+            f"SlurmdSpoolDir={w}/slurmd-%n",
+            f"SlurmdLogFile={w}/slurmd-%n.log",
+            *(
+                f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 Port={p} CPUs={self.cpus_per_node} "
+                f"RealMemory={self.real_memory_mb} State=UNKNOWN"
+                for n, p in zip(self.nodes, ports[1:])
+            ),
             f"PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP "
             "OverSubscribe=FORCE",
             self.extra_conf,
@@ -211,11 +237,21 @@ class LocalSlurm:
         w = self.workdir
         if len(str(self.munge_socket)) > 100:
             raise RuntimeError(f"workdir path too long for a unix socket: {w}")
-        subprocess.run([_which("mungekey") or "mungekey", "-c", "-f", "-k", str(w / "munge.key")],
-                       check=True, capture_output=True)
-        self._munged_pid = self._launch("munged", [
-            _which("munged") or "munged", "--force", f"--socket={self.munge_socket}", f"--key-file={w}/munge.key",
-            f"--pid-file={w}/munged.pid", f"--log-file={w}/munged.log", f"--seed-file={w}/munged.seed"])
+        subprocess.run(
+            [_which("mungekey") or "mungekey", "-c", "-f", "-k", str(w / "munge.key")], check=True, capture_output=True
+        )
+        self._munged_pid = self._launch(
+            "munged",
+            [
+                _which("munged") or "munged",
+                "--force",
+                f"--socket={self.munge_socket}",
+                f"--key-file={w}/munge.key",
+                f"--pid-file={w}/munged.pid",
+                f"--log-file={w}/munged.log",
+                f"--seed-file={w}/munged.seed",
+            ],
+        )
 
     def _launch(self, name: str, cmd: list[str]) -> int:
         """Start a self-daemonizing daemon; return the pid from the pid file it writes (workdir/NAME.pid)."""
@@ -269,8 +305,14 @@ class LocalSlurm:
         """Run a Slurm client command (scontrol, squeue, scancel, ...) against this cluster; text output."""
         return subprocess.run(cmd, env=self.env(), check=check, capture_output=True, text=True, timeout=60)
 
-    def sbatch(self, script: Path, *args: object, env: Mapping[str, str] | None = None,
-               extra_sbatch_args: Sequence[str] = (), cwd: Path | None = None) -> int:
+    def sbatch(
+        self,
+        script: Path,
+        *args: object,
+        env: Mapping[str, str] | None = None,
+        extra_sbatch_args: Sequence[str] = (),
+        cwd: Path | None = None,
+    ) -> int:
         """Submit ``script args...``; the job sees os.environ + ``env``. Returns the job id."""
         cmd = ["sbatch", "--parsable", *extra_sbatch_args, str(script), *map(str, args)]
         out = subprocess.run(cmd, env=self.env(env), cwd=cwd, capture_output=True, text=True, timeout=60)
@@ -294,8 +336,10 @@ class LocalSlurm:
         raise TimeoutError(f"job {job_id} not finished after {timeout_s}s: {info}\n{self.log_tails()}")
 
     def log_tails(self, n: int = 15) -> str:
-        return "\n".join(_tail(self.workdir / f, n) for f in
-                         ["munged.log", "slurmctld.log", *(f"slurmd-{node}.log" for node in self.nodes)])
+        return "\n".join(
+            _tail(self.workdir / f, n)
+            for f in ["munged.log", "slurmctld.log", *(f"slurmd-{node}.log" for node in self.nodes)]
+        )
 
 
 @pytest.fixture
@@ -305,7 +349,9 @@ def local_slurm_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ca
     if reason:
         pytest.skip(reason)
     with contextlib.ExitStack() as stack:
+
         def make(num_nodes: int = 2, cpus_per_node: int = 8, **kw: Any) -> LocalSlurm:
             workdir = tmp_path_factory.mktemp("slurm")
             return stack.enter_context(LocalSlurm(num_nodes, cpus_per_node, workdir, **kw))
+
         yield make

@@ -9,6 +9,7 @@ checkpoint).
 
 Rank 0 writes OUT/sp.json; OUT/final_<run>_stage<S>.pt hold the HF-named weights of each stage after the last step.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,9 +26,9 @@ from dist_worker import run_steps, train_dataset
 from helpers import hf_model, model_config
 from sft_worker import sft_config
 from threed.config import CheckpointConfig, DataConfig, ParallelConfig, RunConfig, TrainConfig
-from threed.distributed import Runtime
-from threed.engine import build_engine
-from threed.train import train
+from threed.parallel.distributed import Runtime
+from threed.train.engine import build_engine
+from threed.train.loop import train
 from tied_worker import save_final
 from worker_setup import load_hf_weights, run_worker
 
@@ -37,11 +38,23 @@ SEQ, MICRO = 32, 2
 
 def base_config(data: str, sp: bool, save: str | None = None, tp: int = 2, pp: int = 2) -> RunConfig:
     """test_training.reference_run's model, batch (8 sequences of 32) and optimizer, over STEPS steps."""
-    return RunConfig(model=model_config("gqa31"), parallel=ParallelConfig(tp=tp, pp=pp, sequence_parallel=sp),
-                     train=TrainConfig(dtype="fp32", micro_batch_size=MICRO, global_batch_size=8, seq_length=SEQ,
-                                       steps=STEPS, lr=1e-3, min_lr=1e-4, warmup_steps=2, grad_clip=0.5),
-                     data=DataConfig(data_path=(data,)),
-                     checkpoint=CheckpointConfig(save=save, auto_resume=save is not None))
+    return RunConfig(
+        model=model_config("gqa31"),
+        parallel=ParallelConfig(tp=tp, pp=pp, sequence_parallel=sp),
+        train=TrainConfig(
+            dtype="fp32",
+            micro_batch_size=MICRO,
+            global_batch_size=8,
+            seq_length=SEQ,
+            steps=STEPS,
+            lr=1e-3,
+            min_lr=1e-4,
+            warmup_steps=2,
+            grad_clip=0.5,
+        ),
+        data=DataConfig(data_path=(data,)),
+        checkpoint=CheckpointConfig(save=save, auto_resume=save is not None),
+    )
 
 
 def norms_equal_over_tp(engine) -> bool:
@@ -116,8 +129,12 @@ def resumed(cfg: RunConfig, rt: Runtime) -> dict:
     built = build_engine(cfg, rt)
     start = built.engine.global_steps
     losses, norms = run_steps(built.engine, cfg, train_dataset(cfg, rt.world_size), start, STEPS)
-    return {"start": start, "universal": bool(built.decision and built.decision.universal),
-            "losses": losses, "grad_norms": norms}
+    return {
+        "start": start,
+        "universal": bool(built.decision and built.decision.universal),
+        "losses": losses,
+        "grad_norms": norms,
+    }
 
 
 def main(args: argparse.Namespace, rt: Runtime) -> None:
@@ -126,13 +143,18 @@ def main(args: argparse.Namespace, rt: Runtime) -> None:
     results: dict = {}
     # Each run saves after step 5 into its own directory; the resumes below start from copies of those.
     for name, sp in (("plain", False), ("sp", True)):
-        results[name] = trained(base_config(args.data, sp, save=str(out / f"save_{name}")), rt, hf_state, out,
-                                name, save_at=SAVED_AT)
+        results[name] = trained(
+            base_config(args.data, sp, save=str(out / f"save_{name}")), rt, hf_state, out, name, save_at=SAVED_AT
+        )
 
     # A checkpoint written with sequence parallelism resumes without it, and the reverse: at the same layout
     # (natively), and at another layout through the universal checkpoint.
-    for name, src, sp, tp, pp in (("sp_to_plain", "sp", False, 2, 2), ("plain_to_sp", "plain", True, 2, 2),
-                                  ("sp_to_tp1pp2", "sp", False, 1, 2), ("plain_to_sp_tp2pp1", "plain", True, 2, 1)):
+    for name, src, sp, tp, pp in (
+        ("sp_to_plain", "sp", False, 2, 2),
+        ("plain_to_sp", "plain", True, 2, 2),
+        ("sp_to_tp1pp2", "sp", False, 1, 2),
+        ("plain_to_sp_tp2pp1", "plain", True, 2, 1),
+    ):
         save = out / f"save_{name}"
         if rt.rank == 0:
             shutil.copytree(out / f"save_{src}", save)
@@ -140,8 +162,12 @@ def main(args: argparse.Namespace, rt: Runtime) -> None:
         results[name] = resumed(base_config(args.data, sp, save=str(save), tp=tp, pp=pp), rt)
 
     # Packed SFT rows through the real loop (threed.train), from random init: test_sft_train's reference.
-    r = train(dataclasses.replace(sft_config(args.sft_data, pack=True, steps=SFT_STEPS),
-                                  parallel=ParallelConfig(tp=2, pp=2, sequence_parallel=True)))
+    r = train(
+        dataclasses.replace(
+            sft_config(args.sft_data, pack=True, steps=SFT_STEPS),
+            parallel=ParallelConfig(tp=2, pp=2, sequence_parallel=True),
+        )
+    )
     results["sft_sp"] = {"losses": r.losses, "grad_norms": r.grad_norms, "evals": r.evals}
     if rt.rank == 0:
         (out / "sp.json").write_text(json.dumps(results))

@@ -3,6 +3,7 @@ its .bin, a loss mask (or any 0/1 data) given as tokens, a prefix listed twice i
 ignored; `preprocess --sft` on non-UTF-8 input names the line; and a `kill -9` of `threed preprocess --workers 2`
 leaves no worker behind, its temporary directory removed by the next run. Each refusal through `threed train` as
 the table in test_bad_inputs.py checks it: exit 2, one error line naming the fix, no traceback, nothing changed."""
+
 from __future__ import annotations
 
 import os
@@ -20,7 +21,7 @@ import pytest
 from helpers import sft_examples, write_dataset, write_sft_dataset
 from test_bad_inputs import REPO, TRAIN, own_process_group, run_cli, snapshot  # noqa: F401 (a fixture)
 from test_preprocess import corpus  # noqa: F401 (a fixture)
-from test_sft import _cli as sft_cli, tok_dirs  # noqa: F401 (a fixture)
+from test_sft import _cli as sft_cli, tok_dirs  # noqa: F401, F811 (a fixture)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,7 @@ def world(tmp_path_factory) -> Path:
     lengths = np.frombuffer(raw, np.int32, n, 34).copy()
     lengths[3] -= 1
     lengths[4] += 1
-    raw[34:34 + 4 * n] = lengths.tobytes()
+    raw[34 : 34 + 4 * n] = lengths.tobytes()
     (d / "gap.idx").write_bytes(bytes(raw))
     shutil.copy(d / "corpus.bin", d / "gap.bin")
     # trailing bytes after the index's arrays
@@ -63,36 +64,66 @@ C = TRAIN[:4]  # train --model tiny --data-path
 REST = TRAIN[5:]
 TABLE = [
     # an .idx that does not describe its .bin, whatever the sizes
-    ("idx-of-another-bin-bigger", C + ["{w}/data/bigger"] + REST,
-     r"bigger\.idx does not describe .*bigger\.bin \(\.bin is [\d,]+ bytes, the index describes [\d,]+: another "
-     r"dataset's \.bin\?\); .*copy both files again, or rebuild them"),
+    (
+        "idx-of-another-bin-bigger",
+        C + ["{w}/data/bigger"] + REST,
+        r"bigger\.idx does not describe .*bigger\.bin \(\.bin is [\d,]+ bytes, the index describes [\d,]+: another "
+        r"dataset's \.bin\?\); .*copy both files again, or rebuild them",
+    ),
     ("idx-bin-truncated", C + ["{w}/data/short"] + REST, r"short\.idx does not describe .*truncated\?"),
-    ("idx-pointers-not-contiguous", C + ["{w}/data/gap"] + REST,
-     r"gap\.idx does not describe .*sequence 4 starts at byte [\d,]+, not [\d,]+ where the one before it ends"),
+    (
+        "idx-pointers-not-contiguous",
+        C + ["{w}/data/gap"] + REST,
+        r"gap\.idx does not describe .*sequence 4 starts at byte [\d,]+, not [\d,]+ where the one before it ends",
+    ),
     ("idx-trailing-bytes", C + ["{w}/data/tail"] + REST, r"tail\.idx does not describe .*its header says"),
     # a loss mask (or other 0/1 data) given as tokens
-    ("mask-as-tokens", C + ["{w}/sft/chat_mask_document"] + REST,
-     r"chat_mask_document is the loss mask `threed preprocess --sft` writes beside .*chat_text_document, not "
-     r"tokens; pass .*chat_text_document"),
-    ("zero-one-data-as-tokens", C + ["{w}/data/flags"] + REST,
-     r"flags holds only the values 0 and 1 .*: a loss mask or another non-token dataset, not tokens; pass the "
-     r"token dataset"),
+    (
+        "mask-as-tokens",
+        C + ["{w}/sft/chat_mask_document"] + REST,
+        r"chat_mask_document is the loss mask `threed preprocess --sft` writes beside .*chat_text_document, not "
+        r"tokens; pass .*chat_text_document",
+    ),
+    (
+        "zero-one-data-as-tokens",
+        C + ["{w}/data/flags"] + REST,
+        r"flags holds only the values 0 and 1 .*: a loss mask or another non-token dataset, not tokens; pass the "
+        r"token dataset",
+    ),
     # the same prefix twice in one blend
-    ("blend-twice-weighted", C + ["0.3", "{w}/data/corpus", "0.2", "{w}/data/other", "0.5", "{w}/data/corpus"]
-     + REST, r"--data-path lists .*corpus twice: .*read twice over; list it once with the weights merged "
-             r"\(--data-path \.\.\. 0\.8 .*corpus \.\.\.\)"),
-    ("blend-twice-plain", C + ["{w}/data/corpus", "{w}/data/corpus"] + REST,
-     r"--data-path lists .*corpus twice: .* list it once \(or give weights"),
-    ("blend-twice-spelled-differently", C + ["{w}/data/corpus", "{w}/data/../data/corpus"] + REST,
-     r"lists .*data/\.\./data/corpus twice \(as .*data/corpus\)"),
-    ("train-blend-twice", ["train", "--model", "tiny", "--train-data-path", "{w}/data/other", "{w}/data/other"]
-     + REST, r"--train-data-path lists .*other twice"),
+    (
+        "blend-twice-weighted",
+        C + ["0.3", "{w}/data/corpus", "0.2", "{w}/data/other", "0.5", "{w}/data/corpus"] + REST,
+        r"--data-path lists .*corpus twice: .*read twice over; list it once with the weights merged "
+        r"\(--data-path \.\.\. 0\.8 .*corpus \.\.\.\)",
+    ),
+    (
+        "blend-twice-plain",
+        C + ["{w}/data/corpus", "{w}/data/corpus"] + REST,
+        r"--data-path lists .*corpus twice: .* list it once \(or give weights",
+    ),
+    (
+        "blend-twice-spelled-differently",
+        C + ["{w}/data/corpus", "{w}/data/../data/corpus"] + REST,
+        r"lists .*data/\.\./data/corpus twice \(as .*data/corpus\)",
+    ),
+    (
+        "train-blend-twice",
+        ["train", "--model", "tiny", "--train-data-path", "{w}/data/other", "{w}/data/other"] + REST,
+        r"--train-data-path lists .*other twice",
+    ),
     # flags that would be ignored
-    ("split-with-train-data-path", ["train", "--model", "tiny", "--train-data-path", "{w}/data/corpus",
-                                    "--split", "90,10,0"] + REST,
-     r"--split 90,10,0 applies to --data-path only; .* drop --split"),
-    ("test-data-path", ["train", "--model", "tiny", "--train-data-path", "{w}/data/corpus", "--test-data-path",
-                        "{w}/data/other"] + REST, r"--test-data-path would be ignored: .* drop it, or pass"),
+    (
+        "split-with-train-data-path",
+        ["train", "--model", "tiny", "--train-data-path", "{w}/data/corpus", "--split", "90,10,0"] + REST,
+        r"--split 90,10,0 applies to --data-path only; .* drop --split",
+    ),
+    (
+        "test-data-path",
+        ["train", "--model", "tiny", "--train-data-path", "{w}/data/corpus", "--test-data-path", "{w}/data/other"]
+        + REST,
+        r"--test-data-path would be ignored: .* drop it, or pass",
+    ),
 ]
 
 
@@ -103,8 +134,9 @@ def test_data_that_does_not_belong_together_is_refused(world, case, command, exp
     rc, output = run_cli(world, command, capsys)
     assert rc == 2, f"{case}: exit status {rc}\n{output[-3000:]}"
     assert "Traceback" not in output, f"{case}: a traceback\n{output[-3000:]}"
-    errors = [line for line in output.splitlines() if re.search(r"\berror\b", line, re.I)
-              and "warn" not in line.lower()]
+    errors = [
+        line for line in output.splitlines() if re.search(r"\berror\b", line, re.I) and "warn" not in line.lower()
+    ]
     assert len(errors) == 1, f"{case}: expected one error line, got {errors}\n{output[-3000:]}"
     assert re.search(expected, errors[0]), f"{case}: {errors[0]!r} does not match {expected!r}"
     assert snapshot(world) == before, f"{case}: the sandbox changed"
@@ -120,13 +152,24 @@ def test_the_good_pairs_pass_the_index_check(world):
         check_index(str(world / prefix), IndexedDataset(str(world / prefix)))
 
 
-def test_sft_preprocess_names_the_line_of_non_utf8_input(tmp_path, tok_dirs, capsys):
+def test_sft_preprocess_names_the_line_of_non_utf8_input(tmp_path, tok_dirs, capsys):  # noqa: F811 (the fixture, imported above)
     good = '{"prompt": "hi", "response": "hello"}\n'
     src = tmp_path / "in.jsonl"
     src.write_bytes((good * 4).encode() + b'{"prompt": "caf\xe9", "response": "x"}\n' + good.encode())
     (tmp_path / "out").mkdir()
-    rc = sft_cli(["--sft", "--input", str(src), "--tokenizer", tok_dirs["llama3"], "--seq-length", "64",
-                  "--output-prefix", str(tmp_path / "out" / "x")])
+    rc = sft_cli(
+        [
+            "--sft",
+            "--input",
+            str(src),
+            "--tokenizer",
+            tok_dirs["llama3"],
+            "--seq-length",
+            "64",
+            "--output-prefix",
+            str(tmp_path / "out" / "x"),
+        ]
+    )
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1, err
     assert "in.jsonl line 5: not UTF-8 (byte 0xe9" in err and "re-encode the file as UTF-8" in err, err
@@ -160,8 +203,21 @@ def test_kill_9_of_preprocess_leaves_no_worker_and_the_next_run_cleans_up(corpus
     big = tmp_path / "big.txt"
     big.write_text("\n\n".join(docs * 40) + "\n")  # tens of seconds of tokenizing at 2 workers
     out = tmp_path / "out" / "corpus"
-    cmd = [sys.executable, "-m", "threed.cli", "preprocess", "--input", str(big), "--output-prefix", str(out),
-           "--tokenizer", corpus["sp"], "--workers", "2", "--quiet"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "threed.cli",
+        "preprocess",
+        "--input",
+        str(big),
+        "--output-prefix",
+        str(out),
+        "--tokenizer",
+        corpus["sp"],
+        "--workers",
+        "2",
+        "--quiet",
+    ]
     env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline, workers = time.monotonic() + 120, []
@@ -189,8 +245,10 @@ def test_kill_9_of_preprocess_leaves_no_worker_and_the_next_run_cleans_up(corpus
     again = subprocess.run(cmd[:5] + [str(small)] + cmd[6:], env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr
     assert f"removed {tmp[0]}, left by a run that was killed" in again.stderr
-    assert sorted(x.name for x in (tmp_path / "out").iterdir()) == ["corpus_text_document.bin",
-                                                                    "corpus_text_document.idx"]
+    assert sorted(x.name for x in (tmp_path / "out").iterdir()) == [
+        "corpus_text_document.bin",
+        "corpus_text_document.idx",
+    ]
 
 
 def test_a_live_runs_temp_directory_is_left_alone(tmp_path):

@@ -2,6 +2,7 @@
 decimal everywhere, environment variables one edit from a recipe variable named as likely typos, the recipe typo
 check on every assignment, checkpoints kept and their size shown, `make convert` / `make export` naming what is
 missing, and a refusal under torchrun ending with our one line and our exit status."""
+
 from __future__ import annotations
 
 import os
@@ -36,10 +37,15 @@ def test_leading_zero_is_decimal_not_octal() -> None:
     assert dry_numbers(out.stdout)["DP"] == 3 and "--nproc-per-node=12" in out.stdout
 
 
-@pytest.mark.parametrize("env,flag,value", [({"GPUS_PER_NODE": "08"}, None, None),  # bash: "value too great"
-                                             ({"WARMUP": "007"}, "--warmup-steps", "7"),
-                                             ({"MICRO": "+4", "GAS": "04"}, "--grad-accum-steps", "4"),
-                                             ({"KEEP_LAST": "02"}, "--keep-last", "2")])
+@pytest.mark.parametrize(
+    "env,flag,value",
+    [
+        ({"GPUS_PER_NODE": "08"}, None, None),  # bash: "value too great"
+        ({"WARMUP": "007"}, "--warmup-steps", "7"),
+        ({"MICRO": "+4", "GAS": "04"}, "--grad-accum-steps", "4"),
+        ({"KEEP_LAST": "02"}, "--keep-last", "2"),
+    ],
+)
 def test_numbers_are_rewritten_in_decimal(env, flag, value) -> None:
     out = launch("tiny", env)
     assert out.returncode == 0, out.stderr
@@ -50,16 +56,19 @@ def test_numbers_are_rewritten_in_decimal(env, flag, value) -> None:
     assert dry_numbers(out.stdout) == {"DP": 2, "GAS": 4, "TRAIN_BATCH_SIZE": 32}
 
 
-@pytest.mark.parametrize("var,value,expected", [
-    ("GPUS_PER_NODE", "8x", r"GPUS_PER_NODE must be a positive integer, got '8x': .*decimal digits"),
-    ("GPUS_PER_NODE", "0x10", r"GPUS_PER_NODE must be a positive integer, got '0x10'"),
-    ("NNODES", "1.5", r"NNODES must be a positive integer, got '1.5'"),
-    ("NODE_RANK", "one", r"NODE_RANK must be a whole number >= 0, got 'one'"),
-    ("MASTER_PORT", "29500a", r"MASTER_PORT must be a whole number >= 0"),
-    ("KEEP_LAST", "three", r"KEEP_LAST must be a whole number, got 'three'"),
-    ("SAVE_INTERVAL", "1e3", r"SAVE_INTERVAL must be a whole number, got '1e3'"),
-    ("GLOBAL", "64k", r"GLOBAL must be a positive integer, got '64k'"),
-])
+@pytest.mark.parametrize(
+    "var,value,expected",
+    [
+        ("GPUS_PER_NODE", "8x", r"GPUS_PER_NODE must be a positive integer, got '8x': .*decimal digits"),
+        ("GPUS_PER_NODE", "0x10", r"GPUS_PER_NODE must be a positive integer, got '0x10'"),
+        ("NNODES", "1.5", r"NNODES must be a positive integer, got '1.5'"),
+        ("NODE_RANK", "one", r"NODE_RANK must be a whole number >= 0, got 'one'"),
+        ("MASTER_PORT", "29500a", r"MASTER_PORT must be a whole number >= 0"),
+        ("KEEP_LAST", "three", r"KEEP_LAST must be a whole number, got 'three'"),
+        ("SAVE_INTERVAL", "1e3", r"SAVE_INTERVAL must be a whole number, got '1e3'"),
+        ("GLOBAL", "64k", r"GLOBAL must be a positive integer, got '64k'"),
+    ],
+)
 def test_non_numbers_are_refused(var, value, expected) -> None:
     out = launch("tiny", {var: value})
     assert out.returncode == 2, out.stdout + out.stderr
@@ -75,8 +84,11 @@ def test_environment_typos_are_named() -> None:
     warnings = out.stderr.strip().splitlines()
     assert sorted(w.split()[6] for w in warnings) == ["GOLBAL,", "SEQQ,", "STEP,", "steps,"], warnings
     for w in warnings:
-        assert re.fullmatch(r"threed launch: warning: the environment sets (\w+), which is not a recipe variable: "
-                            r"did you mean [A-Z_]+\? \(\1 is ignored\)", w), w
+        assert re.fullmatch(
+            r"threed launch: warning: the environment sets (\w+), which is not a recipe variable: "
+            r"did you mean [A-Z_]+\? \(\1 is ignored\)",
+            w,
+        ), w
     assert "did you mean GLOBAL?" in out.stderr and "did you mean STEPS?" in out.stderr
     assert train_argv(out.stdout)[train_argv(out.stdout).index("--steps") + 1] == "150"  # ignored, as it says
 
@@ -86,21 +98,30 @@ def test_no_warning_for_the_launchers_own_variables() -> None:
     assert out.returncode == 0 and not out.stderr.strip(), out.stderr
 
 
-@pytest.mark.parametrize("snippet,name,near", [
-    ("if true; then\n    MICR0=4\nfi\n", "MICR0", "MICRO"),
-    ("if true; then SAVE_INTERVL=5; fi\n", "SAVE_INTERVL", "SAVE_INTERVAL"),
-    ("[ -n \"${X:-}\" ] && GOLBAL=64\n", "GOLBAL", "GLOBAL"),
-    ("case $TP in 2) STEP=5 ;; esac\n", "STEP", "STEPS"),
-    ("{ SEQQ=64; }\n", "SEQQ", "SEQ"),
-    (": \"${WARMPU:=5}\"\n", "WARMPU", "WARMUP"),
-    ("export MIN_RL=1e-5\n", "MIN_RL", "MIN_LR"),
-])
+@pytest.mark.parametrize(
+    "snippet,name,near",
+    [
+        ("if true; then\n    MICR0=4\nfi\n", "MICR0", "MICRO"),
+        ("if true; then SAVE_INTERVL=5; fi\n", "SAVE_INTERVL", "SAVE_INTERVAL"),
+        ('[ -n "${X:-}" ] && GOLBAL=64\n', "GOLBAL", "GLOBAL"),
+        ("case $TP in 2) STEP=5 ;; esac\n", "STEP", "STEPS"),
+        ("{ SEQQ=64; }\n", "SEQQ", "SEQ"),
+        (': "${WARMPU:=5}"\n', "WARMPU", "WARMUP"),
+        ("export MIN_RL=1e-5\n", "MIN_RL", "MIN_LR"),
+    ],
+)
 def test_recipe_typo_anywhere_is_refused(tmp_path: Path, snippet, name, near) -> None:
     tiny = (REPO / "recipes" / "tiny.sh").read_text()
     recipe = tmp_path / "r.sh"
     recipe.write_text(tiny + "# a comment that sets NOTHING=1 is not an assignment\n" + snippet)
-    out = subprocess.run(["bash", str(LAUNCH), str(recipe)], env={**os.environ, "THREED_DRY_RUN": "1"},
-                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    out = subprocess.run(
+        ["bash", str(LAUNCH), str(recipe)],
+        env={**os.environ, "THREED_DRY_RUN": "1"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
     assert out.returncode == 2, out.stdout + out.stderr
     line = one_error(out.stderr)
     lineno = len(tiny.splitlines()) + 2 + snippet.count("\n", 0, snippet.index(name))
@@ -129,18 +150,28 @@ def test_recipes_keep_the_last_checkpoints_and_show_their_size() -> None:
 def test_checkpoint_size_needs_no_torch() -> None:
     """check-config prints the checkpoint size with the save checks' own formula (threed.checkpoint.format) without
     importing torch: the launcher's dry run stays a second."""
-    code = ("import sys, threed.check_config as c; from threed.checkpoint.format import checkpoint_bytes; "
-            "assert c.checkpoint_bytes is checkpoint_bytes; assert 'torch' not in sys.modules, 'torch imported'")
+    code = (
+        "import sys, threed.cli.check_config as c; from threed.checkpoint.format import checkpoint_bytes; "
+        "assert c.checkpoint_bytes is checkpoint_bytes; assert 'torch' not in sys.modules, 'torch imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(REPO / "src")})
 
 
 # --- make convert / make export -------------------------------------------------------------------------------
-@pytest.mark.parametrize("goal,given,missing", [("convert", [], "HF TP PP OUT"), ("convert", ["TP=2", "HF=x"], "PP OUT"),
-                                                ("export", ["CKPT=a"], "OUT")])
+@pytest.mark.parametrize(
+    "goal,given,missing",
+    [("convert", [], "HF TP PP OUT"), ("convert", ["TP=2", "HF=x"], "PP OUT"), ("export", ["CKPT=a"], "OUT")],
+)
 def test_make_names_the_missing_variable(goal, given, missing) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("HF", "TP", "PP", "OUT", "CKPT", "ARGS", "MAKEFLAGS")}
-    out = subprocess.run(["make", "--no-print-directory", "-n", goal, *given], env=env, capture_output=True, text=True, timeout=60,
-                         cwd=REPO)
+    out = subprocess.run(
+        ["make", "--no-print-directory", "-n", goal, *given],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
     assert out.returncode == 2, out.stdout + out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and f"make {goal}: {missing} not set; usage: make {goal} " in lines[0], lines
@@ -167,9 +198,22 @@ RANK_SCRIPT = textwrap.dedent("""\
 def test_torchrun_main_ends_with_the_ranks_status(tmp_path: Path, how, status) -> None:
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
-    out = subprocess.run([sys.executable, "-m", "threed.launch", "--standalone", "--nproc-per-node=2",
-                          "--max-restarts=0", str(script), how], env={**os.environ, **SRC_ENV}, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "threed.parallel.launch",
+            "--standalone",
+            "--nproc-per-node=2",
+            "--max-restarts=0",
+            str(script),
+            how,
+        ],
+        env={**os.environ, **SRC_ENV},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     both = out.stdout + out.stderr
     assert out.returncode == status, both
     assert "Traceback" not in both and "ChildFailedError" not in both, both
@@ -182,15 +226,34 @@ def test_torchrun_main_ends_with_the_ranks_status(tmp_path: Path, how, status) -
 
 
 def test_train_nproc_refuses_a_bad_layout_before_starting_ranks() -> None:
-    out = subprocess.run([sys.executable, "-m", "threed.cli", "train", "--nproc-per-node", "3", "--model", "tiny",
-                          "--tp", "2", "--seq-length", "32", "--steps", "2"], env={**os.environ, **SRC_ENV},
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "threed.cli",
+            "train",
+            "--nproc-per-node",
+            "3",
+            "--model",
+            "tiny",
+            "--tp",
+            "2",
+            "--seq-length",
+            "32",
+            "--steps",
+            "2",
+        ],
+        env={**os.environ, **SRC_ENV},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2, out.stdout + out.stderr
     assert re.fullmatch(r"threed: configuration error: world size 3 is not divisible by tp\*pp.*\n", out.stderr)
 
 
 def test_train_nproc_under_torchrun_is_refused(monkeypatch) -> None:
-    from threed.cli import main
+    from threed.cli.main import main
 
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
     monkeypatch.setenv("RANK", "0")
@@ -200,10 +263,28 @@ def test_train_nproc_under_torchrun_is_refused(monkeypatch) -> None:
 def test_train_nproc_refusal_in_the_ranks_is_one_line(tmp_path: Path) -> None:
     """A refusal that only the ranks find (the dataset is checked once the world is up), under 2 ranks through
     `threed train --nproc-per-node 2`: exactly one `threed: configuration error:` line, no traceback, exit 2."""
-    out = subprocess.run([sys.executable, "-m", "threed.cli", "train", "--nproc-per-node", "2", "--model", "tiny",
-                          "--seq-length", "32", "--steps", "2", "--data-path", str(tmp_path / "nothing")],
-                         env={**os.environ, **SRC_ENV, "THREED_DEVICE": "cpu"}, capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "threed.cli",
+            "train",
+            "--nproc-per-node",
+            "2",
+            "--model",
+            "tiny",
+            "--seq-length",
+            "32",
+            "--steps",
+            "2",
+            "--data-path",
+            str(tmp_path / "nothing"),
+        ],
+        env={**os.environ, **SRC_ENV, "THREED_DEVICE": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     both = out.stdout + out.stderr
     assert out.returncode == 2, both[-3000:]
     errors = [line for line in both.splitlines() if "threed: configuration error:" in line]

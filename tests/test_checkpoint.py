@@ -1,6 +1,7 @@
 """threed.checkpoint without ranks: the manifest and `latest` (crash safety), the newest complete checkpoint on
 load, --keep-last, where a run starts (resume / refuse / overwrite / universal), and the save-directory checks that
 run before the model is built. Fake checkpoint directories stand in for DeepSpeed's files."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,13 +19,21 @@ from threed.checkpoint.manifest import find_resumable, prune, write_manifest
 from threed.checkpoint.format import checkpoint_bytes
 from threed.checkpoint.start import check_save_dir, decide_start
 from threed.config import CheckpointConfig, ConfigError, ParallelConfig, RunConfig, TrainConfig
-from threed.presets import PRESETS
+from threed.model.presets import PRESETS
 
 TINY = PRESETS["tiny"]
 
 
-def fake_checkpoint(root: Path, step: int, tp: int = 1, pp: int = 2, dp: int = 1, complete: bool = True,
-                    latest: bool = True, dtype: str = "fp32") -> Path:
+def fake_checkpoint(
+    root: Path,
+    step: int,
+    tp: int = 1,
+    pp: int = 2,
+    dp: int = 1,
+    complete: bool = True,
+    latest: bool = True,
+    dtype: str = "fp32",
+) -> Path:
     """A checkpoint directory shaped like DeepSpeed's (tiny: 7 pipeline layers), with our manifest."""
     d = root / f"global_step{step}"
     d.mkdir(parents=True)
@@ -37,17 +46,28 @@ def fake_checkpoint(root: Path, step: int, tp: int = 1, pp: int = 2, dp: int = 1
         (d / name).write_bytes(b"x" * (100 + i))
         files[name] = 100 + i
     if complete:
-        write_manifest(d, files, {"step": step, "dtype": dtype, "model": RunConfig(model=TINY).to_dict()["model"],
-                                  "layout": {"tp": tp, "pp": pp, "dp": dp}})
+        write_manifest(
+            d,
+            files,
+            {
+                "step": step,
+                "dtype": dtype,
+                "model": RunConfig(model=TINY).to_dict()["model"],
+                "layout": {"tp": tp, "pp": pp, "dp": dp},
+            },
+        )
         if latest:
             (root / "latest").write_text(d.name)
     return d
 
 
 def cfg(save=None, tp=1, pp=2, dtype="fp32", **ck) -> RunConfig:
-    return RunConfig(model=TINY, parallel=ParallelConfig(tp=tp, pp=pp),
-                     train=TrainConfig(dtype=dtype, seq_length=32, steps=10),
-                     checkpoint=CheckpointConfig(save=str(save) if save else None, **ck))
+    return RunConfig(
+        model=TINY,
+        parallel=ParallelConfig(tp=tp, pp=pp),
+        train=TrainConfig(dtype=dtype, seq_length=32, steps=10),
+        checkpoint=CheckpointConfig(save=str(save) if save else None, **ck),
+    )
 
 
 def test_newest_complete_checkpoint_is_found(tmp_path):
@@ -107,8 +127,12 @@ def test_keep_last_prunes_old_and_unfinished_checkpoints(tmp_path):
     fake_checkpoint(tmp_path, 1, complete=False)  # an older threed's checkpoint: complete files, no manifest
     (tmp_path / "universal" / "global_step2-from-tp2pp2dp2fp32").mkdir(parents=True)
     removed = prune(tmp_path, keep_last=2, current="global_step6")
-    assert sorted(removed) == ["global_step1", "global_step2", "global_step5",
-                               "universal/global_step2-from-tp2pp2dp2fp32"]
+    assert sorted(removed) == [
+        "global_step1",
+        "global_step2",
+        "global_step5",
+        "universal/global_step2-from-tp2pp2dp2fp32",
+    ]
     assert sorted(p.name for p in tmp_path.glob("global_step*")) == ["global_step4", "global_step6"]
     assert prune(tmp_path, keep_last=0, current="global_step6") == []  # 0 keeps every complete checkpoint
     fake_checkpoint(tmp_path, 3, complete=False)
@@ -122,6 +146,7 @@ def test_write_atomic_leaves_no_temporary_file(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ where a run starts
+
 
 def test_existing_run_is_resumed_and_other_sources_are_noted(tmp_path):
     fake_checkpoint(tmp_path / "run", 4)
@@ -174,6 +199,7 @@ def test_load_without_checkpoint_is_refused(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ the save directory
+
 
 def test_save_dir_is_created_and_probed(tmp_path):
     check_save_dir(cfg(tmp_path / "a" / "b"), decide_start(cfg(tmp_path / "a" / "b"), 2))

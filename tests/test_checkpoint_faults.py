@@ -6,6 +6,7 @@ run; a diverging run stops with exit 3 naming the step and the last good checkpo
 `make test` runs the reference, one kill point, divergence and the watchdog (5 launches, ~1 min on 2 idle cores);
 the other kill points and --skip-nonfinite are marked slow (`make test-slow`); tests/test_checkpoint_guard.py
 checks the guard's skip / stop / time-budget logic without ranks."""
+
 from __future__ import annotations
 
 import json
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 from helpers import TESTS
-from threed.launch import torchrun_command
+from threed.parallel.launch import torchrun_command
 
 WORKER = str(TESTS / "ckpt_worker.py")
 RUN = ["--pp", "2", "--steps", "6", "--save-interval", "2"]
@@ -26,8 +27,14 @@ RUN = ["--pp", "2", "--steps", "6", "--save-interval", "2"]
 
 def worker(nproc: int, out: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(torchrun_command(nproc, WORKER, ["--out", str(out), *args]), env=env, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
+    return subprocess.run(
+        torchrun_command(nproc, WORKER, ["--out", str(out), *args]),
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=timeout,
+    )
 
 
 def losses(out: Path) -> dict[int, float]:
@@ -69,8 +76,9 @@ def test_kill_during_save_then_same_command_resumes_bit_identical(reference, kil
     resumed = worker(2, out, "--save", str(save), *RUN)
     assert resumed.returncode == 0, resumed.stdout[-4000:]
     start = json.loads((out / "result.json").read_text())["start"]
-    expected_start = {"file1:4:1": 2, "latest:4:0": 4, "file1:4:all": 2, "ds:4:0": 2, "prune:4:0": 4,
-                      "file1:2:all": 0}[kill]
+    expected_start = {"file1:4:1": 2, "latest:4:0": 4, "file1:4:all": 2, "ds:4:0": 2, "prune:4:0": 4, "file1:2:all": 0}[
+        kill
+    ]
     assert start == expected_start, resumed.stdout[-3000:]
     if expected_start == 2:
         assert "skipping checkpoint" in resumed.stdout and "global_step4" in resumed.stdout

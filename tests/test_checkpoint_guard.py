@@ -1,15 +1,16 @@
-"""threed.guard's decisions in one process (no ranks): non-finite steps skipped up to --skip-nonfinite then a stop
+"""threed.train.guard's decisions in one process (no ranks): non-finite steps skipped up to --skip-nonfinite then a stop
 with exit 3 naming the step and the last good checkpoint; the time budget raising the stop request; the watchdog
 limit. tests/test_checkpoint_faults.py runs the same guard inside real multi-rank runs."""
+
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
 
-from threed import guard
+from threed.train import guard
 from threed.config import CheckpointConfig, RunConfig, RunControlConfig
-from threed.presets import PRESETS
+from threed.model.presets import PRESETS
 
 
 class FakeEngine:
@@ -28,8 +29,11 @@ class Stop:
 
 
 def make(tmp_path, **control) -> tuple[guard.RunGuard, FakeEngine, Stop]:
-    cfg = RunConfig(model=PRESETS["tiny"], checkpoint=CheckpointConfig(save=str(tmp_path)),
-                    control=RunControlConfig(watchdog_factor=0, **control))
+    cfg = RunConfig(
+        model=PRESETS["tiny"],
+        checkpoint=CheckpointConfig(save=str(tmp_path)),
+        control=RunControlConfig(watchdog_factor=0, **control),
+    )
     engine, stop = FakeEngine(), Stop()
     return guard.RunGuard(cfg, 0, engine, stop), engine, stop
 

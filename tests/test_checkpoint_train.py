@@ -1,6 +1,7 @@
 """The guard and the checkpoint module inside `threed train` itself (one process, fp32, the tiny preset): a run that
 diverges stops with exit 3 naming the step and the last good checkpoint and saves nothing more; a run that reaches
 --exit-duration-in-mins saves and exits 0, and the same command then resumes from that checkpoint."""
+
 from __future__ import annotations
 
 import os
@@ -20,10 +21,30 @@ def data(tmp_path_factory) -> str:
 
 
 def train(data: str, save, *flags: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "threed.cli", "train", "--model", "tiny", "--data-path", data, "--split", "100,0,0",
-           "--seq-length", "32", "--dtype", "fp32", "--save", str(save), *flags]
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}  # a world of its own
+    cmd = [
+        sys.executable,
+        "-m",
+        "threed.cli",
+        "train",
+        "--model",
+        "tiny",
+        "--data-path",
+        data,
+        "--split",
+        "100,0,0",
+        "--seq-length",
+        "32",
+        "--dtype",
+        "fp32",
+        "--save",
+        str(save),
+        *flags,
+    ]
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }  # a world of its own
     env["OMP_NUM_THREADS"] = "1"
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
@@ -56,10 +77,11 @@ def test_exit_duration_saves_exits_0_and_the_same_command_resumes(data, tmp_path
 
 def test_config_error_under_torchrun_is_one_line_from_rank_0(data, tmp_path):
     """torchrun (the README's own command) prints its own summary of the failed ranks; ours is one line."""
-    from threed.launch import torchrun_command
+    from threed.parallel.launch import torchrun_command
 
-    cmd = torchrun_command(2, "threed.train", ["--model", "tiny", "--data-path", data, "--steps", "-1",
-                                               "--save", str(tmp_path / "save")])
+    cmd = torchrun_command(
+        2, "threed.train", ["--model", "tiny", "--data-path", data, "--steps", "-1", "--save", str(tmp_path / "save")]
+    )
     p = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
     out = p.stdout + p.stderr
     assert p.returncode != 0

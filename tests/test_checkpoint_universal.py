@@ -5,6 +5,7 @@ continue the loss curve within 1e-5. Batches are fixed synthetic samples in a dp
 (tests/ckpt_worker.py), and the global batch (8) is the same at every layout: gas = 8 / dp.
 
 `make test` runs (tp1 pp1 dp1), which changes all three; (tp1 pp2 dp4) and (tp2 pp1 dp2) are slow."""
+
 from __future__ import annotations
 
 import json
@@ -31,11 +32,14 @@ def reference(tmp_path_factory):
     return {"losses": losses(root / "out"), "save": requeued}
 
 
-@pytest.mark.parametrize("tp,pp,dp", [
-    (1, 1, 1),
-    pytest.param(1, 2, 4, marks=pytest.mark.slow),
-    pytest.param(2, 1, 2, marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "tp,pp,dp",
+    [
+        (1, 1, 1),
+        pytest.param(1, 2, 4, marks=pytest.mark.slow),
+        pytest.param(2, 1, 2, marks=pytest.mark.slow),
+    ],
+)
 def test_resume_at_another_layout_continues_the_loss_curve(reference, tp, pp, dp, tmp_path):
     save, out = tmp_path / "save", tmp_path / "out"
     shutil.copytree(reference["save"], save)

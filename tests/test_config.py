@@ -1,5 +1,6 @@
 """Config validation (each invalid combination fails with a message naming the numbers), presets with the
 published hyperparameters, HF config.json round trip, the DeepSpeed config, CLI flags and checkpoint layouts."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -8,12 +9,20 @@ import re
 import pytest
 
 from threed.checkpoint.format import check_layout
-from threed.config import (CheckpointConfig, ConfigError, ParallelConfig, RunConfig, RunControlConfig, TrainConfig,
-                           check_ranges, meta)
-from threed.engine import deepspeed_config
-from threed.flags import parse_run_config
+from threed.config import (
+    CheckpointConfig,
+    ConfigError,
+    ParallelConfig,
+    RunConfig,
+    RunControlConfig,
+    TrainConfig,
+    check_ranges,
+    meta,
+)
+from threed.train.engine import deepspeed_config
+from threed.cli.flags import parse_run_config
 from threed.hf.config import from_hf_config, to_hf_config
-from threed.presets import PRESETS
+from threed.model.presets import PRESETS
 from threed.model.spec import parameter_count
 
 LLAMA2_70B = PRESETS["llama2-70b"]
@@ -23,19 +32,25 @@ def run(tp=1, pp=1, model=LLAMA2_70B, **train) -> RunConfig:
     return RunConfig(model=model, parallel=ParallelConfig(tp=tp, pp=pp), train=TrainConfig(**train))
 
 
-@pytest.mark.parametrize("cfg,world,pattern", [
-    (run(tp=3), 3, r"tp=3 does not divide num_heads=64"),
-    (run(tp=16), 16, r"tp=16 does not divide num_kv_heads=8"),
-    (run(pp=81), 81, r"pp=81 is larger than num_layers=80"),
-    (run(tp=8, pp=4), 48, r"world size 48 is not divisible by tp\*pp = 8\*4 = 32"),
-    (run(tp=8, pp=4, micro_batch_size=1, grad_accum_steps=8, global_batch_size=256), 64,
-     r"micro x gas x dp = 1 x 8 x 2 = 16, got global_batch_size 256\. dp is world / \(tp x pp\)"),
-    (run(micro_batch_size=3, global_batch_size=16), 1, r"global_batch_size 16 is not divisible by .* 3 x 1"),
-    (run(seq_length=8192), 1, r"seq_length 8192 exceeds max_position_embeddings 4096"),
-    (run(grad_accum_dtype="bf16"), 1, r"grad_accum_dtype must be 'fp32'"),
-    (run(zero_stage=2), 1, r"ZeRO 0 or 1 only"),
-    (run(dtype="fp16"), 1, r"dtype must be 'bf16' or 'fp32'"),
-])
+@pytest.mark.parametrize(
+    "cfg,world,pattern",
+    [
+        (run(tp=3), 3, r"tp=3 does not divide num_heads=64"),
+        (run(tp=16), 16, r"tp=16 does not divide num_kv_heads=8"),
+        (run(pp=81), 81, r"pp=81 is larger than num_layers=80"),
+        (run(tp=8, pp=4), 48, r"world size 48 is not divisible by tp\*pp = 8\*4 = 32"),
+        (
+            run(tp=8, pp=4, micro_batch_size=1, grad_accum_steps=8, global_batch_size=256),
+            64,
+            r"micro x gas x dp = 1 x 8 x 2 = 16, got global_batch_size 256\. dp is world / \(tp x pp\)",
+        ),
+        (run(micro_batch_size=3, global_batch_size=16), 1, r"global_batch_size 16 is not divisible by .* 3 x 1"),
+        (run(seq_length=8192), 1, r"seq_length 8192 exceeds max_position_embeddings 4096"),
+        (run(grad_accum_dtype="bf16"), 1, r"grad_accum_dtype must be 'fp32'"),
+        (run(zero_stage=2), 1, r"ZeRO 0 or 1 only"),
+        (run(dtype="fp16"), 1, r"dtype must be 'bf16' or 'fp32'"),
+    ],
+)
 def test_invalid_configs_name_the_numbers(cfg, world, pattern):
     with pytest.raises(ConfigError, match=pattern):
         cfg.validate(world)
@@ -45,8 +60,11 @@ def test_batch_uses_dp_not_world():
     cfg = run(tp=8, pp=4, micro_batch_size=1, grad_accum_steps=16)
     cfg.validate(128)  # 4 nodes x ... : dp = 128 / 32 = 4
     ds = deepspeed_config(cfg, 128)
-    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == \
-        (64, 1, 16)
+    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (
+        64,
+        1,
+        16,
+    )
     derived = run(tp=8, pp=4, micro_batch_size=2, global_batch_size=512)
     assert derived.train.resolve_batch(derived.parallel.dp(256)) == (2, 32, 512)
 
@@ -58,27 +76,41 @@ def test_deepspeed_config_bf16_uses_fp32_accumulation_and_zero1():
     assert "bf16" not in deepspeed_config(run(dtype="fp32"), 1)
 
 
-@pytest.mark.parametrize("name,hidden,layers,heads,kv,ffn,vocab,theta,max_pos,scaled,billions", [
-    ("llama2-7b", 4096, 32, 32, 32, 11008, 32000, 1e4, 4096, False, 6.74),
-    ("llama2-13b", 5120, 40, 40, 40, 13824, 32000, 1e4, 4096, False, 13.02),
-    ("llama2-70b", 8192, 80, 64, 8, 28672, 32000, 1e4, 4096, False, 68.98),
-    ("llama3-8b", 4096, 32, 32, 8, 14336, 128256, 5e5, 8192, False, 8.03),
-    ("llama3-70b", 8192, 80, 64, 8, 28672, 128256, 5e5, 8192, False, 70.55),
-    ("llama3.1-8b", 4096, 32, 32, 8, 14336, 128256, 5e5, 131072, True, 8.03),
-    ("llama3.1-70b", 8192, 80, 64, 8, 28672, 128256, 5e5, 131072, True, 70.55),
-    ("llama3.1-405b", 16384, 126, 128, 8, 53248, 128256, 5e5, 131072, True, 405.85),
-])
-def test_presets_are_the_published_models(name, hidden, layers, heads, kv, ffn, vocab, theta, max_pos, scaled,
-                                          billions):
+@pytest.mark.parametrize(
+    "name,hidden,layers,heads,kv,ffn,vocab,theta,max_pos,scaled,billions",
+    [
+        ("llama2-7b", 4096, 32, 32, 32, 11008, 32000, 1e4, 4096, False, 6.74),
+        ("llama2-13b", 5120, 40, 40, 40, 13824, 32000, 1e4, 4096, False, 13.02),
+        ("llama2-70b", 8192, 80, 64, 8, 28672, 32000, 1e4, 4096, False, 68.98),
+        ("llama3-8b", 4096, 32, 32, 8, 14336, 128256, 5e5, 8192, False, 8.03),
+        ("llama3-70b", 8192, 80, 64, 8, 28672, 128256, 5e5, 8192, False, 70.55),
+        ("llama3.1-8b", 4096, 32, 32, 8, 14336, 128256, 5e5, 131072, True, 8.03),
+        ("llama3.1-70b", 8192, 80, 64, 8, 28672, 128256, 5e5, 131072, True, 70.55),
+        ("llama3.1-405b", 16384, 126, 128, 8, 53248, 128256, 5e5, 131072, True, 405.85),
+    ],
+)
+def test_presets_are_the_published_models(
+    name, hidden, layers, heads, kv, ffn, vocab, theta, max_pos, scaled, billions
+):
     m = PRESETS[name]
-    assert (m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.ffn_hidden_size, m.vocab_size) == \
-        (hidden, layers, heads, kv, ffn, vocab)
+    assert (m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.ffn_hidden_size, m.vocab_size) == (
+        hidden,
+        layers,
+        heads,
+        kv,
+        ffn,
+        vocab,
+    )
     assert (m.rope_theta, m.max_position_embeddings, m.rms_norm_eps) == (theta, max_pos, 1e-5)
     assert (m.rope_scaling is not None) == scaled
     if scaled:
         s = m.rope_scaling
-        assert (s.factor, s.low_freq_factor, s.high_freq_factor, s.original_max_position_embeddings) == \
-            (8.0, 1.0, 4.0, 8192)
+        assert (s.factor, s.low_freq_factor, s.high_freq_factor, s.original_max_position_embeddings) == (
+            8.0,
+            1.0,
+            4.0,
+            8192,
+        )
     assert parameter_count(m) / 1e9 == pytest.approx(billions, abs=0.01)
 
 
@@ -90,17 +122,38 @@ def test_hf_config_round_trip(name):
 
 
 def test_transformers_v4_config_layout():
-    hf = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "num_hidden_layers": 32,
-          "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
-          "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-          "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                           "original_max_position_embeddings": 8192, "rope_type": "llama3"}}
+    hf = {
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "intermediate_size": 14336,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+    }
     assert from_hf_config(hf) == dataclasses.replace(PRESETS["llama3.1-8b"], name="hf")
     # Llama 3.2 1B / 3B tie the LM head to the embedding; Llama 3.2 3B's published config.json is the preset.
     assert from_hf_config({**hf, "tie_word_embeddings": True}).tie_word_embeddings
-    llama32_3b = {**hf, "hidden_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 24, "head_dim": 128,
-                  "intermediate_size": 8192, "tie_word_embeddings": True,
-                  "rope_scaling": {**hf["rope_scaling"], "factor": 32.0}}
+    llama32_3b = {
+        **hf,
+        "hidden_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 24,
+        "head_dim": 128,
+        "intermediate_size": 8192,
+        "tie_word_embeddings": True,
+        "rope_scaling": {**hf["rope_scaling"], "factor": 32.0},
+    }
     assert from_hf_config(llama32_3b) == dataclasses.replace(PRESETS["llama3.2-3b"], name="hf")
     for flag in ("attention_bias", "mlp_bias"):
         with pytest.raises(ConfigError, match=flag):
@@ -114,9 +167,28 @@ def test_padded_vocab():
 
 
 def test_cli_flags_come_from_the_dataclasses():
-    cfg = parse_run_config(["--model", "tiny", "--tp", "2", "--pp", "2", "--micro-batch-size", "4",
-                            "--global-batch-size", "64", "--data-path", "x", "--dtype", "fp32",
-                            "--activation-checkpointing", "true", "--save", "ck"])
+    cfg = parse_run_config(
+        [
+            "--model",
+            "tiny",
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+            "--micro-batch-size",
+            "4",
+            "--global-batch-size",
+            "64",
+            "--data-path",
+            "x",
+            "--dtype",
+            "fp32",
+            "--activation-checkpointing",
+            "true",
+            "--save",
+            "ck",
+        ]
+    )
     assert cfg.parallel == ParallelConfig(tp=2, pp=2)
     assert (cfg.train.micro_batch_size, cfg.train.global_batch_size, cfg.train.dtype) == (4, 64, "fp32")
     assert cfg.train.activation_checkpointing and cfg.data.data_path == ("x",) and cfg.checkpoint.save == "ck"
@@ -147,8 +219,8 @@ def test_checkpoint_layout_mismatch_is_refused(tmp_path):
 
 
 def test_missing_checkpoint_fails_before_building(tmp_path):
-    from threed.distributed import Runtime
-    from threed.engine import build_engine
+    from threed.parallel.distributed import Runtime
+    from threed.train.engine import build_engine
     import torch
 
     cfg = dataclasses.replace(run(model=PRESETS["tiny"]), checkpoint=CheckpointConfig(init_from=str(tmp_path)))
@@ -166,11 +238,33 @@ def test_deepspeed_json_for_bf16_reduces_in_fp32_and_frees_bf16_grads():
 
 
 def test_run_control_and_partition_flags_land_in_their_sections():
-    cfg = parse_run_config(["--model", "tiny", "--skip-nonfinite", "2", "--exit-duration-in-mins", "5",
-                            "--dist-timeout-minutes", "3", "--watchdog-factor", "0", "--watchdog-min-seconds", "9",
-                            "--partition-method", "uniform", "--tensor-model-parallel-size", "2"])
-    assert cfg.control == RunControlConfig(skip_nonfinite=2, exit_duration_in_mins=5.0, dist_timeout_minutes=3.0,
-                                           watchdog_factor=0.0, watchdog_min_seconds=9.0)
+    cfg = parse_run_config(
+        [
+            "--model",
+            "tiny",
+            "--skip-nonfinite",
+            "2",
+            "--exit-duration-in-mins",
+            "5",
+            "--dist-timeout-minutes",
+            "3",
+            "--watchdog-factor",
+            "0",
+            "--watchdog-min-seconds",
+            "9",
+            "--partition-method",
+            "uniform",
+            "--tensor-model-parallel-size",
+            "2",
+        ]
+    )
+    assert cfg.control == RunControlConfig(
+        skip_nonfinite=2,
+        exit_duration_in_mins=5.0,
+        dist_timeout_minutes=3.0,
+        watchdog_factor=0.0,
+        watchdog_min_seconds=9.0,
+    )
     assert cfg.parallel == ParallelConfig(tp=2, partition_method="uniform")
 
 
@@ -191,6 +285,7 @@ def test_run_configs_written_before_the_sections_moved_still_load():
 
 def test_a_range_is_stated_on_its_field_not_by_name():
     """Ranges come from each field's metadata: a field named like a ranged one elsewhere gets only the default."""
+
     @dataclasses.dataclass(frozen=True)
     class Section:
         factor: float = -1.0  # RopeScaling.factor must be > 0; this one only gets the default (>= 0)
@@ -203,14 +298,18 @@ def test_a_range_is_stated_on_its_field_not_by_name():
     with pytest.raises(ConfigError, match=r"--ratio must be in \[0, 1\), got 1.0"):
         check_ranges("train", Section(factor=0.0, ratio=1.0))
     with pytest.raises(ConfigError, match=r"model field factor must be > 0, got 0.0"):
-        RunConfig(model=dataclasses.replace(PRESETS["llama3.1-8b"], rope_scaling=dataclasses.replace(
-            PRESETS["llama3.1-8b"].rope_scaling, factor=0.0))).validate(1)
+        RunConfig(
+            model=dataclasses.replace(
+                PRESETS["llama3.1-8b"],
+                rope_scaling=dataclasses.replace(PRESETS["llama3.1-8b"].rope_scaling, factor=0.0),
+            )
+        ).validate(1)
 
 
 def test_megatron_aliases_and_help_come_from_the_fields():
     import argparse
 
-    from threed.flags import add_run_flags
+    from threed.cli.flags import add_run_flags
 
     p = argparse.ArgumentParser()
     add_run_flags(p)

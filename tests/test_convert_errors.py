@@ -1,10 +1,10 @@
 """Bad inputs fail with a message that names the problem, exit status 2, and leave no output behind.
 
-    .venv/bin/python -m pytest -q tests/test_convert_errors.py
+.venv/bin/python -m pytest -q tests/test_convert_errors.py
 """
+
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from convert_fixtures import GQA4, save_hf
-from threed.cli import main
+from threed.cli.main import main
 from threed.checkpoint.format import check_loadable, read_model_config
 
 
@@ -41,6 +41,7 @@ def rewrite(change):
         sd = load_file(path)
         change(sd)
         save_file(sd, path, metadata={"format": "pt"})
+
     return edit
 
 
@@ -56,12 +57,18 @@ def corrupt_header(path: Path) -> None:
 
 
 BAD_SOURCES = {
-    "missing": (rewrite(lambda sd: sd.pop("model.layers.2.mlp.up_proj.weight")),
-                "1 missing: model.layers.2.mlp.up_proj.weight"),
-    "unexpected": (rewrite(lambda sd: sd.update({"model.layers.7.mlp.up_proj.weight": torch.zeros(2)})),
-                   "1 unexpected: model.layers.7.mlp.up_proj.weight"),
-    "wrong-shape": (rewrite(lambda sd: sd.update({"model.layers.1.self_attn.k_proj.weight": torch.zeros(48, 64)})),
-                    "model.layers.1.self_attn.k_proj.weight is [48, 64], expected [32, 64]"),
+    "missing": (
+        rewrite(lambda sd: sd.pop("model.layers.2.mlp.up_proj.weight")),
+        "1 missing: model.layers.2.mlp.up_proj.weight",
+    ),
+    "unexpected": (
+        rewrite(lambda sd: sd.update({"model.layers.7.mlp.up_proj.weight": torch.zeros(2)})),
+        "1 unexpected: model.layers.7.mlp.up_proj.weight",
+    ),
+    "wrong-shape": (
+        rewrite(lambda sd: sd.update({"model.layers.1.self_attn.k_proj.weight": torch.zeros(48, 64)})),
+        "model.layers.1.self_attn.k_proj.weight is [48, 64], expected [32, 64]",
+    ),
     "truncated": (truncate, "is truncated"),
     "corrupt-header": (corrupt_header, "corrupt safetensors header"),
 }
@@ -103,8 +110,7 @@ def test_existing_output_needs_force(good, tmp_path, capsys):
     (out / "keep.txt").write_text("x")
     rc = main(["convert", "--hf", str(good), "--tp", "1", "--pp", "1", "--out", str(out), "--quiet"])
     assert rc == 2 and "already exists" in capsys.readouterr().err and (out / "keep.txt").exists()
-    assert main(["convert", "--hf", str(good), "--tp", "1", "--pp", "1", "--out", str(out), "--quiet",
-                 "--force"]) == 0
+    assert main(["convert", "--hf", str(good), "--tp", "1", "--pp", "1", "--out", str(out), "--quiet", "--force"]) == 0
     assert (out / "latest").is_file() and not (out / "keep.txt").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
@@ -148,8 +154,10 @@ def test_bad_checkpoints(good_ckpt, tmp_path, capsys):
     (ck / "global_step0" / "layer_03-model_01-model_states.pt").write_bytes(b"not a torch file")
     rc = main(["reshard", "--ckpt", str(ck), "--tp", "1", "--pp", "1", "--out", str(out), "--quiet"])
     assert_failed_cleanly(rc, capsys, "layer_03-model_01-model_states.pt", out)
-    shutil.copyfile(good_ckpt / "global_step0" / "layer_02-model_01-model_states.pt",
-                    ck / "global_step0" / "layer_00-model_01-model_states.pt")  # a block where the embedding was
+    shutil.copyfile(
+        good_ckpt / "global_step0" / "layer_02-model_01-model_states.pt",
+        ck / "global_step0" / "layer_00-model_01-model_states.pt",
+    )  # a block where the embedding was
     rc = main(["export", "--ckpt", str(ck), "--out", str(out), "--quiet"])
     assert_failed_cleanly(rc, capsys, "layer_00-model_01-model_states.pt holds ['input_layernorm.weight'", out)
 
@@ -160,8 +168,11 @@ def test_layout_or_model_mismatch_is_named_before_deepspeed_loads(good_ckpt):
     model = read_model_config(good_ckpt)
     check_loadable(good_ckpt, model, tp=2, pp=2)
     for tp, pp in ((4, 2), (2, 1)):
-        with pytest.raises(Exception, match=rf"written at tp=2 pp=2; this run has tp={tp} pp={pp}. Reshard it: "
-                                            rf"threed reshard --ckpt {good_ckpt} --tp {tp} --pp {pp}"):
+        with pytest.raises(
+            Exception,
+            match=rf"written at tp=2 pp=2; this run has tp={tp} pp={pp}. Reshard it: "
+            rf"threed reshard --ckpt {good_ckpt} --tp {tp} --pp {pp}",
+        ):
             check_loadable(good_ckpt, model, tp=tp, pp=pp)
     with pytest.raises(Exception, match="converted checkpoint"):
         check_loadable(good_ckpt, model, tp=2, pp=2, weights_only=False)

@@ -3,6 +3,7 @@ shape, and no memory used (the same `convert_stream` the converter writes from, 
 
     .venv/bin/python -m pytest -q tests/test_convert_meta.py
 """
+
 from __future__ import annotations
 
 import math
@@ -18,7 +19,7 @@ from threed.convert.ds_checkpoint import EXTRA_STATE, checkpoint_files
 from threed.convert.slices import DictReader
 from threed.hf.names import hf_names, hf_shapes
 from threed.model.spec import parameter_count, pipeline_layers, shard_shapes
-from threed.presets import PRESETS
+from threed.model.presets import PRESETS
 
 
 def expected(cfg: ModelConfig, kind: str, tp: int) -> dict[str, tuple[int, ...]]:
@@ -28,22 +29,32 @@ def expected(cfg: ModelConfig, kind: str, tp: int) -> dict[str, tuple[int, ...]]
     vocab = math.ceil(cfg.vocab_size / multiple) * multiple
     return {
         "embedding": {"word_embeddings.weight": (vocab // tp, h)},
-        "block": {"input_layernorm.weight": (h,), "pre_mlp_layernorm.weight": (h,),
-                  "self_attention.linear_qkv.weight": ((nh + 2 * nkv) * d // tp, h),
-                  "self_attention.linear_proj.weight": (h, nh * d // tp),
-                  "mlp.linear_fc1.weight": (2 * f // tp, h), "mlp.linear_fc2.weight": (h, f // tp)},
+        "block": {
+            "input_layernorm.weight": (h,),
+            "pre_mlp_layernorm.weight": (h,),
+            "self_attention.linear_qkv.weight": ((nh + 2 * nkv) * d // tp, h),
+            "self_attention.linear_proj.weight": (h, nh * d // tp),
+            "mlp.linear_fc1.weight": (2 * f // tp, h),
+            "mlp.linear_fc2.weight": (h, f // tp),
+        },
         "final_norm": {"norm.weight": (h,)},
         "lm_head": {"lm_head.weight": (vocab // tp, h)},
     }[kind]
 
 
 def meta_reader(cfg: ModelConfig) -> DictReader:
-    return DictReader({n: torch.empty(s, dtype=torch.bfloat16, device="meta")
-                       for layer in pipeline_layers(cfg) for n, s in hf_shapes(cfg, layer).items()})
+    return DictReader(
+        {
+            n: torch.empty(s, dtype=torch.bfloat16, device="meta")
+            for layer in pipeline_layers(cfg)
+            for n, s in hf_shapes(cfg, layer).items()
+        }
+    )
 
 
-@pytest.mark.parametrize("preset,tp,pp", [("llama2-70b", 8, 4), ("llama3-70b", 8, 4), ("llama3.1-405b", 8, 8),
-                                          ("llama3.1-405b", 8, 16)])
+@pytest.mark.parametrize(
+    "preset,tp,pp", [("llama2-70b", 8, 4), ("llama3-70b", 8, 4), ("llama3.1-405b", 8, 8), ("llama3.1-405b", 8, 16)]
+)
 def test_meta_conversion_at_real_shapes(preset, tp, pp):
     cfg = PRESETS[preset]
     ParallelConfig(tp=tp, pp=pp).validate(cfg, tp * pp)
@@ -55,15 +66,16 @@ def test_meta_conversion_at_real_shapes(preset, tp, pp):
         tensors = {k: v for k, v in sd.items() if v is not None}
         assert {k: tuple(v.shape) for k, v in tensors.items()} == want, (layer, rank)
         assert all(v.is_meta and v.dtype == torch.bfloat16 for v in tensors.values())
-        assert sorted(k for k, v in sd.items() if v is None) == sorted(f"{m}._extra_state"
-                                                                      for m in EXTRA_STATE[layer.kind])
+        assert sorted(k for k, v in sd.items() if v is None) == sorted(
+            f"{m}._extra_state" for m in EXTRA_STATE[layer.kind]
+        )
         written.append(layer_file(layer.index, rank))
         n_params += sum(v.numel() for k, v in tensors.items() if "norm" not in k or rank == 0)
     # No magic offsets: layer files are numbered 0 .. L+2 straight from the pipeline's layer list.
-    assert written == checkpoint_files(cfg, tp, pp)[:len(written)]
+    assert written == checkpoint_files(cfg, tp, pp)[: len(written)]
     assert written[0] == "layer_00-model_00-model_states.pt"
     assert written[-1] == f"layer_{cfg.num_layers + 2:02d}-model_{tp - 1:02d}-model_states.pt"
-    mp = checkpoint_files(cfg, tp, pp)[len(written):]
+    mp = checkpoint_files(cfg, tp, pp)[len(written) :]
     assert mp == [f"mp_rank_{r:02d}_model_states.pt" for r in range(tp * pp)]
     # Every parameter of the model (plus vocab padding) lands in exactly one shard.
     padded = math.ceil(cfg.vocab_size / (128 * tp)) * 128 * tp

@@ -3,6 +3,7 @@ a converted checkpoint exports to an HF folder whose logits equal our engine's. 
 
     .venv/bin/python -m pytest -q tests/test_convert_parity.py
 """
+
 from __future__ import annotations
 
 import re
@@ -12,12 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from convert_fixtures import DIVISIBLE_BY, GQA4, assert_identical, hf_model, hf_tensors, save_hf, write_tokens
-from threed.cli import main
+from threed.cli.main import main
 from threed.verify.parity import compare, hf_logits
 from helpers import gpt_dataset
 from threed.config import DataConfig, ModelConfig, RunConfig, TrainConfig
 from threed.data.loader import micro_batches
-from threed.launch import run_ranks
+from threed.parallel.launch import run_ranks
 
 REL_TOL = 1e-5
 
@@ -29,7 +30,7 @@ def hf_dir(tmp_path_factory):
 
 def verify_line(capsys) -> str:
     out = capsys.readouterr().out
-    line = [l for l in out.splitlines() if l.startswith("threed verify:")][-1]
+    line = [ly for ly in out.splitlines() if ly.startswith("threed verify:")][-1]
     print(line)
     return line
 
@@ -37,8 +38,25 @@ def verify_line(capsys) -> str:
 @pytest.mark.parametrize("tp,pp", [(2, 2), (4, 1)])  # (4, 1): each TP rank holds exactly one KV head (8 q / 4 kv)
 def test_deepspeed_load_checkpoint_matches_hf(hf_dir, tmp_path, capsys, tp, pp):
     ck = tmp_path / "ck"
-    assert main(["convert", "--hf", str(hf_dir), "--tp", str(tp), "--pp", str(pp), "--out", str(ck), "--quiet",
-                 "--make-vocab-size-divisible-by", DIVISIBLE_BY]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                "--hf",
+                str(hf_dir),
+                "--tp",
+                str(tp),
+                "--pp",
+                str(pp),
+                "--out",
+                str(ck),
+                "--quiet",
+                "--make-vocab-size-divisible-by",
+                DIVISIBLE_BY,
+            ]
+        )
+        == 0
+    )
     # verify starts tp x pp ranks that build the engine and call engine.load_checkpoint(load_module_only=True).
     assert main(["verify", "--hf", str(hf_dir), "--ckpt", str(ck), "--tol", str(REL_TOL)]) == 0
     rel = float(re.search(r"max rel (\S+)", verify_line(capsys)).group(1))
@@ -48,10 +66,20 @@ def test_deepspeed_load_checkpoint_matches_hf(hf_dir, tmp_path, capsys, tp, pp):
 def first_batch_loss(hf_dir, data: str, micro: int, gas: int, seq: int, seed: int) -> float:
     """HF's loss on the global batch of step 1 (dp=1), averaged over micro-batches as DeepSpeed reports it."""
     model = hf_model(GQA4)
-    cfg = RunConfig(model=ModelConfig(name="x", vocab_size=200, hidden_size=8, num_layers=1, num_heads=1,
-                                      num_kv_heads=1, ffn_hidden_size=8, max_position_embeddings=seq),
-                    train=TrainConfig(seq_length=seq, seed=seed, steps=3, eval_interval=0),
-                    data=DataConfig(data_path=(data,)))
+    cfg = RunConfig(
+        model=ModelConfig(
+            name="x",
+            vocab_size=200,
+            hidden_size=8,
+            num_layers=1,
+            num_heads=1,
+            num_kv_heads=1,
+            ffn_hidden_size=8,
+            max_position_embeddings=seq,
+        ),
+        train=TrainConfig(seq_length=seq, seed=seed, steps=3, eval_interval=0),
+        data=DataConfig(data_path=(data,)),
+    )
     batches = micro_batches(gpt_dataset(cfg, micro * gas).train, micro * gas, micro, 1, 0, 0, 200)
     losses = []
     with torch.no_grad():
@@ -67,11 +95,43 @@ def test_train_from_converted_then_export(hf_dir, tmp_path, capsys):
     assert main(["convert", "--hf", str(hf_dir), "--tp", "2", "--pp", "2", "--out", str(ck), "--quiet"]) == 0
     data = write_tokens(tmp_path / "tokens", 20_000, 200)
     micro, gas, seq, seed = 2, 2, 32, 1234
-    proc = run_ranks(4, "threed.train", [
-        "--model", str(hf_dir), "--init-from", str(ck), "--tp", "2", "--pp", "2", "--dtype", "bf16",
-        "--micro-batch-size", str(micro), "--grad-accum-steps", str(gas), "--seq-length", str(seq),
-        "--steps", "3", "--lr", "1e-3", "--min-lr", "1e-3", "--seed", str(seed), "--data-path", data, "--eval-iters", "1",
-        "--save", str(run)], timeout=600)
+    proc = run_ranks(
+        4,
+        "threed.train",
+        [
+            "--model",
+            str(hf_dir),
+            "--init-from",
+            str(ck),
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+            "--dtype",
+            "bf16",
+            "--micro-batch-size",
+            str(micro),
+            "--grad-accum-steps",
+            str(gas),
+            "--seq-length",
+            str(seq),
+            "--steps",
+            "3",
+            "--lr",
+            "1e-3",
+            "--min-lr",
+            "1e-3",
+            "--seed",
+            str(seed),
+            "--data-path",
+            data,
+            "--eval-iters",
+            "1",
+            "--save",
+            str(run),
+        ],
+        timeout=600,
+    )
     losses = [float(x) for x in re.findall(r"^step \d+/3 \| loss (\S+)", proc.stdout, re.M)]
     assert len(losses) == 3, proc.stdout[-3000:]
     # Step 1 runs the converted weights (bf16): its loss is HF's on the same batch. Were they not loaded, or

@@ -3,22 +3,26 @@ format), resharding keeps every tensor, and the checkpoint layout is what DeepSp
 
     .venv/bin/python -m pytest -q tests/test_convert_roundtrip.py
 """
+
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from convert_fixtures import DIVISIBLE_BY, GQA8, assert_identical, hf_tensors, save_hf
-from threed.cli import main
+from threed.cli.main import main
 from threed.checkpoint.format import open_checkpoint, read_model_config
 from threed.convert.ds_checkpoint import checkpoint_files
 
 # (source format, shard size KB, dtype): sharded safetensors + index, single file, old .bin shards + index, ...
-SOURCES = {"st-sharded": ("safetensors", 60, torch.float32), "st-single": ("safetensors", 0, torch.bfloat16),
-           "bin-sharded": ("bin", 60, torch.float32), "bin-single": ("bin", 0, torch.bfloat16)}
+SOURCES = {
+    "st-sharded": ("safetensors", 60, torch.float32),
+    "st-single": ("safetensors", 0, torch.bfloat16),
+    "bin-sharded": ("bin", 60, torch.float32),
+    "bin-single": ("bin", 0, torch.bfloat16),
+}
 
 
 @pytest.fixture(scope="module")
@@ -37,12 +41,27 @@ def test_hf_roundtrip_bit_identical(sources, tmp_path, tp, pp):
     name = list(SOURCES)[(tp.bit_length() + pp) % len(SOURCES)]  # every format at several layouts
     src = sources[name]
     ck, back = tmp_path / "ck", tmp_path / "back"
-    assert run("convert", "--hf", str(src), "--tp", str(tp), "--pp", str(pp), "--out", str(ck),
-               "--make-vocab-size-divisible-by", DIVISIBLE_BY) == 0
+    assert (
+        run(
+            "convert",
+            "--hf",
+            str(src),
+            "--tp",
+            str(tp),
+            "--pp",
+            str(pp),
+            "--out",
+            str(ck),
+            "--make-vocab-size-divisible-by",
+            DIVISIBLE_BY,
+        )
+        == 0
+    )
     # The layout DeepSpeed reads: latest -> tag, one file per (layer, TP rank), one mp_rank file per stage x TP.
     assert (ck / "latest").read_text() == "global_step0"
-    assert sorted(p.name for p in (ck / "global_step0").iterdir()) == sorted(checkpoint_files(
-        read_model_config(ck), tp, pp))
+    assert sorted(p.name for p in (ck / "global_step0").iterdir()) == sorted(
+        checkpoint_files(read_model_config(ck), tp, pp)
+    )
     mp = torch.load(ck / "global_step0" / "mp_rank_00_model_states.pt", weights_only=False)
     assert mp["module"] is None and mp["mp_world_size"] == tp * pp and mp["dp_world_size"] == 1
     manifest = json.loads((ck / "threed_convert.json").read_text())
@@ -56,22 +75,51 @@ def test_hf_roundtrip_bit_identical(sources, tmp_path, tp, pp):
     assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
     assert run("export", "--ckpt", str(ck), "--out", str(back)) == 0
     assert_identical(hf_tensors(src), hf_tensors(back))
-    assert json.loads((back / "model.safetensors.index.json").read_text())["weight_map"].keys() == \
-        hf_tensors(src).keys()
+    assert (
+        json.loads((back / "model.safetensors.index.json").read_text())["weight_map"].keys() == hf_tensors(src).keys()
+    )
 
 
 def test_reshard_chain_bit_identical(sources, tmp_path):
     src = sources["st-sharded"]
     a, b, c, back = (tmp_path / n for n in ("tp2pp2", "tp4pp1", "tp1pp2", "back"))
-    assert run("convert", "--hf", str(src), "--tp", "2", "--pp", "2", "--out", str(a),
-               "--make-vocab-size-divisible-by", DIVISIBLE_BY) == 0
+    assert (
+        run(
+            "convert",
+            "--hf",
+            str(src),
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+            "--out",
+            str(a),
+            "--make-vocab-size-divisible-by",
+            DIVISIBLE_BY,
+        )
+        == 0
+    )
     assert run("reshard", "--ckpt", str(a), "--tp", "4", "--pp", "1", "--out", str(b)) == 0
     assert run("reshard", "--ckpt", str(b), "--tp", "1", "--pp", "2", "--out", str(c)) == 0
     assert (open_checkpoint(c).tp, open_checkpoint(c).pp) == (1, 2)
     # Every layer file equals a direct conversion at that layout (not just the HF round trip).
     direct = tmp_path / "direct"
-    assert run("convert", "--hf", str(src), "--tp", "1", "--pp", "2", "--out", str(direct),
-               "--make-vocab-size-divisible-by", DIVISIBLE_BY) == 0
+    assert (
+        run(
+            "convert",
+            "--hf",
+            str(src),
+            "--tp",
+            "1",
+            "--pp",
+            "2",
+            "--out",
+            str(direct),
+            "--make-vocab-size-divisible-by",
+            DIVISIBLE_BY,
+        )
+        == 0
+    )
     for f in sorted((direct / "global_step0").glob("layer_*")):
         x, y = (torch.load(d / "global_step0" / f.name, weights_only=True) for d in (direct, c))
         assert x.keys() == y.keys() and all(x[k] is None and y[k] is None or torch.equal(x[k], y[k]) for k in x)
@@ -85,8 +133,24 @@ def test_dtype_cast_and_writer_processes(sources, tmp_path):
     src = sources["st-sharded"]
     one, two = tmp_path / "w1", tmp_path / "w2"
     for out, workers in ((one, "1"), (two, "2")):
-        assert run("convert", "--hf", str(src), "--tp", "2", "--pp", "1", "--out", str(out), "--dtype", "bf16",
-                   "--workers", workers) == 0
+        assert (
+            run(
+                "convert",
+                "--hf",
+                str(src),
+                "--tp",
+                "2",
+                "--pp",
+                "1",
+                "--out",
+                str(out),
+                "--dtype",
+                "bf16",
+                "--workers",
+                workers,
+            )
+            == 0
+        )
     for f in sorted((one / "global_step0").glob("layer_*")):
         x, y = (torch.load(d / "global_step0" / f.name, weights_only=True) for d in (one, two))
         assert all(x[k] is None or (x[k].dtype == torch.bfloat16 and torch.equal(x[k], y[k])) for k in x)

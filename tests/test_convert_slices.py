@@ -3,6 +3,7 @@
 
     .venv/bin/python -m pytest -q tests/test_convert_slices.py
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,8 +41,12 @@ def test_rank_slices_equal_layer_from_hf(tmp_path, config, tps, source):
                 got = {k: v for k, v in convert_rank(cfg, layer, reader, tp, rank).items() if v is not None}
                 assert got.keys() == ref[rank].keys()
                 for k in got:
-                    assert got[k].dtype == ref[rank][k].dtype and torch.equal(got[k], ref[rank][k]), \
-                        (tp, rank, layer, k)
+                    assert got[k].dtype == ref[rank][k].dtype and torch.equal(got[k], ref[rank][k]), (
+                        tp,
+                        rank,
+                        layer,
+                        k,
+                    )
                     assert got[k].untyped_storage().nbytes() == got[k].numel() * got[k].element_size()
 
 

@@ -1,5 +1,6 @@
 """The megatron-core data path, in one process: blends, Megatron's sample order (by consumed samples, the same at
 any dp), exactly-once epochs, resume position, and the bad inputs refused before anything is built."""
+
 from __future__ import annotations
 
 import os
@@ -15,8 +16,16 @@ from threed.data.checks import check_data
 from threed.data.splits import parse_blend, read_data_flags
 from threed.data.loader import micro_batches
 
-MODEL = ModelConfig(name="t", vocab_size=1000, hidden_size=8, num_layers=1, num_heads=1, num_kv_heads=1,
-                    ffn_hidden_size=8, max_position_embeddings=64)
+MODEL = ModelConfig(
+    name="t",
+    vocab_size=1000,
+    hidden_size=8,
+    num_layers=1,
+    num_heads=1,
+    num_kv_heads=1,
+    ffn_hidden_size=8,
+    max_position_embeddings=64,
+)
 
 
 def run_cfg(data: DataConfig, seq: int = 16, steps: int = 10, **train) -> RunConfig:
@@ -61,15 +70,15 @@ def test_sample_order_is_the_same_at_any_dp_and_resumes_by_consumed_samples(two_
     single = rows(micro_batches(ds, gbs, gbs, 1, 0, 0, 1000), steps)
     # dp=2: global batch k = rank 0's share then rank 1's, each [micro] x (gas = 2) micro-batches.
     per_rank = [rows(micro_batches(ds, gbs, micro, 2, r, 0, 1000), 2 * steps) for r in range(2)]
-    at_dp2 = [row for k in range(steps) for r in range(2) for row in per_rank[r][4 * k:4 * k + 4]]
+    at_dp2 = [row for k in range(steps) for r in range(2) for row in per_rank[r][4 * k : 4 * k + 4]]
     assert at_dp2 == single
     # dp=4, micro 1
     per_rank4 = [rows(micro_batches(ds, gbs, 1, 4, r, 0, 1000), 2 * steps) for r in range(4)]
-    at_dp4 = [row for k in range(steps) for r in range(4) for row in per_rank4[r][2 * k:2 * k + 2]]
+    at_dp4 = [row for k in range(steps) for r in range(4) for row in per_rank4[r][2 * k : 2 * k + 2]]
     assert at_dp4 == single
     # Resuming after 5 global batches (40 consumed samples) reads what the uninterrupted run read next.
     resumed = rows(micro_batches(ds, gbs, gbs, 1, 0, 5 * gbs, 1000), steps - 5)
-    assert resumed == single[5 * gbs:]
+    assert resumed == single[5 * gbs :]
 
 
 def test_every_sample_exactly_once_per_epoch_at_dp2(tmp_path):
@@ -89,18 +98,29 @@ def test_every_sample_exactly_once_per_epoch_at_dp2(tmp_path):
 
 def test_labels_are_next_tokens_and_loss_mask_honours_eod(tmp_path):
     from threed.data.tokenizer import train_tokenizer
-    from threed.demo_text import write_demo_text
+    from threed.data.demo_text import write_demo_text
 
     text = write_demo_text(str(tmp_path / "corpus.txt"))
     tok = train_tokenizer([text], 512, str(tmp_path / "tok"))  # eos id 2
     rng = np.random.default_rng(0)
     stream = np.concatenate([np.append(rng.integers(3, 512, rng.integers(5, 30)), 2) for _ in range(300)])
     prefix = write_dataset(tmp_path / "eod", stream, 512)
-    model = ModelConfig(name="t", vocab_size=512, hidden_size=8, num_layers=1, num_heads=1, num_kv_heads=1,
-                        ffn_hidden_size=8, max_position_embeddings=64)
+    model = ModelConfig(
+        name="t",
+        vocab_size=512,
+        hidden_size=8,
+        num_layers=1,
+        num_heads=1,
+        num_kv_heads=1,
+        ffn_hidden_size=8,
+        max_position_embeddings=64,
+    )
     for mask_eod in (False, True):
-        cfg = RunConfig(model=model, train=TrainConfig(seq_length=32, steps=2),
-                        data=DataConfig(data_path=(prefix,), tokenizer=tok, eod_mask_loss=mask_eod))
+        cfg = RunConfig(
+            model=model,
+            train=TrainConfig(seq_length=32, steps=2),
+            data=DataConfig(data_path=(prefix,), tokenizer=tok, eod_mask_loss=mask_eod),
+        )
         s = gpt_dataset(cfg, 4).train[0]
         tokens, labels, mask = (torch.as_tensor(s[k]) for k in ("tokens", "labels", "loss_mask"))
         assert torch.equal(tokens[1:], labels[:-1])
@@ -113,11 +133,29 @@ def test_megatron_flag_grammar():
     assert parse_blend(["0.3", "a", "0.7", "b"], "--data-path").weights == (0.3, 0.7)
     assert parse_blend(["a", "b"], "--data-path").weights is None
     assert parse_blend(["a"], "--data-path").prefixes == ("a",)
-    from threed.flags import parse_run_config
+    from threed.cli.flags import parse_run_config
 
-    cfg = parse_run_config(["--model", "tiny", "--data-path", "0.3", "A", "0.7", "B", "--split", "969,30,1",
-                            "--data-cache-path", "/c", "--eval-interval", "5", "--eval-iters", "2",
-                            "--train-iters", "7"])
+    cfg = parse_run_config(
+        [
+            "--model",
+            "tiny",
+            "--data-path",
+            "0.3",
+            "A",
+            "0.7",
+            "B",
+            "--split",
+            "969,30,1",
+            "--data-cache-path",
+            "/c",
+            "--eval-interval",
+            "5",
+            "--eval-iters",
+            "2",
+            "--train-iters",
+            "7",
+        ]
+    )
     assert cfg.data.data_path == ("0.3", "A", "0.7", "B") and cfg.data.data_cache_path == "/c"
     assert (cfg.train.eval_interval, cfg.train.eval_iters, cfg.train.steps) == (5, 2, 7)
 
@@ -125,7 +163,7 @@ def test_megatron_flag_grammar():
 def test_every_train_flag_has_help():
     import argparse
 
-    from threed.flags import add_run_flags
+    from threed.cli.flags import add_run_flags
 
     p = argparse.ArgumentParser()
     add_run_flags(p)

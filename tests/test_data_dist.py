@@ -1,6 +1,7 @@
 """`threed train` on a 2-source megatron-core blend at tp2 x pp2 x dp2 (8 gloo ranks, one launch): validation
 equals a single-process evaluation of the same weights, per source dataset too; evaluation does not change
 training; a stopped run resumes on the same samples; middle pipeline stages read no data."""
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,8 @@ import torch.nn.functional as F
 
 from data_worker import base_config
 from helpers import TESTS, gpt_dataset, learnable_tokens, write_dataset
-from threed.cli import main as cli
-from threed.launch import run_ranks
+from threed.cli.main import main as cli
+from threed.parallel.launch import run_ranks
 
 FP32_TOL = 1e-5
 

@@ -5,6 +5,7 @@ else the HF files `threed convert` carried into the checkpoint's hf/.
 
     .venv/bin/python -m pytest -q tests/test_export_chat.py
 """
+
 from __future__ import annotations
 
 import json
@@ -15,7 +16,7 @@ import pytest
 
 from convert_fixtures import GQA8, save_hf
 from test_sft import CONVERSATIONS, _llama2_tokenizer, _llama3_tokenizer
-from threed.cli import main
+from threed.cli.main import main
 
 MESSAGES = CONVERSATIONS[2]["messages"]  # system, then two user / assistant turns
 
@@ -49,8 +50,9 @@ def _assert_same_chat(exported: Path, source: Path) -> None:
     assert (got.bos_token, got.eos_token) == (want.bos_token, want.eos_token)
     for gen in (False, True):
         ids = got.apply_chat_template(MESSAGES, tokenize=True, add_generation_prompt=gen, return_dict=False)
-        assert list(ids) == list(want.apply_chat_template(MESSAGES, tokenize=True, add_generation_prompt=gen,
-                                                          return_dict=False))
+        assert list(ids) == list(
+            want.apply_chat_template(MESSAGES, tokenize=True, add_generation_prompt=gen, return_dict=False)
+        )
     assert got.apply_chat_template(MESSAGES, tokenize=False) == want.apply_chat_template(MESSAGES, tokenize=False)
 
 

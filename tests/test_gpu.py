@@ -6,6 +6,7 @@ GPU, instead of passing with every test skipped.
 Precision: TF32 is off (torch's default for matmuls; nothing here turns it on), so fp32 runs are compared with fp32
 tolerances, and bf16 kernels are compared with an fp32 reference at a bf16 tolerance.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from helpers import TESTS, hf_model
-from threed.launch import run_ranks
+from threed.parallel.launch import run_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -75,8 +76,9 @@ def test_packed_varlen_attention_matches_each_document_alone():
     torch.manual_seed(0)
     rows = [[1000, 17, 2048, 1031], [4096]]
     s, b, heads, kv, d = 4096, len(rows), 32, 4, 128
-    q, k, v = (torch.randn(s, b, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-               for h in (heads, kv, kv))
+    q, k, v = (
+        torch.randn(s, b, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (heads, kv, kv)
+    )
     grad = torch.randn(s, b, heads * d, device="cuda", dtype=torch.bfloat16)
     doc_ids = torch.stack([torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in rows]).cuda()
     assert _varlen_usable(q), "bf16 CUDA queries must take the varlen path"
@@ -91,15 +93,16 @@ def test_packed_varlen_attention_matches_each_document_alone():
         start = 0
         for n in lengths:
             sl = slice(start, start + n)
-            o = attn(q[sl, row:row + 1], k[sl, row:row + 1], v[sl, row:row + 1])  # plain causal, alone
-            o.backward(grad[sl, row:row + 1])
+            o = attn(q[sl, row : row + 1], k[sl, row : row + 1], v[sl, row : row + 1])  # plain causal, alone
+            o.backward(grad[sl, row : row + 1])
             pieces.append((row, sl, o))
             start += n
     alone_out = torch.zeros_like(packed[0])
     for row, sl, o in pieces:
         alone_out[sl, row] = o[:, 0].float()
-    for name, a, r in zip(("out", "dq", "dk", "dv"), packed, [alone_out, q.grad.float(), k.grad.float(),
-                                                              v.grad.float()]):
+    for name, a, r in zip(
+        ("out", "dq", "dk", "dv"), packed, [alone_out, q.grad.float(), k.grad.float(), v.grad.float()]
+    ):
         rel = ((a - r).abs().max() / r.abs().max()).item()
         print(f"{name}: packed (varlen) vs each document alone {rel:.2e}")
         assert rel < 2e-2, f"{name}: {rel:.2e} (bf16 tolerance 2e-2)"
@@ -125,7 +128,7 @@ def test_logits_parity_on_cuda(tmp_path):
 
 @pytest.mark.skipif(GPUS < 8, reason=f"training parity and resume run tp2 x pp2 x dp2: need 8 GPUs, see {GPUS}")
 def test_training_parity_and_resume_on_cuda():
-    """tests/test_training.py on 8 NCCL ranks (its worker picks CUDA through threed.distributed)."""
+    """tests/test_training.py on 8 NCCL ranks (its worker picks CUDA through threed.parallel.distributed)."""
     import subprocess
     import sys
 
@@ -135,11 +138,12 @@ def test_training_parity_and_resume_on_cuda():
 
 
 def _pytest_on_cuda(*args: str, timeout: float = 3600) -> None:
-    """A CPU test module run again with THREED_DEVICE=cuda: its workers pick CUDA/NCCL through threed.distributed
-    (and with it fused AdamW, fused SwiGLU, nccl groups only)."""
+    """A CPU test module run again with THREED_DEVICE=cuda: its workers pick CUDA/NCCL through
+    threed.parallel.distributed (and with it fused AdamW, fused SwiGLU, nccl groups only)."""
     env = {**os.environ, **CUDA_ENV}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *args], env=env,
-                          timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *args], env=env, timeout=timeout
+    )
     assert proc.returncode == 0, f"pytest {' '.join(args)} on CUDA exited {proc.returncode}"
 
 
@@ -154,7 +158,7 @@ def test_packed_sft_through_the_pipeline_on_cuda():
 def test_universal_resume_with_fused_adamw_on_cuda():
     """tests/test_checkpoint_universal.py (every layout, slow ones included) and the resume-path cases on CUDA,
     where AdamW is fused=True: after the universal load every optimizer state tensor, `step` included, must be on
-    its parameter's GPU (threed.engine.place_optimizer_state), or the fused kernel is handed a host pointer."""
+    its parameter's GPU (threed.train.engine.place_optimizer_state), or the fused kernel is handed a host pointer."""
     _pytest_on_cuda(str(TESTS / "test_checkpoint_universal.py"), "-m", "slow or not slow")
     _pytest_on_cuda(str(TESTS / "test_resume_path.py"), "-k", "cut_short or two_rank")
 
@@ -172,18 +176,34 @@ def train_data(tmp_path_factory) -> str:
 def _threed_train(argv: list[str], nproc: int, tmp_path) -> str:
     """`threed train` as a user types it (under torchrun for nproc > 1); returns its output, asserting exit 0,
     finite losses, and no traceback."""
-    base = [sys.executable, "-m", "threed.cli", "train"] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m",
-        "threed.train"]
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    base = (
+        [sys.executable, "-m", "threed.cli", "train"]
+        if nproc == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "-m",
+            "threed.train",
+        ]
+    )
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
     env.update(CUDA_ENV, OMP_NUM_THREADS="1")
     proc = subprocess.run(base + argv, env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "Traceback" not in out, out[-4000:]
-    losses = [float(line.split("loss ")[1].split()[0]) for line in out.splitlines()
-              if line.startswith("step ") and "loss " in line]
+    losses = [
+        float(line.split("loss ")[1].split()[0])
+        for line in out.splitlines()
+        if line.startswith("step ") and "loss " in line
+    ]
     assert losses and all(x == x and abs(x) < 1e4 for x in losses), out[-4000:]
     return out
 
@@ -191,12 +211,31 @@ def _threed_train(argv: list[str], nproc: int, tmp_path) -> str:
 @needs_gpu
 def test_threed_train_entry_on_cuda(train_data, tmp_path):
     """The `threed train` command on one GPU: bf16, a checkpoint, and the same command resuming from it."""
-    argv = ["--model", "tiny", "--data-path", train_data, "--split", "100,0,0", "--seq-length", "128",
-            "--micro-batch-size", "2", "--steps", "4", "--save-interval", "2", "--log-interval", "1",
-            "--dtype", "bf16", "--save", str(tmp_path / "save")]
+    argv = [
+        "--model",
+        "tiny",
+        "--data-path",
+        train_data,
+        "--split",
+        "100,0,0",
+        "--seq-length",
+        "128",
+        "--micro-batch-size",
+        "2",
+        "--steps",
+        "4",
+        "--save-interval",
+        "2",
+        "--log-interval",
+        "1",
+        "--dtype",
+        "bf16",
+        "--save",
+        str(tmp_path / "save"),
+    ]
     _threed_train(argv, 1, tmp_path)
     assert (tmp_path / "save" / "latest").read_text() == "global_step4"
-    out = _threed_train([*argv[:argv.index("--steps") + 1], "6", *argv[argv.index("--steps") + 2:]], 1, tmp_path)
+    out = _threed_train([*argv[: argv.index("--steps") + 1], "6", *argv[argv.index("--steps") + 2 :]], 1, tmp_path)
     assert "resumed from" in out and "at step 4" in out
 
 
@@ -206,9 +245,28 @@ def test_bf16_with_activation_checkpointing_on_cuda(train_data, tmp_path):
     megatron's CUDA RNG tracker): trains, and its losses match the same run without recomputation. Recompute runs
     the same kernels on the same inputs, but fused attention's backward may sum in a nondeterministic order, so
     the losses agree to bf16's precision, not bit for bit."""
-    argv = ["--model", "tiny", "--data-path", train_data, "--split", "100,0,0", "--seq-length", "128",
-            "--micro-batch-size", "2", "--grad-accum-steps", "2", "--steps", "4", "--log-interval", "1",
-            "--dtype", "bf16", "--pp", "2"]
+    argv = [
+        "--model",
+        "tiny",
+        "--data-path",
+        train_data,
+        "--split",
+        "100,0,0",
+        "--seq-length",
+        "128",
+        "--micro-batch-size",
+        "2",
+        "--grad-accum-steps",
+        "2",
+        "--steps",
+        "4",
+        "--log-interval",
+        "1",
+        "--dtype",
+        "bf16",
+        "--pp",
+        "2",
+    ]
 
     def losses(out: str) -> list[float]:
         return [float(line.split("loss ")[1].split()[0]) for line in out.splitlines() if line.startswith("step ")]
@@ -226,9 +284,26 @@ def test_sequence_parallel_tp2_matches_tp1_in_bf16_on_cuda(train_data, tmp_path)
     gradients summed over TP) trains like tp 1: the same weights (threed.model.init does not depend on the layout)
     and the same data, so the losses differ only by bf16 rounding in other summation orders. Tolerance: 1e-2
     relative per step, bf16's ~2^-8 grown over four steps (the bound test_bf16_with_activation_checkpointing uses)."""
-    argv = ["--model", "tiny", "--data-path", train_data, "--split", "100,0,0", "--seq-length", "128",
-            "--micro-batch-size", "2", "--grad-accum-steps", "2", "--steps", "4", "--log-interval", "1",
-            "--dtype", "bf16"]
+    argv = [
+        "--model",
+        "tiny",
+        "--data-path",
+        train_data,
+        "--split",
+        "100,0,0",
+        "--seq-length",
+        "128",
+        "--micro-batch-size",
+        "2",
+        "--grad-accum-steps",
+        "2",
+        "--steps",
+        "4",
+        "--log-interval",
+        "1",
+        "--dtype",
+        "bf16",
+    ]
 
     def losses(out: str) -> list[float]:
         return [float(line.split("loss ")[1].split()[0]) for line in out.splitlines() if line.startswith("step ")]
@@ -248,8 +323,9 @@ def test_sp_activation_estimate_against_cuda_peak(tmp_path):
     allocator rounds every block up (512 B, 2 MiB segments), hence 10% rather than the CPU test's 5%."""
     import json
 
-    run_ranks(2, str(TESTS / "memory_worker.py"), ["--out", str(tmp_path), "--stage-activations"], env=CUDA_ENV,
-              timeout=1800)
+    run_ranks(
+        2, str(TESTS / "memory_worker.py"), ["--out", str(tmp_path), "--stage-activations"], env=CUDA_ENV, timeout=1800
+    )
     ranks = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("stage_activations_rank*.json"))]
     assert len(ranks) == 2
     for r in ranks:
@@ -269,15 +345,20 @@ def test_zb_h1_peak_against_the_estimate_on_cuda(tmp_path):
     5% on the difference."""
     import json
 
-    run_ranks(2, str(TESTS / "memory_zb_worker.py"), ["--out", str(tmp_path), "--schedule-peaks"], env=CUDA_ENV,
-              timeout=1800)
-    ranks = {r["1f1b"]["stage"]: r for r in (json.loads(p.read_text())
-                                             for p in sorted(tmp_path.glob("schedule_peaks_rank*.json")))}
+    run_ranks(
+        2, str(TESTS / "memory_zb_worker.py"), ["--out", str(tmp_path), "--schedule-peaks"], env=CUDA_ENV, timeout=1800
+    )
+    ranks = {
+        r["1f1b"]["stage"]: r
+        for r in (json.loads(p.read_text()) for p in sorted(tmp_path.glob("schedule_peaks_rank*.json")))
+    }
     assert sorted(ranks) == [0, 1]
     for stage, r in sorted(ranks.items()):
         one, zb = r["1f1b"], r["zb-h1"]
-        print(f"stage {stage}: 1f1b {one['measured']} B (estimate {one['phase']:.0f}), zb-h1 {zb['measured']} B "
-              f"(estimate {zb['phase']:.0f})")
+        print(
+            f"stage {stage}: 1f1b {one['measured']} B (estimate {one['phase']:.0f}), zb-h1 {zb['measured']} B "
+            f"(estimate {zb['phase']:.0f})"
+        )
         for x in (one, zb):
             assert abs(x["phase"] - x["measured"]) <= 0.10 * x["measured"], (stage, x)
     one, zb = ranks[1]["1f1b"], ranks[1]["zb-h1"]

@@ -5,6 +5,7 @@ comment saying which.
 
     .venv/bin/python -m pytest -q tests/test_house.py      (or: .venv/bin/lint-imports)
 """
+
 from __future__ import annotations
 
 import ast
@@ -18,8 +19,21 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SRC = REPO / "src" / "threed"
 # Third-party packages that may be imported inside a function: heavy to import (seconds) or optional extras.
-HEAVY = {"deepspeed", "megatron", "torch", "transformers", "tensorboard", "wandb", "matplotlib", "pyarrow",
-         "sentencepiece", "safetensors", "tqdm", "numpy", "pydoc_data"}
+HEAVY = {
+    "deepspeed",
+    "megatron",
+    "torch",
+    "transformers",
+    "tensorboard",
+    "wandb",
+    "matplotlib",
+    "pyarrow",
+    "sentencepiece",
+    "safetensors",
+    "tqdm",
+    "numpy",
+    "pydoc_data",
+}
 
 
 def contract() -> dict:
@@ -60,8 +74,10 @@ def test_package_inits_import_nothing_of_threed():
         tree = ast.parse(init.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("threed"):
-                pytest.fail(f"{init.relative_to(REPO)} imports {node.module}: a package's __init__ holds its "
-                            f"docstring only, so importing one module does not drag in the others")
+                pytest.fail(
+                    f"{init.relative_to(REPO)} imports {node.module}: a package's __init__ holds its "
+                    f"docstring only, so importing one module does not drag in the others"
+                )
 
 
 def _cycles(graph: grimp.ImportGraph, modules: set[str]) -> list[list[str]]:
@@ -130,7 +146,7 @@ def _function_imports(path: Path):
                     if isinstance(sub, ast.ImportFrom) and sub.level:
                         module = "threed." + (module or "")
                     # The comment stands on the import, or above it (a group of imports may share one comment).
-                    commented = any("#" in line for line in lines[sub.lineno - 1:sub.end_lineno])
+                    commented = any("#" in line for line in lines[sub.lineno - 1 : sub.end_lineno])
                     j = sub.lineno - 2
                     while not commented and j >= 0:
                         above = lines[j].strip()
@@ -149,8 +165,10 @@ def test_imports_inside_functions_are_for_heavy_dependencies_with_a_reason():
             top = module.split(".")[0]
             if top == "threed" or top in HEAVY:
                 if not commented:
-                    bad.append(f"{path.relative_to(REPO)}:{line}: `{module}` imported in a function without a "
-                               f"comment saying which heavy dependency it defers")
+                    bad.append(
+                        f"{path.relative_to(REPO)}:{line}: `{module}` imported in a function without a "
+                        f"comment saying which heavy dependency it defers"
+                    )
             else:
                 bad.append(f"{path.relative_to(REPO)}:{line}: `{module}` is light: import it at the top")
     assert not bad, "\n".join(bad)

@@ -3,6 +3,7 @@ exactly `random_hf_state(model, seed)`; and bf16 runs reduce gradients over DP i
 
 One 4-rank launch (tests/init_worker.py) builds the model at tp/pp (1,1) (2,1) (1,2) (1,4) (2,2).
 """
+
 from __future__ import annotations
 
 import json
@@ -13,7 +14,7 @@ import torch
 from helpers import TESTS, model_config
 from threed.convert.in_memory import random_hf_state
 from threed.convert.mapping import layer_to_hf
-from threed.launch import run_ranks
+from threed.parallel.launch import run_ranks
 from threed.model.spec import pipeline_layers
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (1, 4), (2, 2)]
@@ -76,8 +77,10 @@ def test_bf16_gradients_are_reduced_in_fp32(out):
     rel = abs(norms["fp32_dp2_gas1"] - norms["fp32_dp1_gas2"]) / norms["fp32_dp1_gas2"]
     rel_bf16 = abs(norms["bf16_dp2_gas1"] - norms["bf16_dp1_gas2"]) / norms["bf16_dp1_gas2"]
     off = abs(norms["bf16_dp2_gas1"] - norms["fp32_dp2_gas1"]) / norms["fp32_dp2_gas1"]
-    print(f"dp2 x gas1 vs dp1 x gas2: relative grad-norm difference {rel:.2e} (fp32 reduce), "
-          f"{rel_bf16:.2e} (bf16 reduce); bf16 reduce vs fp32 reduce: {off:.2e}")
+    print(
+        f"dp2 x gas1 vs dp1 x gas2: relative grad-norm difference {rel:.2e} (fp32 reduce), "
+        f"{rel_bf16:.2e} (bf16 reduce); bf16 reduce vs fp32 reduce: {off:.2e}"
+    )
     assert rel <= 1e-6
     # DeepSpeed's default casts the fp32 accumulated gradients to bf16 even for a group of one: the norm moves
     # by ~1e-5 relative. Proves the fp32 setting is what reaches the engine.
@@ -85,13 +88,13 @@ def test_bf16_gradients_are_reduced_in_fp32(out):
 
 
 def test_cuda_only_switches_stay_off_on_cpu(out):
-    """The CPU run is the GPU code path minus the switches of `threed.distributed.cuda_only`."""
+    """The CPU run is the GPU code path minus the switches of `threed.parallel.distributed.cuda_only`."""
     got = json.loads((out / "cpu_switches.json").read_text())
     assert got == {"fused_adamw": False, "fused_swiglu": False, "device": "cpu", "megatron_gloo_groups": True}
 
 
 def test_device_policy_refuses_cuda_without_a_gpu(monkeypatch):
-    from threed.distributed import DeviceError, cuda_only, device_and_backend
+    from threed.parallel.distributed import DeviceError, cuda_only, device_and_backend
 
     monkeypatch.setenv("THREED_DEVICE", "cuda")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -108,7 +111,7 @@ def test_device_policy_refuses_cuda_without_a_gpu(monkeypatch):
 
 
 def test_device_policy_refuses_more_ranks_than_gpus(monkeypatch):
-    from threed.distributed import DeviceError, device_and_backend
+    from threed.parallel.distributed import DeviceError, device_and_backend
 
     monkeypatch.setenv("THREED_DEVICE", "auto")
     monkeypatch.setenv("LOCAL_RANK", "4")

@@ -1,14 +1,15 @@
 """threed.memory under `--pipeline-schedule zb-h1`: what a micro-batch awaiting its weight-gradient pass holds
-(checked against a hand count from the linears' widths), and how the held counts of threed.schedule move the
+(checked against a hand count from the linears' widths), and how the held counts of threed.parallel.schedule move the
 activation term from stage 0 to the later stages. Pure functions of the model (no engine), at 70B shapes."""
+
 from __future__ import annotations
 
 import pytest
 
-from threed.flags import model_config
+from threed.model.resolve import model_config
 from threed.memory.deferred import awaiting_w_bytes, deferred_bytes_per_token
 from threed.memory.model import estimate, stage_kinds
-from threed.schedule import held_before_backward
+from threed.parallel.schedule import held_before_backward
 
 M70 = model_config("llama3.1-70b")
 TP, PP, SEQ = 8, 4, 8192
@@ -50,8 +51,9 @@ def test_held_before_backward_grows_to_stage_zero_count(pp: int, gas: int) -> No
 
 
 def _activations(sp: bool, schedule: str, gas: int, recompute: bool = False) -> list[float]:
-    return [m.activations for m in estimate(M70, TP, PP, 1, 1, gas, SEQ, recompute, sequence_parallel=sp,
-                                            schedule=schedule)]
+    return [
+        m.activations for m in estimate(M70, TP, PP, 1, 1, gas, SEQ, recompute, sequence_parallel=sp, schedule=schedule)
+    ]
 
 
 @pytest.mark.parametrize("sp", [False, True])

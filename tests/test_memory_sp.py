@@ -6,6 +6,7 @@ collective's temporaries move single peaks by a few percent, differently on each
 engine with sequence parallelism and compare its tensors with the static terms (megatron's all-gather buffer, the
 unpartitioned p2p buffer).
 """
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,8 @@ import json
 import pytest
 
 from helpers import TESTS
-from threed.flags import model_config
-from threed.launch import run_ranks
+from threed.model.resolve import model_config
+from threed.parallel.launch import run_ranks
 from threed.memory.model import Stage, block_bytes_per_token, stage_activations
 from threed.memory.recompute import Recompute
 
@@ -26,15 +27,23 @@ STATIC_TOL = 0.02  # as tests/test_memory.py
 def measured(tmp_path_factory):
     out = tmp_path_factory.mktemp("memory_sp")
     run_ranks(2, str(TESTS / "memory_worker.py"), ["--out", str(out), "--stage-activations"], timeout=900)
-    run_ranks(4, str(TESTS / "memory_worker.py"), ["--out", str(out), "--layouts", "2x2", "--sequence-parallel"],
-              timeout=900)
+    run_ranks(
+        4, str(TESTS / "memory_worker.py"), ["--out", str(out), "--layouts", "2x2", "--sequence-parallel"], timeout=900
+    )
     ranks = [json.loads(p.read_text()) for p in sorted(out.glob("stage_activations_rank*.json"))]
-    cases = {case: {"measured": sum(r[case]["measured"] for r in ranks) / len(ranks),
-                    "per_rank": [r[case]["measured"] for r in ranks],
-                    "estimate": ranks[0][case]["estimate_cpu_kernels"]} for case in ranks[0]}
+    cases = {
+        case: {
+            "measured": sum(r[case]["measured"] for r in ranks) / len(ranks),
+            "per_rank": [r[case]["measured"] for r in ranks],
+            "estimate": ranks[0][case]["estimate_cpu_kernels"],
+        }
+        for case in ranks[0]
+    }
     for case, c in cases.items():
-        print(f"{case}: measured {[round(m / 1e6, 2) for m in c['per_rank']]} MB per rank, estimate "
-              f"{c['estimate'] / 1e6:.2f} MB (ratio {c['estimate'] / c['measured']:.3f})")
+        print(
+            f"{case}: measured {[round(m / 1e6, 2) for m in c['per_rank']]} MB per rank, estimate "
+            f"{c['estimate'] / 1e6:.2f} MB (ratio {c['estimate'] / c['measured']:.3f})"
+        )
     static = [json.loads(p.read_text()) for p in sorted(out.glob("static_2x2x1_rank*.json"))]
     return {"cases": cases, "static": static}
 
@@ -72,9 +81,17 @@ def test_partial_recompute_formula_at_its_ends() -> None:
     m = model_config("llama3.1-70b")
     stage = Stage(index=0, blocks=20, first=True, last=False)
     for sp in (False, True):
-        act = {rc: stage_activations(m, 8, 4, stage, 1, 64, 8192, rc, sequence_parallel=sp)
-               for rc in (Recompute(), Recompute.of(True), Recompute.first_blocks(0), Recompute.first_blocks(20),
-                          Recompute.first_blocks(99), Recompute.first_blocks(5))}
+        act = {
+            rc: stage_activations(m, 8, 4, stage, 1, 64, 8192, rc, sequence_parallel=sp)
+            for rc in (
+                Recompute(),
+                Recompute.of(True),
+                Recompute.first_blocks(0),
+                Recompute.first_blocks(20),
+                Recompute.first_blocks(99),
+                Recompute.first_blocks(5),
+            )
+        }
         assert act[Recompute.first_blocks(0)] == act[Recompute()]
         assert act[Recompute.first_blocks(20)] == act[Recompute.first_blocks(99)] == act[Recompute.of(True)]
         # Each recomputed block trades its activations for its input, four micro-batches in flight; re-creating one
@@ -102,8 +119,10 @@ def test_sp_engine_static_bytes(measured) -> None:
     for r in ranks:
         m, p = r["measured"], r["predicted"]
         everything = m["model_states"] + m.get("buffers", 0) + m["unaccounted"]
-        print(f"SP 2x2 rank {r['rank']} stage {r['stage']}: buffers {m.get('buffers', 0)} B measured, "
-              f"{p['buffers']:.0f} predicted; everything {everything} measured, {p['static']:.0f} predicted")
+        print(
+            f"SP 2x2 rank {r['rank']} stage {r['stage']}: buffers {m.get('buffers', 0)} B measured, "
+            f"{p['buffers']:.0f} predicted; everything {everything} measured, {p['static']:.0f} predicted"
+        )
         assert abs(p["model_states"] - m["model_states"]) <= STATIC_TOL * m["model_states"]
         # Every tensor the garbage collector sees, megatron's all-gather buffer and the [s/tp] p2p buffers included.
         assert abs(p["static"] - everything) <= STATIC_TOL * everything

@@ -6,6 +6,7 @@ the embedding on the first and on the last stage, each with its own bf16 weight,
 and AdamW state (ZeRO-1 partitions each over dp like any parameter); at pp = 1 one module serves both. One launch
 of 4 CPU ranks per layout (tests/memory_worker.py --model tiny-tied) builds tp x pp x dp = 1x2x2, 1x1x4, 2x2x1.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,8 +15,8 @@ import json
 import pytest
 
 from helpers import TESTS
-from threed.flags import model_config
-from threed.launch import run_ranks
+from threed.model.resolve import model_config
+from threed.parallel.launch import run_ranks
 from threed.memory.model import estimate, stage_params, stages
 from threed.model.spec import parameter_count
 
@@ -30,10 +31,15 @@ def measured(tmp_path_factory):
     # One launch per layout: a process that built an engine before keeps some of its tensors alive, which the
     # gc cross-check would count against the next one.
     for layout in LAYOUTS.values():
-        run_ranks(RANKS, str(TESTS / "memory_worker.py"),
-                  ["--out", str(out), "--model", "tiny-tied", "--layouts", layout], timeout=900)
-    return {name: [json.loads(p.read_text()) for p in sorted(out.glob(f"static_{name}_rank*.json"))]
-            for name in LAYOUTS}
+        run_ranks(
+            RANKS,
+            str(TESTS / "memory_worker.py"),
+            ["--out", str(out), "--model", "tiny-tied", "--layouts", layout],
+            timeout=900,
+        )
+    return {
+        name: [json.loads(p.read_text()) for p in sorted(out.glob(f"static_{name}_rank*.json"))] for name in LAYOUTS
+    }
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -45,9 +51,11 @@ def test_tied_static_bytes_match_engine_tensors(measured, layout: str) -> None:
         assert r["model"] == "tiny-tied" and r["optimizer"] == "BF16_Optimizer"
         assert r["parts"] == r["predicted_parts"], "threed.memory must split stages as the engine does"
         everything = m["model_states"] + m.get("buffers", 0) + m["unaccounted"]
-        print(f"tied {layout} rank {r['rank']} stage {r['stage']}: weights {m['weights']} B measured, "
-              f"{p['weights']:.0f} predicted; model states {m['model_states']} / {p['model_states']:.0f}; all live "
-              f"tensors {everything} / {p['static']:.0f}; largest unaccounted {m['largest_unaccounted'][:2]}")
+        print(
+            f"tied {layout} rank {r['rank']} stage {r['stage']}: weights {m['weights']} B measured, "
+            f"{p['weights']:.0f} predicted; model states {m['model_states']} / {p['model_states']:.0f}; all live "
+            f"tensors {everything} / {p['static']:.0f}; largest unaccounted {m['largest_unaccounted'][:2]}"
+        )
         # To the byte: an embedding copy (32768 of a stage's ~120k parameters) missing or counted twice shows.
         assert p["weights"] == m["weights"]
         assert p["grads"] == m["grads"]
@@ -82,5 +90,6 @@ def test_tied_counts_once_in_the_model_twice_across_stages() -> None:
             assert held == parameter_count(tied, tp) + (v * h if pp > 1 else 0), (tp, pp)
         # The last stage holds [V/tp, h] either way (a copy of the embedding, or the LM head): same bytes.
         for pp in (2, 4):
-            assert [m.params for m in estimate(tied, tp, pp, 2, 2, 2, SEQ, False, device="cpu")] == \
-                [m.params for m in estimate(untied, tp, pp, 2, 2, 2, SEQ, False, device="cpu")]
+            assert [m.params for m in estimate(tied, tp, pp, 2, 2, 2, SEQ, False, device="cpu")] == [
+                m.params for m in estimate(untied, tp, pp, 2, 2, 2, SEQ, False, device="cpu")
+            ]

@@ -1,5 +1,6 @@
 """Metrics: metrics.jsonl and TensorBoard after a 3-step tp2 pp2 dp2 run (8 gloo ranks), per-stage idle fractions
 against the bubble and the wall clock (2 ranks, pp2, gas 2 and 16), `threed report`, and `--partition-method`."""
+
 from __future__ import annotations
 
 import json
@@ -9,12 +10,21 @@ import numpy as np
 import pytest
 
 from helpers import TESTS
-from threed.cli import main as cli_main
+from threed.cli.main import main as cli_main
 from threed.config import ConfigError, MetricsConfig, ModelConfig, RunConfig
-from threed.launch import run_ranks
+from threed.parallel.launch import run_ranks
 
-MEGATRON_NAMES = ("lm loss", "learning-rate", "grad-norm", "iteration-time", "batch-size", "tokens-per-sec",
-                  "throughput", "mem-allocated-bytes", "mem-max-allocated-bytes")
+MEGATRON_NAMES = (
+    "lm loss",
+    "learning-rate",
+    "grad-norm",
+    "iteration-time",
+    "batch-size",
+    "tokens-per-sec",
+    "throughput",
+    "mem-allocated-bytes",
+    "mem-max-allocated-bytes",
+)
 STAGE_NAMES = ("compute-time", "p2p-wait-time", "idle-fraction", "mem-max-allocated-bytes")
 # How far the idle fraction (p2p wait / (compute + p2p wait)) may lie from the wall-clock split
 # 1 - compute / (wall time of train_batch measured by the worker - gradient reduction - optimizer - loss sync), per
@@ -147,7 +157,7 @@ def test_report_bad_input_is_one_line_and_exit_2(tmp_path, capsys, setup):
     if setup == "empty":
         (run / "metrics.jsonl").write_text("")
     if setup == "garbage":
-        (run / "metrics.jsonl").write_text("{not json\n{\"iteration\": 1}\n")
+        (run / "metrics.jsonl").write_text('{not json\n{"iteration": 1}\n')
     assert cli_main(["report", str(run)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("threed report: error:") and "\n" not in err, err
@@ -157,7 +167,7 @@ def test_wandb_asked_for_but_missing_is_a_config_error():
     import importlib.util
 
     from threed.metrics.writer import check_metrics_config
-    from threed.flags import model_config
+    from threed.model.resolve import model_config
 
     if importlib.util.find_spec("wandb") is not None:
         pytest.skip("wandb is installed here")
@@ -166,12 +176,20 @@ def test_wandb_asked_for_but_missing_is_a_config_error():
         check_metrics_config(cfg)
 
 
-BENCH = ModelConfig(name="bench", vocab_size=4096, hidden_size=256, num_layers=8, num_heads=8, num_kv_heads=4,
-                    ffn_hidden_size=704, max_position_embeddings=256)
+BENCH = ModelConfig(
+    name="bench",
+    vocab_size=4096,
+    hidden_size=256,
+    num_layers=8,
+    num_heads=8,
+    num_kv_heads=4,
+    ffn_hidden_size=704,
+    max_position_embeddings=256,
+)
 
 
 def test_partition_methods():
-    from threed.partition import resolve_partition
+    from threed.parallel.partition import resolve_partition
 
     # The LM head (6·h·V = 1.3 blocks here) sits on the last stage: balanced moves a block off it; the old default
     # spreads the blocks evenly.

@@ -4,6 +4,7 @@ and a vocabulary that needs padding, and the real 70B / 405B shapes on the meta 
 
     .venv/bin/python -m pytest -q tests/test_model_spec.py
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +14,7 @@ import re
 import pytest
 import torch
 
-from threed import partition
+from threed.parallel import partition
 from threed.memory import model as memory
 from threed.config import ModelConfig, ParallelConfig
 from threed.convert.mapping import layer_from_hf
@@ -22,18 +23,43 @@ from threed.hf import names as hf_names_module
 from threed.hf.names import hf_shapes
 from threed.model import spec
 from threed.model.init import shard_of
-from threed.model.spec import (PARAMETERS, Param, layer_parameters, parameter_count, pipeline_layers, shard_shapes,
-                               stage_parameters, universal_patterns)
+from threed.model.spec import (
+    PARAMETERS,
+    Param,
+    layer_parameters,
+    parameter_count,
+    pipeline_layers,
+    shard_shapes,
+    stage_parameters,
+    universal_patterns,
+)
 from threed.hf.config import to_hf_config
-from threed.presets import PRESETS
+from threed.model.presets import PRESETS
 
 # A vocabulary of 1000 pads to 1024 at tp 1 (multiple 128) and to 1024 at tp 2 (256) / tp 4 (512): padding rows
 # exist at every tp. GQA 8 heads / 2 KV heads; MHA 6 / 6 with an odd head_dim.
 SMALL = {
-    "gqa-odd-vocab": ModelConfig(name="gqa", vocab_size=1000, hidden_size=64, num_layers=3, num_heads=8,
-                                 num_kv_heads=2, ffn_hidden_size=112, max_position_embeddings=64),
-    "mha": ModelConfig(name="mha", vocab_size=515, hidden_size=84, num_layers=2, num_heads=6, num_kv_heads=6,
-                       ffn_hidden_size=100, max_position_embeddings=64, make_vocab_size_divisible_by=8),
+    "gqa-odd-vocab": ModelConfig(
+        name="gqa",
+        vocab_size=1000,
+        hidden_size=64,
+        num_layers=3,
+        num_heads=8,
+        num_kv_heads=2,
+        ffn_hidden_size=112,
+        max_position_embeddings=64,
+    ),
+    "mha": ModelConfig(
+        name="mha",
+        vocab_size=515,
+        hidden_size=84,
+        num_layers=2,
+        num_heads=6,
+        num_kv_heads=6,
+        ffn_hidden_size=100,
+        max_position_embeddings=64,
+        make_vocab_size_divisible_by=8,
+    ),
 }
 LARGE = ("llama2-70b", "llama3.1-70b", "llama3.1-405b")
 
@@ -102,8 +128,12 @@ def test_universal_patterns_name_every_split_that_is_not_a_row_range(tie):
     # ds_to_universal concatenates any TP-sharded parameter that no pattern names on dim 0 (DeepSpeed #6503):
     # right only for row ranges (column, qkv). Every other split must be named by exactly its own rule; a pattern
     # that names nothing the model holds is refused (strict), so a tied model has no LM head pattern.
-    rule = {"replicated": "TP_REPLICATED_PARAMETER_PATTERNS", "row": "PARAMETER_WITH_ROW_PARALLELISM_PATTERNS",
-            "gate_up": "PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0", "vocab": "VOCABULARY_PARAMETER_PATTERNS"}
+    rule = {
+        "replicated": "TP_REPLICATED_PARAMETER_PATTERNS",
+        "row": "PARAMETER_WITH_ROW_PARALLELISM_PATTERNS",
+        "gate_up": "PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0",
+        "vocab": "VOCABULARY_PARAMETER_PATTERNS",
+    }
     cfg = dataclasses.replace(SMALL["gqa-odd-vocab"], tie_word_embeddings=tie)
     patterns = universal_patterns(cfg)
     # DeepSpeed's names: `<layer index>.<name>`; a TiedLayerSpec's module is `tied_modules.<key>` on every stage.
@@ -119,14 +149,18 @@ def test_universal_patterns_name_every_split_that_is_not_a_row_range(tie):
     assert any(n.endswith("lm_head.weight") for n in names) != tie
     used = set()
     for full, p in names.items():
-        matched = {k for k, pats in patterns.items() if k != "PIPELINE_REPLICATED_PARAMETER_PATTERNS"
-                   and any(re.match(x, full) for x in pats)}
+        matched = {
+            k
+            for k, pats in patterns.items()
+            if k != "PIPELINE_REPLICATED_PARAMETER_PATTERNS" and any(re.match(x, full) for x in pats)
+        }
         assert matched == ({rule[p.split]} if p.split in rule else set()), (full, matched)
         used |= {x for pats in patterns.values() for x in pats if re.match(x, full)}
     assert used == {x for pats in patterns.values() for x in pats}  # every pattern names a parameter
     replicated = patterns.get("PIPELINE_REPLICATED_PARAMETER_PATTERNS", [])
     assert [n for n in names if any(re.match(x, n) for x in replicated)] == (
-        ["tied_modules.embedding.word_embeddings.weight"] if tie else [])
+        ["tied_modules.embedding.word_embeddings.weight"] if tie else []
+    )
     info = spec.universal_checkpoint_info(cfg)
     from deepspeed.checkpoint import constants
 
@@ -139,9 +173,13 @@ def test_a_new_row_reaches_every_derived_fact(monkeypatch):
     """Adding a parameter kind is one row of the table (plus its HF name): counts, shard shapes, per-stage
     parameters, the partition's cost, the universal patterns and the init all see it."""
     cfg = SMALL["gqa-odd-vocab"]
-    before = {"count": parameter_count(cfg), "shards": shard_shapes(cfg, "block", 2),
-              "stage": stage_parameters(cfg, 2, ["block"]), "flops": spec.layer_training_flops(cfg, "block", 64),
-              "patterns": universal_patterns(cfg)}
+    before = {
+        "count": parameter_count(cfg),
+        "shards": shard_shapes(cfg, "block", 2),
+        "stage": stage_parameters(cfg, 2, ["block"]),
+        "flops": spec.layer_training_flops(cfg, "block", 64),
+        "patterns": universal_patterns(cfg),
+    }
     extra = Param("block", "mlp.linear_extra.weight", "row", "scaled", ("hidden", "ffn"), megatron_linear=True)
     monkeypatch.setattr(spec, "PARAMETERS", PARAMETERS + (extra,))
     monkeypatch.setitem(hf_names_module.HF_NAMES, ("block", extra.name), ("model.layers.{i}.mlp.extra.weight",))
@@ -154,7 +192,9 @@ def test_a_new_row_reaches_every_derived_fact(monkeypatch):
         assert spec.layer_training_flops(cfg, "block", 64) == before["flops"] + 6 * h * f
         assert partition.layer_params(cfg, pipeline_layers(cfg)[1], 2) == sum(stage_parameters(cfg, 2, ["block"]))
         rows = universal_patterns(cfg)["PARAMETER_WITH_ROW_PARALLELISM_PATTERNS"]
-        assert rows == before["patterns"]["PARAMETER_WITH_ROW_PARALLELISM_PATTERNS"] + [r"\d+\.mlp\.linear_extra\.weight$"]
+        assert rows == before["patterns"]["PARAMETER_WITH_ROW_PARALLELISM_PATTERNS"] + [
+            r"\d+\.mlp\.linear_extra\.weight$"
+        ]
         assert hf_shapes(cfg, pipeline_layers(cfg)[1])["model.layers.0.mlp.extra.weight"] == (h, f)
         assert tuple(shard_of(cfg, 1, extra, 2, 1, seed=0).shape) == (h, f // 2)
     finally:
@@ -165,8 +205,12 @@ def test_tp_segments_cover_each_tensor_once():
     for split in ("vocab", "column", "qkv", "gate_up", "row"):
         for tp in (1, 2, 4, 8):
             n = 64
-            covered = sorted(i for r in range(tp) for s in spec.tp_segments(split, n, tp, r)
-                             for i in range(s.start, s.start + s.length))
+            covered = sorted(
+                i
+                for r in range(tp)
+                for s in spec.tp_segments(split, n, tp, r)
+                for i in range(s.start, s.start + s.length)
+            )
             assert covered == list(range(n)), (split, tp)
             for r in range(tp):
                 locals_ = [(s.local, s.length) for s in spec.tp_segments(split, n, tp, r)]

@@ -6,6 +6,7 @@ alone, and the single-tensor path is unchanged.
 The model half runs in a child process: megatron's parallel state needs torch.distributed (a world of one), which
 must not leak into the pytest process.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,14 @@ def test_segments_positions_mask():
     assert document_positions(seg).tolist() == [[0, 1, 0, 1, 2, 0], [0, 1, 2, 3, 4, 5]]
     mask = block_causal_mask(seg)
     assert mask.shape == (2, 1, 6, 6)
-    assert mask[0, 0].int().tolist() == [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [0, 0, 1, 0, 0, 0],
-                                         [0, 0, 1, 1, 0, 0], [0, 0, 1, 1, 1, 0], [0, 0, 0, 0, 0, 1]]
+    assert mask[0, 0].int().tolist() == [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [0, 0, 1, 0, 0, 0],
+        [0, 0, 1, 1, 0, 0],
+        [0, 0, 1, 1, 1, 0],
+        [0, 0, 0, 0, 0, 1],
+    ]
     assert torch.equal(mask[1, 0], torch.ones(6, 6, dtype=torch.bool).tril())
     cu, longest = cumulative_lengths(seg)
     assert cu.dtype == torch.int32 and cu.tolist() == [0, 2, 5, 6, 12] and longest == 6
@@ -41,10 +48,12 @@ def test_segments_positions_mask():
 
 @pytest.mark.parametrize("model", ["gqa31", "mha2"])
 def test_packed_logits_match_hf_per_document(model):
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(TESTS / "test_packing.py"), model], env=env, capture_output=True,
-                          text=True, timeout=600)
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
+    )
+    proc = subprocess.run(
+        [sys.executable, str(TESTS / "test_packing.py"), model], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     for doc_err in result["packed_vs_hf"]:
@@ -64,8 +73,8 @@ def _worker(name: str) -> dict:
     from helpers import hf_model, model_config
     from threed.config import ParallelConfig, RunConfig, TrainConfig
     from threed.convert.in_memory import load_hf_state
-    from threed.distributed import init_distributed, init_megatron_parallel_state, shutdown_distributed
-    from threed.pipeline import build_pipeline_module
+    from threed.parallel.distributed import init_distributed, init_megatron_parallel_state, shutdown_distributed
+    from threed.parallel.pipeline import build_pipeline_module
 
     seq = sum(ROWS[0])
     hf = hf_model(name)
@@ -101,11 +110,11 @@ def _worker(name: str) -> dict:
             for row, lengths in enumerate(ROWS):
                 start = 0
                 for n in lengths:
-                    ref = hf(tokens[row:row + 1, start:start + n]).logits[0]
-                    errors.append(_rel(ours[row, start:start + n], ref))
+                    ref = hf(tokens[row : row + 1, start : start + n]).logits[0]
+                    errors.append(_rel(ours[row, start : start + n], ref))
                     start += n
             full = unpacked(tokens)
-            unpacked_err = max(_rel(full[r], hf(tokens[r:r + 1]).logits[0]) for r in range(len(ROWS)))
+            unpacked_err = max(_rel(full[r], hf(tokens[r : r + 1]).logits[0]) for r in range(len(ROWS)))
             one_doc = _rel(ours[1], full[1])  # row 1 is a single document: packed path == plain causal path
             through_module = module(tokens)[..., :vocab].transpose(0, 1)
             module_diff = (through_module - full).abs().max().item()
@@ -122,13 +131,19 @@ def _worker(name: str) -> dict:
         for row, lengths in enumerate(ROWS):
             start = 0
             for n in lengths:
-                alone = alone + loss_sum(unpacked(tokens[row:row + 1, start:start + n]),
-                                         labels[row:row + 1, start:start + n])
+                alone = alone + loss_sum(
+                    unpacked(tokens[row : row + 1, start : start + n]), labels[row : row + 1, start : start + n]
+                )
                 start += n
         alone_grads = torch.autograd.grad(alone, params)
         grad_err = max(_rel(a, b) for a, b in zip(packed_grads, alone_grads))
-        return {"packed_vs_hf": errors, "unpacked_vs_hf": unpacked_err, "one_document_packed_vs_unpacked": one_doc,
-                "pipeline_forward_unchanged": module_diff, "packed_grads_vs_alone": grad_err}
+        return {
+            "packed_vs_hf": errors,
+            "unpacked_vs_hf": unpacked_err,
+            "one_document_packed_vs_unpacked": one_doc,
+            "pipeline_forward_unchanged": module_diff,
+            "packed_grads_vs_alone": grad_err,
+        }
     finally:
         shutdown_distributed()
 

@@ -3,13 +3,14 @@
 All four layouts (and two model configs: GQA + Llama 3.1 rope scaling, and Llama-2-style MHA) run in one
 4-rank launch; ranks not needed by a layout act as data-parallel replicas.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 from helpers import TESTS, hf_model
-from threed.launch import run_ranks
+from threed.parallel.launch import run_ranks
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 MODELS = ["gqa31", "mha2"]

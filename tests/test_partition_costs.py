@@ -1,10 +1,11 @@
-"""`--partition-method costs:...` (threed.layer_costs + threed.partition) and `threed profile-layers`
-(threed.layer_profile): the parsing and its one-line refusals, the split the min-max programme gives for hand-made
+"""`--partition-method costs:...` (threed.parallel.layer_costs + threed.parallel.partition) and `threed profile-layers`
+(threed.plan.profile): the parsing and its one-line refusals, the split the min-max programme gives for hand-made
 costs, the profiler on the tiny preset (positive costs, a method string that parses back), and check-config
 accepting a costs: method. No timings are asserted.
 
     .venv/bin/python -m pytest -q tests/test_partition_costs.py
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -13,38 +14,53 @@ import sys
 import pytest
 
 from threed.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, TrainConfig
-from threed.layer_costs import format_costs, parse_costs
-from threed.partition import resolve_partition
+from threed.parallel.layer_costs import format_costs, parse_costs
+from threed.parallel.partition import resolve_partition
 
 # benchmarks/bench_pipeline.py's model: 8 blocks; pipeline layers 0 embedding, 1-8 blocks, 9 final_norm, 10 lm_head.
-BENCH = ModelConfig(name="bench", vocab_size=4096, hidden_size=256, num_layers=8, num_heads=8, num_kv_heads=4,
-                    ffn_hidden_size=704, max_position_embeddings=256)
+BENCH = ModelConfig(
+    name="bench",
+    vocab_size=4096,
+    hidden_size=256,
+    num_layers=8,
+    num_heads=8,
+    num_kv_heads=4,
+    ffn_hidden_size=704,
+    max_position_embeddings=256,
+)
 
 
 def test_parse_fills_missing_kinds_with_zero() -> None:
     assert parse_costs("block=1, lm_head=1.2") == {"embedding": 0.0, "block": 1.0, "final_norm": 0.0, "lm_head": 1.2}
-    assert parse_costs("LM_HEAD=2e-1,block=0.5,embedding=0") == {"embedding": 0.0, "block": 0.5, "final_norm": 0.0,
-                                                                 "lm_head": 0.2}
+    assert parse_costs("LM_HEAD=2e-1,block=0.5,embedding=0") == {
+        "embedding": 0.0,
+        "block": 0.5,
+        "final_norm": 0.0,
+        "lm_head": 0.2,
+    }
 
 
 def test_format_is_relative_to_a_block_and_parses_back() -> None:
     method = format_costs({"embedding": 0.5, "block": 10.0, "final_norm": 0.1, "lm_head": 12.0})
     assert method == "costs:embedding=0.05,block=1,final_norm=0.01,lm_head=1.2"
-    assert parse_costs(method[len("costs:"):])["lm_head"] == 1.2
+    assert parse_costs(method[len("costs:") :])["lm_head"] == 1.2
 
 
-@pytest.mark.parametrize("spec, says", [
-    ("", "no costs given"),
-    ("lm_head=1.2", "no block cost"),
-    ("block=0,lm_head=1", "block=0"),
-    ("block=1,head=1.2", "unknown layer kind 'head'; the kinds are embedding, block, final_norm, lm_head"),
-    ("block=1,block=2", "block is given twice"),
-    ("block=one", "block='one' is not a number"),
-    ("block=1,lm_head=-0.5", "lm_head=-0.5 must be a finite number >= 0"),
-    ("block=inf", "must be a finite number"),
-    ("block=1,,lm_head=1", "an empty entry"),
-    ("block", "'block' is not KIND=COST"),
-])
+@pytest.mark.parametrize(
+    "spec, says",
+    [
+        ("", "no costs given"),
+        ("lm_head=1.2", "no block cost"),
+        ("block=0,lm_head=1", "block=0"),
+        ("block=1,head=1.2", "unknown layer kind 'head'; the kinds are embedding, block, final_norm, lm_head"),
+        ("block=1,block=2", "block is given twice"),
+        ("block=one", "block='one' is not a number"),
+        ("block=1,lm_head=-0.5", "lm_head=-0.5 must be a finite number >= 0"),
+        ("block=inf", "must be a finite number"),
+        ("block=1,,lm_head=1", "an empty entry"),
+        ("block", "'block' is not KIND=COST"),
+    ],
+)
 def test_bad_costs_are_one_line_naming_the_fix(spec: str, says: str) -> None:
     with pytest.raises(ConfigError) as e:
         resolve_partition("costs:" + spec, BENCH, 2, 128)
@@ -77,17 +93,18 @@ def test_every_stage_keeps_a_block_however_heavy_the_head() -> None:
 
 
 def test_profiler_on_tiny_gives_positive_costs_and_a_method_that_resolves() -> None:
-    from threed.flags import model_config
-    from threed.layer_profile import balance, profile_layers, report, stage_costs
+    from threed.model.resolve import model_config
+    from threed.plan.profile import balance, profile_layers, report, stage_costs
 
-    cfg = RunConfig(model=model_config("tiny"), parallel=ParallelConfig(pp=2),
-                    train=TrainConfig(dtype="fp32", seq_length=32))
+    cfg = RunConfig(
+        model=model_config("tiny"), parallel=ParallelConfig(pp=2), train=TrainConfig(dtype="fp32", seq_length=32)
+    )
     profile = profile_layers(cfg, threads=1, warmup=1, repeats=2)
     assert set(profile.seconds) == {"embedding", "block", "final_norm", "lm_head"}
     assert all(t > 0 for t in profile.seconds.values()), profile.seconds
     assert profile.threads == 1
     method = profile.method
-    costs = parse_costs(method[len("costs:"):])
+    costs = parse_costs(method[len("costs:") :])
     assert costs["block"] == 1 and all(c > 0 for c in costs.values()), method
     bounds, stages = stage_costs(method, cfg.model, 2, 32)
     assert bounds == resolve_partition(method, cfg.model, 2, 32) and len(stages) == 2
@@ -98,8 +115,19 @@ def test_profiler_on_tiny_gives_positive_costs_and_a_method_that_resolves() -> N
 
 
 def test_check_config_accepts_a_costs_method_and_refuses_a_bad_one() -> None:
-    base = [sys.executable, "-m", "threed.cli", "check-config", "--model", "tiny", "--world", "2", "--pp", "2",
-            "--partition-method"]
+    base = [
+        sys.executable,
+        "-m",
+        "threed.cli",
+        "check-config",
+        "--model",
+        "tiny",
+        "--world",
+        "2",
+        "--pp",
+        "2",
+        "--partition-method",
+    ]
     out = subprocess.run(base + ["costs:block=1,lm_head=2.5"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "stages: 0: embedding + blocks 0-2 | 1: block 3 + final_norm + lm_head;" in out.stdout, out.stdout

@@ -5,6 +5,7 @@ ranks; the numbers with two launches, tp2 pp2 dp2 (8 ranks) and tp1 pp4 (4 ranks
 schedule resumes under the other, and bf16, sequence parallelism, recompute, packed rows and a tied model change
 nothing either.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,9 @@ import pytest
 
 from helpers import TESTS, model_config, write_dataset
 from threed.config import ConfigError, ParallelConfig, RunConfig, TrainConfig
-from threed.launch import run_ranks
-from threed.schedule import held, simulate, stage_order, zero_bubble_engine
+from threed.parallel.launch import run_ranks
+from threed.parallel import zero_bubble
+from threed.parallel.schedule import held, simulate, stage_order
 
 REL = 1e-6
 
@@ -57,16 +59,17 @@ def test_deepspeed_commands_are_1f1b_with_weight_passes(pp, gas) -> None:
     the gradient reductions."""
     from deepspeed.runtime.pipe import schedule as ds
 
-    engine = zero_bubble_engine()
+    engine = zero_bubble.ZeroBubbleEngine
     for stage in range(pp):
         fake = type("Engine", (), dict(micro_batches=gas, num_stages=pp, stage_id=stage))()
         zb = [list(cmds) for cmds in engine._train_schedule(fake)]
         ref = [list(cmds) for cmds in ds.TrainSchedule(micro_batches=gas, stages=pp, stage_id=stage)]
-        assert [[repr(c) for c in s if not isinstance(c, engine.WeightPass)] for s in zb] == \
-            [[repr(c) for c in s] for s in ref]
+        assert [[repr(c) for c in s if not isinstance(c, zero_bubble.WeightPass)] for s in zb] == [
+            [repr(c) for c in s] for s in ref
+        ]
         flat = [c for s in zb for c in s]
-        assert [c.kwargs["micro_batch"] for c in flat if isinstance(c, engine.WeightPass)] == list(range(gas))
-        last_w = max(i for i, c in enumerate(flat) if isinstance(c, engine.WeightPass))
+        assert [c.kwargs["micro_batch"] for c in flat if isinstance(c, zero_bubble.WeightPass)] == list(range(gas))
+        last_w = max(i for i, c in enumerate(flat) if isinstance(c, zero_bubble.WeightPass))
         assert last_w < next(i for i, c in enumerate(flat) if isinstance(c, ds.ReduceTiedGrads))
         for step in zb:
             kinds = [type(c).__name__ for c in step]
@@ -80,15 +83,16 @@ def test_deepspeed_commands_are_1f1b_with_weight_passes(pp, gas) -> None:
                     b_steps[len(b_steps)] = i
         for i, step in enumerate(zb):
             for c in step:
-                if isinstance(c, engine.WeightPass):
+                if isinstance(c, zero_bubble.WeightPass):
                     j = c.kwargs["micro_batch"]
                     released_by = min(j + stage, gas - 1)
                     assert i in (b_steps[released_by], b_steps[released_by] + 1), (stage, j, i)
 
 
 def test_zb_h1_needs_stages_to_fill() -> None:
-    cfg = RunConfig(model=model_config("gqa31"), parallel=ParallelConfig(pipeline_schedule="zb-h1"),
-                    train=TrainConfig(steps=1))
+    cfg = RunConfig(
+        model=model_config("gqa31"), parallel=ParallelConfig(pipeline_schedule="zb-h1"), train=TrainConfig(steps=1)
+    )
     with pytest.raises(ConfigError, match="pipeline-schedule zb-h1 needs pp > 1"):
         cfg.validate(world_size=1)
 
@@ -107,14 +111,16 @@ def launch(tmp_path_factory, data: str, world: int, args: list[str]) -> list[dic
 
 @pytest.fixture(scope="module")
 def tp2pp2(tmp_path_factory, data) -> list[dict]:
-    return launch(tmp_path_factory, data, 8, ["--tp", "2", "--pp", "2", "--gas", "4,8",
-                                              "--variants", "sp_block1,packed"])
+    return launch(
+        tmp_path_factory, data, 8, ["--tp", "2", "--pp", "2", "--gas", "4,8", "--variants", "sp_block1,packed"]
+    )
 
 
 @pytest.fixture(scope="module")
 def tp2pp2_more(tmp_path_factory, data) -> list[dict]:
-    return launch(tmp_path_factory, data, 8, ["--tp", "2", "--pp", "2", "--gas", "",
-                                              "--variants", "bf16,uniform1,selective,tied"])
+    return launch(
+        tmp_path_factory, data, 8, ["--tp", "2", "--pp", "2", "--gas", "", "--variants", "bf16,uniform1,selective,tied"]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -146,8 +152,9 @@ def check_parity(ranks: list[dict], runs: list[str]) -> None:
             assert one["class"] == "PipelineEngine" and zb["class"] == "ZeroBubbleEngine"
             assert one["grad_norms"][0] > 0.5, "a run that learns something"
             assert_same_run(zb, one, f"rank {rank} {run}")
-            assert zb["deferred_per_micro_batch"] == zb["split_linears"] > 0, \
+            assert zb["deferred_per_micro_batch"] == zb["split_linears"] > 0, (
                 f"rank {rank} {run}: every Column/RowParallelLinear of the stage defers its weight gradient"
+            )
             assert one["deferred_per_micro_batch"] == 0, "1F1B defers nothing"
 
 
@@ -207,7 +214,7 @@ def test_weight_passes_count_as_compute_in_the_stage_metrics() -> None:
 
     from threed.metrics.stages import _instruction_buckets
 
-    engine = zero_bubble_engine()
+    engine = zero_bubble.ZeroBubbleEngine
     buckets = _instruction_buckets()
-    assert buckets[engine.WeightPass] == buckets[ds.BackwardPass] == "compute"
+    assert buckets[zero_bubble.WeightPass] == buckets[ds.BackwardPass] == "compute"
     assert set(engine._INSTRUCTION_MAP) <= set(buckets), "every instruction of the zb-h1 engine is timed"

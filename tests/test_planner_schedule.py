@@ -2,17 +2,19 @@
 gradients) and W (weight gradients), ZB-H1 faster where the pipeline idles, the 1F1B bubble unchanged, and the
 planner's choice (and its one phrase why) where ZB-H1 fits and where it does not. Pure functions of the memory and
 step-time models (no engine)."""
+
 from __future__ import annotations
 
 import re
 
 import pytest
 
-from threed.flags import model_config
+from threed.model.resolve import model_config
 from threed.model.spec import matmul_parameters
-from threed.planner import Hardware, main, plan, recipe_lines
-from threed.plan_layout import Layout, schedule_verdict
-from threed.steptime import pass_times, step_time
+from threed.cli.plan import main
+from threed.plan.planner import Hardware, plan, recipe_lines
+from threed.plan.layout import Layout, schedule_verdict
+from threed.plan.steptime import pass_times, step_time
 
 M70, M8 = model_config("llama3.1-70b"), model_config("llama3.1-8b")
 HW = Hardware(nodes=4, gpus_per_node=8, gpu_memory_gb=80)
@@ -42,7 +44,8 @@ def test_zb_h1_faster_at_pp4_gas8(sp: bool) -> None:
     # ZB-H1 fills the cool-down with the deferred W: about (pp - 1) W shorter, never more than (pp - 1)(F + B + W).
     assert one - 3 * (f + b + w) < zb < one - 0.5 * 3 * w
     assert step_time(M70, HW, 8, 1, 4, 1, 8, 8192, True, 0, sp, "zb-h1") == pytest.approx(
-        step_time(M70, HW, 8, 1, 4, 1, 8, 8192, True, 0, sp))  # one stage: nothing to fill
+        step_time(M70, HW, 8, 1, 4, 1, 8, 8192, True, 0, sp)
+    )  # one stage: nothing to fill
 
 
 def _layout(pp: int, gas: int, schedule: str, passes: tuple[float, float, float]) -> Layout:
@@ -58,8 +61,9 @@ def test_bubble_from_the_schedule(pp: int, gas: int) -> None:
 
 
 def _plan(capsys, *args: str) -> str:
-    code = main(["--model", "llama3.1-8b", "--nodes", "1", "--gpu-memory", "80", "--seq", "8192",
-                 "--global-batch", "64", *args])
+    code = main(
+        ["--model", "llama3.1-8b", "--nodes", "1", "--gpu-memory", "80", "--seq", "8192", "--global-batch", "64", *args]
+    )
     out, err = capsys.readouterr()
     assert code == 0, err
     return out
@@ -68,8 +72,12 @@ def _plan(capsys, *args: str) -> str:
 def test_plan_picks_zb_h1_where_it_fits_and_is_faster(capsys) -> None:
     best, every = plan(M8, Hardware(1, 8, 80), 8192, 64, pp=2)
     assert best.schedule == "zb-h1" and best.fits
-    twin = next(la for la in every if la.schedule == "1f1b" and (la.tp, la.dp, la.micro, la.sp, la.recompute)
-                == (best.tp, best.dp, best.micro, best.sp, best.recompute))
+    twin = next(
+        la
+        for la in every
+        if la.schedule == "1f1b"
+        and (la.tp, la.dp, la.micro, la.sp, la.recompute) == (best.tp, best.dp, best.micro, best.sp, best.recompute)
+    )
     assert twin.fits and best.step_s < twin.step_s and best.bubble < twin.bubble
     assert "PIPELINE_SCHEDULE=${PIPELINE_SCHEDULE-zb-h1}" in recipe_lines("llama3.1-8b", best, 64, 8192)
     out = _plan(capsys, "--pp", "2")
@@ -100,8 +108,16 @@ def test_plan_picks_zb_h1_where_the_bubble_is_large() -> None:
     8.6%). Under SP a micro-batch awaiting W keeps 1/tp of its linears' tensors (threed.model.wgrad), so ZB-H1 fits
     as 1F1B does and its smaller bubble wins. At 4 nodes (gas 512, a 0.6% bubble) its W passes' re-gathers cost
     more than the bubble it saves: 1F1B, and the verdict says why."""
-    best, every = plan(M70, Hardware(nodes=64, gpus_per_node=8, gpu_memory_gb=80), 8192, 512, tp=8, pp=4, micro=1,
-                       sequence_parallel=True)
+    best, every = plan(
+        M70,
+        Hardware(nodes=64, gpus_per_node=8, gpu_memory_gb=80),
+        8192,
+        512,
+        tp=8,
+        pp=4,
+        micro=1,
+        sequence_parallel=True,
+    )
     twin = next(la for la in every if la.schedule == "1f1b" and la.recompute == best.recompute and la.sp)
     assert (best.schedule, best.dp, best.gas) == ("zb-h1", 16, 32) and best.fits and best.step_s < twin.step_s
     assert twin.bubble == pytest.approx(3 / 35) and best.bubble < twin.bubble / 2

@@ -2,16 +2,17 @@
 fits without recomputing every block once SP is on; the step-time model charges recompute one forward per
 recomputed block and SP the same ring bytes plus megatron's backward re-gather; the recipe lines carry both.
 Pure functions of the memory and step-time models (no engine)."""
+
 from __future__ import annotations
 
 import pytest
 
-from threed.flags import model_config
+from threed.model.resolve import model_config
 from threed.memory.model import GB, estimate, heaviest
 from threed.memory.recompute import Recompute
 from threed.model.spec import layer_training_flops
-from threed.planner import Hardware, full_recompute_verdict, plan, recipe_lines
-from threed.steptime import step_time
+from threed.plan.planner import Hardware, full_recompute_verdict, plan, recipe_lines
+from threed.plan.steptime import step_time
 
 FLAGSHIP = dict(nodes=4, gpus_per_node=8, gpu_memory_gb=80)
 
@@ -43,8 +44,19 @@ def test_fewest_recomputed_blocks_is_the_least_that_fits(flagship) -> None:
     assert partial
     for la in partial[:6]:
         assert la.fits
-        fewer = heaviest(estimate(model_config("llama3.1-70b"), la.tp, la.pp, la.dp, la.micro, la.gas, 8192,
-                                  Recompute.first_blocks(la.recomputed - 1), sequence_parallel=la.sp))
+        fewer = heaviest(
+            estimate(
+                model_config("llama3.1-70b"),
+                la.tp,
+                la.pp,
+                la.dp,
+                la.micro,
+                la.gas,
+                8192,
+                Recompute.first_blocks(la.recomputed - 1),
+                sequence_parallel=la.sp,
+            )
+        )
         assert fewer.peak > Hardware(**FLAGSHIP).budget, la.name()
 
 
@@ -80,10 +92,28 @@ def test_recipe_lines_carry_sp_and_partial_recompute(flagship) -> None:
 
 
 def test_plan_restricted_to_no_sp_needs_recompute(capsys) -> None:
-    from threed.planner import main
+    from threed.cli.plan import main
 
-    code = main(["--model", "llama3.1-70b", "--nodes", "4", "--gpu-memory", "80", "--seq", "8192",
-                 "--global-batch", "512", "--tp", "8", "--pp", "4", "--sequence-parallel", "false"])
+    code = main(
+        [
+            "--model",
+            "llama3.1-70b",
+            "--nodes",
+            "4",
+            "--gpu-memory",
+            "80",
+            "--seq",
+            "8192",
+            "--global-batch",
+            "512",
+            "--tp",
+            "8",
+            "--pp",
+            "4",
+            "--sequence-parallel",
+            "false",
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 0, err
     assert " sp " in out.splitlines()[1] and "recompute" in out.splitlines()[1]

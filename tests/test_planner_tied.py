@@ -1,17 +1,18 @@
 """`threed plan`, threed.memory and the throughput metrics for tied models (Llama 3.2 1B / 3B), checked against
 numbers derived here independently: HF's own parameter count (transformers on the meta device) and the Llama
 block written out by hand. No engine is built."""
+
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
 
-from threed.flags import model_config
+from threed.model.resolve import model_config
 from threed.memory.model import GB, estimate, stages
 from threed.metrics.flops import flops_per_token
 from threed.model.spec import parameter_count
-from threed.planner import Hardware, plan, step_time, tied_allreduce_s
+from threed.plan.planner import Hardware, plan, step_time, tied_allreduce_s
 
 # Their HF model cards / config.json (tie_word_embeddings: true); recomputed from transformers below.
 HF_PARAMS = {"llama3.2-1b": 1_235_814_400, "llama3.2-3b": 3_212_749_824}
@@ -35,18 +36,27 @@ def test_parameter_count_is_hf_count(name: str) -> None:
     m = model_config(name)
     assert m.tie_word_embeddings
     with torch.device("meta"):
-        hf = LlamaForCausalLM(LlamaConfig(
-            vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
-            num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads,
-            intermediate_size=m.ffn_hidden_size, tie_word_embeddings=True))
+        hf = LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=m.vocab_size,
+                hidden_size=m.hidden_size,
+                num_hidden_layers=m.num_layers,
+                num_attention_heads=m.num_heads,
+                num_key_value_heads=m.num_kv_heads,
+                intermediate_size=m.ffn_hidden_size,
+                tie_word_embeddings=True,
+            )
+        )
     unique = {id(p): p.numel() for p in hf.parameters()}  # the tied weight is one Parameter
     assert sum(unique.values()) == HF_PARAMS[name] == parameter_count(m)
     block, embedding = by_hand(name)
     assert parameter_count(m) == m.num_layers * block + embedding + m.hidden_size
 
 
-@pytest.mark.parametrize("name, tp, pp", [("llama3.2-1b", 1, 1), ("llama3.2-1b", 1, 2), ("llama3.2-3b", 1, 2),
-                                          ("llama3.2-3b", 2, 1), ("llama3.2-3b", 1, 4)])
+@pytest.mark.parametrize(
+    "name, tp, pp",
+    [("llama3.2-1b", 1, 1), ("llama3.2-1b", 1, 2), ("llama3.2-3b", 1, 2), ("llama3.2-3b", 2, 1), ("llama3.2-3b", 1, 4)],
+)
 def test_stage_memory_holds_the_tied_weight_per_end_stage(name: str, tp: int, pp: int) -> None:
     """The first and the last stage each hold [V/tp, h] (128256 is a multiple of 128 x tp here: no padding),
     with bf16 weight, fp32 grad and 12 B / dp of master + AdamW; at pp = 1 one copy."""
@@ -85,8 +95,11 @@ def test_flops_count_the_lm_head_matmul() -> None:
     block, embedding = by_hand("llama3.2-1b")
     attention = 12 * SEQ * m.hidden_size
     matmul_block = block - 2 * m.hidden_size
-    assert flops_per_token(m, SEQ) == flops_per_token(untied, SEQ) \
+    assert (
+        flops_per_token(m, SEQ)
+        == flops_per_token(untied, SEQ)
         == m.num_layers * (6 * matmul_block + attention) + 6 * embedding
+    )
 
 
 def test_tied_gradient_all_reduce_in_the_step_time() -> None:

@@ -1,6 +1,7 @@
 """`threed preprocess`: JSONL / .jsonl.gz / Parquet / text -> megatron .bin/.idx, read back with megatron-core's own
 IndexedDataset and compared with the tokenizer document for document; workers 1 and 2 give identical files;
 BOS / EOD placement; dtype choice; one-line refusals (exit 2, nothing written); atomic output."""
+
 from __future__ import annotations
 
 import argparse
@@ -15,11 +16,11 @@ import numpy as np
 import pytest
 
 from threed.data.chunks import PreprocessError
-from threed.data.cli import register
+from threed.cli.preprocess import register
 from threed.data.prefixes import dataset_prefix
 from threed.data.preprocess import preprocess
 from threed.data.tokenizer import Tokenizer, train_tokenizer
-from threed.demo_text import write_demo_text
+from threed.data.demo_text import write_demo_text
 
 
 def _paragraphs(text: str) -> list[str]:
@@ -43,8 +44,15 @@ def corpus(tmp_path_factory) -> dict[str, Any]:
     hf = HFTokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()
-    hf.train([text], trainers.BpeTrainer(vocab_size=700, special_tokens=["<|begin_of_text|>", "<|end_of_text|>"],
-                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    hf.train(
+        [text],
+        trainers.BpeTrainer(
+            vocab_size=700,
+            special_tokens=["<|begin_of_text|>", "<|end_of_text|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     (d / "hf").mkdir()
     hf.save(str(d / "hf" / "tokenizer.json"))
     docs = _paragraphs(Path(text).read_text(encoding="utf-8"))[:700]
@@ -96,8 +104,13 @@ def test_jsonl_matches_the_tokenizer_and_workers_1_and_2_write_identical_files(c
     assert one.skipped == len(corpus["docs"]) - len(expected) == 2
     for suffix in (".bin", ".idx"):
         assert Path(one.outputs["text"] + suffix).read_bytes() == Path(two.outputs["text"] + suffix).read_bytes()
-    assert _files(tmp_path) == {"c.jsonl", "w1_text_document.bin", "w1_text_document.idx",
-                                "w2_text_document.bin", "w2_text_document.idx"}  # no temporary files left
+    assert _files(tmp_path) == {
+        "c.jsonl",
+        "w1_text_document.bin",
+        "w1_text_document.idx",
+        "w2_text_document.bin",
+        "w2_text_document.idx",
+    }  # no temporary files left
 
 
 @pytest.mark.parametrize("fmt", ["jsonl.gz", "parquet", "text", "text-lines", "text.gz"])
@@ -134,14 +147,22 @@ def test_text_chunk_boundaries_never_split_a_paragraph(corpus, tmp_path):
     raw = "first para\r\nline two\r\n  \r\n\n\nsecond\n \t \n" + long + "\nstill long\n\n  indented start\nend"
     (tmp_path / "t.txt").write_bytes(raw.encode("utf-8"))
     (tmp_path / "t.txt.gz").write_bytes(gzip.compress(raw.encode("utf-8")))  # cut by the parent, not by seeking
-    expected = {"paragraph": ["first para\nline two", "second", long + "\nstill long", "  indented start\nend"],
-                "line": ["first para", "line two", "second", long, "still long", "  indented start", "end"]}
+    expected = {
+        "paragraph": ["first para\nline two", "second", long + "\nstill long", "  indented start\nend"],
+        "line": ["first para", "line two", "second", long, "still long", "  indented start", "end"],
+    }
     tok = Tokenizer(corpus["sp"])
     for name in ("t.txt", "t.txt.gz"):
         for unit, docs in expected.items():
             for chunk in (1, 7, 40, 1 << 20):
-                out = preprocess([str(tmp_path / name)], str(tmp_path / f"o{unit}{chunk}"), tok, chunk_bytes=chunk,
-                                 text_unit=unit, force=True)
+                out = preprocess(
+                    [str(tmp_path / name)],
+                    str(tmp_path / f"o{unit}{chunk}"),
+                    tok,
+                    chunk_bytes=chunk,
+                    text_unit=unit,
+                    force=True,
+                )
                 assert _read(out.outputs["text"]) == _expected(tok, docs), (name, unit, chunk)
 
 
@@ -151,8 +172,9 @@ def test_bos_and_eod_placement_with_a_llama3_style_tokenizer_json(corpus, tmp_pa
     docs = [d for d in corpus["docs"] if d.strip()][:200]
     src = _write_jsonl(tmp_path / "c.jsonl", docs)
     for bos, eod in [(True, True), (False, True), (False, False)]:
-        out = preprocess([src], str(tmp_path / f"o{bos}{eod}"), corpus["hf"], bos=bos, append_eod=eod, workers=2,
-                         chunk_bytes=10_000)
+        out = preprocess(
+            [src], str(tmp_path / f"o{bos}{eod}"), corpus["hf"], bos=bos, append_eod=eod, workers=2, chunk_bytes=10_000
+        )
         got = _read(out.outputs["text"])
         assert got == _expected(tok, docs, bos=bos, eod=eod)
         flat = np.concatenate([np.asarray(g) for g in got])
@@ -216,12 +238,18 @@ REFUSALS = {
     "parquet column": (lambda d, c: ["--input", c["parquet"], "--json-keys", "body"], "no column 'body'"),
     "unknown format": (lambda d, c: ["--input", c["csv"]], "cannot tell the format"),
     "corrupt gzip": (lambda d, c: ["--input", c["good"], c["gz"]], "x.jsonl.gz: corrupt or truncated gzip"),
-    "missing tokenizer": (lambda d, c: ["--input", c["good"], "--tokenizer", str(d / "tok.model")],
-                          "tokenizer not found: "),
-    "unwritable output": (lambda d, c: ["--input", c["good"], "--output-prefix", str(d / "afile" / "o")],
-                          "cannot write to "),
-    "existing output": (lambda d, c: ["--input", c["good"], "--output-prefix", str(d / "exists")],
-                        "exists_text_document.bin; pass --force"),
+    "missing tokenizer": (
+        lambda d, c: ["--input", c["good"], "--tokenizer", str(d / "tok.model")],
+        "tokenizer not found: ",
+    ),
+    "unwritable output": (
+        lambda d, c: ["--input", c["good"], "--output-prefix", str(d / "afile" / "o")],
+        "cannot write to ",
+    ),
+    "existing output": (
+        lambda d, c: ["--input", c["good"], "--output-prefix", str(d / "exists")],
+        "exists_text_document.bin; pass --force",
+    ),
 }
 
 
@@ -234,9 +262,14 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(corpus, tmp_path, caps
     lines = [json.dumps({"text": d}) for d in docs]
     inputs = tmp_path / "in"
     inputs.mkdir()
-    c = {"good": _write_jsonl(inputs / "good.jsonl", docs[:3]), "bad_json": str(inputs / "bad.jsonl"),
-         "bad_utf8": str(inputs / "bad8.jsonl"), "null": str(inputs / "null.jsonl"), "csv": str(inputs / "x.csv"),
-         "parquet": str(inputs / "p.parquet")}
+    c = {
+        "good": _write_jsonl(inputs / "good.jsonl", docs[:3]),
+        "bad_json": str(inputs / "bad.jsonl"),
+        "bad_utf8": str(inputs / "bad8.jsonl"),
+        "null": str(inputs / "null.jsonl"),
+        "csv": str(inputs / "x.csv"),
+        "parquet": str(inputs / "p.parquet"),
+    }
     # Line 600 is in a late chunk, so with 2 workers partial files exist when the error is found.
     Path(c["bad_json"]).write_text("\n".join(lines[:599] + ['{"text": "unterminated'] + lines[600:]) + "\n")
     Path(c["bad_utf8"]).write_bytes(("\n".join(lines[:2]) + "\n").encode() + b'{"text": "caf\xe9"}\n')
@@ -289,6 +322,7 @@ def _interrupt_at(doc: str) -> Any:
     def hook(text: str) -> None:
         if text == doc:
             raise KeyboardInterrupt
+
     return hook
 
 
@@ -303,8 +337,22 @@ def test_tokenizer_pickles_by_path_and_batch_encoding_matches(corpus):
 
 def test_cli_prints_progress_with_rates_and_a_summary(corpus, tmp_path, capsys):
     src = _write_jsonl(tmp_path / "c.jsonl", [d for d in corpus["docs"] if d.strip()][:100])
-    assert _cli(["--input", src, "--output-prefix", str(tmp_path / "o"), "--tokenizer", corpus["sp"],
-                 "--workers", "2", "--append-eod"]) == 0
+    assert (
+        _cli(
+            [
+                "--input",
+                src,
+                "--output-prefix",
+                str(tmp_path / "o"),
+                "--tokenizer",
+                corpus["sp"],
+                "--workers",
+                "2",
+                "--append-eod",
+            ]
+        )
+        == 0
+    )
     out, err = capsys.readouterr()
     assert "docs/s" in err and "tokens/s" in err and "100%" in err
     assert out.startswith("100 documents, ") and out.rstrip().endswith("o_text_document.bin/.idx")

@@ -1,6 +1,7 @@
 """Recipes and the shared launcher: the shell's batch arithmetic (DP = WORLD / (TP x PP), train_batch_size =
 MICRO x GAS x DP), its error messages, the numbers in each recipe's header, and that the Python config accepts
 the command the launcher builds. Dry runs only (THREED_DRY_RUN=1): nothing is started."""
+
 from __future__ import annotations
 
 import os
@@ -11,21 +12,34 @@ from pathlib import Path
 
 import pytest
 
-from threed.engine import deepspeed_config
-from threed.flags import parse_run_config
+from threed.train.engine import deepspeed_config
+from threed.cli.flags import parse_run_config
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH = REPO / "recipes" / "launch.sh"
-MODEL_RECIPES = ["llama2_7b", "llama2_13b", "llama2_70b", "llama3_8b", "llama3_70b", "llama31_8b", "llama31_70b",
-                 "llama31_405b", "llama32_1b", "llama32_3b"]
+MODEL_RECIPES = [
+    "llama2_7b",
+    "llama2_13b",
+    "llama2_70b",
+    "llama3_8b",
+    "llama3_70b",
+    "llama31_8b",
+    "llama31_70b",
+    "llama31_405b",
+    "llama32_1b",
+    "llama32_3b",
+]
 LAUNCH_TEXT = LAUNCH.read_text()
 # The launcher's list of recipe variables, and its defaults (its VAR=${VAR-default} lines).
 RECIPE_VARS = re.search(r"^RECIPE_VARS=\(([^)]*)\)", LAUNCH_TEXT, re.M)[1].split()
 DEFAULTS = {m[1]: m[3] for m in re.finditer(r"^([A-Z_]+)=\$\{(\w+)-([^}]*)\}$", LAUNCH_TEXT, re.M)}
 SFT_RECIPES = ["llama31_8b_sft", "llama31_70b_sft", "llama32_3b_sft"]
-SLURM_SCRIPTS = {"llama70b_tp8_pp4.sh": ("llama31_70b", 4), "llama8b_tp2_pp2.sh": ("llama31_8b", 1),
-                 "llama70b_sft_tp8_pp4.sh": ("llama31_70b_sft", 4),
-                 "llama405b_tp8_pp16.sh": ("llama31_405b", 32)}
+SLURM_SCRIPTS = {
+    "llama70b_tp8_pp4.sh": ("llama31_70b", 4),
+    "llama8b_tp2_pp2.sh": ("llama31_8b", 1),
+    "llama70b_sft_tp8_pp4.sh": ("llama31_70b_sft", 4),
+    "llama405b_tp8_pp16.sh": ("llama31_405b", 32),
+}
 
 
 def launch(recipe: str, env: dict[str, str], *args: str, dry: bool = True) -> subprocess.CompletedProcess[str]:
@@ -33,8 +47,14 @@ def launch(recipe: str, env: dict[str, str], *args: str, dry: bool = True) -> su
     for var in RECIPE_VARS + ["NNODES", "GPUS_PER_NODE", "NODE_RANK", "MASTER_ADDR", "THREED_ARGS"]:
         base.pop(var, None)
     full = {**base, **({"THREED_DRY_RUN": "1"} if dry else {}), **env}
-    return subprocess.run(["bash", str(LAUNCH), str(REPO / "recipes" / f"{recipe}.sh"), *args], env=full,
-                          capture_output=True, text=True, timeout=60, cwd=REPO)
+    return subprocess.run(
+        ["bash", str(LAUNCH), str(REPO / "recipes" / f"{recipe}.sh"), *args],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
 
 
 def dry_numbers(out: str) -> dict[str, int]:
@@ -43,7 +63,7 @@ def dry_numbers(out: str) -> dict[str, int]:
 
 def train_argv(out: str) -> list[str]:
     command = shlex.split(re.search(r"^command: (.*)$", out, re.M)[1])
-    return command[command.index("train") + 1:]
+    return command[command.index("train") + 1 :]
 
 
 def python_train_batch(out: str, world: int) -> int:
@@ -66,13 +86,21 @@ GOOD = [
     ((3, 8, 8, 1, 2, "", "24"), (3, 4, 24)),  # 3 nodes
 ]
 BAD = [
-    ((3, 8, 8, 4, 1, "", "512"), ["WORLD = NNODES x GPUS_PER_NODE = 3 x 8 = 24", "TP x PP = 8 x 4 = 32",
-                                  "multiple of 32 GPUs"]),
+    (
+        (3, 8, 8, 4, 1, "", "512"),
+        ["WORLD = NNODES x GPUS_PER_NODE = 3 x 8 = 24", "TP x PP = 8 x 4 = 32", "multiple of 32 GPUs"],
+    ),
     ((1, 6, 2, 2, 1, "1", ""), ["= 1 x 6 = 6 ranks is not divisible by", "TP x PP = 2 x 2 = 4"]),
     ((4, 8, 8, 4, 3, "", "512"), ["GLOBAL=512 is not divisible by MICRO x DP = 3 x 1 = 3", "multiple of 3"]),
     ((8, 8, 8, 4, 1, "", "511"), ["GLOBAL=511 is not divisible by MICRO x DP = 1 x 2 = 2", "DP = 64 / (8 x 4) = 2"]),
-    ((1, 8, 2, 2, 4, "4", "64"), ["GAS=4 and GLOBAL=64 disagree", "MICRO x GAS x DP = 4 x 4 x 2 = 32, not 64",
-                                  "GAS= GLOBAL=64, which gives GAS=8"]),
+    (
+        (1, 8, 2, 2, 4, "4", "64"),
+        [
+            "GAS=4 and GLOBAL=64 disagree",
+            "MICRO x GAS x DP = 4 x 4 x 2 = 32, not 64",
+            "GAS= GLOBAL=64, which gives GAS=8",
+        ],
+    ),
     ((1, 8, 0, 2, 4, "4", ""), ["TP must be a positive integer, got '0'"]),
     ((1, 8, 2, 2, "x", "4", ""), ["MICRO must be a positive integer, got 'x'"]),
 ]
@@ -80,8 +108,17 @@ BAD = [
 
 def _env(nodes, gpus, tp, pp, micro, gas, glob) -> dict[str, str]:
     # llama3.1-70b has 64 heads / 8 KV heads, so the Python side accepts every TP in the table.
-    return {"NNODES": str(nodes), "GPUS_PER_NODE": str(gpus), "TP": str(tp), "PP": str(pp), "MICRO": str(micro),
-            "GAS": gas, "GLOBAL": glob, "MODEL": "llama3.1-70b", "SEQ": "128"}
+    return {
+        "NNODES": str(nodes),
+        "GPUS_PER_NODE": str(gpus),
+        "TP": str(tp),
+        "PP": str(pp),
+        "MICRO": str(micro),
+        "GAS": gas,
+        "GLOBAL": glob,
+        "MODEL": "llama3.1-70b",
+        "SEQ": "128",
+    }
 
 
 @pytest.mark.parametrize("layout,expected", GOOD, ids=[str(g[0]) for g in GOOD])
@@ -117,8 +154,22 @@ def test_python_config_rejects_what_the_shell_would() -> None:
     """The same inconsistency handed straight to `threed train` fails in the Python config too."""
     from threed.config import ConfigError
 
-    cfg = parse_run_config(["--model", "tiny", "--tp", "2", "--pp", "2", "--micro-batch-size", "4",
-                            "--grad-accum-steps", "4", "--global-batch-size", "64"])
+    cfg = parse_run_config(
+        [
+            "--model",
+            "tiny",
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+            "--micro-batch-size",
+            "4",
+            "--grad-accum-steps",
+            "4",
+            "--global-batch-size",
+            "64",
+        ]
+    )
     with pytest.raises(ConfigError, match=r"micro x gas x dp = 4 x 4 x 2 = 32"):
         cfg.validate(8)
     with pytest.raises(ConfigError, match="not divisible by tp\\*pp"):
@@ -166,8 +217,13 @@ def test_launcher_defaults_fill_in_and_clear() -> None:
     """What a recipe leaves out comes from the launcher's defaults; the environment overrides a default, and an
     empty value clears it (no flag: training's own default)."""
     argv = train_argv(launch("llama31_8b", {"GPUS_PER_NODE": "8"}).stdout)
-    for flag, var in (("--dtype", "DTYPE"), ("--warmup-steps", "WARMUP"), ("--steps", "STEPS"),
-                      ("--eval-interval", "EVAL_INTERVAL"), ("--eval-iters", "EVAL_ITERS")):
+    for flag, var in (
+        ("--dtype", "DTYPE"),
+        ("--warmup-steps", "WARMUP"),
+        ("--steps", "STEPS"),
+        ("--eval-interval", "EVAL_INTERVAL"),
+        ("--eval-iters", "EVAL_ITERS"),
+    ):
         assert argv[argv.index(flag) + 1] == DEFAULTS[var], (flag, argv)
     out = launch("llama31_8b", {"GPUS_PER_NODE": "8", "EVAL_INTERVAL": "", "STEPS": "7"})
     assert out.returncode == 0, out.stderr
@@ -176,8 +232,11 @@ def test_launcher_defaults_fill_in_and_clear() -> None:
 
 
 def _header_layout(text: str) -> tuple[int, int, int, int, int]:
-    m = re.search(r"at (\d+) nodes? x 8 GPUs: DP = (\d+) / \(\d+ x \d+\) = (\d+), GAS = .* = (\d+),\n"
-                  r"#\s+train_batch_size = MICRO x GAS x DP = \d+ x \d+ x \d+ = (\d+) sequences", text)
+    m = re.search(
+        r"at (\d+) nodes? x 8 GPUs: DP = (\d+) / \(\d+ x \d+\) = (\d+), GAS = .* = (\d+),\n"
+        r"#\s+train_batch_size = MICRO x GAS x DP = \d+ x \d+ x \d+ = (\d+) sequences",
+        text,
+    )
     assert m, "header must spell out the batch arithmetic"
     return tuple(int(g) for g in m.groups())  # type: ignore[return-value]
 
@@ -268,15 +327,27 @@ def test_sequence_parallel_and_recompute_reach_the_command_line() -> None:
     assert out.returncode == 0, out.stderr
     argv = train_argv(out.stdout)
     assert "--sequence-parallel" in argv and argv[argv.index("--sequence-parallel") + 1].startswith("--")
-    for flag, value in (("--recompute-granularity", "full"), ("--recompute-method", "block"),
-                        ("--recompute-num-layers", "1")):
+    for flag, value in (
+        ("--recompute-granularity", "full"),
+        ("--recompute-method", "block"),
+        ("--recompute-num-layers", "1"),
+    ):
         assert argv[argv.index(flag) + 1] == value, argv
     cfg = parse_run_config(argv)
     assert cfg.parallel.sequence_parallel and cfg.train.recompute_num_layers == 1
     assert cfg.train.recompute_method == "block" and not cfg.train.activation_checkpointing
     cfg.validate(256)
-    off = launch("llama31_405b", {"NNODES": "32", "GPUS_PER_NODE": "8", "SEQUENCE_PARALLEL": "false",
-                                  "RECOMPUTE_GRANULARITY": "", "RECOMPUTE_METHOD": "", "RECOMPUTE_NUM_LAYERS": ""})
+    off = launch(
+        "llama31_405b",
+        {
+            "NNODES": "32",
+            "GPUS_PER_NODE": "8",
+            "SEQUENCE_PARALLEL": "false",
+            "RECOMPUTE_GRANULARITY": "",
+            "RECOMPUTE_METHOD": "",
+            "RECOMPUTE_NUM_LAYERS": "",
+        },
+    )
     assert off.returncode == 0, off.stderr
     argv = train_argv(off.stdout)
     assert not {"--sequence-parallel", "--recompute-granularity", "--recompute-num-layers"} & set(argv)

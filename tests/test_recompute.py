@@ -4,6 +4,7 @@ of every block, megatron-core's own). They change memory, not numbers: one 8-ran
 gqa31 weights) trains 3 steps each way and counts forward calls to show what is recomputed. Layouts that cannot
 hold N are refused before anything is built, by `threed check-config` as by `threed train`.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,8 @@ import pytest
 
 from helpers import TESTS, model_config, write_dataset
 from threed.config import ConfigError, ParallelConfig, RunConfig, TrainConfig
-from threed.launch import run_ranks
-from threed.partition import recompute_chunks, recompute_summary
+from threed.parallel.launch import run_ranks
+from threed.parallel.partition import recompute_chunks, recompute_summary
 
 REL = 1e-6
 BLOCK1 = dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1)
@@ -83,12 +84,18 @@ def test_only_the_chosen_blocks_are_recomputed(ranks, name) -> None:
 def test_uniform_chunks_keep_only_each_chunks_input(ranks) -> None:
     """Stage 0 is embedding + 2 blocks, stage 1 2 blocks + norm + head: uniform 2 recomputes the two blocks as one
     chunk (one checkpoint: only its input kept), uniform 1 each alone, block 1 the first only."""
-    runs = {0: {"uniform2": [[0, 1, False], [1, 3, True]],
-                "uniform1": [[0, 1, False], [1, 2, True], [2, 3, True]],
-                "block1": [[0, 1, False], [1, 2, True], [2, 3, False]]},
-            1: {"uniform2": [[0, 2, True], [2, 4, False]],
-                "uniform1": [[0, 1, True], [1, 2, True], [2, 4, False]],
-                "block1": [[0, 1, True], [1, 4, False]]}}
+    runs = {
+        0: {
+            "uniform2": [[0, 1, False], [1, 3, True]],
+            "uniform1": [[0, 1, False], [1, 2, True], [2, 3, True]],
+            "block1": [[0, 1, False], [1, 2, True], [2, 3, False]],
+        },
+        1: {
+            "uniform2": [[0, 2, True], [2, 4, False]],
+            "uniform1": [[0, 1, True], [1, 2, True], [2, 4, False]],
+            "block1": [[0, 1, True], [1, 4, False]],
+        },
+    }
     for r in ranks:
         for name, want in runs[r["none"]["stage"]].items():
             assert r[name]["runs"] == want, name
@@ -104,21 +111,29 @@ def test_recompute_chunks() -> None:
 
 
 def run_config(pp: int = 2, **train) -> RunConfig:
-    return RunConfig(model=model_config("gqa31"), parallel=ParallelConfig(pp=pp, partition_method="layers:3,1"),
-                     train=TrainConfig(**train))
+    return RunConfig(
+        model=model_config("gqa31"),
+        parallel=ParallelConfig(pp=pp, partition_method="layers:3,1"),
+        train=TrainConfig(**train),
+    )
 
 
 def test_start_up_phrase() -> None:
     assert recompute_summary(run_config()) == "none"
-    assert recompute_summary(run_config(recompute_granularity="selective")) == \
-        "selective (the core attention of every block)"
+    assert (
+        recompute_summary(run_config(recompute_granularity="selective"))
+        == "selective (the core attention of every block)"
+    )
     assert recompute_summary(run_config(activation_checkpointing=True)) == "full, uniform: every block, in chunks of 1"
     assert recompute_summary(run_config(**BLOCK1)) == "full, block 1 of 3 blocks on stage 0, 1 of 1 block on stage 1"
 
 
 def check_config(*flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "threed.cli", "check-config", "--model", "tiny", "--world", "4",
-                           "--pp", "2", *flags], capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-m", "threed.cli", "check-config", "--model", "tiny", "--world", "4", "--pp", "2", *flags],
+        capture_output=True,
+        text=True,
+    )
 
 
 def test_check_config_refuses_more_blocks_than_a_stage_holds() -> None:
@@ -128,25 +143,37 @@ def test_check_config_refuses_more_blocks_than_a_stage_holds() -> None:
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "pipeline stage 0 holds 2 blocks" in lines[0], out.stderr
     assert "--recompute-num-layers 2 or fewer" in lines[0], lines[0]
-    out = check_config("--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2",
-                       "--partition-method", "layers:3,1")
+    out = check_config(
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "block",
+        "--recompute-num-layers",
+        "2",
+        "--partition-method",
+        "layers:3,1",
+    )
     assert out.returncode == 2 and "pipeline stage 1 holds 1 block, fewer than 2" in out.stderr, out
-    out = check_config("--recompute-granularity", "full", "--recompute-method", "uniform",
-                       "--recompute-num-layers", "3")
+    out = check_config(
+        "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "3"
+    )
     assert out.returncode == 2 and "the largest, stage 0, holds 2 blocks" in out.stderr, out
     out = check_config("--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2")
     assert out.returncode == 0, out
     assert "recompute: full, block: the first 2 of 2 blocks on each of 2 stages" in out.stdout, out.stdout
 
 
-@pytest.mark.parametrize("train, says", [
-    (dict(recompute_granularity="selective", recompute_num_layers=2), "drop them"),
-    (dict(recompute_granularity="selective", recompute_method="block"), "drop them"),
-    (dict(recompute_granularity="full", recompute_num_layers=2), "needs --recompute-method"),
-    (dict(recompute_granularity="full", recompute_method="uniform"), "--recompute-num-layers N"),
-    (dict(activation_checkpointing=True, recompute_granularity="selective"), "not both"),
-    (dict(recompute_method="block", recompute_num_layers=1), "add it, or drop them"),
-])
+@pytest.mark.parametrize(
+    "train, says",
+    [
+        (dict(recompute_granularity="selective", recompute_num_layers=2), "drop them"),
+        (dict(recompute_granularity="selective", recompute_method="block"), "drop them"),
+        (dict(recompute_granularity="full", recompute_num_layers=2), "needs --recompute-method"),
+        (dict(recompute_granularity="full", recompute_method="uniform"), "--recompute-num-layers N"),
+        (dict(activation_checkpointing=True, recompute_granularity="selective"), "not both"),
+        (dict(recompute_method="block", recompute_num_layers=1), "add it, or drop them"),
+    ],
+)
 def test_config_refuses_inconsistent_recompute_flags(train, says) -> None:
     with pytest.raises(ConfigError, match=says):
         RunConfig(model=model_config("gqa31"), train=TrainConfig(**train)).validate(1)

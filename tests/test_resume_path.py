@@ -4,6 +4,7 @@ optimizer state lands on its parameters' device after a load; --dist-timeout-min
 DeepSpeed's accelerator follows the device policy; a run's log starts with our lines, not the libraries'.
 
 The 2-rank runs (tests/ckpt_worker.py, fp32) take about a minute each on 2 cores."""
+
 from __future__ import annotations
 
 import json
@@ -18,13 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import TESTS
 from test_checkpoint_faults import losses, worker
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
 # ----------------------------------------------------------------------------------------- no ranks: fast
+
 
 def test_conversion_workers_are_bounded_by_cpus_shards_and_memory():
     from threed.checkpoint.universal import MAX_EXTRACT_WORKERS, conversion_workers
@@ -120,7 +121,7 @@ def _adamw_state(fused_flag: bool):
 
 
 def test_optimizer_state_placement_is_a_no_op_on_cpu():
-    from threed.engine import place_optimizer_state
+    from threed.train.engine import place_optimizer_state
 
     for fused in (False, True):
         p, opt = _adamw_state(fused)
@@ -133,7 +134,7 @@ def test_optimizer_state_placement_is_a_no_op_on_cpu():
 def test_optimizer_state_moves_to_the_parameters_device():
     """What a universal load leaves on a GPU run (state and `step` on the CPU, parameters elsewhere), with the meta
     device standing in for CUDA: every state tensor follows its parameter; `step` does in a fused group only."""
-    from threed.engine import place_optimizer_state
+    from threed.train.engine import place_optimizer_state
 
     class Wrapper:  # DeepSpeed's BF16_Optimizer / ZeRO optimizer keep the torch one as .optimizer
         def __init__(self, optimizer):
@@ -159,7 +160,7 @@ def test_dist_timeout_reaches_every_process_group(tmp_path):
     script = r"""
 import json, sys
 import torch, torch.distributed as dist
-from threed.distributed import init_distributed, init_megatron_parallel_state
+from threed.parallel.distributed import init_distributed, init_megatron_parallel_state
 rt = init_distributed(7.0)
 import deepspeed
 init_megatron_parallel_state(1, 1, True)
@@ -171,8 +172,11 @@ for pg in list(dist.distributed_c10d._world.pg_map):
 from deepspeed.accelerator import get_accelerator
 print(json.dumps({"timeouts": timeouts, "accelerator": get_accelerator().device_name()}))
 """
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
-                                                              "MASTER_PORT", "DS_ACCELERATOR")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "DS_ACCELERATOR")
+    }
     env.update(PYTHONPATH=SRC, OMP_NUM_THREADS="1", THREED_DEVICE="cpu")
     p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -180,23 +184,47 @@ print(json.dumps({"timeouts": timeouts, "accelerator": get_accelerator().device_
     assert len(got["timeouts"]) >= 5, got  # world, megatron's tp/pp/dp/... groups, DeepSpeed's
     assert set(got["timeouts"].values()) == {420.0}, got
     assert got["accelerator"] == "cpu"
-    noise = [line for line in p.stdout.splitlines() + p.stderr.splitlines()
-             if "Setting accelerator" in line or "Transformer Engine and Apex" in line]
+    noise = [
+        line
+        for line in p.stdout.splitlines() + p.stderr.splitlines()
+        if "Setting accelerator" in line or "Transformer Engine and Apex" in line
+    ]
     assert not noise, noise
 
 
 # ---------------------------------------------------------------------------------------------- 2 ranks
 
-NOISE = ("real_accelerator", "Setting accelerator", "Transformer Engine and Apex are not installed",
-         "full scope is deprecated", "SEED_LAYERS=", "Using topology", "tied_comms", "built successfully")
+NOISE = (
+    "real_accelerator",
+    "Setting accelerator",
+    "Transformer Engine and Apex are not installed",
+    "full scope is deprecated",
+    "SEED_LAYERS=",
+    "Using topology",
+    "tied_comms",
+    "built successfully",
+)
 
 
 @pytest.fixture(scope="module")
 def saved_at_pp2(tmp_path_factory):
     """2 ranks, tp1 pp2 dp1, a checkpoint at step 2, losses of steps 1-4."""
     root = tmp_path_factory.mktemp("resume_path")
-    p = worker(2, root / "out", "--save", str(root / "save"), "--pp", "2", "--steps", "4", "--save-interval", "2",
-               "--global-batch", "4", timeout=400)
+    p = worker(
+        2,
+        root / "out",
+        "--save",
+        str(root / "save"),
+        "--pp",
+        "2",
+        "--steps",
+        "4",
+        "--save-interval",
+        "2",
+        "--global-batch",
+        "4",
+        timeout=400,
+    )
     assert p.returncode == 0, p.stdout[-4000:]
     return {"root": root, "stdout": p.stdout, "losses": losses(root / "out")}
 
@@ -220,8 +248,21 @@ def test_a_conversion_cut_short_is_redone_while_the_other_rank_waits(saved_at_pp
     name = "global_step2-from-tp1pp2dp1fp32"
     (save / "universal" / f".{name}.tmp-999999" / "zero").mkdir(parents=True)  # a killed conversion's leftovers
     (save / "universal" / name).mkdir()  # no DONE file
-    p = worker(2, out, "--save", str(save), "--pp", "1", "--steps", "4", "--save-interval", "2",
-               "--global-batch", "4", timeout=400)
+    p = worker(
+        2,
+        out,
+        "--save",
+        str(save),
+        "--pp",
+        "1",
+        "--steps",
+        "4",
+        "--save-interval",
+        "2",
+        "--global-batch",
+        "4",
+        timeout=400,
+    )
     assert p.returncode == 0, p.stdout[-4000:]
     assert "deleted what a conversion cut short left" in p.stdout and f".{name}.tmp-999999" in p.stdout
     assert f"to a universal checkpoint in {save}/universal/{name}" in p.stdout

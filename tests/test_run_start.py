@@ -1,6 +1,7 @@
 """How a run starts and ends on its save directory: one run per directory (threed.checkpoint.lock: a second run is
 refused, a dead job's lock does not block), a stale STOP file, a finished run, `--steps 0`, a changed batch
 shape on resume, a damaged manifest, and Ctrl-C saving like SIGTERM."""
+
 from __future__ import annotations
 
 import errno
@@ -32,6 +33,7 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 # ------------------------------------------------------------------------------------------ the lock, in process
 
+
 def test_second_lock_is_refused_naming_the_holder_and_released_lock_is_free(tmp_path):
     first = SaveLock(str(tmp_path))
     first.acquire()
@@ -49,10 +51,16 @@ def test_second_lock_is_refused_naming_the_holder_and_released_lock_is_free(tmp_
 
 
 def hold_lock_in_a_process(save: Path) -> subprocess.Popen:
-    code = ("import sys, time; from threed.checkpoint.lock import SaveLock; SaveLock(sys.argv[1]).acquire(); "
-            "print('held', flush=True); time.sleep(120)")
-    p = subprocess.Popen([sys.executable, "-c", code, str(save)], stdout=subprocess.PIPE, text=True,
-                         env={**os.environ, "PYTHONPATH": SRC})
+    code = (
+        "import sys, time; from threed.checkpoint.lock import SaveLock; SaveLock(sys.argv[1]).acquire(); "
+        "print('held', flush=True); time.sleep(120)"
+    )
+    p = subprocess.Popen(
+        [sys.executable, "-c", code, str(save)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": SRC},
+    )
     assert p.stdout.readline().strip() == "held"
     return p
 
@@ -88,8 +96,10 @@ def test_flock_held_by_this_jobs_dead_incarnation_is_waited_for_then_refused(tmp
 @pytest.fixture
 def no_flock(monkeypatch):
     """A file system without flock (NFS without a lock daemon, Lustre without -o flock)."""
+
     def refuse(fd, op):
         raise OSError(errno.ENOLCK, "No locks available")
+
     monkeypatch.setattr(lockmod.fcntl, "flock", refuse)
 
 
@@ -124,6 +134,7 @@ def test_without_flock_the_record_is_the_lock(tmp_path, no_flock, monkeypatch):
 
 # ------------------------------------------------------------------------------------------ start, without ranks
 
+
 def test_stale_stop_is_removed_with_a_line(tmp_path):
     assert remove_stale_stop(str(tmp_path)) is None
     (tmp_path / "STOP").touch()
@@ -147,8 +158,7 @@ def test_a_changed_batch_shape_on_resume_is_a_warning(tmp_path):
     recorded = cfg(run).to_dict()
     (run / RUN_JSON).write_text(json.dumps(recorded))
     assert not [n for n in decide_start(cfg(run), world_size=2).notes if "warning" in n]
-    changed = RunConfig.from_dict({**recorded, "train": {**recorded["train"], "seq_length": 64,
-                                                         "micro_batch_size": 2}})
+    changed = RunConfig.from_dict({**recorded, "train": {**recorded["train"], "seq_length": 64, "micro_batch_size": 2}})
     notes = [n for n in decide_start(changed, world_size=2).notes if "warning" in n]
     assert len(notes) == 1, notes
     assert "--seq-length 32 -> 64, --micro-batch-size 1 -> 2, global batch 1 -> 2" in notes[0]
@@ -170,6 +180,7 @@ def test_a_damaged_manifest_is_named_in_a_warning(tmp_path):
 
 # ------------------------------------------------------------------------------------------ `threed train` runs
 
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> str:
     d = tmp_path_factory.mktemp("start_data")
@@ -178,19 +189,43 @@ def data(tmp_path_factory) -> str:
 
 # `threed train`, each step slowed to 0.1 s: a run that is certainly still training when the test acts on it, on a
 # busy machine too (without the sleep, 3,000 tiny steps can be over before a second run has started).
-SLOW_TRAIN = ("import sys, time; import threed.train as t; batches = t.step_batches; "
-              "t.step_batches = lambda *a: (time.sleep(0.1), batches(*a))[1]; from threed.cli import main; "
-              "sys.exit(main(sys.argv[1:]))")
+SLOW_TRAIN = (
+    "import sys, time; import threed.train.loop as t; batches = t.step_batches; "
+    "t.step_batches = lambda *a: (time.sleep(0.1), batches(*a))[1]; from threed.cli.main import main; "
+    "sys.exit(main(sys.argv[1:]))"
+)
 
 
 def start_long_run(data: str, save: Path, log: Path) -> subprocess.Popen:
     """`threed train` for far more steps than a test waits for, its output in a file (a pipe nobody reads would
     block it), returned once the engine is built and training (the lock is held from before that)."""
-    cmd = [sys.executable, "-c", SLOW_TRAIN, "train", "--model", "tiny", "--data-path", data, "--split",
-           "100,0,0", "--seq-length", "32", "--dtype", "fp32", "--save", str(save), "--steps", "3000",
-           "--log-interval", "100000"]
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    cmd = [
+        sys.executable,
+        "-c",
+        SLOW_TRAIN,
+        "train",
+        "--model",
+        "tiny",
+        "--data-path",
+        data,
+        "--split",
+        "100,0,0",
+        "--seq-length",
+        "32",
+        "--dtype",
+        "fp32",
+        "--save",
+        str(save),
+        "--steps",
+        "3000",
+        "--log-interval",
+        "100000",
+    ]
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
     env["OMP_NUM_THREADS"] = "1"
     p = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.time() + 240
@@ -204,9 +239,11 @@ def test_steps_0_is_refused_before_anything(data, tmp_path):
     p = train(data, tmp_path / "save", "--steps", "0")
     assert p.returncode == 2 and "Traceback" not in p.stderr
     errors = [line for line in p.stderr.splitlines() if "error" in line]  # (library start-up noise aside)
-    assert errors == ["threed: configuration error: --steps 0 trains nothing (it is the total step count to train "
-                      "to); give --steps N >= 1, or check a configuration without building it with `threed "
-                      "check-config`"]
+    assert errors == [
+        "threed: configuration error: --steps 0 trains nothing (it is the total step count to train "
+        "to); give --steps N >= 1, or check a configuration without building it with `threed "
+        "check-config`"
+    ]
     assert not (tmp_path / "save").exists()
 
 

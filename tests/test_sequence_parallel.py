@@ -4,6 +4,7 @@ replicated norm weights bit-identical on every TP rank after every step; each ra
 next stage with no TP all-gather after the receive (counted on DeepSpeed's send and gather paths); packed SFT rows
 through threed.train; checkpoints resume with sequence parallelism switched on or off, natively and through the
 universal checkpoint. One launch of 8 gloo ranks (tests/sp_worker.py) runs them all."""
+
 from __future__ import annotations
 
 import json
@@ -15,7 +16,7 @@ import torch
 from helpers import TESTS, model_config, sft_examples, write_dataset, write_sft_dataset
 from sp_worker import MICRO, SAVED_AT, SEQ, SFT_STEPS, STEPS
 from test_training import reference_run
-from threed.launch import run_ranks
+from threed.parallel.launch import run_ranks
 
 TOL = 1e-5
 HIDDEN = model_config("gqa31").hidden_size
@@ -26,10 +27,11 @@ def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("sp")
     data = write_dataset(out / "random", np.random.default_rng(0).integers(0, 200, 8000), 200)
     chat = write_sft_dataset(out / "chat", sft_examples(400, 200), 200)
-    run_ranks(8, str(TESTS / "sp_worker.py"), ["--out", str(out), "--data", data, "--sft-data", chat],
-              timeout=1500)
-    final = {name: {k: v for s in (0, 1) for k, v in torch.load(out / f"final_{name}_stage{s}.pt").items()}
-             for name in ("plain", "sp")}
+    run_ranks(8, str(TESTS / "sp_worker.py"), ["--out", str(out), "--data", data, "--sft-data", chat], timeout=1500)
+    final = {
+        name: {k: v for s in (0, 1) for k, v in torch.load(out / f"final_{name}_stage{s}.pt").items()}
+        for name in ("plain", "sp")
+    }
     return {"result": json.loads((out / "sp.json").read_text()), "final": final, "data": data, "chat": chat}
 
 
@@ -89,8 +91,10 @@ def test_each_rank_sends_its_own_shard_with_no_gather_after_the_receive(run):
             assert (rank["gathers"] > 0) == gathers, (name, rank)
 
 
-@pytest.mark.parametrize("name,universal", [("sp_to_plain", False), ("plain_to_sp", False),
-                                            ("sp_to_tp1pp2", True), ("plain_to_sp_tp2pp1", True)])
+@pytest.mark.parametrize(
+    "name,universal",
+    [("sp_to_plain", False), ("plain_to_sp", False), ("sp_to_tp1pp2", True), ("plain_to_sp_tp2pp1", True)],
+)
 def test_resume_switching_sequence_parallelism_continues_the_loss_curve(run, name, universal):
     r = run["result"]
     got = r[name]

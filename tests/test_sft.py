@@ -2,6 +2,7 @@
 Llama-3-style and a Llama-2-style tokenizer built here (no hub), the loss mask covers exactly the assistant turns
 (with their end-of-turn / EOS token), tokens and mask land in megatron-core indexed datasets with the same document
 boundaries, and bad inputs are refused with one line, exit 2, nothing written."""
+
 from __future__ import annotations
 
 import argparse
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 
 from threed.data.chat import LLAMA2_CHAT_TEMPLATE, ChatRenderer, to_messages
-from threed.data.cli import register
+from threed.cli.preprocess import register
 
 # Meta-Llama-3-8B-Instruct's chat template.
 LLAMA3_CHAT_TEMPLATE = (
@@ -24,18 +25,29 @@ LLAMA3_CHAT_TEMPLATE = (
     " + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
 )
-CORPUS = ["You are a helpful assistant.", "What is the capital of France?", "The capital of France is Paris.",
-          "Tell me a joke about pipelines.", "Why did the stage wait? It had a bubble.", "hello world 123 !?",
-          "Explain tensor parallelism briefly.", "Split each matrix across GPUs and all-reduce the results."] * 20
+CORPUS = [
+    "You are a helpful assistant.",
+    "What is the capital of France?",
+    "The capital of France is Paris.",
+    "Tell me a joke about pipelines.",
+    "Why did the stage wait? It had a bubble.",
+    "hello world 123 !?",
+    "Explain tensor parallelism briefly.",
+    "Split each matrix across GPUs and all-reduce the results.",
+] * 20
 
 CONVERSATIONS = [
     {"prompt": "What is the capital of France?", "response": "The capital of France is Paris."},
     {"prompt": "  hello world  ", "response": " Paris! ", "system": "You are a helpful assistant."},
-    {"messages": [{"role": "system", "content": "You are a helpful assistant."},
-                  {"role": "user", "content": "Tell me a joke about pipelines."},
-                  {"role": "assistant", "content": "Why did the stage wait? It had a bubble."},
-                  {"role": "user", "content": "Explain tensor parallelism briefly."},
-                  {"role": "assistant", "content": "Split each matrix across GPUs and all-reduce the results."}]},
+    {
+        "messages": [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "Tell me a joke about pipelines."},
+            {"role": "assistant", "content": "Why did the stage wait? It had a bubble."},
+            {"role": "user", "content": "Explain tensor parallelism briefly."},
+            {"role": "assistant", "content": "Split each matrix across GPUs and all-reduce the results."},
+        ]
+    },
 ]
 
 
@@ -47,10 +59,18 @@ def _llama3_tokenizer(template: bool = True):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
-                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
-                                   chat_template=LLAMA3_CHAT_TEMPLATE if template else None)
+    tok.train_from_iterator(
+        CORPUS,
+        trainers.BpeTrainer(
+            vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|begin_of_text|>",
+        eos_token="<|eot_id|>",
+        chat_template=LLAMA3_CHAT_TEMPLATE if template else None,
+    )
 
 
 def _llama2_tokenizer(template: bool = True):
@@ -60,10 +80,17 @@ def _llama2_tokenizer(template: bool = True):
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
     tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
-    tok.train_from_iterator(CORPUS + ["[INST] [/INST] <<SYS>> <</SYS>>"] * 5,
-                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"]))
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                   chat_template=LLAMA2_CHAT_TEMPLATE if template else None)
+    tok.train_from_iterator(
+        CORPUS + ["[INST] [/INST] <<SYS>> <</SYS>>"] * 5,
+        trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"]),
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        chat_template=LLAMA2_CHAT_TEMPLATE if template else None,
+    )
 
 
 TOKENIZERS = {"llama3": _llama3_tokenizer, "llama2": _llama2_tokenizer}
@@ -133,8 +160,11 @@ def _write_jsonl(path: Path, records) -> str:
 def tok_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tok")
     out = {}
-    for name, make in [("llama3", lambda: _llama3_tokenizer()), ("llama2", lambda: _llama2_tokenizer()),
-                       ("plain", lambda: _llama2_tokenizer(template=False))]:
+    for name, make in [
+        ("llama3", lambda: _llama3_tokenizer()),
+        ("llama2", lambda: _llama2_tokenizer()),
+        ("plain", lambda: _llama2_tokenizer(template=False)),
+    ]:
         make().save_pretrained(root / name)
         out[name] = str(root / name)
     return out
@@ -153,8 +183,23 @@ def test_cli_writes_tokens_and_mask_with_same_documents(tmp_path, tok_dirs, caps
     a = _write_jsonl(tmp_path / "a.jsonl", CONVERSATIONS[:2])
     b = _write_jsonl(tmp_path / "b.jsonl.gz", CONVERSATIONS[2:])
     out = tmp_path / "out" / "sft"
-    assert _cli(["--sft", "--input", a, b, "--output-prefix", str(out), "--tokenizer", tok_dirs["llama3"],
-                 "--seq-length", "512"]) == 0
+    assert (
+        _cli(
+            [
+                "--sft",
+                "--input",
+                a,
+                b,
+                "--output-prefix",
+                str(out),
+                "--tokenizer",
+                tok_dirs["llama3"],
+                "--seq-length",
+                "512",
+            ]
+        )
+        == 0
+    )
     assert "3 examples" in capsys.readouterr().out
     tokens, tds = _read(f"{out}_text_document")
     mask, mds = _read(f"{out}_mask_document")
@@ -165,7 +210,8 @@ def test_cli_writes_tokens_and_mask_with_same_documents(tmp_path, tok_dirs, caps
     for record, t, m in zip(CONVERSATIONS, tokens, mask):
         assert (t, m) == render(to_messages(record, "t"), "t")
     assert sorted(p.name for p in out.parent.iterdir()) == sorted(
-        f"sft_{k}_document.{e}" for k in ("text", "mask") for e in ("bin", "idx"))  # no temporary left
+        f"sft_{k}_document.{e}" for k in ("text", "mask") for e in ("bin", "idx")
+    )  # no temporary left
 
 
 def test_long_examples_dropped_or_truncated_and_counted(tmp_path, tok_dirs, capsys):
@@ -184,8 +230,23 @@ def test_long_examples_dropped_or_truncated_and_counted(tmp_path, tok_dirs, caps
     limit = mask.index(1) + 3
     no_answer_left = {"prompt": " ".join(CORPUS[:12]), "response": "Paris."}
     src = _write_jsonl(tmp_path / "b.jsonl", [CONVERSATIONS[2], no_answer_left])
-    assert _cli(["--sft", "--input", src, "--tokenizer", tok_dirs["llama3"], "--seq-length", str(limit),
-                 "--output-prefix", str(tmp_path / "t"), "--truncate-long"]) == 0
+    assert (
+        _cli(
+            [
+                "--sft",
+                "--input",
+                src,
+                "--tokenizer",
+                tok_dirs["llama3"],
+                "--seq-length",
+                str(limit),
+                "--output-prefix",
+                str(tmp_path / "t"),
+                "--truncate-long",
+            ]
+        )
+        == 0
+    )
     assert "1 truncated, 1 dropped" in capsys.readouterr().out
     assert _read(str(tmp_path / "t_text_document"))[0] == [ids[:limit]]
     assert _read(str(tmp_path / "t_mask_document"))[0] == [mask[:limit]] and sum(mask[:limit]) == 3
@@ -193,15 +254,21 @@ def test_long_examples_dropped_or_truncated_and_counted(tmp_path, tok_dirs, caps
 
 REFUSALS = {
     "neither shape": ([{"text": "hi"}], "llama3", [], "line 1: record has neither shape"),
-    "empty response": ([CONVERSATIONS[0], {"prompt": "hi", "response": "  "}], "llama3", [],
-                       "line 2: empty response"),
-    "unknown role": ([{"messages": [{"role": "narrator", "content": "x"}, {"role": "assistant", "content": "y"}]}],
-                     "llama3", [], "line 1: role 'narrator' is not one the chat template knows"),
-    "roles not alternating": ([{"messages": [{"role": "assistant", "content": "y"}]}], "llama2", [],
-                              "the chat template rejects this conversation (Conversation roles must alternate"),
+    "empty response": ([CONVERSATIONS[0], {"prompt": "hi", "response": "  "}], "llama3", [], "line 2: empty response"),
+    "unknown role": (
+        [{"messages": [{"role": "narrator", "content": "x"}, {"role": "assistant", "content": "y"}]}],
+        "llama3",
+        [],
+        "line 1: role 'narrator' is not one the chat template knows",
+    ),
+    "roles not alternating": (
+        [{"messages": [{"role": "assistant", "content": "y"}]}],
+        "llama2",
+        [],
+        "the chat template rejects this conversation (Conversation roles must alternate",
+    ),
     "no chat template": ([CONVERSATIONS[0]], "plain", [], "the tokenizer has no chat template; pass --chat-format"),
-    "too long": ([CONVERSATIONS[0], CONVERSATIONS[2]], "llama3", ["--seq-length", "40"],
-                 "line 2: example has"),
+    "too long": ([CONVERSATIONS[0], CONVERSATIONS[2]], "llama3", ["--seq-length", "40"], "line 2: example has"),
 }
 
 
@@ -220,7 +287,23 @@ def test_bad_inputs_refused(case, tmp_path, tok_dirs, capsys):
 def test_chat_format_llama2_through_cli(tmp_path, tok_dirs):
     src = _write_jsonl(tmp_path / "a.jsonl", CONVERSATIONS)
     for name, extra in (("plain", ["--chat-format", "llama2"]), ("llama2", [])):
-        assert _cli(["--sft", "--quiet", "--input", src, "--tokenizer", tok_dirs[name], "--seq-length", "512",
-                     "--output-prefix", str(tmp_path / name), *extra]) == 0
+        assert (
+            _cli(
+                [
+                    "--sft",
+                    "--quiet",
+                    "--input",
+                    src,
+                    "--tokenizer",
+                    tok_dirs[name],
+                    "--seq-length",
+                    "512",
+                    "--output-prefix",
+                    str(tmp_path / name),
+                    *extra,
+                ]
+            )
+            == 0
+        )
     assert _read(str(tmp_path / "plain_text_document"))[0] == _read(str(tmp_path / "llama2_text_document"))[0]
     assert _read(str(tmp_path / "plain_mask_document"))[0] == _read(str(tmp_path / "llama2_mask_document"))[0]

@@ -1,9 +1,9 @@
 """The SFT dataset (`threed.data.sft_dataset`) on its own: rows of whole examples, labels and loss mask shifted
 inside each example (never across), padding masked, example ids per position, every example once per epoch, a
 seeded order that differs per epoch and does not depend on anything but (seed, split, epoch)."""
+
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from helpers import gpt_dataset, model_config, sft_examples, write_sft_dataset
@@ -19,9 +19,11 @@ def data(tmp_path_factory):
 
 
 def build(prefix: str, pack: bool, rows: int, seed: int = 1234):
-    cfg = RunConfig(model=model_config("gqa31"),
-                    train=TrainConfig(seq_length=SEQ, steps=rows, micro_batch_size=1, eval_interval=0, seed=seed),
-                    data=DataConfig(data_path=(prefix,), split="100,0,0", pack=pack))
+    cfg = RunConfig(
+        model=model_config("gqa31"),
+        train=TrainConfig(seq_length=SEQ, steps=rows, micro_batch_size=1, eval_interval=0, seed=seed),
+        data=DataConfig(data_path=(prefix,), split="100,0,0", pack=pack),
+    )
     return gpt_dataset(cfg, 1).train
 
 
@@ -37,11 +39,11 @@ def test_rows_hold_whole_examples_shifted_inside_each(data, pack):
         for k, e in enumerate(ids):
             x, m = examples[e]
             n = len(x) - 1
-            assert sample["tokens"][at:at + n].tolist() == x[:-1].tolist()
-            assert sample["labels"][at:at + n].tolist() == x[1:].tolist()  # the last token is only a label
-            assert sample["loss_mask"][at:at + n].tolist() == m[1:].tolist()
+            assert sample["tokens"][at : at + n].tolist() == x[:-1].tolist()
+            assert sample["labels"][at : at + n].tolist() == x[1:].tolist()  # the last token is only a label
+            assert sample["loss_mask"][at : at + n].tolist() == m[1:].tolist()
             if pack:
-                assert (sample["doc_ids"][at:at + n] == k).all()
+                assert (sample["doc_ids"][at : at + n] == k).all()
             at += n
         assert at <= SEQ and (pack or len(ids) == 1)
         assert not sample["loss_mask"][at:].any() and ds.real_tokens(row) == at
@@ -50,7 +52,7 @@ def test_rows_hold_whole_examples_shifted_inside_each(data, pack):
         seen += ids
     # One epoch at least: every example of 2+ tokens exactly once per epoch, in a seeded order.
     usable = sorted(i for i, (x, _) in enumerate(examples) if len(x) >= 2)
-    first_epoch = seen[:len(usable)]
+    first_epoch = seen[: len(usable)]
     assert sorted(first_epoch) == usable and first_epoch != usable
     assert ds.epochs == 1 and len(seen) == len(usable)
 

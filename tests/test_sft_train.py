@@ -9,6 +9,7 @@
 - a packed run preempted after step 1 and resumed at another layout (tp1 pp2 dp4) continues with the same losses.
 One launch of 8 gloo ranks runs them all (tests/sft_worker.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -19,10 +20,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import (TESTS, gpt_dataset, hf_model, model_config, plain_adamw, plain_step, sft_examples,
-                     write_sft_dataset)
+from helpers import TESTS, gpt_dataset, hf_model, model_config, plain_adamw, plain_step, sft_examples, write_sft_dataset
 from threed.convert.in_memory import random_hf_state
-from threed.launch import run_ranks
+from threed.parallel.launch import run_ranks
 
 FP32_TOL = 1e-5
 GLOBAL_BATCH = 8
@@ -89,9 +89,9 @@ def test_packed_logits_at_tp2_pp2_match_hf_per_example(run):
         for row, lengths in enumerate(saved["rows"]):
             start = 0
             for n in lengths:
-                x = saved["tokens"][row, start:start + n]
+                x = saved["tokens"][row, start : start + n]
                 ref = hf(x[None]).logits[0]
-                ours = saved["logits"][row, start:start + n]
+                ours = saved["logits"][row, start : start + n]
                 errors.append(_rel(ours, ref))
                 if n > 1:  # the example's own next-token loss, from each side's logits
                     a, b = (F.cross_entropy(t[:-1], x[1:]).item() for t in (ours, ref))

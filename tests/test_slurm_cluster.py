@@ -26,13 +26,16 @@ def _script(path: Path, body: str) -> Path:
 def test_two_nodes_srun_and_hostnames(local_slurm_factory, tmp_path: Path) -> None:
     slurm: LocalSlurm = local_slurm_factory(num_nodes=2)
     out = tmp_path / "job.out"
-    script = _script(tmp_path / "job.sh", f"""
+    script = _script(
+        tmp_path / "job.sh",
+        f"""
         #SBATCH --nodes=2 --ntasks-per-node=1
         #SBATCH --output={out}
         srun bash -c 'echo TASK $SLURM_PROCID $SLURMD_NODENAME \
             $(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1)'
         echo HOSTS $(getent hosts node1)
-    """)
+    """,
+    )
     job = slurm.sbatch(script)
     assert slurm.wait(job, timeout_s=60) == "COMPLETED", out.read_text() if out.exists() else ""
     text = out.read_text()
@@ -70,12 +73,15 @@ def test_master_addr_rendezvous_over_tcp(local_slurm_factory, tmp_path: Path) ->
             print("CLIENT", ip, flush=True)
     """)
     (tmp_path / "task.py").write_text(task)
-    script = _script(tmp_path / "job.sh", f"""
+    script = _script(
+        tmp_path / "job.sh",
+        f"""
         #SBATCH --nodes=2 --ntasks-per-node=1
         #SBATCH --output={out}
         export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
         srun python3 {tmp_path / "task.py"}
-    """)
+    """,
+    )
     job = slurm.sbatch(script, env={"MASTER_PORT": str(port)})
     assert slurm.wait(job, timeout_s=90) == "COMPLETED", out.read_text() if out.exists() else ""
     lines = sorted(out.read_text().split("\n"))
@@ -85,13 +91,16 @@ def test_master_addr_rendezvous_over_tcp(local_slurm_factory, tmp_path: Path) ->
 def test_requeue_restarts_with_restart_count(local_slurm_factory, tmp_path: Path) -> None:
     slurm: LocalSlurm = local_slurm_factory(num_nodes=1)
     out = tmp_path / "job.out"
-    script = _script(tmp_path / "job.sh", f"""
+    script = _script(
+        tmp_path / "job.sh",
+        f"""
         #SBATCH --nodes=1 --ntasks=1 --requeue --open-mode=append
         #SBATCH --output={out}
         echo RUN ${{SLURM_RESTART_COUNT:-0}}
         [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ] && sleep 300
         echo DONE
-    """)
+    """,
+    )
     job = slurm.sbatch(script)
     deadline = time.monotonic() + 30
     while not (out.exists() and "RUN 0" in out.read_text()):
@@ -111,13 +120,16 @@ def test_signal_before_time_limit(local_slurm_factory, tmp_path: Path) -> None:
     """--signal=B:USR1@30 reaches the batch shell before the 1-minute limit (Slurm may send it up to 60 s early)."""
     slurm: LocalSlurm = local_slurm_factory(num_nodes=1)
     out = tmp_path / "job.out"
-    script = _script(tmp_path / "job.sh", f"""
+    script = _script(
+        tmp_path / "job.sh",
+        f"""
         #SBATCH --nodes=1 --ntasks=1 --time=1 --signal=B:USR1@30
         #SBATCH --output={out}
         start=$(date +%s)
         trap 'echo USR1 $(( $(date +%s) - start )); exit 0' USR1
         while true; do sleep 1 & wait $!; done
-    """)
+    """,
+    )
     job = slurm.sbatch(script)
     assert slurm.wait(job, timeout_s=150) == "COMPLETED", out.read_text()
     elapsed = int(re.search(r"^USR1 (\d+)$", out.read_text(), re.M)[1])

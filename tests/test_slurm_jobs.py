@@ -12,6 +12,7 @@ several slurmd daemons simulate nodes, srun starts one torchrun per node, the ra
 The scripts run unmodified; the only sbatch option a test adds is `--gres=none` (this cluster has no GPUs) and
 `--output` (to keep logs out of the checkout). GPU count, model and sizes come from the environment.
 """
+
 from __future__ import annotations
 
 import re
@@ -37,17 +38,29 @@ def demo_data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """The demo corpus, a 512-piece tokenizer and a megatron dataset, made the way tools/demo.sh makes them."""
     d = tmp_path_factory.mktemp("demo")
     cli = [sys.executable, "-m", "threed.cli"]
-    for args in (["demo-text", "--out", f"{d}/corpus.txt"],
-                 ["tokenizer", "--text", f"{d}/corpus.txt", "--vocab-size", "512", "--out", f"{d}/tok"],
-                 ["preprocess", "--input", f"{d}/corpus.txt", "--tokenizer", f"{d}/tok.model", "--append-eod",
-                  "--output-prefix", f"{d}/demo", "--quiet"]):
+    for args in (
+        ["demo-text", "--out", f"{d}/corpus.txt"],
+        ["tokenizer", "--text", f"{d}/corpus.txt", "--vocab-size", "512", "--out", f"{d}/tok"],
+        [
+            "preprocess",
+            "--input",
+            f"{d}/corpus.txt",
+            "--tokenizer",
+            f"{d}/tok.model",
+            "--append-eod",
+            "--output-prefix",
+            f"{d}/demo",
+            "--quiet",
+        ],
+    ):
         subprocess.run(cli + args, check=True, capture_output=True, timeout=300)
     # A short job: validation only at the end, on 1 batch.
     return {"DATA": f"{d}/demo_text_document", "TOKENIZER": f"{d}/tok.model", "EVAL_ITERS": "1"}
 
 
-def submit(slurm: LocalSlurm, script: str, out_dir: Path, env: dict[str, str], *args: str,
-           nodes: int | None = None) -> tuple[int, Path]:
+def submit(
+    slurm: LocalSlurm, script: str, out_dir: Path, env: dict[str, str], *args: str, nodes: int | None = None
+) -> tuple[int, Path]:
     """sbatch a repo script from the repo root, as a user would; returns (job id, its log directory)."""
     log_dir = out_dir / "logs"
     out_dir.mkdir(parents=True, exist_ok=True)  # sbatch --output does not create directories
@@ -55,8 +68,7 @@ def submit(slurm: LocalSlurm, script: str, out_dir: Path, env: dict[str, str], *
         s.bind(("127.0.0.1", 0))
         env = {"MASTER_PORT": str(s.getsockname()[1]), **env}
     extra = ["--gres=none", f"--output={out_dir}/batch-%j.out"] + ([f"--nodes={nodes}"] if nodes else [])
-    job = slurm.sbatch(REPO / script, *args, env={"LOG_DIR": str(log_dir), **env}, extra_sbatch_args=extra,
-                       cwd=REPO)
+    job = slurm.sbatch(REPO / script, *args, env={"LOG_DIR": str(log_dir), **env}, extra_sbatch_args=extra, cwd=REPO)
     return job, log_dir
 
 
@@ -104,8 +116,9 @@ def test_tiny_recipe_on_two_nodes_trains_and_resumes(local_slurm_factory, demo_d
     assert slurm.job_info(job)["NodeList"] == "node[1-2]"
 
     t0 = time.monotonic()
-    job2, logs2 = submit(slurm, "slurm/train.sh", tmp_path / "second", {**env, "STEPS": "18"}, "recipes/tiny.sh",
-                         nodes=2)
+    job2, logs2 = submit(
+        slurm, "slurm/train.sh", tmp_path / "second", {**env, "STEPS": "18"}, "recipes/tiny.sh", nodes=2
+    )
     assert slurm.wait(job2, timeout_s=240) == "COMPLETED", job_report(slurm, job2, tmp_path / "second")
     second_s = time.monotonic() - t0
     log2 = train_log(logs2)
@@ -138,7 +151,7 @@ def test_preemption_warning_saves_and_requeues(local_slurm_factory, demo_data, t
         time.sleep(1)
     stopped = latest_step(save)
     assert 3 <= stopped < 400
-    before = (logs / f"start0-node0.log").read_text() + (logs / f"start0-node1.log").read_text()
+    before = (logs / "start0-node0.log").read_text() + (logs / "start0-node1.log").read_text()
     assert f"stop requested: saved step {stopped} to {save}" in before
     # The requeued run resumes; let it train two more steps, then stop it for good with a STOP file.
     deadline = time.monotonic() + 240
@@ -161,8 +174,18 @@ def test_preemption_warning_saves_and_requeues(local_slurm_factory, demo_data, t
 def test_llama70b_script_on_four_nodes_of_eight(local_slurm_factory, demo_data, tmp_path: Path) -> None:
     slurm: LocalSlurm = local_slurm_factory(num_nodes=4, cpus_per_node=8)
     save = tmp_path / "ckpt"
-    env = {**demo_data, "MODEL": "tiny-tp8", "SEQ": "64", "GLOBAL": "8", "STEPS": "6", "WARMUP": "1",
-           "LR": "1e-2", "MIN_LR": "1e-3", "SAVE": str(save), "DEVICE": "cpu"}  # GPUS_PER_NODE: the default 8
+    env = {
+        **demo_data,
+        "MODEL": "tiny-tp8",
+        "SEQ": "64",
+        "GLOBAL": "8",
+        "STEPS": "6",
+        "WARMUP": "1",
+        "LR": "1e-2",
+        "MIN_LR": "1e-3",
+        "SAVE": str(save),
+        "DEVICE": "cpu",
+    }  # GPUS_PER_NODE: the default 8
     t0 = time.monotonic()
     job, logs = submit(slurm, "slurm/llama70b_tp8_pp4.sh", tmp_path, env)
     state = slurm.wait(job, timeout_s=580)
@@ -178,5 +201,7 @@ def test_llama70b_script_on_four_nodes_of_eight(local_slurm_factory, demo_data, 
     assert got[6] < got[1] - 0.3, f"loss did not fall: {got}"
     assert latest_step(save) == 6
     assert len(list(logs.glob("start0-node*.log"))) == 4
-    print(f"sbatch slurm/llama70b_tp8_pp4.sh, 4 nodes x 8 ranks, 6 steps: {wall:.0f} s wall "
-          f"(job RunTime {info['RunTime']}); losses {got}")
+    print(
+        f"sbatch slurm/llama70b_tp8_pp4.sh, 4 nodes x 8 ranks, 6 steps: {wall:.0f} s wall "
+        f"(job RunTime {info['RunTime']}); losses {got}"
+    )

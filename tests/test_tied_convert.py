@@ -5,6 +5,7 @@ exports tied too; and every disagreement about the tie is one line before anythi
 
     PYTHONPATH=$PWD/src .venv/bin/python -m pytest -q tests/test_tied_convert.py
 """
+
 from __future__ import annotations
 
 import json
@@ -17,19 +18,24 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from convert_fixtures import (TIED, TIED_DIVISIBLE_BY, assert_identical, hf_tensors, save_hf, save_tied_hf,
-                              write_tokens)
-from threed.checkpoint.format import (CheckpointError, checkpoint_bytes, layout_of_files, missing_files,
-                                      open_checkpoint, read_model_config)
+from convert_fixtures import TIED, TIED_DIVISIBLE_BY, assert_identical, hf_tensors, save_hf, save_tied_hf, write_tokens
+from threed.checkpoint.format import (
+    CheckpointError,
+    checkpoint_bytes,
+    layout_of_files,
+    missing_files,
+    open_checkpoint,
+    read_model_config,
+)
 from threed.checkpoint.manifest import find_resumable
 from threed.checkpoint.start import decide_start
-from threed.cli import main
+from threed.cli.main import main
 from threed.config import CheckpointConfig, ConfigError, ParallelConfig, RunConfig, TrainConfig
 from threed.convert.ds_checkpoint import checkpoint_files
 from threed.hf.config import from_hf_config
-from threed.launch import run_ranks
+from threed.parallel.launch import run_ranks
 from threed.model.spec import pipeline_layers
-from threed.presets import PRESETS
+from threed.model.presets import PRESETS
 
 REL_TOL = 1e-5
 UNTIED = {k: v for k, v in TIED.items() if k != "tie_word_embeddings"}  # save_hf unties it
@@ -47,8 +53,22 @@ def run(*argv: str) -> int:
 
 
 def convert(src: Path, out: Path, tp: int, pp: int) -> Path:
-    assert run("convert", "--hf", str(src), "--tp", str(tp), "--pp", str(pp), "--out", str(out),
-               "--make-vocab-size-divisible-by", TIED_DIVISIBLE_BY) == 0
+    assert (
+        run(
+            "convert",
+            "--hf",
+            str(src),
+            "--tp",
+            str(tp),
+            "--pp",
+            str(pp),
+            "--out",
+            str(out),
+            "--make-vocab-size-divisible-by",
+            TIED_DIVISIBLE_BY,
+        )
+        == 0
+    )
     return out
 
 
@@ -73,7 +93,7 @@ def single_file_copy(src: Path, dest: Path) -> Path:
 
 
 def verify_rel(capsys) -> float:
-    line = [l for l in capsys.readouterr().out.splitlines() if l.startswith("threed verify:")][-1]
+    line = [ly for ly in capsys.readouterr().out.splitlines() if ly.startswith("threed verify:")][-1]
     print(line)
     return float(re.search(r"max rel (\S+)", line).group(1))
 
@@ -87,7 +107,7 @@ def test_convert_writes_the_stored_layers_only(tied_ckpt):
     assert manifest["num_pipeline_layers"] == 8 and manifest["stored_layers"] == list(range(7))
     assert manifest["tie_word_embeddings"] is True
     ck = open_checkpoint(tied_ckpt)
-    assert (ck.tp, ck.pp, [l.index for l in ck.layers]) == (2, 2, list(range(7)))
+    assert (ck.tp, ck.pp, [ly.index for ly in ck.layers]) == (2, 2, list(range(7)))
     emb = torch.load(tied_ckpt / "global_step0" / "layer_00-model_01-model_states.pt", weights_only=True)
     assert emb["word_embeddings.weight"].shape == (256, 64)  # vocab 500 padded to 512, half per TP rank
 
@@ -123,7 +143,8 @@ def test_reshard_then_export(tied_hf, tied_ckpt, tmp_path):
     resharded, out = tmp_path / "tp1pp3", tmp_path / "exported"
     assert run("reshard", "--ckpt", str(tied_ckpt), "--tp", "1", "--pp", "3", "--out", str(resharded)) == 0
     assert sorted(p.name for p in (resharded / "global_step0").iterdir()) == sorted(
-        checkpoint_files(read_model_config(resharded), 1, 3))
+        checkpoint_files(read_model_config(resharded), 1, 3)
+    )
     assert json.loads((resharded / "threed_convert.json").read_text())["stored_layers"] == list(range(7))
     assert run("export", "--ckpt", str(resharded), "--out", str(out)) == 0
     assert_tied_hf_dir(out, tied_hf)
@@ -145,7 +166,7 @@ def test_tied_checkpoint_complete_without_head_file_incomplete_without_layer_00(
 
 def assert_refused(rc: int, capsys, message: str, out: Path) -> str:
     err = capsys.readouterr().err
-    lines = [l for l in err.splitlines() if l.strip()]
+    lines = [ly for ly in err.splitlines() if ly.strip()]
     assert rc == 2 and len(lines) == 1 and message in lines[0], err
     assert not out.exists() and not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]
     return lines[0]
@@ -165,8 +186,12 @@ def test_source_lm_head_equal_accepted_different_refused(tied_hf, tied_ckpt, tmp
     save_file(sd, src / "model.safetensors", metadata={"format": "pt"})
     out = tmp_path / "out"
     rc = main(["convert", "--hf", str(src), "--tp", "2", "--pp", "2", "--out", str(out), "--quiet"])
-    assert_refused(rc, capsys, "lm_head.weight differs from model.embed_tokens.weight although config.json says "
-                               "tie_word_embeddings=true", out)
+    assert_refused(
+        rc,
+        capsys,
+        "lm_head.weight differs from model.embed_tokens.weight although config.json says tie_word_embeddings=true",
+        out,
+    )
 
 
 def test_untied_config_over_tied_files_refused(tied_hf, tmp_path, capsys):
@@ -206,18 +231,37 @@ def own_process_group():
 def test_init_from_across_the_tie_refused(tied_hf, tied_ckpt, untied, tmp_path, capsys, own_process_group):
     untied_hf, untied_ckpt = untied
     for model_dir, ckpt, tied_side in ((untied_hf, tied_ckpt, "checkpoint"), (tied_hf, untied_ckpt, "this run")):
-        cfg = RunConfig(model=from_hf_config(model_dir), parallel=ParallelConfig(tp=2, pp=2),
-                        checkpoint=CheckpointConfig(init_from=str(ckpt)))
-        with pytest.raises(ConfigError, match=rf"^{tied_side}.* ties the LM head to the embedding "
-                                              rf"\(tie_word_embeddings=true\), .*pass --model {re.escape(str(ckpt))}"):
+        cfg = RunConfig(
+            model=from_hf_config(model_dir),
+            parallel=ParallelConfig(tp=2, pp=2),
+            checkpoint=CheckpointConfig(init_from=str(ckpt)),
+        )
+        with pytest.raises(
+            ConfigError,
+            match=rf"^{tied_side}.* ties the LM head to the embedding "
+            rf"\(tie_word_embeddings=true\), .*pass --model {re.escape(str(ckpt))}",
+        ):
             decide_start(cfg, 4)
     # The command line: one line, exit 2, before the model is built.
     os.environ["RANK"] = "0"
     data = write_tokens(tmp_path / "tokens", 20_000, 500)
-    rc = main(["train", "--model", str(untied_hf), "--init-from", str(tied_ckpt),
-               "--data-path", data, "--seq-length", "32", "--steps", "2"])
+    rc = main(
+        [
+            "train",
+            "--model",
+            str(untied_hf),
+            "--init-from",
+            str(tied_ckpt),
+            "--data-path",
+            data,
+            "--seq-length",
+            "32",
+            "--steps",
+            "2",
+        ]
+    )
     err = capsys.readouterr().err
-    lines = [l for l in err.splitlines() if l.strip()]
+    lines = [ly for ly in err.splitlines() if ly.strip()]
     assert rc == 2 and len(lines) == 1 and "tie_word_embeddings=true" in lines[0] and "--model" in lines[0], err
 
 
@@ -230,16 +274,41 @@ def test_verify_across_the_tie_refused(tied_ckpt, untied, capsys):
 def test_trained_tied_checkpoint_exports_tied(tmp_path, capsys):
     run_dir, out = tmp_path / "run", tmp_path / "exported"
     data = write_tokens(tmp_path / "tokens", 20_000, 512)
-    run_ranks(2, "threed.train", ["--model", "tiny-tied", "--tp", "1", "--pp", "2", "--micro-batch-size", "2",
-                                  "--grad-accum-steps", "2", "--seq-length", "32", "--steps", "2", "--lr", "1e-2",
-                                  "--data-path", data, "--eval-iters", "1", "--save", str(run_dir)], timeout=600)
+    run_ranks(
+        2,
+        "threed.train",
+        [
+            "--model",
+            "tiny-tied",
+            "--tp",
+            "1",
+            "--pp",
+            "2",
+            "--micro-batch-size",
+            "2",
+            "--grad-accum-steps",
+            "2",
+            "--seq-length",
+            "32",
+            "--steps",
+            "2",
+            "--lr",
+            "1e-2",
+            "--data-path",
+            data,
+            "--eval-iters",
+            "1",
+            "--save",
+            str(run_dir),
+        ],
+        timeout=600,
+    )
     step_dir = run_dir / (run_dir / "latest").read_text().strip()
     assert (step_dir / "layer_00-model_00-model_states.pt").is_file() and not head_files(step_dir)
     # The size estimate (--save's free-space check, the dry run) counts the last stage's optimizer state of its copy:
     # [512, 64] x 12 B, 13% of this checkpoint, beyond the few KB of pickling per file.
     on_disk = sum(f.stat().st_size for f in step_dir.iterdir())
-    cfg = RunConfig(model=PRESETS["tiny-tied"], parallel=ParallelConfig(tp=1, pp=2),
-                    train=TrainConfig(dtype="bf16"))
+    cfg = RunConfig(model=PRESETS["tiny-tied"], parallel=ParallelConfig(tp=1, pp=2), train=TrainConfig(dtype="bf16"))
     estimate = checkpoint_bytes(cfg)
     print("checkpoint on disk", on_disk, "estimate", estimate)
     assert estimate <= on_disk <= estimate * 1.08

@@ -3,6 +3,7 @@ equals single-process training of the same HF model (same AdamW, same batches) i
 weights; the first and the last stage's copies of the tied weight are bit-identical after every step (fp32, and
 bf16 with fp32 masters); the run resumed at tp1 pp2 dp4 through the universal checkpoint continues the loss curve.
 One launch of 8 gloo ranks (tests/tied_worker.py) runs them all."""
+
 from __future__ import annotations
 
 import json
@@ -16,7 +17,7 @@ from helpers import TESTS, gpt_dataset, plain_adamw, plain_step, sft_examples, w
 from threed.config import DataConfig, RunConfig, TrainConfig
 from threed.convert.in_memory import random_hf_state
 from threed.data.loader import micro_batches
-from threed.launch import run_ranks
+from threed.parallel.launch import run_ranks
 from test_sft_train import GLOBAL_BATCH, masked_loss
 from tied_worker import BF16_STEPS, SAVED_AT, SFT_STEPS, STEPS, tied_hf_model, tied_model_config
 
@@ -28,21 +29,34 @@ def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("tied")
     data = write_dataset(out / "random", np.random.default_rng(0).integers(0, 200, 8000), 200)
     chat = write_sft_dataset(out / "chat", sft_examples(400, 200), 200)
-    run_ranks(8, str(TESTS / "tied_worker.py"), ["--out", str(out), "--data", data, "--sft-data", chat],
-              timeout=1200)
+    run_ranks(8, str(TESTS / "tied_worker.py"), ["--out", str(out), "--data", data, "--sft-data", chat], timeout=1200)
     final = {}
     for stage in (0, 1):
         final.update(torch.load(out / f"final_stage{stage}.pt"))
-    return {"result": json.loads((out / "tied.json").read_text()), "final": final, "data": data, "chat": chat,
-            "out": out}
+    return {
+        "result": json.loads((out / "tied.json").read_text()),
+        "final": final,
+        "data": data,
+        "chat": chat,
+        "out": out,
+    }
 
 
 def reference(data: str):
     """Single-process training of the tied HF model: the same global batches (8 sequences), optimizer, schedule."""
     model = tied_hf_model().train()
     mc = tied_model_config()
-    train = TrainConfig(dtype="fp32", micro_batch_size=2, global_batch_size=8, seq_length=32, steps=STEPS, lr=1e-3,
-                        min_lr=1e-4, warmup_steps=2, grad_clip=0.5)
+    train = TrainConfig(
+        dtype="fp32",
+        micro_batch_size=2,
+        global_batch_size=8,
+        seq_length=32,
+        steps=STEPS,
+        lr=1e-3,
+        min_lr=1e-4,
+        warmup_steps=2,
+        grad_clip=0.5,
+    )
     opt, sched = plain_adamw(model, train)
     assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == sum(p.numel() for p in model.parameters())
     ds = gpt_dataset(RunConfig(model=mc, train=train, data=DataConfig(data_path=(data,))), 8).train
@@ -71,8 +85,16 @@ def close(got: list[float], want: list[float], what: str) -> None:
 def test_tp2_pp2_dp2_training_equals_single_process_hf(run, ref):
     got = run["result"]["fp32"]
     ref_losses, ref_norms, _ = ref
-    print("3D  losses", got["losses"], "\nref losses", ref_losses, "\n3D  norms", got["grad_norms"],
-          "\nref norms", ref_norms)
+    print(
+        "3D  losses",
+        got["losses"],
+        "\nref losses",
+        ref_losses,
+        "\n3D  norms",
+        got["grad_norms"],
+        "\nref norms",
+        ref_norms,
+    )
     assert len(got["losses"]) == STEPS
     assert max(ref_norms) > 0.5, "clipping must be active (grad_clip=0.5): the norm counts the tied weight once"
     close(got["losses"], ref_losses, "loss")
@@ -150,7 +172,7 @@ def test_export_of_the_resumed_run_loads_tied_in_transformers(run, ref, tmp_path
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from threed.cli import main
+    from threed.cli.main import main
 
     out = tmp_path / "hf"
     assert main(["export", "--ckpt", str(run["out"] / "save"), "--out", str(out), "--quiet"]) == 0

@@ -1,5 +1,6 @@
 """8-rank (tp=2, pp=2, dp=2) training against a single-process HuggingFace reference, bf16 against fp32,
 checkpoint save/resume, and the start-up group check. One launch of 8 gloo ranks runs them all."""
+
 from __future__ import annotations
 
 import json
@@ -7,15 +8,13 @@ from typing import Optional
 
 import numpy as np
 import pytest
-import torch
 import torch.nn.functional as F
 
-from helpers import (TESTS, gpt_dataset, hf_model, learnable_tokens, model_config, plain_adamw, plain_step,
-                     write_dataset)
+from helpers import TESTS, gpt_dataset, hf_model, learnable_tokens, model_config, plain_adamw, plain_step, write_dataset
 from threed.config import DataConfig, RunConfig, TrainConfig
 from threed.convert.in_memory import random_hf_state
 from threed.data.loader import micro_batches
-from threed.launch import run_ranks
+from threed.parallel.launch import run_ranks
 
 FP32_TOL = 1e-5
 BF16_REL_TOL = 0.05  # bf16 activations/weights (fp32 master + accumulation) stay within 5% of the fp32 loss
@@ -28,9 +27,12 @@ def run(tmp_path_factory):
     rng = np.random.default_rng(0)
     data = write_dataset(out / "random", rng.integers(0, 200, 5000), 200)
     learn = write_dataset(out / "learn", learnable_tokens(40000), 200, doc_len=(400, 2000))
-    run_ranks(8, str(TESTS / "dist_worker.py"),
-              ["train", "--out", str(out), "--data", data, "--learnable", learn, "--bf16-steps", str(BF16_STEPS)],
-              timeout=1200)
+    run_ranks(
+        8,
+        str(TESTS / "dist_worker.py"),
+        ["train", "--out", str(out), "--data", data, "--learnable", learn, "--bf16-steps", str(BF16_STEPS)],
+        timeout=1200,
+    )
     ranks = [json.loads((out / f"train_rank{r}.json").read_text()) for r in range(8)]
     return {"ranks": ranks, "data": data}
 
@@ -41,8 +43,17 @@ def reference_run(data: str, steps: int = 5, state: Optional[dict] = None):
     if state is not None:
         model.load_state_dict(state)
     mc = model_config("gqa31")
-    train = TrainConfig(dtype="fp32", micro_batch_size=2, grad_accum_steps=2, seq_length=32, steps=steps, lr=1e-3,
-                        min_lr=1e-4, warmup_steps=2, grad_clip=0.5)
+    train = TrainConfig(
+        dtype="fp32",
+        micro_batch_size=2,
+        grad_accum_steps=2,
+        seq_length=32,
+        steps=steps,
+        lr=1e-3,
+        min_lr=1e-4,
+        warmup_steps=2,
+        grad_clip=0.5,
+    )
     opt, sched = plain_adamw(model, train)
     # Global batch k is samples [8k, 8k + 8) whatever the layout: read them as one batch.
     ds = gpt_dataset(RunConfig(model=mc, train=train, data=DataConfig(data_path=(data,))), 8).train

@@ -10,6 +10,7 @@ Rank 0 writes OUT/tied.json (losses, grad norms, per-step copy checks); TP rank 
 stage writes OUT/final_stage<S>.pt, the HF-named tensors its stage holds after the last step (the last stage's
 copy of the tied weight as `lm_head.weight`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,11 +25,11 @@ from dist_worker import run_steps, train_dataset
 from sft_worker import sft_config
 from threed.config import CheckpointConfig, DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from threed.convert.mapping import layer_to_hf
-from threed.distributed import Runtime
-from threed.engine import build_engine
+from threed.parallel.distributed import Runtime
+from threed.train.engine import build_engine
 from threed.hf.config import from_hf_config
-from threed.pipeline import local_modules
-from threed.train import train
+from threed.parallel.pipeline import local_modules
+from threed.train.loop import train
 from worker_setup import load_hf_weights, run_worker
 
 STEPS, SAVED_AT, BF16_STEPS, SFT_STEPS = 10, 5, 4, 3
@@ -47,8 +48,9 @@ def tied_hf_model():
 
 
 def tied_model_config() -> ModelConfig:
-    return dataclasses.replace(from_hf_config(tied_hf_model().config.to_dict(), name="gqa31-tied"),
-                               make_vocab_size_divisible_by=16)
+    return dataclasses.replace(
+        from_hf_config(tied_hf_model().config.to_dict(), name="gqa31-tied"), make_vocab_size_divisible_by=16
+    )
 
 
 def tied_weight(engine) -> torch.Tensor:
@@ -100,12 +102,25 @@ def steps_checked(engine, cfg: RunConfig, ds, start: int, stop: int) -> dict:
 
 def main(args: argparse.Namespace, rt: Runtime) -> None:
     hf_state = tied_hf_model().state_dict()
-    assert "lm_head.weight" not in hf_state or torch.equal(hf_state["lm_head.weight"],
-                                                            hf_state["model.embed_tokens.weight"])
-    base = RunConfig(model=tied_model_config(), parallel=ParallelConfig(tp=2, pp=2),
-                     train=TrainConfig(dtype="fp32", micro_batch_size=2, global_batch_size=8, seq_length=32,
-                                       steps=STEPS, lr=1e-3, min_lr=1e-4, warmup_steps=2, grad_clip=0.5),
-                     data=DataConfig(data_path=(args.data,)))
+    assert "lm_head.weight" not in hf_state or torch.equal(
+        hf_state["lm_head.weight"], hf_state["model.embed_tokens.weight"]
+    )
+    base = RunConfig(
+        model=tied_model_config(),
+        parallel=ParallelConfig(tp=2, pp=2),
+        train=TrainConfig(
+            dtype="fp32",
+            micro_batch_size=2,
+            global_batch_size=8,
+            seq_length=32,
+            steps=STEPS,
+            lr=1e-3,
+            min_lr=1e-4,
+            warmup_steps=2,
+            grad_clip=0.5,
+        ),
+        data=DataConfig(data_path=(args.data,)),
+    )
     results: dict = {}
 
     # 1. fp32 at tp2 pp2 dp2 from the HF weights, a checkpoint (threed's save) after step SAVED_AT.
@@ -123,14 +138,14 @@ def main(args: argparse.Namespace, rt: Runtime) -> None:
     dist.barrier()
 
     # 2. The same run resumed from its step-5 checkpoint at tp1 pp2 dp4: DeepSpeed's universal checkpoint.
-    cfg_u = dataclasses.replace(base, parallel=ParallelConfig(tp=1, pp=2),
-                                checkpoint=CheckpointConfig(save=str(save)))
+    cfg_u = dataclasses.replace(base, parallel=ParallelConfig(tp=1, pp=2), checkpoint=CheckpointConfig(save=str(save)))
     built = build_engine(cfg_u, rt)
-    results["universal"] = {"start": built.engine.global_steps,
-                            "via_universal": bool(built.decision and built.decision.universal),
-                            "copies_equal_after_load": copies_equal(built.engine),
-                            **steps_checked(built.engine, cfg_u, train_dataset(cfg_u, rt.world_size), SAVED_AT,
-                                            STEPS)}
+    results["universal"] = {
+        "start": built.engine.global_steps,
+        "via_universal": bool(built.decision and built.decision.universal),
+        "copies_equal_after_load": copies_equal(built.engine),
+        **steps_checked(built.engine, cfg_u, train_dataset(cfg_u, rt.world_size), SAVED_AT, STEPS),
+    }
     ckpt.save(built.engine, cfg_u, rt.rank, {"consumed_samples": STEPS * 8})
     dist.barrier()
 
@@ -138,8 +153,10 @@ def main(args: argparse.Namespace, rt: Runtime) -> None:
     cfg_b = dataclasses.replace(base, train=dataclasses.replace(base.train, dtype="bf16", steps=BF16_STEPS))
     eng = build_engine(cfg_b, rt).engine
     load_hf_weights(eng, cfg_b, hf_state)
-    results["bf16"] = {"optimizer": type(eng.optimizer).__name__,
-                       **steps_checked(eng, cfg_b, train_dataset(cfg_b, rt.world_size), 0, BF16_STEPS)}
+    results["bf16"] = {
+        "optimizer": type(eng.optimizer).__name__,
+        **steps_checked(eng, cfg_b, train_dataset(cfg_b, rt.world_size), 0, BF16_STEPS),
+    }
 
     # 4. Activation checkpointing (the tied head is a function: never recomputed, nothing changes).
     cfg_ac = dataclasses.replace(base, train=dataclasses.replace(base.train, activation_checkpointing=True))

@@ -7,8 +7,9 @@ A worker runs as a script under torchrun (tests/ is on sys.path, so it imports t
     python -m torch.distributed.run --nproc-per-node 8 tests/metrics_worker.py train --out /tmp/m
 
 and ends with `raise SystemExit(run_worker({"train": train, "bubble": bubble}))`; each scenario is called with the
-parsed arguments (`args.out` is a Path that exists) and the rank's threed.distributed.Runtime.
+parsed arguments (`args.out` is a Path that exists) and the rank's threed.parallel.distributed.Runtime.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,7 +23,7 @@ import torch.distributed as dist
 import threed.checkpoint.start as start_module
 from threed.config import RunConfig, RunControlConfig
 from threed.convert.in_memory import load_hf_state
-from threed.distributed import Runtime, init_distributed
+from threed.parallel.distributed import Runtime, init_distributed
 
 Scenario = Callable[[argparse.Namespace, Runtime], Optional[int]]
 AddArguments = Callable[[argparse.ArgumentParser], None]
@@ -65,8 +66,12 @@ def local_layers(engine) -> Iterator[tuple[int, torch.nn.Module]]:
 def local_weights(engine) -> dict[str, torch.Tensor]:
     """Copies of this rank's weights, keyed `<layer index>.<name>`. megatron's linears also hold `_extra_state`
     (None) entries: tensors only."""
-    return {f"{idx}.{k}": v.detach().clone() for idx, m in local_layers(engine)
-            for k, v in m.state_dict().items() if isinstance(v, torch.Tensor)}
+    return {
+        f"{idx}.{k}": v.detach().clone()
+        for idx, m in local_layers(engine)
+        for k, v in m.state_dict().items()
+        if isinstance(v, torch.Tensor)
+    }
 
 
 def reads_data(engine) -> bool:
@@ -80,8 +85,9 @@ def keeps_logits(engine) -> bool:
     return engine.grid.get_slice_parallel_rank() == 0 and engine.grid.get_data_parallel_rank() == 0
 
 
-def synthetic_batches(vocab: int, micro: int, seq: int, seed: int = 0,
-                      n: Optional[int] = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def synthetic_batches(
+    vocab: int, micro: int, seq: int, seed: int = 0, n: Optional[int] = None
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """(inputs, labels) micro-batches of random token ids from a generator seeded with `seed`: `n` of them, or
     without end."""
     gen = torch.Generator().manual_seed(seed)
@@ -98,8 +104,9 @@ def load_hf_weights(engine, cfg: RunConfig, hf_state: dict) -> None:
     engine.optimizer.refresh_fp32_params()
 
 
-def stopped_then_resumed(train: Callable[[RunConfig], Any], save: Path, first: RunConfig,
-                         second: RunConfig) -> tuple[Any, Any]:
+def stopped_then_resumed(
+    train: Callable[[RunConfig], Any], save: Path, first: RunConfig, second: RunConfig
+) -> tuple[Any, Any]:
     """A run preempted after its first step (a STOP file in `save`, the new directory both configs save to), then
     the resumed run: the two results of `train`."""
     if dist.get_rank() == 0:

@@ -32,7 +32,7 @@ quiet $PY -m threed.cli convert --hf "$OUT/hf-init" --tp 2 --pp 2 --out "$OUT/in
 echo "converted HF $OUT/hf-init -> $OUT/init: $(ls "$OUT/init/global_step0" | wc -l) DeepSpeed files for tp=2 x pp=2"
 
 # 2. Train from the converted weights (DeepSpeed load_checkpoint, weights only). Unfiltered: a run prints only our
-#    lines (threed.distributed quiets the libraries).
+#    lines (threed.parallel.distributed quiets the libraries).
 $PY -m threed.cli train --nproc-per-node 8 \
   --model "$OUT/init" --init-from "$OUT/init" --tp 2 --pp 2 \
   --micro-batch-size 4 --grad-accum-steps 4 --seq-length 128 --steps "$STEPS" --lr 3e-3 --min-lr 3e-4 --warmup-steps 5 --dtype bf16 \

@@ -5,6 +5,7 @@ metrics state, converted checkpoints, preprocessed datasets, universal conversio
     write_atomic(path, text)                   # a small text file: temp beside it, fsync, rename, fsync the dir
     with atomic_dir(out) as tmp: ...write...   # a directory: built under a temp name, renamed into place at the end
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -4,11 +4,12 @@ One `RunConfig` holds everything, in sections (model, parallel, train, data, che
 field carries its own metadata (`meta(...)`): the one-line `threed train --help` text, Megatron-LM's name for the
 flag where it differs (accepted as an alias), and its range. `RunConfig.validate(world_size)` checks every range,
 then the parallel and batch arithmetic, with messages that name the numbers and the fix. The command line is
-generated from these fields (`threed.flags`); the DeepSpeed JSON is derived in `threed.engine`.
+generated from these fields (`threed.cli.flags`); the DeepSpeed JSON is derived in `threed.train.engine`.
 
 Ranges: every int / float field must be finite and >= `at_least` (0 unless the field says otherwise), and,
 where the field says so, > `above` or < `below`. A range is stated on its field, never by name elsewhere.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -79,7 +80,7 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = field(default=128, metadata=AT_LEAST_ONE)
     init_std: float = field(default=0.02, metadata=POSITIVE)
     # The LM head's weight is the input embedding's (Llama 3.2 1B / 3B; HF `tie_word_embeddings`): one parameter,
-    # held by the first and the last pipeline stage, its gradient summed over both (threed.pipeline).
+    # held by the first and the last pipeline stage, its gradient summed over both (threed.parallel.pipeline).
     tie_word_embeddings: bool = False
 
     @property
@@ -107,27 +108,43 @@ class ModelConfig:
 class ParallelConfig:
     """Degrees of parallelism, and which stage holds which layers. dp is derived: dp = world / (tp * pp)."""
 
-    tp: int = field(default=1, metadata=meta("tensor-parallel size (divides heads and KV heads)", at_least=1,
-                                             alias="--tensor-model-parallel-size"))
-    pp: int = field(default=1, metadata=meta("pipeline-parallel size (stages; <= layers)", at_least=1,
-                                             alias="--pipeline-model-parallel-size"))
-    # threed.partition: balanced | layers:N1,N2,... | costs:KIND=X,... | parameters | uniform | type:REGEX
-    partition_method: str = field(default="balanced", metadata=meta(
-        "which stage holds which layers: balanced (evens out the LM head) | layers:N1,N2,... | "
-        "costs:block=1,lm_head=X,... (measured: threed profile-layers) | parameters | uniform | type:REGEX",
-        metavar="METHOD"))
+    tp: int = field(
+        default=1,
+        metadata=meta(
+            "tensor-parallel size (divides heads and KV heads)", at_least=1, alias="--tensor-model-parallel-size"
+        ),
+    )
+    pp: int = field(
+        default=1,
+        metadata=meta("pipeline-parallel size (stages; <= layers)", at_least=1, alias="--pipeline-model-parallel-size"),
+    )
+    # threed.parallel.partition: balanced | layers:N1,N2,... | costs:KIND=X,... | parameters | uniform | type:REGEX
+    partition_method: str = field(
+        default="balanced",
+        metadata=meta(
+            "which stage holds which layers: balanced (evens out the LM head) | layers:N1,N2,... | "
+            "costs:block=1,lm_head=X,... (measured: threed profile-layers) | parameters | uniform | type:REGEX",
+            metavar="METHOD",
+        ),
+    )
 
     # Megatron-LM's --sequence-parallel (Korthikanti et al.): the norms and residual stream of each block are split
     # along the sequence over the TP group (megatron-core's own layers), so activations outside the matmuls shrink
-    # by tp. threed.model.layers and threed.pipeline build it.
-    sequence_parallel: bool = field(default=False, metadata=meta(
-        "split norms and residuals along the sequence over the TP group (Megatron's; needs tp > 1)"))
+    # by tp. threed.model.layers and threed.parallel.pipeline build it.
+    sequence_parallel: bool = field(
+        default=False,
+        metadata=meta("split norms and residuals along the sequence over the TP group (Megatron's; needs tp > 1)"),
+    )
 
-    # threed.schedule: 1f1b (DeepSpeed's TrainSchedule) | zb-h1 (Zero Bubble's ZB-H1: weight gradients deferred into
-    # the bubble). Checkpoints do not depend on it: a run can switch on resume.
-    pipeline_schedule: Literal["1f1b", "zb-h1"] = field(default="1f1b", metadata=meta(
-        "pipeline schedule: 1f1b (DeepSpeed's) | zb-h1 (weight gradients deferred into the bubble: less idle time; "
-        "no stage holds more micro-batches than 1F1B's first stage)"))
+    # threed.parallel.schedule: 1f1b (DeepSpeed's TrainSchedule) | zb-h1 (Zero Bubble's ZB-H1: weight gradients deferred
+    # into the bubble). Checkpoints do not depend on it: a run can switch on resume.
+    pipeline_schedule: Literal["1f1b", "zb-h1"] = field(
+        default="1f1b",
+        metadata=meta(
+            "pipeline schedule: 1f1b (DeepSpeed's) | zb-h1 (weight gradients deferred into the bubble: less idle time; "
+            "no stage holds more micro-batches than 1F1B's first stage)"
+        ),
+    )
 
     def dp(self, world_size: int) -> int:
         return world_size // (self.tp * self.pp)
@@ -151,11 +168,15 @@ class ParallelConfig:
         if padded % tp:
             raise ConfigError(f"tp={tp} does not divide the padded vocab {padded}; fix make_vocab_size_divisible_by")
         if self.pipeline_schedule != "1f1b" and pp == 1:
-            raise ConfigError(f"--pipeline-schedule {self.pipeline_schedule} needs pp > 1 (one stage has no pipeline "
-                              f"bubble to fill); drop it or use --pipeline-model-parallel-size 2 or more")
+            raise ConfigError(
+                f"--pipeline-schedule {self.pipeline_schedule} needs pp > 1 (one stage has no pipeline "
+                f"bubble to fill); drop it or use --pipeline-model-parallel-size 2 or more"
+            )
         if self.sequence_parallel and tp == 1:
-            raise ConfigError("--sequence-parallel needs tp > 1 (it splits the sequence over the tensor-parallel "
-                              "group); drop it or raise --tp")
+            raise ConfigError(
+                "--sequence-parallel needs tp > 1 (it splits the sequence over the tensor-parallel "
+                "group); drop it or raise --tp"
+            )
         if pp > model.num_layers:
             raise ConfigError(
                 f"pp={pp} is larger than num_layers={model.num_layers}: a pipeline stage would hold no "
@@ -165,12 +186,21 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    micro_batch_size: int = field(default=1, metadata=meta(
-        "sequences per micro-batch per data-parallel rank", at_least=1))
-    grad_accum_steps: Optional[int] = field(default=None, metadata=meta(  # None: derived from global_batch_size
-        "micro-batches per step (or give --global-batch-size)", at_least=1))
-    global_batch_size: Optional[int] = field(default=None, metadata=meta(  # None: micro * gas * dp
-        "sequences per step = micro x grad-accum x dp, dp = world / (tp x pp)", at_least=1))
+    micro_batch_size: int = field(
+        default=1, metadata=meta("sequences per micro-batch per data-parallel rank", at_least=1)
+    )
+    grad_accum_steps: Optional[int] = field(
+        default=None,
+        metadata=meta(  # None: derived from global_batch_size
+            "micro-batches per step (or give --global-batch-size)", at_least=1
+        ),
+    )
+    global_batch_size: Optional[int] = field(
+        default=None,
+        metadata=meta(  # None: micro * gas * dp
+            "sequences per step = micro x grad-accum x dp, dp = world / (tp x pp)", at_least=1
+        ),
+    )
     seq_length: int = field(default=128, metadata=meta("tokens per sequence", at_least=1))
     steps: int = field(default=10, metadata=meta("optimizer steps to train to", alias="--train-iters"))
     lr: float = field(default=3e-4, metadata=meta("peak learning rate"))
@@ -180,31 +210,42 @@ class TrainConfig:
     beta1: float = field(default=0.9, metadata=meta("AdamW beta1", below=1, alias="--adam-beta1"))
     beta2: float = field(default=0.95, metadata=meta("AdamW beta2", below=1, alias="--adam-beta2"))
     adam_eps: float = field(default=1e-8, metadata=meta("AdamW epsilon", above=0))
-    grad_clip: float = field(default=1.0, metadata=meta("clip the global gradient norm to this (0: off)",
-                                                        alias="--clip-grad"))
-    dtype: Literal["bf16", "fp32"] = field(default="bf16", metadata=meta(
-        "compute dtype; bf16 keeps fp32 master weights and gradient accumulation"))
+    grad_clip: float = field(
+        default=1.0, metadata=meta("clip the global gradient norm to this (0: off)", alias="--clip-grad")
+    )
+    dtype: Literal["bf16", "fp32"] = field(
+        default="bf16", metadata=meta("compute dtype; bf16 keeps fp32 master weights and gradient accumulation")
+    )
     # bf16 accumulation drifts under PP x GAS (DeepSpeed #1800)
-    grad_accum_dtype: Literal["fp32"] = field(default="fp32", metadata=meta(
-        "gradient accumulation dtype (fp32 only)"))
+    grad_accum_dtype: Literal["fp32"] = field(default="fp32", metadata=meta("gradient accumulation dtype (fp32 only)"))
     seed: int = field(default=1234, metadata=meta("seed of the weights' random init and the data order"))
     log_interval: int = field(default=1, metadata=meta("steps between log lines", at_least=1))
-    activation_checkpointing: bool = field(default=False, metadata=meta(
-        "recompute each block in backward (less memory, ~1/3 more compute)"))
+    activation_checkpointing: bool = field(
+        default=False, metadata=meta("recompute each block in backward (less memory, ~1/3 more compute)")
+    )
     # Megatron-LM's recompute flags. full: a block's input is kept and the block recomputed in backward, `uniform`
     # in chunks of N blocks (all blocks), `block`: only the first N blocks of each stage; selective: only the core
     # attention of every block. --activation-checkpointing is full / uniform / 1.
-    recompute_granularity: Optional[Literal["full", "selective"]] = field(default=None, metadata=meta(
-        "recompute in backward: full (whole blocks, with --recompute-method) | selective (core attention)"))
-    recompute_method: Optional[Literal["uniform", "block"]] = field(default=None, metadata=meta(
-        "full recompute: uniform (every block, N per chunk) | block (the first N blocks of each stage)"))
-    recompute_num_layers: Optional[int] = field(default=None, metadata=meta(
-        "full recompute: blocks per chunk (uniform) or recomputed blocks per stage (block)", at_least=1))
+    recompute_granularity: Optional[Literal["full", "selective"]] = field(
+        default=None,
+        metadata=meta(
+            "recompute in backward: full (whole blocks, with --recompute-method) | selective (core attention)"
+        ),
+    )
+    recompute_method: Optional[Literal["uniform", "block"]] = field(
+        default=None,
+        metadata=meta("full recompute: uniform (every block, N per chunk) | block (the first N blocks of each stage)"),
+    )
+    recompute_num_layers: Optional[int] = field(
+        default=None,
+        metadata=meta("full recompute: blocks per chunk (uniform) or recomputed blocks per stage (block)", at_least=1),
+    )
     zero_stage: int = field(default=1, metadata=meta("ZeRO stage (0 or 1; DeepSpeed pipelines allow no more)"))
     # Evaluation on the valid split (Megatron's flags). eval_interval None: every 1000 steps (Megatron's default)
     # when there is a valid split, else never; given explicitly without a valid split it is an error.
-    eval_interval: Optional[int] = field(default=None, metadata=meta(
-        "steps between validations (default 1000 with a valid split)"))
+    eval_interval: Optional[int] = field(
+        default=None, metadata=meta("steps between validations (default 1000 with a valid split)")
+    )
     eval_iters: int = field(default=100, metadata=meta("global batches per validation"))
 
     def resolve_batch(self, dp: int) -> tuple[int, int, int]:
@@ -253,22 +294,29 @@ class TrainConfig:
                 f"zero_stage {self.zero_stage} is not allowed: DeepSpeed pipelines support ZeRO 0 or 1 only"
             )
 
-
     def _validate_recompute(self) -> None:
         granularity, method, n = self.recompute_granularity, self.recompute_method, self.recompute_num_layers
         if self.activation_checkpointing and granularity is not None:
-            raise ConfigError("--activation-checkpointing is --recompute-granularity full --recompute-method uniform "
-                              "--recompute-num-layers 1; give one or the other, not both")
+            raise ConfigError(
+                "--activation-checkpointing is --recompute-granularity full --recompute-method uniform "
+                "--recompute-num-layers 1; give one or the other, not both"
+            )
         if granularity == "selective" and (method is not None or n is not None):
-            raise ConfigError("--recompute-granularity selective recomputes the core attention of every block; "
-                              "--recompute-method / --recompute-num-layers are for full recompute, drop them")
+            raise ConfigError(
+                "--recompute-granularity selective recomputes the core attention of every block; "
+                "--recompute-method / --recompute-num-layers are for full recompute, drop them"
+            )
         if granularity == "full" and (method is None or n is None):
-            raise ConfigError("--recompute-granularity full needs --recompute-method uniform|block and "
-                              "--recompute-num-layers N (Megatron-LM's flags); e.g. --recompute-method block "
-                              "--recompute-num-layers 4")
+            raise ConfigError(
+                "--recompute-granularity full needs --recompute-method uniform|block and "
+                "--recompute-num-layers N (Megatron-LM's flags); e.g. --recompute-method block "
+                "--recompute-num-layers 4"
+            )
         if granularity is None and (method is not None or n is not None):
-            raise ConfigError("--recompute-method / --recompute-num-layers take effect with --recompute-granularity "
-                              "full; add it, or drop them")
+            raise ConfigError(
+                "--recompute-method / --recompute-num-layers take effect with --recompute-granularity "
+                "full; add it, or drop them"
+            )
 
 
 @dataclass(frozen=True)
@@ -276,78 +324,150 @@ class DataConfig:
     """Megatron-LM's data flags, verbatim (a Megatron command line's data fragment works unchanged); read with
     megatron-core's own datasets (`threed.data.datasets`)."""
 
-    data_path: Optional[tuple[str, ...]] = field(default=None, metadata=meta(
-        "PREFIX, or a blend WEIGHT PREFIX WEIGHT PREFIX ... of .bin/.idx datasets split by --split",
-        nargs="+", metavar="[WEIGHT] PREFIX"))
-    split: str = field(default="969,30,1", metadata=meta(
-        "train,valid,test proportions of each --data-path dataset's documents", metavar="T,V,T"))
-    train_data_path: Optional[tuple[str, ...]] = field(default=None, metadata=meta(
-        "train blend (instead of --data-path + --split)", nargs="+", metavar="[WEIGHT] PREFIX"))
-    valid_data_path: Optional[tuple[str, ...]] = field(default=None, metadata=meta(
-        "validation blend (instead of --data-path + --split)", nargs="+", metavar="[WEIGHT] PREFIX"))
-    test_data_path: Optional[tuple[str, ...]] = field(default=None, metadata=meta(
-        "test blend (instead of --data-path + --split)", nargs="+", metavar="[WEIGHT] PREFIX"))
-    data_cache_path: Optional[str] = field(default=None, metadata=meta(
-        "where dataset index caches go (shared by all nodes); default: a cache/ folder beside the data",
-        metavar="DIR"))
+    data_path: Optional[tuple[str, ...]] = field(
+        default=None,
+        metadata=meta(
+            "PREFIX, or a blend WEIGHT PREFIX WEIGHT PREFIX ... of .bin/.idx datasets split by --split",
+            nargs="+",
+            metavar="[WEIGHT] PREFIX",
+        ),
+    )
+    split: str = field(
+        default="969,30,1",
+        metadata=meta("train,valid,test proportions of each --data-path dataset's documents", metavar="T,V,T"),
+    )
+    train_data_path: Optional[tuple[str, ...]] = field(
+        default=None,
+        metadata=meta("train blend (instead of --data-path + --split)", nargs="+", metavar="[WEIGHT] PREFIX"),
+    )
+    valid_data_path: Optional[tuple[str, ...]] = field(
+        default=None,
+        metadata=meta("validation blend (instead of --data-path + --split)", nargs="+", metavar="[WEIGHT] PREFIX"),
+    )
+    test_data_path: Optional[tuple[str, ...]] = field(
+        default=None,
+        metadata=meta("test blend (instead of --data-path + --split)", nargs="+", metavar="[WEIGHT] PREFIX"),
+    )
+    data_cache_path: Optional[str] = field(
+        default=None,
+        metadata=meta(
+            "where dataset index caches go (shared by all nodes); default: a cache/ folder beside the data",
+            metavar="DIR",
+        ),
+    )
     eod_mask_loss: bool = field(default=False, metadata=meta("no loss on end-of-document tokens"))
-    tokenizer: Optional[str] = field(default=None, metadata=meta(
-        "the data's tokenizer (sentencepiece .model, HF dir or tokenizer.json): its EOD id, recorded for export",
-        metavar="PATH"))
+    tokenizer: Optional[str] = field(
+        default=None,
+        metadata=meta(
+            "the data's tokenizer (sentencepiece .model, HF dir or tokenizer.json): its EOD id, recorded for export",
+            metavar="PATH",
+        ),
+    )
     # SFT data (`threed preprocess --sft`: PREFIX_text_document + PREFIX_mask_document) is recognised by its mask
     # dataset and trained with the response-only loss; --pack is how its examples fill the sequences.
-    pack: bool = field(default=False, metadata=meta(
-        "SFT data: fill each sequence with whole examples (attention never crosses an example, RoPE restarts at "
-        "each); without it, one example per sequence, padded"))
+    pack: bool = field(
+        default=False,
+        metadata=meta(
+            "SFT data: fill each sequence with whole examples (attention never crosses an example, RoPE restarts at "
+            "each); without it, one example per sequence, padded"
+        ),
+    )
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
     """Where checkpoints go and come from (`threed.checkpoint`)."""
 
-    save: Optional[str] = field(default=None, metadata=meta(
-        "checkpoint directory (a run there is resumed)", metavar="DIR"))
+    save: Optional[str] = field(
+        default=None, metadata=meta("checkpoint directory (a run there is resumed)", metavar="DIR")
+    )
     save_interval: int = field(default=0, metadata=meta("steps between checkpoints (0: only at the end)"))
-    load: Optional[str] = field(default=None, metadata=meta(  # full resume; must exist
-        "resume from this checkpoint directory (weights, optimizer, step, data position)", metavar="DIR"))
-    init_from: Optional[str] = field(default=None, metadata=meta(  # weights only; must exist
-        "start from these weights only (e.g. `threed convert` output)", metavar="DIR"))
-    auto_resume: bool = field(default=True, metadata=meta(  # preemption / requeue
-        "resume from --save when it holds a checkpoint"))
+    load: Optional[str] = field(
+        default=None,
+        metadata=meta(  # full resume; must exist
+            "resume from this checkpoint directory (weights, optimizer, step, data position)", metavar="DIR"
+        ),
+    )
+    init_from: Optional[str] = field(
+        default=None,
+        metadata=meta(  # weights only; must exist
+            "start from these weights only (e.g. `threed convert` output)", metavar="DIR"
+        ),
+    )
+    auto_resume: bool = field(
+        default=True,
+        metadata=meta(  # preemption / requeue
+            "resume from --save when it holds a checkpoint"
+        ),
+    )
     # Training from scratch into a `save` that holds a run is refused unless asked for in so many words.
-    overwrite: bool = field(default=False, metadata=meta(
-        "delete the checkpoints in --save and start over (otherwise a run there is resumed, never overwritten)"))
+    overwrite: bool = field(
+        default=False,
+        metadata=meta(
+            "delete the checkpoints in --save and start over (otherwise a run there is resumed, never overwritten)"
+        ),
+    )
     keep_last: int = field(default=0, metadata=meta("keep the newest N complete checkpoints in --save; 0: all"))
 
 
 @dataclass(frozen=True)
 class RunControlConfig:
-    """Run control (`threed.guard`, `threed.distributed`): what stops a run, and how loudly."""
+    """Run control (`threed.train.guard`, `threed.parallel.distributed`): what stops a run, and how loudly."""
 
-    skip_nonfinite: int = field(default=0, metadata=meta(
-        "batches with a non-finite loss / grad norm to skip (step not applied) before the run stops with exit 3"))
-    exit_duration_in_mins: float = field(default=0.0, metadata=meta(
-        "save and exit 0 before this much wall time has passed (slurm/ passes the job's limit); 0: no limit"))
-    dist_timeout_minutes: float = field(default=30.0, metadata=meta(
-        "a collective waiting longer than this for its peers fails instead of hanging", above=0))
-    watchdog_factor: float = field(default=20.0, metadata=meta(
-        "a step longer than this x the median step (and --watchdog-min-seconds) prints every rank's Python "
-        "stacks and exits 4; 0: off"))
+    skip_nonfinite: int = field(
+        default=0,
+        metadata=meta(
+            "batches with a non-finite loss / grad norm to skip (step not applied) before the run stops with exit 3"
+        ),
+    )
+    exit_duration_in_mins: float = field(
+        default=0.0,
+        metadata=meta(
+            "save and exit 0 before this much wall time has passed (slurm/ passes the job's limit); 0: no limit"
+        ),
+    )
+    dist_timeout_minutes: float = field(
+        default=30.0,
+        metadata=meta("a collective waiting longer than this for its peers fails instead of hanging", above=0),
+    )
+    watchdog_factor: float = field(
+        default=20.0,
+        metadata=meta(
+            "a step longer than this x the median step (and --watchdog-min-seconds) prints every rank's Python "
+            "stacks and exits 4; 0: off"
+        ),
+    )
     watchdog_min_seconds: float = field(default=600.0, metadata=meta("the watchdog never fires sooner than this"))
-    # Finite divergence (threed.guard): each stops the run with exit 3 before the step is saved. The defaults sit
+    # Finite divergence (threed.train.guard): each stops the run with exit 3 before the step is saved. The defaults sit
     # far outside a healthy run's noise (the demo's worst spike is 1.4x its median loss, its updates move the
     # weight norm by a few percent): they catch blow-ups, not bumps.
-    spike_factor: float = field(default=5.0, metadata=meta(
-        "a loss above this x the median of the last 50 finite losses (after 10 steps) stops the run with exit 3; "
-        "0: off"))
-    dead_grad_norm: float = field(default=1e-6, metadata=meta(
-        "a step with loss tokens whose gradient norm is at most this (a dead, saturated model) stops the run with "
-        "exit 3; 0: off"))
-    weight_jump_factor: float = field(default=10.0, metadata=meta(
-        "a step that multiplies a rank's weight norm by more than this stops the run with exit 3; 0: off"))
-    max_weight: float = field(default=1e4, metadata=meta(
-        "a checkpoint save whose weights hold a non-finite value or one larger than this in magnitude is refused "
-        "(exit 3, nothing written); 0: only the finiteness check"))
+    spike_factor: float = field(
+        default=5.0,
+        metadata=meta(
+            "a loss above this x the median of the last 50 finite losses (after 10 steps) stops the run with exit 3; "
+            "0: off"
+        ),
+    )
+    dead_grad_norm: float = field(
+        default=1e-6,
+        metadata=meta(
+            "a step with loss tokens whose gradient norm is at most this (a dead, saturated model) stops the run with "
+            "exit 3; 0: off"
+        ),
+    )
+    weight_jump_factor: float = field(
+        default=10.0,
+        metadata=meta(
+            "a step that multiplies a rank's weight norm by more than this stops the run with exit 3; 0: off"
+        ),
+    )
+    max_weight: float = field(
+        default=1e4,
+        metadata=meta(
+            "a checkpoint save whose weights hold a non-finite value or one larger than this in magnitude is refused "
+            "(exit 3, nothing written); 0: only the finiteness check"
+        ),
+    )
 
 
 @dataclass(frozen=True)
@@ -355,26 +475,49 @@ class MetricsConfig:
     """Where a run's metrics go (see `threed.metrics.writer`): stdout always; metrics.jsonl and run_config.json in
     the run directory (--save, else the parent of --tensorboard-dir); TensorBoard; W&B when asked for."""
 
-    tensorboard_dir: Optional[str] = field(default=None, metadata=meta(
-        "TensorBoard event directory (default: SAVE/tensorboard)", metavar="DIR"))
-    tensorboard: bool = field(default=True, metadata=meta(  # false: metrics.jsonl and stdout stay
-        "write TensorBoard events"))
-    wandb_project: Optional[str] = field(default=None, metadata=meta(
-        "Weights & Biases project (optional; needs `pip install wandb`)"))
-    wandb_name: Optional[str] = field(default=None, metadata=meta(  # Megatron's --wandb-exp-name
-        "Weights & Biases run name"))
-    wandb_mode: Optional[str] = field(default=None, metadata=meta(  # None: wandb's own
-        "Weights & Biases mode: online, offline or disabled"))
-    stage_timing: bool = field(default=True, metadata=meta(
-        "time compute and pipeline waits per stage (idle fraction vs the ideal bubble)"))
+    tensorboard_dir: Optional[str] = field(
+        default=None, metadata=meta("TensorBoard event directory (default: SAVE/tensorboard)", metavar="DIR")
+    )
+    tensorboard: bool = field(
+        default=True,
+        metadata=meta(  # false: metrics.jsonl and stdout stay
+            "write TensorBoard events"
+        ),
+    )
+    wandb_project: Optional[str] = field(
+        default=None, metadata=meta("Weights & Biases project (optional; needs `pip install wandb`)")
+    )
+    wandb_name: Optional[str] = field(
+        default=None,
+        metadata=meta(  # Megatron's --wandb-exp-name
+            "Weights & Biases run name"
+        ),
+    )
+    wandb_mode: Optional[str] = field(
+        default=None,
+        metadata=meta(  # None: wandb's own
+            "Weights & Biases mode: online, offline or disabled"
+        ),
+    )
+    stage_timing: bool = field(
+        default=True, metadata=meta("time compute and pipeline waits per stage (idle fraction vs the ideal bubble)")
+    )
 
 
 # The sections a command line sets (the model comes from --model), in `threed train --help` order.
-SECTIONS: dict[str, type] = {"parallel": ParallelConfig, "train": TrainConfig, "data": DataConfig,
-                             "checkpoint": CheckpointConfig, "control": RunControlConfig, "metrics": MetricsConfig}
+SECTIONS: dict[str, type] = {
+    "parallel": ParallelConfig,
+    "train": TrainConfig,
+    "data": DataConfig,
+    "checkpoint": CheckpointConfig,
+    "control": RunControlConfig,
+    "metrics": MetricsConfig,
+}
 # Fields that moved section: where configs written before (threed_run.json, manifests) had them.
-_MOVED = {"checkpoint": ("control", [f.name for f in dataclasses.fields(RunControlConfig)]),
-          "train": ("parallel", ["partition_method"])}
+_MOVED = {
+    "checkpoint": ("control", [f.name for f in dataclasses.fields(RunControlConfig)]),
+    "train": ("parallel", ["partition_method"]),
+}
 
 
 def check_ranges(section: str, obj: Any) -> None:
@@ -415,15 +558,19 @@ class RunConfig:
             check_ranges(f.name, getattr(self, f.name))
         t = self.train
         if t.min_lr > t.lr:
-            raise ConfigError(f"--min-lr {t.min_lr} is above --lr {t.lr}: the schedule decays from lr to min_lr; "
-                              f"use --min-lr <= {t.lr}")
+            raise ConfigError(
+                f"--min-lr {t.min_lr} is above --lr {t.lr}: the schedule decays from lr to min_lr; "
+                f"use --min-lr <= {t.lr}"
+            )
         self.model.validate()
         self.parallel.validate(self.model, world_size)
         self.train.validate(self.model)
         if self.parallel.sequence_parallel and self.train.seq_length % self.parallel.tp:
-            raise ConfigError(f"--sequence-parallel splits each sequence over tp={self.parallel.tp} ranks: "
-                              f"seq_length {self.train.seq_length} is not a multiple of {self.parallel.tp}; use a "
-                              f"multiple of {self.parallel.tp}")
+            raise ConfigError(
+                f"--sequence-parallel splits each sequence over tp={self.parallel.tp} ranks: "
+                f"seq_length {self.train.seq_length} is not a multiple of {self.parallel.tp}; use a "
+                f"multiple of {self.parallel.tp}"
+            )
         self.train.resolve_batch(self.parallel.dp(world_size))
         if self.checkpoint.load and self.checkpoint.init_from:
             raise ConfigError("give either load (full resume) or init_from (weights only), not both")

@@ -9,6 +9,7 @@ threed.train`, `threed plan`, ...) runs through `guarded`, the one exit policy:
 
 Anything else is a bug and keeps its traceback. This module imports nothing of threed: it is the floor.
 """
+
 from __future__ import annotations
 
 import os
@@ -32,8 +33,9 @@ def is_first_rank() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def guarded(prog: str, main: Callable[[], Optional[int]], prefix: str = "error: ",
-            interrupted: str = "interrupted") -> int:
+def guarded(
+    prog: str, main: Callable[[], Optional[int]], prefix: str = "error: ", interrupted: str = "interrupted"
+) -> int:
     """Run `main` under the exit policy above and return the process's exit status."""
     try:
         return int(main() or 0)

@@ -1,5 +1,6 @@
 """Sizes for people: one formatter for every byte count threed prints (checkpoint sizes, free disk, converted and
 exported models), so the same size reads the same in every message."""
+
 from __future__ import annotations
 
 

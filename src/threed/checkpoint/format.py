@@ -23,6 +23,7 @@ layer files with GPT-2 Megatron name rules and fails deep inside):
 `check_layout` / `check_loadable` say so up front, naming `threed reshard`; a full resume at another layout goes
 through a universal checkpoint instead (threed.checkpoint.start).
 """
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,14 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional, Protocol
 
 from threed.config import ModelConfig, RunConfig
 from threed.errors import ConfigError
-from threed.model.spec import (PipelineLayer, optimizer_parameters, parameter_count, pipeline_layers, shard_shapes,
-                               stored_layers)
+from threed.model.spec import (
+    PipelineLayer,
+    optimizer_parameters,
+    parameter_count,
+    pipeline_layers,
+    shard_shapes,
+    stored_layers,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -53,8 +60,10 @@ LAYER_RE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
 MP_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 OPTIM_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 
-NO_CHECKPOINT = ("holds no DeepSpeed checkpoint (no 'latest' file); pass the directory that `threed train --save` "
-                 "or `threed convert --out` wrote")
+NO_CHECKPOINT = (
+    "holds no DeepSpeed checkpoint (no 'latest' file); pass the directory that `threed train --save` "
+    "or `threed convert --out` wrote"
+)
 
 
 class CheckpointError(ConfigError):
@@ -62,7 +71,7 @@ class CheckpointError(ConfigError):
 
 
 class Layer(Protocol):
-    """A pipeline layer as the layer files know it (threed.pipeline.PipelineLayer is one)."""
+    """A pipeline layer as the layer files know it (threed.parallel.pipeline.PipelineLayer is one)."""
 
     @property
     def index(self) -> int: ...
@@ -98,6 +107,7 @@ def stored_layer_indices(model: ModelConfig) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------------- tags and layout
+
 
 def read_latest(path: str | os.PathLike) -> Optional[str]:
     f = Path(path) / LATEST
@@ -159,9 +169,13 @@ class CheckpointLayout:
 
 def layout_of_files(tag: str, names: list[str]) -> CheckpointLayout:
     ranks = layer_ranks(names)
-    return CheckpointLayout(tag=tag, tp=len(ranks.get(0, ())), layers=len(ranks),
-                            model_parallel_files=sum(1 for n in names if MP_RE.match(n)),
-                            optimizer_files=sum(1 for n in names if OPTIM_RE.match(n)))
+    return CheckpointLayout(
+        tag=tag,
+        tp=len(ranks.get(0, ())),
+        layers=len(ranks),
+        model_parallel_files=sum(1 for n in names if MP_RE.match(n)),
+        optimizer_files=sum(1 for n in names if OPTIM_RE.match(n)),
+    )
 
 
 def checkpoint_layout(path: str | os.PathLike, tag: Optional[str] = None) -> CheckpointLayout:
@@ -170,8 +184,9 @@ def checkpoint_layout(path: str | os.PathLike, tag: Optional[str] = None) -> Che
         raise CheckpointError(f"{path} {NO_CHECKPOINT}")
     step_dir = Path(path) / tag
     if not step_dir.is_dir():
-        raise CheckpointError(f"{path}/latest names {tag!r}, but {step_dir} does not exist: the checkpoint is "
-                              f"incomplete")
+        raise CheckpointError(
+            f"{path}/latest names {tag!r}, but {step_dir} does not exist: the checkpoint is incomplete"
+        )
     return layout_of_files(tag, [f.name for f in step_dir.iterdir()])
 
 
@@ -191,12 +206,15 @@ def missing_files(layout: CheckpointLayout, names: list[str]) -> Optional[str]:
     if layout.model_parallel_files == 0 or layout.model_parallel_files % layout.tp:
         return f"{layout.model_parallel_files} mp_rank files for tp={layout.tp}"
     if layout.optimizer_files % layout.model_parallel_files:
-        return (f"{layout.optimizer_files} optimizer shards is not a multiple of the "
-                f"{layout.model_parallel_files} mp_rank files")
+        return (
+            f"{layout.optimizer_files} optimizer shards is not a multiple of the "
+            f"{layout.model_parallel_files} mp_rank files"
+        )
     return None
 
 
 # ------------------------------------------------------------------------------------------- the recorded model
+
 
 def read_run_json(path: Path) -> Optional[dict[str, Any]]:
     """The run description beside the checkpoints: threed_run.json, else a converter's threed_convert.json."""
@@ -219,6 +237,7 @@ def read_model_config(path: str | os.PathLike) -> Optional[ModelConfig]:
 
 
 # ------------------------------------------------------------------------------------------- reading layer files
+
 
 @dataclass
 class Checkpoint:
@@ -251,8 +270,10 @@ class Checkpoint:
     def load_rank(self, layer: Layer, rank: int) -> dict[str, "torch.Tensor"]:
         """One layer file, memory-mapped (no data read yet), with its keys and shapes checked."""
         if layer.index not in stored_layer_indices(self.model):
-            raise CheckpointError(f"internal: layer {layer.index} ({layer.kind}) of {self.model.name} has no file "
-                                  f"(tied to the embedding); read the stored layers only (Checkpoint.layers)")
+            raise CheckpointError(
+                f"internal: layer {layer.index} ({layer.kind}) of {self.model.name} has no file "
+                f"(tied to the embedding); read the stored layers only (Checkpoint.layers)"
+            )
         expected = shard_shapes(self.model, layer.kind, self.tp)
         path = self.layer_path(layer.index, rank)
         try:
@@ -264,12 +285,15 @@ class Checkpoint:
             raise CheckpointError(f"cannot read {path}: {msg} (truncated or corrupt)") from None
         tensors = {k: v for k, v in sd.items() if not k.endswith("._extra_state")}
         if set(tensors) != set(expected):
-            raise CheckpointError(f"{path} holds {sorted(tensors)}, expected {sorted(expected)} for "
-                                  f"layer {layer.index} ({layer.kind})")
+            raise CheckpointError(
+                f"{path} holds {sorted(tensors)}, expected {sorted(expected)} for layer {layer.index} ({layer.kind})"
+            )
         for k, v in tensors.items():
             if tuple(v.shape) != expected[k]:
-                raise CheckpointError(f"{path}: {k} is {list(v.shape)}, expected {list(expected[k])} for "
-                                      f"{self.model.name} at tp={self.tp}")
+                raise CheckpointError(
+                    f"{path}: {k} is {list(v.shape)}, expected {list(expected[k])} for "
+                    f"{self.model.name} at tp={self.tp}"
+                )
         return tensors
 
     def load_layer(self, layer: Layer) -> list[dict[str, "torch.Tensor"]]:
@@ -298,9 +322,11 @@ def open_checkpoint(path: str | os.PathLike, model: Optional[ModelConfig] = None
     extra = sorted(set(ranks) - set(stored))
     if problems or extra:
         tied = " (its LM head is tied to the embedding: no file)" if len(stored) < pipeline_layer_count(model) else ""
-        raise CheckpointError(f"{step_dir} does not hold one file per TP rank for each of the {len(stored)} stored "
-                              f"layers of {model.name}{tied}: {'; '.join(problems[:6])}"
-                              + (f"; unexpected layers {extra}" if extra else ""))
+        raise CheckpointError(
+            f"{step_dir} does not hold one file per TP rank for each of the {len(stored)} stored "
+            f"layers of {model.name}{tied}: {'; '.join(problems[:6])}"
+            + (f"; unexpected layers {extra}" if extra else "")
+        )
     mp_files = len(list(step_dir.glob("mp_rank_*_model_states.pt")))
     pp = int(run.get("parallel", {}).get("pp", 0)) or max(1, mp_files // tp)
     if int(run.get("parallel", {}).get("tp", tp)) != tp:
@@ -317,18 +343,28 @@ def check_model(path: str | os.PathLike, recorded: Optional[ModelConfig], model:
     """The recorded model must equal the run's, or DeepSpeed reports a size mismatch deep in load_state_dict."""
     if recorded is None:
         return
-    diffs = [f"{f.name} {getattr(recorded, f.name)} != {getattr(model, f.name)}" for f in fields(ModelConfig)
-             if f.name not in _IGNORED_FIELDS and getattr(recorded, f.name) != getattr(model, f.name)]
+    diffs = [
+        f"{f.name} {getattr(recorded, f.name)} != {getattr(model, f.name)}"
+        for f in fields(ModelConfig)
+        if f.name not in _IGNORED_FIELDS and getattr(recorded, f.name) != getattr(model, f.name)
+    ]
     if recorded.tie_word_embeddings != model.tie_word_embeddings:
         # The layer files differ (a tied checkpoint has no LM head file): say which side ties, not just "differs".
-        tied_side, untied = (f"checkpoint {path}", "this run's model") if recorded.tie_word_embeddings else \
-            ("this run's model", f"checkpoint {path}")
-        raise CheckpointError(f"{tied_side} ties the LM head to the embedding (tie_word_embeddings=true), "
-                              f"{untied} does not (tie_word_embeddings=false); pass --model {path} to train the "
-                              f"model the checkpoint holds")
+        tied_side, untied = (
+            (f"checkpoint {path}", "this run's model")
+            if recorded.tie_word_embeddings
+            else ("this run's model", f"checkpoint {path}")
+        )
+        raise CheckpointError(
+            f"{tied_side} ties the LM head to the embedding (tie_word_embeddings=true), "
+            f"{untied} does not (tie_word_embeddings=false); pass --model {path} to train the "
+            f"model the checkpoint holds"
+        )
     if diffs:
-        raise CheckpointError(f"checkpoint {path} holds another model than this run's ({'; '.join(diffs)}); pass "
-                              f"--model {path} to train the model it holds")
+        raise CheckpointError(
+            f"checkpoint {path} holds another model than this run's ({'; '.join(diffs)}); pass "
+            f"--model {path} to train the model it holds"
+        )
 
 
 def check_layout(path: str, cfg: RunConfig, world_size: int, full_resume: bool, tag: Optional[str] = None) -> None:
@@ -340,12 +376,14 @@ def check_layout(path: str, cfg: RunConfig, world_size: int, full_resume: bool, 
         written_pp = lay.model_parallel_files // max(lay.tp, 1)
         raise CheckpointError(
             f"{path} ({lay.tag}) was written at tp={lay.tp}, pp={written_pp}; this run has tp={tp}, pp={pp}. "
-            f"Reshard it with `threed reshard --ckpt {path} --tp {tp} --pp {pp} --out NEW_DIR`, or run at its layout")
+            f"Reshard it with `threed reshard --ckpt {path} --tp {tp} --pp {pp} --out NEW_DIR`, or run at its layout"
+        )
     if full_resume and lay.optimizer_files != tp * pp * dp:
         raise CheckpointError(
             f"{path} ({lay.tag}) holds {lay.optimizer_files} optimizer shards; resuming at tp={tp} x pp={pp} x "
             f"dp={dp} needs {tp * pp * dp}. Resume with the original data-parallel size, or start from its "
-            f"weights only with --init-from {path}")
+            f"weights only with --init-from {path}"
+        )
 
 
 def check_loadable(path: str | os.PathLike, model: ModelConfig, tp: int, pp: int, weights_only: bool = True) -> None:
@@ -354,8 +392,12 @@ def check_loadable(path: str | os.PathLike, model: ModelConfig, tp: int, pp: int
     ck = open_checkpoint(path)
     check_model(path, ck.model, model)
     if (ck.tp, ck.pp) != (tp, pp):
-        raise CheckpointError(f"checkpoint {path} was written at tp={ck.tp} pp={ck.pp}; this run has tp={tp} "
-                              f"pp={pp}. Reshard it: threed reshard --ckpt {path} --tp {tp} --pp {pp} --out NEW_DIR")
+        raise CheckpointError(
+            f"checkpoint {path} was written at tp={ck.tp} pp={ck.pp}; this run has tp={tp} "
+            f"pp={pp}. Reshard it: threed reshard --ckpt {path} --tp {tp} --pp {pp} --out NEW_DIR"
+        )
     if not weights_only and ck.tag == CONVERT_TAG and (Path(path) / CONVERT_MANIFEST).is_file():
-        raise CheckpointError(f"{path} is a converted checkpoint (weights only, no optimizer state): use it with "
-                              f"--init-from, not --load or --save")
+        raise CheckpointError(
+            f"{path} is a converted checkpoint (weights only, no optimizer state): use it with "
+            f"--init-from, not --load or --save"
+        )

@@ -25,6 +25,7 @@ Two cases the kernel cannot settle:
   host): a node that died still holds its NFS lock until the server's lease expires (about 90 s), so the lock is
   retried for `wait_seconds` before the run is refused.
 """
+
 from __future__ import annotations
 
 import errno
@@ -47,8 +48,12 @@ class SaveDirBusy(ConfigError):
 
 
 def _me() -> dict[str, Any]:
-    return {"host": socket.gethostname(), "pid": os.getpid(), "job": os.environ.get("SLURM_JOB_ID"),
-            "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "job": os.environ.get("SLURM_JOB_ID"),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
 
 
 def describe(record: dict[str, Any]) -> str:
@@ -108,7 +113,8 @@ class SaveLock:
         return SaveDirBusy(
             f"--save {self.save_dir} is in use by another run ({who}; lock {self.path}){extra}: two runs on one "
             f"directory would overwrite each other's checkpoints. Wait for it to end, stop it (`touch "
-            f"{self.save_dir}/STOP` saves and exits it), or choose another --save")
+            f"{self.save_dir}/STOP` saves and exits it), or choose another --save"
+        )
 
     def _try_flock(self, fd: int) -> bool:
         try:
@@ -136,8 +142,10 @@ class SaveLock:
                 gone = dead_holder(record)
                 if gone is None:
                     raise self._busy(record)
-                log(f"the lock {self.path} is still held although {gone}; waiting up to {self.wait_seconds:.0f} s "
-                    f"for the file system to release it")
+                log(
+                    f"the lock {self.path} is still held although {gone}; waiting up to {self.wait_seconds:.0f} s "
+                    f"for the file system to release it"
+                )
                 deadline = time.monotonic() + self.wait_seconds
                 while not got and time.monotonic() < deadline:
                     time.sleep(1.0)
@@ -146,8 +154,9 @@ class SaveLock:
                     raise self._busy(record, f"; still locked after {self.wait_seconds:.0f} s although {gone}")
             elif self.mode == "record":
                 if record and dead_holder(record) is None:
-                    raise self._busy(record, "; this file system has no flock, so if that run is gone, delete the "
-                                             "lock file")
+                    raise self._busy(
+                        record, "; this file system has no flock, so if that run is gone, delete the lock file"
+                    )
                 if record:
                     log(f"taking over the stale lock {self.path} ({describe(record)}: {dead_holder(record)})")
             mine = _me()

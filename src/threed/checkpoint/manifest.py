@@ -7,6 +7,7 @@ file renamed into place (threed.atomic). A kill at any moment therefore leaves e
 ignored) or a manifest that names every file: `find_resumable` checks the files against it and falls back to the
 newest checkpoint whose files are all there at their recorded sizes, saying which file was missing or short.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,13 +18,27 @@ from pathlib import Path
 from typing import Any, Optional
 
 from threed.atomic import write_atomic
-from threed.checkpoint.format import (LATEST, MANIFEST_NAME, UNIVERSAL_DIR, CheckpointLayout, layout_of_files,
-                                      list_tags, missing_files, read_latest, step_of)
+from threed.checkpoint.format import (
+    LATEST,
+    MANIFEST_NAME,
+    UNIVERSAL_DIR,
+    CheckpointLayout,
+    layout_of_files,
+    list_tags,
+    missing_files,
+    read_latest,
+    step_of,
+)
 
 
 def write_manifest(step_dir: Path, files: dict[str, int], meta: dict[str, Any]) -> dict[str, Any]:
-    manifest = {"format": 1, "tag": step_dir.name, "written": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                **meta, "files": dict(sorted(files.items()))}
+    manifest = {
+        "format": 1,
+        "tag": step_dir.name,
+        "written": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        **meta,
+        "files": dict(sorted(files.items())),
+    }
     write_atomic(step_dir / MANIFEST_NAME, json.dumps(manifest, indent=1) + "\n")
     return manifest
 
@@ -97,14 +112,16 @@ def find_resumable(path: str) -> tuple[Optional[Found], list[str]]:
         manifest = read_manifest(step_dir)
         damage = manifest_damage(step_dir) if manifest is None else None
         if damage:  # said, then treated as absent: the file counts of `latest`'s tag can still vouch for it
-            warnings.append(f"warning: {step_dir / MANIFEST_NAME} is damaged: {damage}; "
-                            + ("checking the checkpoint's files by count instead" if tag == latest else
-                               "skipping that checkpoint"))
+            warnings.append(
+                f"warning: {step_dir / MANIFEST_NAME} is damaged: {damage}; "
+                + ("checking the checkpoint's files by count instead" if tag == latest else "skipping that checkpoint")
+            )
         if manifest is not None:
             problem = manifest_problem(step_dir, manifest)
             if problem is None:
-                return Found(path, tag, step_of(tag) or 0, layout_of_files(tag, list(manifest["files"])),
-                             True, manifest), warnings
+                return Found(
+                    path, tag, step_of(tag) or 0, layout_of_files(tag, list(manifest["files"])), True, manifest
+                ), warnings
             warnings.append(f"skipping checkpoint {step_dir}: {problem}")
         elif tag == latest:
             names = [f.name for f in step_dir.iterdir()]
@@ -114,8 +131,9 @@ def find_resumable(path: str) -> tuple[Optional[Found], list[str]]:
                 return Found(path, tag, step_of(tag) or 0, layout, False), warnings
             warnings.append(f"skipping checkpoint {step_dir}: {problem}")
         elif not damage:
-            warnings.append(f"skipping checkpoint {step_dir}: it has no {MANIFEST_NAME}, so its save never "
-                            f"finished on every rank")
+            warnings.append(
+                f"skipping checkpoint {step_dir}: it has no {MANIFEST_NAME}, so its save never finished on every rank"
+            )
     if latest is not None and step_of(latest) is None and (Path(path) / latest).is_dir():
         # A tag not named global_step<N> (written by hand or another tool): trust `latest` with a file check.
         names = [f.name for f in (Path(path) / latest).iterdir()]

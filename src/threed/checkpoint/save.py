@@ -3,12 +3,13 @@ files, every rank reports what it wrote, and rank 0 publishes the manifest and t
 .manifest says why that order is crash-safe).
 
     saved = save(engine, cfg, rank, client_state={"consumed_samples": n})   # every rank
-    guard.saved(saved.seconds)      # threed.guard keeps room for one more save in --exit-duration-in-mins
+    guard.saved(saved.seconds)      # threed.train.guard keeps room for one more save in --exit-duration-in-mins
 
 Every save first checks the weights it is about to write (`check_weights`: finite, none larger than --max-weight
 in magnitude; one pass over this rank's parameters, cheap beside the I/O). A diverged model is refused with exit
 3 before anything is written, so `latest` keeps naming the last sane checkpoint.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,10 +28,10 @@ from threed.atomic import write_atomic
 from threed.checkpoint.format import LATEST, RUN_JSON, read_latest
 from threed.checkpoint.manifest import prune, remove_checkpoint, write_manifest
 from threed.config import RunConfig
-from threed.distributed import is_multi_rank
+from threed.parallel.distributed import is_multi_rank
 
 
-EXIT_DIVERGED = 3  # threed.guard's exit status for a run that diverged (re-exported there)
+EXIT_DIVERGED = 3  # threed.train.guard's exit status for a run that diverged (re-exported there)
 
 
 class SaveRefused(SystemExit):
@@ -77,16 +78,23 @@ def check_weights(engine, cfg: RunConfig, rank: int) -> None:
     if not bad:
         return
     value, where = next((v for v in bad if not math.isfinite(v[0])), max(bad))
-    what = (f"a non-finite weight ({value})" if not math.isfinite(value) else
-            f"a weight of magnitude {value:.3g} (--max-weight {limit:g})")
+    what = (
+        f"a non-finite weight ({value})"
+        if not math.isfinite(value)
+        else f"a weight of magnitude {value:.3g} (--max-weight {limit:g})"
+    )
     if rank == 0:
         save = cfg.checkpoint.save
         latest = read_latest(save) if save else None
         last = f"{save}/{latest}" if latest is not None else f"none yet in {save}"
-        print(f"threed: error: refusing to save step {engine.global_steps}: rank {where} holds {what}: the run "
-              f"diverged; nothing was written. Last good checkpoint: {last}. "
-              f"{'Resume from it' if latest is not None else 'Start again'} with a lower --lr or more "
-              f"--warmup-steps", file=sys.stderr, flush=True)
+        print(
+            f"threed: error: refusing to save step {engine.global_steps}: rank {where} holds {what}: the run "
+            f"diverged; nothing was written. Last good checkpoint: {last}. "
+            f"{'Resume from it' if latest is not None else 'Start again'} with a lower --lr or more "
+            f"--warmup-steps",
+            file=sys.stderr,
+            flush=True,
+        )
     raise SaveRefused(EXIT_DIVERGED)
 
 
@@ -118,8 +126,12 @@ def save(engine, cfg: RunConfig, rank: int, client_state: Optional[dict] = None)
     if is_multi_rank():
         dist.barrier()
     with recording_writes(engine) as written:
-        engine.save_checkpoint(str(save_dir), tag=tag, save_latest=False, client_state={
-            "threed_run": cfg.to_dict(), "threed_client": dict(client_state or {})})
+        engine.save_checkpoint(
+            str(save_dir),
+            tag=tag,
+            save_latest=False,
+            client_state={"threed_run": cfg.to_dict(), "threed_client": dict(client_state or {})},
+        )
     # Each rank reports the files it wrote, at the size it sees: on a network file system only the writer is
     # sure to see the final size. A few names per rank, so the gather stays small at any world size.
     mine = {Path(p).name: Path(p).stat().st_size for p in written if Path(p).parent == step_dir}
@@ -135,10 +147,18 @@ def save(engine, cfg: RunConfig, rank: int, client_state: Optional[dict] = None)
         # The run config beside the checkpoint lets `threed export` / `threed verify` rebuild the model.
         write_atomic(save_dir / RUN_JSON, json.dumps(cfg.to_dict(), indent=1))
         dp = engine.grid.get_data_parallel_world_size() if hasattr(engine, "grid") else 1
-        write_manifest(step_dir, files, {
-            "step": engine.global_steps, "dtype": cfg.train.dtype, "model": cfg.to_dict()["model"],
-            "layout": {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": dp},
-            "client_state": _jsonable(client_state or {}), "save_seconds": round(time.time() - t0, 2)})
+        write_manifest(
+            step_dir,
+            files,
+            {
+                "step": engine.global_steps,
+                "dtype": cfg.train.dtype,
+                "model": cfg.to_dict()["model"],
+                "layout": {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": dp},
+                "client_state": _jsonable(client_state or {}),
+                "save_seconds": round(time.time() - t0, 2),
+            },
+        )
         write_atomic(save_dir / LATEST, tag)
         prune(save_dir, ck.keep_last, tag)
     if is_multi_rank():

@@ -1,7 +1,7 @@
 """Where a run starts, decided before anything expensive: resume (natively or through a universal checkpoint),
 weights only, or random init; and whether the save directory can take a checkpoint at all.
 
-    decision = start(cfg, rank, world_size)   # every rank, before the model is built (threed.engine)
+    decision = start(cfg, rank, world_size)   # every rank, before the model is built (threed.train.engine)
 
 `decide_start` only reads the file system (threed check-config calls it too); `start` runs it on rank 0, then does
 what it decided (`--overwrite`, the universal conversion) and gives every rank the same `StartDecision`.
@@ -25,6 +25,7 @@ stopped (the file is only ever read, never removed, by the run it stops): it is 
 because a requeue after a STOP is exactly the next run that should train, and refusing would make every such
 restart a manual step. A STOP meant for this run is one created after it started.
 """
+
 from __future__ import annotations
 
 import os
@@ -38,13 +39,23 @@ from typing import Any, Callable, Optional, TypeVar
 import torch.distributed as dist
 
 from threed.checkpoint import universal
-from threed.checkpoint.format import (CONVERT_MANIFEST, RUN_JSON, CheckpointError, check_layout, check_loadable,
-                                      check_model, checkpoint_bytes, list_tags, read_latest, read_model_config,
-                                      read_run_json)
+from threed.checkpoint.format import (
+    CONVERT_MANIFEST,
+    RUN_JSON,
+    CheckpointError,
+    check_layout,
+    check_loadable,
+    check_model,
+    checkpoint_bytes,
+    list_tags,
+    read_latest,
+    read_model_config,
+    read_run_json,
+)
 from threed.checkpoint.lock import SaveLock
 from threed.checkpoint.manifest import Found, clear_run, find_resumable
 from threed.config import ModelConfig, RunConfig
-from threed.distributed import is_multi_rank
+from threed.parallel.distributed import is_multi_rank
 from threed.errors import ConfigError
 from threed.units import human_bytes
 
@@ -90,8 +101,10 @@ def _recorded_model(found: Found) -> Optional[ModelConfig]:
 
 def _find(path: str, what: str, notes: list[str]) -> Found:
     if not Path(path).is_dir() or (read_latest(path) is None and not list_tags(path)):
-        raise ConfigError(f"{what}={path} holds no DeepSpeed checkpoint (no 'latest' file); pass the directory "
-                          f"that `threed train --save` or `threed convert --out` wrote")
+        raise ConfigError(
+            f"{what}={path} holds no DeepSpeed checkpoint (no 'latest' file); pass the directory "
+            f"that `threed train --save` or `threed convert --out` wrote"
+        )
     found, warnings = find_resumable(path)
     notes.extend(warnings)
     if found is None:
@@ -114,18 +127,23 @@ def decide_start(cfg: RunConfig, world_size: int) -> StartDecision:
             raise ConfigError(
                 f"--save {ck.save} already holds a checkpoint of a run ({save_found.tag}); --auto-resume false "
                 f"would train from scratch and overwrite it. Resume it (drop --auto-resume false), choose a new "
-                f"--save, or pass --overwrite true to delete its checkpoints and start over")
+                f"--save, or pass --overwrite true to delete its checkpoints and start over"
+            )
         elif save_found is None and read_latest(ck.save) is not None:
-            raise ConfigError(f"--save {ck.save} holds no complete checkpoint ({'; '.join(warnings)}); restore the "
-                              f"missing files, or pass --overwrite true to delete them and start over")
+            raise ConfigError(
+                f"--save {ck.save} holds no complete checkpoint ({'; '.join(warnings)}); restore the "
+                f"missing files, or pass --overwrite true to delete them and start over"
+            )
         else:
             decision.notes.extend(warnings)
     if save_found is not None:
         decision.mode, decision.source = "resume", save_found
         for flag, value in (("--load", ck.load), ("--init-from", ck.init_from)):
             if value and os.path.abspath(value) != os.path.abspath(ck.save):
-                decision.notes.append(f"{flag} {value} is not used: --save {ck.save} already holds this run's "
-                                      f"checkpoint {save_found.tag}, so the run resumes from it")
+                decision.notes.append(
+                    f"{flag} {value} is not used: --save {ck.save} already holds this run's "
+                    f"checkpoint {save_found.tag}, so the run resumes from it"
+                )
     elif ck.load:
         decision.mode, decision.source = "resume", _find(ck.load, "load", decision.notes)
     elif ck.init_from:
@@ -143,21 +161,28 @@ def decide_start(cfg: RunConfig, world_size: int) -> StartDecision:
                 check_loadable(found.path, cfg.model, cfg.parallel.tp, cfg.parallel.pp, weights_only=True)
         return decision
     if not found.has_optimizer:
-        raise ConfigError(f"{found.path} is a converted checkpoint (weights only, no optimizer state): use it with "
-                          f"--init-from, not --load or --save")
+        raise ConfigError(
+            f"{found.path} is a converted checkpoint (weights only, no optimizer state): use it with "
+            f"--init-from, not --load or --save"
+        )
     if found.step >= cfg.train.steps:
-        decision.finished = (f"{found.path}/{found.tag} is at step {found.step} and --steps is "
-                             f"{cfg.train.steps}: the run has finished, nothing to train (raise --steps to "
-                             f"train further)")
+        decision.finished = (
+            f"{found.path}/{found.tag} is at step {found.step} and --steps is "
+            f"{cfg.train.steps}: the run has finished, nothing to train (raise --steps to "
+            f"train further)"
+        )
         return decision
     changed = changed_shape(cfg, found, world_size)
     if changed:
-        decision.notes.append(f"warning: resuming {found.path}/{found.tag} with {changed} (from the run recorded in "
-                              f"{found.path}/{RUN_JSON}); training continues from the samples consumed so far. "
-                              f"If that was not meant, resume with the recorded values")
+        decision.notes.append(
+            f"warning: resuming {found.path}/{found.tag} with {changed} (from the run recorded in "
+            f"{found.path}/{RUN_JSON}); training continues from the samples consumed so far. "
+            f"If that was not meant, resume with the recorded values"
+        )
     lay = found.layout
-    same = ((lay.tp, lay.pp, lay.dp) == (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp(world_size))
-            and dtype_of(found) == cfg.train.dtype)
+    same = (lay.tp, lay.pp, lay.dp) == (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp(world_size)) and dtype_of(
+        found
+    ) == cfg.train.dtype
     decision.universal = not same
     return decision
 
@@ -177,10 +202,15 @@ def changed_shape(cfg: RunConfig, found: Found, world_size: int) -> str:
         _, _, now_glob = cfg.train.resolve_batch(cfg.parallel.dp(world_size))
     except (ConfigError, KeyError, TypeError, ValueError):
         return ""
-    diffs = [f"{flag} {a} -> {b}" for flag, a, b in (
-        ("--seq-length", was.seq_length, cfg.train.seq_length),
-        ("--micro-batch-size", was.micro_batch_size, cfg.train.micro_batch_size),
-        ("global batch", was_glob, now_glob)) if a != b]
+    diffs = [
+        f"{flag} {a} -> {b}"
+        for flag, a, b in (
+            ("--seq-length", was.seq_length, cfg.train.seq_length),
+            ("--micro-batch-size", was.micro_batch_size, cfg.train.micro_batch_size),
+            ("global batch", was_glob, now_glob),
+        )
+        if a != b
+    ]
     return ", ".join(diffs)
 
 
@@ -194,8 +224,10 @@ def remove_stale_stop(save: Optional[str]) -> Optional[str]:
         stop.unlink()
     except FileNotFoundError:
         return None
-    return (f"removed a stale {stop} (written {written}, before this run started: a stopped run leaves it "
-            f"behind); to stop this run, create it again")
+    return (
+        f"removed a stale {stop} (written {written}, before this run started: a stopped run leaves it "
+        f"behind); to stop this run, create it again"
+    )
 
 
 def check_save_dir(cfg: RunConfig, decision: StartDecision, create: bool = True) -> None:
@@ -214,14 +246,18 @@ def check_save_dir(cfg: RunConfig, decision: StartDecision, create: bool = True)
     if not existing.is_dir():
         raise ConfigError(f"--save {save}: {existing} is a file, not a directory; choose another --save")
     if not create and not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"--save {save} is not writable ({existing} does not let this user write); choose a "
-                          f"directory you can write to")
+        raise ConfigError(
+            f"--save {save} is not writable ({existing} does not let this user write); choose a "
+            f"directory you can write to"
+        )
     needed = checkpoint_bytes(cfg) * (2 if decision.universal else 1)
     free = shutil.disk_usage(existing).free
     if needed > free:
-        raise ConfigError(f"--save {save} has {human_bytes(free)} free; one checkpoint of {cfg.model.name} needs about "
-                          f"{human_bytes(needed)}{' (plus its universal conversion)' if decision.universal else ''}. Free "
-                          f"space or choose --save on a larger file system")
+        raise ConfigError(
+            f"--save {save} has {human_bytes(free)} free; one checkpoint of {cfg.model.name} needs about "
+            f"{human_bytes(needed)}{' (plus its universal conversion)' if decision.universal else ''}. Free "
+            f"space or choose --save on a larger file system"
+        )
     if not create:
         return
     try:
@@ -233,11 +269,13 @@ def check_save_dir(cfg: RunConfig, decision: StartDecision, create: bool = True)
             os.fsync(f.fileno())
         probe.unlink()
     except OSError as e:
-        raise ConfigError(f"--save {save} is not writable ({e.strerror or e}); choose a directory you can write "
-                          f"to") from None
+        raise ConfigError(
+            f"--save {save} is not writable ({e.strerror or e}); choose a directory you can write to"
+        ) from None
 
 
 # ------------------------------------------------------------------------------------------ on every rank
+
 
 def on_rank0(rank: int, fn: Callable[[], T]) -> T:
     """Run `fn` on rank 0 only and give every rank its result, or raise its ConfigError on every rank: one rank
@@ -262,8 +300,13 @@ def on_rank0(rank: int, fn: Callable[[], T]) -> T:
     return value
 
 
-def start(cfg: RunConfig, rank: int, world_size: int, log: Optional[Callable[[str], None]] = None,
-          lock: Optional[SaveLock] = None) -> StartDecision:
+def start(
+    cfg: RunConfig,
+    rank: int,
+    world_size: int,
+    log: Optional[Callable[[str], None]] = None,
+    lock: Optional[SaveLock] = None,
+) -> StartDecision:
     """Where the run starts, checked and prepared on rank 0 before the model is built: the decision, the save
     directory (created, writable, room for a checkpoint), its lock (`lock`, taken on rank 0 before anything is
     written to --save; the caller releases it on every exit path), a stale STOP file, `--overwrite`, and the
@@ -290,9 +333,11 @@ def start(cfg: RunConfig, rank: int, world_size: int, log: Optional[Callable[[st
             log(f"threed: --overwrite true: removed {', '.join(removed) or 'nothing'} from {cfg.checkpoint.save}")
         if decision.universal:
             src = decision.source
-            log(f"threed: {src.path}/{src.tag} was written at {src.layout.describe()} {dtype_of(src)}; this run "
+            log(
+                f"threed: {src.path}/{src.tag} was written at {src.layout.describe()} {dtype_of(src)}; this run "
                 f"has tp={cfg.parallel.tp}, pp={cfg.parallel.pp}, dp={cfg.parallel.dp(world_size)} "
-                f"{cfg.train.dtype}: resuming through a universal checkpoint (optimizer state kept)")
+                f"{cfg.train.dtype}: resuming through a universal checkpoint (optimizer state kept)"
+            )
             decision.load_dir, decision.tag = universal.target(src, _universal_root(cfg, src), dtype_of(src))
         return decision
 
@@ -300,8 +345,10 @@ def start(cfg: RunConfig, rank: int, world_size: int, log: Optional[Callable[[st
     if decision.universal:
         src = decision.source
         # Hours at scale (3.4 TB of I/O for 70B): rank 0 converts while the others wait outside any collective.
-        on_rank0_patiently(rank, lambda: universal.convert(src, _universal_root(cfg, src), dtype_of(src),
-                                                           lambda m: log(f"threed: {m}")))
+        on_rank0_patiently(
+            rank,
+            lambda: universal.convert(src, _universal_root(cfg, src), dtype_of(src), lambda m: log(f"threed: {m}")),
+        )
     return decision
 
 

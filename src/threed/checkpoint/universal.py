@@ -12,6 +12,7 @@ group threads under its worker pool, its memory returned when it ends) with `con
 ranks wait for it outside any collective (threed.checkpoint.start). A conversion cut short (a killed job) leaves
 only a hidden temporary directory, deleted by the next conversion, which starts over.
 """
+
 from __future__ import annotations
 
 import json
@@ -90,14 +91,18 @@ def check_convertible(found: Found) -> None:
     declared it lack it) and the optimizer shards."""
     step_dir = Path(found.path) / found.tag
     if not found.has_optimizer:
-        raise ConfigError(f"{step_dir} holds weights only (no optimizer state), so it cannot be resumed at another "
-                          f"layout; start from its weights with --init-from {found.path}, or reshard it")
+        raise ConfigError(
+            f"{step_dir} holds weights only (no optimizer state), so it cannot be resumed at another "
+            f"layout; start from its weights with --init-from {found.path}, or reshard it"
+        )
     mp = sorted(f for f in step_dir.iterdir() if MP_RE.match(f.name))
     state = torch.load(mp[0], map_location="cpu", weights_only=False)
     if not state.get("universal_checkpoint_info"):
-        raise ConfigError(f"{step_dir} was saved without universal_checkpoint_info (by an older threed), so it can "
-                          f"only be resumed at its own layout ({found.layout.describe()}); or start from its weights "
-                          f"with --init-from {found.path}")
+        raise ConfigError(
+            f"{step_dir} was saved without universal_checkpoint_info (by an older threed), so it can "
+            f"only be resumed at its own layout ({found.layout.describe()}); or start from its weights "
+            f"with --init-from {found.path}"
+        )
 
 
 def convert(found: Found, root: Path, dtype: str, log: Callable[[str], None]) -> tuple[str, str]:
@@ -114,22 +119,36 @@ def convert(found: Found, root: Path, dtype: str, log: Callable[[str], None]) ->
     try:
         load_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ConfigError(f"cannot write the universal checkpoint under {load_dir} ({e.strerror or e}); give a "
-                          f"writable --save") from None
+        raise ConfigError(
+            f"cannot write the universal checkpoint under {load_dir} ({e.strerror or e}); give a writable --save"
+        ) from None
     removed = clean_partial(out)
     if removed:
         log(f"deleted what a conversion cut short left in {load_dir}: {', '.join(removed)}; converting again")
     src = Path(found.path) / found.tag
     shards = [f for f in src.iterdir() if f.name.endswith("optim_states.pt")]
-    extract, merge = conversion_workers(_cpus(), len(shards), max((f.stat().st_size for f in shards), default=0),
-                                        _free_memory())
+    extract, merge = conversion_workers(
+        _cpus(), len(shards), max((f.stat().st_size for f in shards), default=0), _free_memory()
+    )
     t0 = time.time()
-    log(f"converting {src} ({found.layout.describe()}) to a universal checkpoint in {out} ({extract} extract, "
-        f"{merge} merge workers)")
+    log(
+        f"converting {src} ({found.layout.describe()}) to a universal checkpoint in {out} ({extract} extract, "
+        f"{merge} merge workers)"
+    )
     with atomic_dir(out) as tmp:
-        cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(src),
-               "--output_folder", str(tmp), "--num_extract_workers", str(extract),
-               "--num_merge_workers", str(merge)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "deepspeed.checkpoint.ds_to_universal",
+            "--input_folder",
+            str(src),
+            "--output_folder",
+            str(tmp),
+            "--num_extract_workers",
+            str(extract),
+            "--num_merge_workers",
+            str(merge),
+        ]
         # The conversion needs no GPU: keep it off rank 0's (no second CUDA context there).
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}
         # DeepSpeed prints every step and a progress bar per tensor: keep that in a log file beside the output.
@@ -137,12 +156,21 @@ def convert(found: Found, root: Path, dtype: str, log: Callable[[str], None]) ->
             proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
         if proc.returncode != 0:
             tail = (tmp / "convert.log").read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
-            raise ConfigError(f"converting {src} to a universal checkpoint failed (ds_to_universal exited "
-                              f"{proc.returncode}: {tail[0][-300:]}); resume at its own layout "
-                              f"({found.layout.describe()})")
+            raise ConfigError(
+                f"converting {src} to a universal checkpoint failed (ds_to_universal exited "
+                f"{proc.returncode}: {tail[0][-300:]}); resume at its own layout "
+                f"({found.layout.describe()})"
+            )
         (load_dir / "latest_universal").unlink(missing_ok=True)  # ds_to_universal's pointer at the temporary name
-        write_atomic(tmp / DONE, json.dumps({"source": str(Path(found.path) / found.tag),
-                                             "layout": found.layout.describe(),
-                                             "seconds": round(time.time() - t0, 1)}))
+        write_atomic(
+            tmp / DONE,
+            json.dumps(
+                {
+                    "source": str(Path(found.path) / found.tag),
+                    "layout": found.layout.describe(),
+                    "seconds": round(time.time() - t0, 1),
+                }
+            ),
+        )
     log(f"converted in {time.time() - t0:.1f} s")
     return str(load_dir), tag

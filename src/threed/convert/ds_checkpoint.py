@@ -9,6 +9,7 @@ and reading one layer of it back as HF tensors (for `threed export` and `threed 
     <dir>/threed_convert.json  the converter's manifest (source, dtype, true and padded vocab)
     <dir>/latest               the tag, written last
 """
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,15 @@ from typing import Any
 
 import torch
 
-from threed.checkpoint.format import (CONVERT_MANIFEST, CONVERT_TAG, LATEST, RUN_JSON, Checkpoint, layer_file,
-                                      mp_rank_file)
+from threed.checkpoint.format import (
+    CONVERT_MANIFEST,
+    CONVERT_TAG,
+    LATEST,
+    RUN_JSON,
+    Checkpoint,
+    layer_file,
+    mp_rank_file,
+)
 from threed.config import ModelConfig, RunConfig
 from threed.convert.slices import ShardReader
 from threed.model.spec import LAYER_KINDS, PipelineLayer, layer_parameters, stored_layers
@@ -48,10 +56,22 @@ def mp_rank_state(tp: int, pp: int, manifest: dict[str, Any]) -> dict[str, Any]:
         ds_version = metadata.version("deepspeed")
     except metadata.PackageNotFoundError:
         ds_version = "unknown"
-    return {"module": None, "buffer_names": [], "optimizer": None, "lr_scheduler": None, "data_sampler": None,
-            "random_ltd": None, "skipped_steps": 0, "global_steps": 0, "global_samples": 0, "dp_world_size": 1,
-            "mp_world_size": tp * pp, "checkpoint_parallel_dimensions": {"pp_degree": pp, "tp_degree": tp},
-            "ds_version": ds_version, "threed_convert": manifest}
+    return {
+        "module": None,
+        "buffer_names": [],
+        "optimizer": None,
+        "lr_scheduler": None,
+        "data_sampler": None,
+        "random_ltd": None,
+        "skipped_steps": 0,
+        "global_steps": 0,
+        "global_samples": 0,
+        "dp_world_size": 1,
+        "mp_world_size": tp * pp,
+        "checkpoint_parallel_dimensions": {"pp_degree": pp, "tp_degree": tp},
+        "ds_version": ds_version,
+        "threed_convert": manifest,
+    }
 
 
 def write_metadata(out: Path, cfg: ModelConfig, tp: int, pp: int, manifest: dict[str, Any]) -> None:
@@ -72,7 +92,7 @@ def write_metadata(out: Path, cfg: ModelConfig, tp: int, pp: int, manifest: dict
 def checkpoint_files(cfg: ModelConfig, tp: int, pp: int) -> list[str]:
     """Every file `threed convert` writes under the tag directory, in write order (layer files of the stored
     layers, then mp_rank)."""
-    names = [layer_file(l.index, r) for l in stored_layers(cfg) for r in range(tp)]
+    names = [layer_file(ly.index, r) for ly in stored_layers(cfg) for r in range(tp)]
     return names + [mp_rank_file(s, r, tp) for s in range(pp) for r in range(tp)]
 
 

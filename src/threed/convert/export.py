@@ -12,6 +12,7 @@ fp32 master copy stays in the optimizer files). Padded vocab rows are dropped. T
 tokenizer.json), else the HF files a converted checkpoint carried along. HF tokenizer files are copied whole
 (tokenizer_config.json and chat_template.jinja included), so a chat model's template still applies.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -74,14 +75,16 @@ def _copy_tokenizer(t: Path, dest: Path, what: str) -> list[str]:
         return write_sentencepiece_tokenizer(t, dest)
     if t.is_file() and t.suffix == ".json":  # threed.data.tokenizer reads tokenizer_config.json beside it too
         shutil.copyfile(t, dest / "tokenizer.json")
-        return ["tokenizer.json"] + copy_files([t.parent / f for f in TOKENIZER_FILES if f != "tokenizer.json"],
-                                               dest)
-    raise ConvertError(f"{what} {t}: {'not found' if not t.exists() else 'not a tokenizer'}; pass an HF tokenizer "
-                       f"directory, a tokenizer.json or a sentencepiece .model file")
+        return ["tokenizer.json"] + copy_files([t.parent / f for f in TOKENIZER_FILES if f != "tokenizer.json"], dest)
+    raise ConvertError(
+        f"{what} {t}: {'not found' if not t.exists() else 'not a tokenizer'}; pass an HF tokenizer "
+        f"directory, a tokenizer.json or a sentencepiece .model file"
+    )
 
 
-def write_side_files(ck: Checkpoint, dest: Path, tokenizer: Optional[str] = None,
-                     with_config: bool = False) -> list[str]:
+def write_side_files(
+    ck: Checkpoint, dest: Path, tokenizer: Optional[str] = None, with_config: bool = False
+) -> list[str]:
     """Tokenizer files (--tokenizer, else the tokenizer the run's data was made with when it is still there,
     else the HF source's), the source's generation_config.json, and with_config its config.json, into dest.
     Returns the names written."""
@@ -122,9 +125,15 @@ def _has_protobuf() -> bool:
         return False
 
 
-def export(ckpt: str | os.PathLike, out: str | os.PathLike, dtype: Optional[torch.dtype] = None,
-           max_shard_bytes: int = 5 * 10**9, tokenizer: Optional[str] = None, force: bool = False,
-           show_progress: bool = True) -> dict[str, Any]:
+def export(
+    ckpt: str | os.PathLike,
+    out: str | os.PathLike,
+    dtype: Optional[torch.dtype] = None,
+    max_shard_bytes: int = 5 * 10**9,
+    tokenizer: Optional[str] = None,
+    force: bool = False,
+    show_progress: bool = True,
+) -> dict[str, Any]:
     t0 = time.time()
     if Path(out).exists() and not force:
         raise ConvertError(f"{Path(out).absolute()} already exists; choose a new --out or pass --force")
@@ -137,7 +146,7 @@ def export(ckpt: str | os.PathLike, out: str | os.PathLike, dtype: Optional[torc
         writer = ShardedSafetensorsWriter(tmp, plan_shards(planned, max_shard_bytes))
         buffers: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = {}
         layers = ck.layers
-        with progress(sum(ck.nbytes(l.index) for l in layers), "export", show_progress) as bar:
+        with progress(sum(ck.nbytes(ly.index) for ly in layers), "export", show_progress) as bar:
             for layer in layers:
                 reader = shard_reader(ck, layer)
                 for name, shape in hf_shapes(ck.model, layer).items():
@@ -157,10 +166,11 @@ def export(ckpt: str | os.PathLike, out: str | os.PathLike, dtype: Optional[torc
         write_config(tmp, ck.model, out_dtype, source_config(ck))
         tok_files = write_side_files(ck, tmp, tokenizer)
     if show_progress:
-        print(f"threed export: {ckpt} (tp={ck.tp}, {ck.tag}) -> {out}: {len(writer.file_names)} safetensors "
-              f"shard(s), {human_bytes(total)}, vocab {ck.model.vocab_size}, tokenizer: "
-              f"{', '.join(tok_files) or 'none known (pass --tokenizer)'}; {time.time() - t0:.1f} s")
+        print(
+            f"threed export: {ckpt} (tp={ck.tp}, {ck.tag}) -> {out}: {len(writer.file_names)} safetensors "
+            f"shard(s), {human_bytes(total)}, vocab {ck.model.vocab_size}, tokenizer: "
+            f"{', '.join(tok_files) or 'none known (pass --tokenizer)'}; {time.time() - t0:.1f} s"
+        )
         if "tokenizer.model" in tok_files and "tokenizer.json" not in tok_files and not _has_protobuf():
             print("  (AutoTokenizer needs `protobuf` to read tokenizer.model; without it use sentencepiece on it)")
     return {"files": writer.file_names, "bytes": total, "tokenizer_files": tok_files, "tp": ck.tp}
-

@@ -15,6 +15,7 @@ Peak memory is one TP rank's shard of one pipeline layer (read slice by slice st
 freed; see threed.convert.slices), never the model. Nothing is written before the whole source has been checked
 against its config.json, and the output appears under its name only when complete (io_utils.atomic_output_dir).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -66,20 +67,31 @@ def check_source(source: HFSource, cfg: ModelConfig) -> None:
     untied_head = tied_hf_names(dataclasses.replace(cfg, tie_word_embeddings=True))
     missing_heads = [n for n in untied_head if n not in source.tensors and n in expected]
     if missing_heads:  # an untied config over a tied model's files (transformers saves no lm_head.weight then)
-        raise ConvertError(f"{source.path} has no {missing_heads[0]} and its config.json says "
-                           f"tie_word_embeddings=false; if the model ties it to {untied_head[missing_heads[0]]} "
-                           f"(Llama 3.2 1B / 3B), set tie_word_embeddings: true in config.json")
+        raise ConvertError(
+            f"{source.path} has no {missing_heads[0]} and its config.json says "
+            f"tie_word_embeddings=false; if the model ties it to {untied_head[missing_heads[0]]} "
+            f"(Llama 3.2 1B / 3B), set tie_word_embeddings: true in config.json"
+        )
     source.check(cfg, expected, optional={n: expected[owner] for n, owner in ties.items()})
     for name, owner in ties.items():
         if name in source.tensors and not source.same_values(name, owner):
-            raise ConvertError(f"{source.path}: {name} differs from {owner} although config.json says "
-                               f"tie_word_embeddings=true; set it to false to convert both weights, or remove "
-                               f"{name} from the safetensors to convert the tied model")
+            raise ConvertError(
+                f"{source.path}: {name} differs from {owner} although config.json says "
+                f"tie_word_embeddings=true; set it to false to convert both weights, or remove "
+                f"{name} from the safetensors to convert the tied model"
+            )
 
 
-def convert_rank(cfg: ModelConfig, layer: PipelineLayer, reader: PartReader, tp: int, rank: int,
-                 dtype: Optional[torch.dtype] = None, device: str = "cpu",
-                 pool: Optional[BufferPool] = None) -> StateDict:
+def convert_rank(
+    cfg: ModelConfig,
+    layer: PipelineLayer,
+    reader: PartReader,
+    tp: int,
+    rank: int,
+    dtype: Optional[torch.dtype] = None,
+    device: str = "cpu",
+    pool: Optional[BufferPool] = None,
+) -> StateDict:
     """The state dict DeepSpeed loads for `layer` on TP rank `rank` (== mapping.layer_from_hf(...)[rank]),
     read slice by slice from `reader`, plus the `_extra_state` entries megatron's strict load expects.
     With a `pool`, the tensors are reused by the next call: save (or copy) them before making another."""
@@ -89,9 +101,15 @@ def convert_rank(cfg: ModelConfig, layer: PipelineLayer, reader: PartReader, tp:
     return with_extra_state(layer, {s.name: materialize(s, reader, dtype, device, pool) for s in specs})
 
 
-def convert_stream(reader: PartReader, cfg: ModelConfig, tp: int, dtype: Optional[torch.dtype] = None,
-                   layers: Optional[list[PipelineLayer]] = None, device: str = "cpu",
-                   pool: Optional[BufferPool] = None) -> Iterator[tuple[PipelineLayer, int, StateDict]]:
+def convert_stream(
+    reader: PartReader,
+    cfg: ModelConfig,
+    tp: int,
+    dtype: Optional[torch.dtype] = None,
+    layers: Optional[list[PipelineLayer]] = None,
+    device: str = "cpu",
+    pool: Optional[BufferPool] = None,
+) -> Iterator[tuple[PipelineLayer, int, StateDict]]:
     """Yield (layer, TP rank, state dict) for every output file, one at a time (with a pool, each is only
     valid until the next is made). With device="meta" and a reader over meta tensors this is the whole
     conversion at real shapes with no memory (tests/test_convert_meta.py)."""
@@ -124,8 +142,14 @@ _WORKER: dict[str, Any] = {}
 
 def _worker_init(hf_dir: str, cfg_json: str, tp: int, dtype: Optional[str], step_dir: str) -> None:
     torch.set_num_threads(1)  # the parallelism is across processes
-    _WORKER.update(source=HFSource(hf_dir), cfg=RunConfig.from_dict({"model": json.loads(cfg_json)}).model,
-                   tp=tp, dtype=getattr(torch, dtype) if dtype else None, step_dir=Path(step_dir), pool=BufferPool())
+    _WORKER.update(
+        source=HFSource(hf_dir),
+        cfg=RunConfig.from_dict({"model": json.loads(cfg_json)}).model,
+        tp=tp,
+        dtype=getattr(torch, dtype) if dtype else None,
+        step_dir=Path(step_dir),
+        pool=BufferPool(),
+    )
 
 
 def _worker_layer(index: int) -> int:
@@ -138,17 +162,22 @@ def _worker_layer(index: int) -> int:
     return index
 
 
-def _run_workers(source: HFSource, cfg: ModelConfig, tp: int, dtype: Optional[torch.dtype], step_dir: Path,
-                 workers: int, bar) -> None:
-    layers = {l.index: l for l in stored_layers(cfg)}
+def _run_workers(
+    source: HFSource, cfg: ModelConfig, tp: int, dtype: Optional[torch.dtype], step_dir: Path, workers: int, bar
+) -> None:
+    layers = {ly.index: ly for ly in stored_layers(cfg)}
     # Largest layers first, so the embedding and LM head do not end up alone at the tail.
-    order = sorted(layers.values(), key=lambda l: -source.nbytes(layer_hf_names(l)))
-    init = (str(source.path), json.dumps(model_to_dict(cfg)), tp, str(dtype).replace("torch.", "") if dtype else None,
-            str(step_dir))
+    order = sorted(layers.values(), key=lambda ly: -source.nbytes(layer_hf_names(ly)))
+    init = (
+        str(source.path),
+        json.dumps(model_to_dict(cfg)),
+        tp,
+        str(dtype).replace("torch.", "") if dtype else None,
+        str(step_dir),
+    )
     # spawn, not fork: a forked child of a process that has used torch's thread pools can hang.
-    with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_worker_init,
-                             initargs=init) as pool:
-        futures = [pool.submit(_worker_layer, l.index) for l in order]
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_worker_init, initargs=init) as pool:
+        futures = [pool.submit(_worker_layer, ly.index) for ly in order]
         try:
             for fut in as_completed(futures):
                 idx = fut.result()
@@ -160,9 +189,18 @@ def _run_workers(source: HFSource, cfg: ModelConfig, tp: int, dtype: Optional[to
 
 # --------------------------------------------------------------------------------------------------- main
 
-def convert_hf_checkpoint(hf_dir: str | os.PathLike, out: str | os.PathLike, tp: int, pp: int,
-                          dtype: Optional[torch.dtype] = None, make_vocab_size_divisible_by: int = 128,
-                          workers: int = 1, force: bool = False, show_progress: bool = True) -> dict[str, Any]:
+
+def convert_hf_checkpoint(
+    hf_dir: str | os.PathLike,
+    out: str | os.PathLike,
+    tp: int,
+    pp: int,
+    dtype: Optional[torch.dtype] = None,
+    make_vocab_size_divisible_by: int = 128,
+    workers: int = 1,
+    force: bool = False,
+    show_progress: bool = True,
+) -> dict[str, Any]:
     """`threed convert`: the HF directory as a tp x pp checkpoint at `out`; returns the manifest written to
     OUT/threed_convert.json."""
     t0 = time.time()
@@ -179,7 +217,7 @@ def convert_hf_checkpoint(hf_dir: str | os.PathLike, out: str | os.PathLike, tp:
         source.close()  # the tie check may have opened the files
         raise
     layers = stored_layers(cfg)  # a tied LM head has no file (the embedding's weight is saved once, layer_00)
-    total = sum(source.nbytes(layer_hf_names(l)) for l in layers)
+    total = sum(source.nbytes(layer_hf_names(ly)) for ly in layers)
     scale = (dtype.itemsize / min(t.dtype.itemsize for t in source.tensors.values())) if dtype else 1.0
     Path(out).absolute().parent.mkdir(parents=True, exist_ok=True)
     check_free_space(Path(out).absolute().parent, int(total * scale))
@@ -192,7 +230,7 @@ def convert_hf_checkpoint(hf_dir: str | os.PathLike, out: str | os.PathLike, tp:
                 _run_workers(source, cfg, tp, dtype, step_dir, workers, bar)
             else:
                 source.prefetch(layer_hf_names(layers[0]))
-                following = dict(zip((l.index for l in layers), layers[1:]))
+                following = dict(zip((ly.index for ly in layers), layers[1:]))
                 for layer, rank, sd in convert_stream(source, cfg, tp, dtype, layers, pool=BufferPool()):
                     if rank == 0 and layer.index in following:
                         source.prefetch(layer_hf_names(following[layer.index]))  # overlap reads and writes
@@ -206,19 +244,34 @@ def convert_hf_checkpoint(hf_dir: str | os.PathLike, out: str | os.PathLike, tp:
         for f in copied:
             (extra / f).write_bytes((hf_dir / f).read_bytes())
         manifest = {
-            "format": "threed-deepspeed-pipeline", "version": 1, "created_by": "threed convert",
-            "model": model_to_dict(cfg), "tp": tp, "pp": pp, "vocab_size": cfg.vocab_size,
+            "format": "threed-deepspeed-pipeline",
+            "version": 1,
+            "created_by": "threed convert",
+            "model": model_to_dict(cfg),
+            "tp": tp,
+            "pp": pp,
+            "vocab_size": cfg.vocab_size,
             "padded_vocab_size": cfg.padded_vocab_size(tp),
-            "make_vocab_size_divisible_by": cfg.make_vocab_size_divisible_by, "dtype": "/".join(dtypes),
-            "tag": CONVERT_TAG, "num_pipeline_layers": len(pipeline_layers(cfg)),
-            "stored_layers": [l.index for l in layers], "tie_word_embeddings": cfg.tie_word_embeddings,
-            "source": {"path": str(hf_dir), "format": source.format, "files": [f.name for f in source.files],
-                       "bytes": total},
-            "hf_files": copied, "seconds": round(time.time() - t0, 2),
+            "make_vocab_size_divisible_by": cfg.make_vocab_size_divisible_by,
+            "dtype": "/".join(dtypes),
+            "tag": CONVERT_TAG,
+            "num_pipeline_layers": len(pipeline_layers(cfg)),
+            "stored_layers": [ly.index for ly in layers],
+            "tie_word_embeddings": cfg.tie_word_embeddings,
+            "source": {
+                "path": str(hf_dir),
+                "format": source.format,
+                "files": [f.name for f in source.files],
+                "bytes": total,
+            },
+            "hf_files": copied,
+            "seconds": round(time.time() - t0, 2),
         }
         write_metadata(tmp, cfg, tp, pp, manifest)
     if show_progress:
-        print(f"threed convert: {hf_dir} ({human_bytes(total)}, {source.format}) -> {out}: tp={tp} pp={pp}, "
-              f"{len(layers)} layer files x {tp} TP ranks{TIED_NOTE if cfg.tie_word_embeddings else ''}, vocab "
-              f"{cfg.vocab_size} padded to {cfg.padded_vocab_size(tp)}, {time.time() - t0:.1f} s")
+        print(
+            f"threed convert: {hf_dir} ({human_bytes(total)}, {source.format}) -> {out}: tp={tp} pp={pp}, "
+            f"{len(layers)} layer files x {tp} TP ranks{TIED_NOTE if cfg.tie_word_embeddings else ''}, vocab "
+            f"{cfg.vocab_size} padded to {cfg.padded_vocab_size(tp)}, {time.time() - t0:.1f} s"
+        )
     return manifest

@@ -1,5 +1,6 @@
 """Copy an in-memory HF Llama state dict into this rank's pipeline layers: for small models (tests, benchmarks).
 Real weights go through `threed convert` (streaming, on disk) and DeepSpeed's load_checkpoint instead."""
+
 from __future__ import annotations
 
 import torch
@@ -14,8 +15,8 @@ from threed.model.spec import layer_parameters, stored_layers
 def load_hf_state(module, cfg: ModelConfig, hf_state: dict[str, torch.Tensor], tp: int, tp_rank: int) -> None:
     """`module` is a DeepSpeed PipelineModule; only the modules of this rank's stage are filled. A tied model's
     last stage fills its copy of the embedding (its LM head's weight) from the embedding's HF tensor."""
-    # deepspeed, megatron (through threed.pipeline): heavy; random_hf_state below needs neither
-    from threed.pipeline import local_modules
+    # deepspeed, megatron (through threed.parallel.pipeline): heavy; random_hf_state below needs neither
+    from threed.parallel.pipeline import local_modules
 
     for layer, layer_module in local_modules(module, cfg):
         layer_module.load_state_dict(layer_from_hf(cfg, layer, hf_state, tp)[tp_rank], strict=True)

@@ -1,8 +1,9 @@
 """Shared plumbing for the converters: the error type, atomic output directories, dtype names, progress bars.
 
-    with atomic_output_dir("ckpt/llama3-8b-tp8", force=False) as tmp:
-        ...write everything under tmp...      # renamed to ckpt/llama3-8b-tp8 only when the block succeeds
+with atomic_output_dir("ckpt/llama3-8b-tp8", force=False) as tmp:
+    ...write everything under tmp...      # renamed to ckpt/llama3-8b-tp8 only when the block succeeds
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -43,8 +44,17 @@ def dtype_name(dtype: torch.dtype) -> str:
 def progress(total: int, desc: str, enabled: bool = True):
     """A bytes progress bar (tqdm: bytes/s, unit-scaled) on stderr."""
 
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=not enabled,
-                file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        disable=not enabled,
+        file=sys.stderr,
+        dynamic_ncols=True,
+        mininterval=0.5,
+    )
 
 
 def check_free_space(parent: Path, needed: int) -> None:

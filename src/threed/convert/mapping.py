@@ -6,6 +6,7 @@ What each of our parameters is (shape, TP split) is `threed.model.spec.PARAMETER
                  so a TP shard is a plain row range); gate, up <-> [gate; up]
   shard/unshard  one unsharded tensor <-> its TP shards, the slices of `threed.model.spec.tp_segments`
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -21,12 +22,12 @@ Tensor = torch.Tensor
 
 # ---------------------------------------------------------------- fusing (HF tensors <-> one unsharded tensor)
 
+
 def fuse_qkv(q: Tensor, k: Tensor, v: Tensor, cfg: ModelConfig) -> Tensor:
     groups, d = cfg.num_kv_heads, cfg.head_dim
     q_per_group = cfg.num_heads // groups
     h = q.shape[-1]
-    fused = torch.cat([q.reshape(groups, q_per_group * d, h), k.reshape(groups, d, h), v.reshape(groups, d, h)],
-                      dim=1)
+    fused = torch.cat([q.reshape(groups, q_per_group * d, h), k.reshape(groups, d, h), v.reshape(groups, d, h)], dim=1)
     return fused.reshape(-1, h)
 
 
@@ -39,6 +40,7 @@ def split_qkv(fused: Tensor, cfg: ModelConfig) -> tuple[Tensor, Tensor, Tensor]:
 
 
 # ------------------------------------------------------------------------ TP sharding (one tensor <-> TP shards)
+
 
 def shard(t: Tensor, kind: Split, tp: int, padded_vocab: int = 0) -> list[Tensor]:
     """Split one unsharded tensor (HF-shaped vocab, i.e. unpadded) into `tp` shards (`spec.tp_segments`)."""
@@ -70,6 +72,7 @@ def unshard(shards: Sequence[Tensor], kind: Split, vocab_size: int = 0) -> Tenso
 
 
 # ------------------------------------------------------------------- one pipeline layer, HF dict <-> TP shards
+
 
 def layer_from_hf(cfg: ModelConfig, layer: PipelineLayer, hf: dict[str, Tensor], tp: int) -> list[dict[str, Tensor]]:
     """HF tensors of one pipeline layer -> that layer's state dict on each of `tp` ranks."""
@@ -109,5 +112,3 @@ def layer_to_hf(cfg: ModelConfig, layer: PipelineLayer, shards: Sequence[dict[st
             parts = (full,)
         out.update({n: t.contiguous() for n, t in zip(names, parts)})
     return out
-
-

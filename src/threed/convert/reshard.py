@@ -7,6 +7,7 @@ slices out of the old TP files instead of HF files: no layer is merged in memory
 identity. The output holds weights only (tag global_step0): train from it with --init-from. Vocab padding rows
 are re-created as zeros for the new tp (their values never reach a logit).
 """
+
 from __future__ import annotations
 
 import os
@@ -27,8 +28,15 @@ from threed.model.spec import pipeline_layers, stored_layers
 from threed.units import human_bytes
 
 
-def reshard(ckpt: str | os.PathLike, out: str | os.PathLike, tp: int, pp: int,
-            dtype: Optional[torch.dtype] = None, force: bool = False, show_progress: bool = True) -> dict[str, Any]:
+def reshard(
+    ckpt: str | os.PathLike,
+    out: str | os.PathLike,
+    tp: int,
+    pp: int,
+    dtype: Optional[torch.dtype] = None,
+    force: bool = False,
+    show_progress: bool = True,
+) -> dict[str, Any]:
     t0 = time.time()
     if Path(out).exists() and not force:
         raise ConvertError(f"{Path(out).absolute()} already exists; choose a new --out or pass --force")
@@ -36,7 +44,7 @@ def reshard(ckpt: str | os.PathLike, out: str | os.PathLike, tp: int, pp: int,
     cfg = ck.model
     ParallelConfig(tp=tp, pp=pp).validate(cfg, tp * pp)
     layers = stored_layers(cfg)  # a tied LM head has no file to read or write
-    total = sum(ck.nbytes(l.index) for l in layers)
+    total = sum(ck.nbytes(ly.index) for ly in layers)
     Path(out).absolute().parent.mkdir(parents=True, exist_ok=True)
     check_free_space(Path(out).absolute().parent, total)
     with atomic_output_dir(out, force) as tmp:
@@ -55,19 +63,35 @@ def reshard(ckpt: str | os.PathLike, out: str | os.PathLike, tp: int, pp: int,
         (tmp / HF_EXTRA_DIR).mkdir()  # carry tokenizer / source config along, so export still finds them
         side = write_side_files(ck, tmp / HF_EXTRA_DIR, with_config=True)
         manifest = {
-            "format": "threed-deepspeed-pipeline", "version": 1, "created_by": "threed reshard",
-            "model": model_to_dict(cfg), "tp": tp, "pp": pp, "vocab_size": cfg.vocab_size,
+            "format": "threed-deepspeed-pipeline",
+            "version": 1,
+            "created_by": "threed reshard",
+            "model": model_to_dict(cfg),
+            "tp": tp,
+            "pp": pp,
+            "vocab_size": cfg.vocab_size,
             "padded_vocab_size": cfg.padded_vocab_size(tp),
             "make_vocab_size_divisible_by": cfg.make_vocab_size_divisible_by,
-            "dtype": dtype_name(dtype) if dtype else "/".join(sorted(dtypes)), "tag": CONVERT_TAG,
-            "num_pipeline_layers": len(pipeline_layers(cfg)), "stored_layers": [l.index for l in layers],
+            "dtype": dtype_name(dtype) if dtype else "/".join(sorted(dtypes)),
+            "tag": CONVERT_TAG,
+            "num_pipeline_layers": len(pipeline_layers(cfg)),
+            "stored_layers": [ly.index for ly in layers],
             "tie_word_embeddings": cfg.tie_word_embeddings,
-            "source": {"path": str(ck.path.absolute()), "format": "deepspeed", "tp": ck.tp, "pp": ck.pp,
-                       "tag": ck.tag, "bytes": total},
-            "hf_files": side, "seconds": round(time.time() - t0, 2),
+            "source": {
+                "path": str(ck.path.absolute()),
+                "format": "deepspeed",
+                "tp": ck.tp,
+                "pp": ck.pp,
+                "tag": ck.tag,
+                "bytes": total,
+            },
+            "hf_files": side,
+            "seconds": round(time.time() - t0, 2),
         }
         write_metadata(tmp, cfg, tp, pp, manifest)
     if show_progress:
-        print(f"threed reshard: {ckpt} (tp={ck.tp} pp={ck.pp}, {ck.tag}) -> {out} (tp={tp} pp={pp}), "
-              f"{human_bytes(total)}, {time.time() - t0:.1f} s")
+        print(
+            f"threed reshard: {ckpt} (tp={ck.tp} pp={ck.pp}, {ck.tag}) -> {out} (tp={tp} pp={pp}), "
+            f"{human_bytes(total)}, {time.time() - t0:.1f} s"
+        )
     return manifest

@@ -10,6 +10,7 @@ row range (vocab, column, each KV group's q / k / v rows, gate and up halves) is
 range (row-parallel o_proj / down_proj) one read per row. So memory holds one rank's shard of one layer, and
 every byte is copied once, from the page cache into the tensor that torch.save writes.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,8 +20,7 @@ import torch
 
 from threed.config import ModelConfig
 from threed.hf.names import hf_names, hf_shapes
-from threed.model.spec import (PipelineLayer, full_shape, layer_parameters, shard_shape, split_axis,
-                               tp_segments)
+from threed.model.spec import PipelineLayer, full_shape, layer_parameters, shard_shape, split_axis, tp_segments
 
 
 @dataclass(frozen=True)
@@ -103,8 +103,11 @@ def _qkv_spec(cfg: ModelConfig, ours: str, names: tuple[str, ...], tp: int, rank
     pieces = []
     for j in range(seg.length // block):
         g = seg.start // block + j
-        pieces += [Piece(q, 0, g * q_rows, q_rows, j * block), Piece(k, 0, g * d, d, j * block + q_rows),
-                   Piece(v, 0, g * d, d, j * block + q_rows + d)]
+        pieces += [
+            Piece(q, 0, g * q_rows, q_rows, j * block),
+            Piece(k, 0, g * d, d, j * block + q_rows),
+            Piece(v, 0, g * d, d, j * block + q_rows + d),
+        ]
     return ShardSpec(ours, (seg.length, h), tuple(pieces), q)
 
 
@@ -113,8 +116,7 @@ class ShardReader:
     out of whichever shards hold it. `load(rank)` returns that rank's state dict (memory-mapped, say); it is
     called lazily, once per rank. This is how export and reshard read checkpoints without merging whole layers."""
 
-    def __init__(self, cfg: ModelConfig, layer: PipelineLayer, tp: int,
-                 load: Callable[[int], dict[str, torch.Tensor]]):
+    def __init__(self, cfg: ModelConfig, layer: PipelineLayer, tp: int, load: Callable[[int], dict[str, torch.Tensor]]):
         self.load = load
         self._shards: dict[int, dict[str, torch.Tensor]] = {}
         self.index: dict[str, list[tuple[int, str, Piece]]] = {}
@@ -178,8 +180,13 @@ class BufferPool:
         return self.buffers[key]
 
 
-def materialize(spec: ShardSpec, reader: PartReader, dtype: Optional[torch.dtype] = None,
-                device: str = "cpu", pool: Optional[BufferPool] = None) -> torch.Tensor:
+def materialize(
+    spec: ShardSpec,
+    reader: PartReader,
+    dtype: Optional[torch.dtype] = None,
+    device: str = "cpu",
+    pool: Optional[BufferPool] = None,
+) -> torch.Tensor:
     """Fill the output from its pieces (cast on the way when dtype differs); zeros where no piece lands."""
     src_dtype = reader.dtype(spec.source)
     out = pool.get(spec, src_dtype, device) if pool else torch.empty(spec.shape, dtype=src_dtype, device=device)

@@ -1,7 +1,8 @@
 """A small random HF Llama saved locally (the demo's and the tests' starting point; nothing is downloaded).
 
-    threed make-tiny-hf --out runs/demo/hf-init --like tiny [--vocab-size 512] [--tokenizer runs/demo/tok.model]
+threed make-tiny-hf --out runs/demo/hf-init --like tiny [--vocab-size 512] [--tokenizer runs/demo/tok.model]
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,7 +17,7 @@ from threed.convert.io_utils import ConvertError, atomic_output_dir, parse_dtype
 from threed.hf.config import to_hf_config
 from threed.hf.write import write_sentencepiece_tokenizer
 from threed.model.spec import parameter_count
-from threed.presets import PRESETS
+from threed.model.presets import PRESETS
 
 
 def hf_config_kwargs(cfg: ModelConfig) -> dict[str, Any]:
@@ -27,9 +28,16 @@ def hf_config_kwargs(cfg: ModelConfig) -> dict[str, Any]:
     return hf
 
 
-def make_tiny_hf(out: str | os.PathLike, like: str = "tiny", vocab_size: Optional[int] = None, seed: int = 0,
-                 dtype: str = "fp32", tokenizer: Optional[str] = None, max_shard_size: str = "50GB",
-                 force: bool = False) -> Path:
+def make_tiny_hf(
+    out: str | os.PathLike,
+    like: str = "tiny",
+    vocab_size: Optional[int] = None,
+    seed: int = 0,
+    dtype: str = "fp32",
+    tokenizer: Optional[str] = None,
+    max_shard_size: str = "50GB",
+    force: bool = False,
+) -> Path:
     """Save a random `transformers.LlamaForCausalLM` with the shape of preset `like` to `out`."""
     from transformers import LlamaConfig, LlamaForCausalLM  # transformers: heavy, only to build the model
 

@@ -12,6 +12,7 @@ turn's). mask[t] says whether token t is a target: the loss of the prediction ma
 Refused with PreprocessError naming the record: a record of neither shape, an empty response, a role the template
 does not know, a template that rejects the conversation, a tokenizer with no chat template and no --chat-format.
 """
+
 from __future__ import annotations
 
 import re
@@ -45,17 +46,22 @@ def to_messages(record: Any, where: str) -> list[dict[str, str]]:
     shapes = 'give {"prompt": ..., "response": ...} or {"messages": [{"role": ..., "content": ...}, ...]}'
     if isinstance(record, dict) and "messages" in record:
         msgs = record["messages"]
-        if not isinstance(msgs, list) or not msgs or not all(
+        if (
+            not isinstance(msgs, list)
+            or not msgs
+            or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in msgs):
-            raise PreprocessError(f"{where}: \"messages\" must be a non-empty list of objects with string "
-                                  f"\"role\" and \"content\"; {shapes}")
+                for m in msgs
+            )
+        ):
+            raise PreprocessError(
+                f'{where}: "messages" must be a non-empty list of objects with string "role" and "content"; {shapes}'
+            )
         messages = [{"role": m["role"], "content": m["content"]} for m in msgs]
     elif isinstance(record, dict) and "prompt" in record and "response" in record:
         if not isinstance(record["prompt"], str) or not isinstance(record["response"], str):
-            raise PreprocessError(f"{where}: \"prompt\" and \"response\" must be strings")
-        messages = [{"role": "user", "content": record["prompt"]},
-                    {"role": "assistant", "content": record["response"]}]
+            raise PreprocessError(f'{where}: "prompt" and "response" must be strings')
+        messages = [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["response"]}]
         if isinstance(record.get("system"), str):
             messages.insert(0, {"role": "system", "content": record["system"]})
     else:
@@ -84,32 +90,39 @@ class ChatRenderer:
         elif isinstance(own, dict) and "default" in own:
             self.template = own["default"]
         else:
-            raise PreprocessError("the tokenizer has no chat template; pass --chat-format llama2 (Llama 2's [INST] "
-                                  "format) or use a tokenizer whose tokenizer_config.json has a chat_template")
+            raise PreprocessError(
+                "the tokenizer has no chat template; pass --chat-format llama2 (Llama 2's [INST] "
+                "format) or use a tokenizer whose tokenizer_config.json has a chat_template"
+            )
         if not getattr(tokenizer, "is_fast", False):
-            raise PreprocessError("--sft needs a fast HF tokenizer (tokenizer.json) for the response mask's "
-                                  "character offsets")
+            raise PreprocessError(
+                "--sft needs a fast HF tokenizer (tokenizer.json) for the response mask's character offsets"
+            )
         self.roles = BASE_ROLES + tuple(r for r in EXTRA_ROLES if re.search(rf"['\"]{r}['\"]", self.template))
 
     def _render(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
-        return self.tok.apply_chat_template(messages, chat_template=self.template, tokenize=False,
-                                            add_generation_prompt=generation_prompt)
+        return self.tok.apply_chat_template(
+            messages, chat_template=self.template, tokenize=False, add_generation_prompt=generation_prompt
+        )
 
     def __call__(self, messages: list[dict[str, str]], where: str) -> tuple[list[int], list[int]]:
         for m in messages:
             if m["role"] not in self.roles:
-                raise PreprocessError(f"{where}: role {m['role']!r} is not one the chat template knows "
-                                      f"({', '.join(self.roles)})")
+                raise PreprocessError(
+                    f"{where}: role {m['role']!r} is not one the chat template knows ({', '.join(self.roles)})"
+                )
         try:
             text = self._render(messages, False)
             spans = []  # character ranges of the assistant turns in `text`
             for i, m in enumerate(messages):
                 if m["role"] != "assistant":
                     continue
-                before, through = self._render(messages[:i], True), self._render(messages[:i + 1], False)
+                before, through = self._render(messages[:i], True), self._render(messages[: i + 1], False)
                 if not text.startswith(through) or not through.startswith(before) or len(through) <= len(before):
-                    raise PreprocessError(f"{where}: the chat template does not render conversations "
-                                          f"incrementally, so the response span cannot be found")
+                    raise PreprocessError(
+                        f"{where}: the chat template does not render conversations "
+                        f"incrementally, so the response span cannot be found"
+                    )
                 spans.append((len(before), len(through)))
         except PreprocessError:
             raise
@@ -124,17 +137,23 @@ class ChatRenderer:
 
 def load_hf_tokenizer(path: str) -> Any:
     if not Path(path).exists():
-        raise PreprocessError(f"tokenizer not found: {path}; --sft needs a local HF tokenizer directory or "
-                              f"tokenizer.json")
+        raise PreprocessError(
+            f"tokenizer not found: {path}; --sft needs a local HF tokenizer directory or tokenizer.json"
+        )
     if Path(path).is_file() and path.endswith(".model"):
-        raise PreprocessError(f"{path} is a sentencepiece model; --sft needs an HF fast tokenizer (a directory with "
-                              f"tokenizer.json, or a tokenizer.json)")
+        raise PreprocessError(
+            f"{path} is a sentencepiece model; --sft needs an HF fast tokenizer (a directory with "
+            f"tokenizer.json, or a tokenizer.json)"
+        )
     # transformers: heavy, only for --sft
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     try:
-        return (PreTrainedTokenizerFast(tokenizer_file=path) if Path(path).is_file()
-                else AutoTokenizer.from_pretrained(path, local_files_only=True))
+        return (
+            PreTrainedTokenizerFast(tokenizer_file=path)
+            if Path(path).is_file()
+            else AutoTokenizer.from_pretrained(path, local_files_only=True)
+        )
     except Exception as e:
         msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise PreprocessError(f"cannot load tokenizer {path} ({msg})") from None

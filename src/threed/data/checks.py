@@ -10,6 +10,7 @@ the fix. Only the .idx files are read in full; of a .bin, at most a sample (the 
 Why ours: megatron-core does not check its inputs (they fail with an assert or an IndexError), and on a multi-node
 run whose cache is not shared it fails on the other nodes with a bare FileNotFoundError (Megatron-LM #907).
 """
+
 from __future__ import annotations
 
 import os
@@ -45,13 +46,17 @@ def check_data(cfg: RunConfig) -> DataSplits:
         for prefix in blend.prefixes:
             missing = [p for p in (prefix + ".idx", prefix + ".bin") if not Path(p).is_file()]
             if missing:
-                raise ConfigError(f"dataset {prefix}: {', '.join(missing)} not found; a dataset is a PREFIX.bin + "
-                                  f"PREFIX.idx pair made by `threed preprocess` (give the prefix, without the suffix)")
+                raise ConfigError(
+                    f"dataset {prefix}: {', '.join(missing)} not found; a dataset is a PREFIX.bin + "
+                    f"PREFIX.idx pair made by `threed preprocess` (give the prefix, without the suffix)"
+                )
             try:
                 ds = IndexedDataset(prefix, mmap=True)
             except Exception as e:  # megatron asserts on a bad header; name the file instead
-                raise ConfigError(f"dataset {prefix}: cannot read {prefix}.idx ({type(e).__name__}: {e}); rebuild it "
-                                  f"with `threed preprocess`") from None
+                raise ConfigError(
+                    f"dataset {prefix}: cannot read {prefix}.idx ({type(e).__name__}: {e}); rebuild it "
+                    f"with `threed preprocess`"
+                ) from None
             check_index(prefix, ds)
             _refuse_mask_as_tokens(prefix)
             tokens = int(ds.sequence_lengths.sum())
@@ -59,17 +64,23 @@ def check_data(cfg: RunConfig) -> DataSplits:
                 _check_sft_dataset(prefix, ds, seq)
             _check_split_ranges(splits, blend, prefix, ds, seq)
             if tokens < seq + 1 and not splits.sft:
-                raise ConfigError(f"dataset {prefix} holds {tokens} tokens, fewer than one sample of seq_length "
-                                  f"{seq} + 1; use more data or a shorter --seq-length")
+                raise ConfigError(
+                    f"dataset {prefix} holds {tokens} tokens, fewer than one sample of seq_length "
+                    f"{seq} + 1; use more data or a shorter --seq-length"
+                )
             top = _max_token(ds, tokens)
             if top <= 1 and tokens >= _NON_TOKEN_MIN and cfg.model.vocab_size > 2:
-                raise ConfigError(f"dataset {prefix} holds only the values 0 and 1 ({tokens:,} of them): a loss mask "
-                                  f"or another non-token dataset, not tokens; pass the token dataset (for `threed "
-                                  f"preprocess --sft` output, PREFIX{TEXT_SUFFIX})")
+                raise ConfigError(
+                    f"dataset {prefix} holds only the values 0 and 1 ({tokens:,} of them): a loss mask "
+                    f"or another non-token dataset, not tokens; pass the token dataset (for `threed "
+                    f"preprocess --sft` output, PREFIX{TEXT_SUFFIX})"
+                )
             if top >= cfg.model.vocab_size:
-                raise ConfigError(f"dataset {prefix} contains token id {top}, beyond the model's vocab_size "
-                                  f"{cfg.model.vocab_size}: it was made with another tokenizer; re-run "
-                                  f"`threed preprocess` with the model's tokenizer")
+                raise ConfigError(
+                    f"dataset {prefix} contains token id {top}, beyond the model's vocab_size "
+                    f"{cfg.model.vocab_size}: it was made with another tokenizer; re-run "
+                    f"`threed preprocess` with the model's tokenizer"
+                )
     check_cache_writable(cfg.data, splits)
     return splits
 
@@ -82,8 +93,10 @@ def check_index(prefix: str, ds: Any) -> None:
     idx = ds.index
     n, size = len(ds.sequence_lengths), idx.dtype_size
     docs = idx.document_indices
-    fix = ("the pair comes from different runs or an incomplete copy; copy both files again, or rebuild them with "
-           "`threed preprocess`")
+    fix = (
+        "the pair comes from different runs or an incomplete copy; copy both files again, or rebuild them with "
+        "`threed preprocess`"
+    )
 
     def bad(what: str) -> ConfigError:
         return ConfigError(f"dataset {prefix}: {prefix}.idx does not describe {prefix}.bin ({what}); {fix}")
@@ -96,19 +109,21 @@ def check_index(prefix: str, ds: Any) -> None:
     bin_bytes = os.path.getsize(prefix + ".bin")
     end = 0  # where the next sequence must start, in bytes
     for lo in range(0, n, _IDX_CHUNK):
-        lengths = idx.sequence_lengths[lo:lo + _IDX_CHUNK].astype(np.int64)
-        pointers = idx.sequence_pointers[lo:lo + _IDX_CHUNK]
+        lengths = idx.sequence_lengths[lo : lo + _IDX_CHUNK].astype(np.int64)
+        pointers = idx.sequence_pointers[lo : lo + _IDX_CHUNK]
         if lengths.min() < 0:
             raise bad(f"sequence {lo + int(lengths.argmin())} has a negative length")
         starts = end + np.concatenate(([0], np.cumsum(lengths[:-1] * size)))
         off = np.flatnonzero(pointers != starts)
         if len(off):
             i = int(off[0])
-            raise bad(f"sequence {lo + i} starts at byte {int(pointers[i]):,}, not {int(starts[i]):,} where the one "
-                      f"before it ends")
+            raise bad(
+                f"sequence {lo + i} starts at byte {int(pointers[i]):,}, not {int(starts[i]):,} where the one "
+                f"before it ends"
+            )
         end = int(starts[-1] + lengths[-1] * size)
     for lo in range(0, len(docs) - 1, _IDX_CHUNK):
-        step = np.diff(docs[lo:lo + _IDX_CHUNK + 1])
+        step = np.diff(docs[lo : lo + _IDX_CHUNK + 1])
         if len(step) and step.min() < 0:
             raise bad(f"document {lo + int(step.argmin()) + 1} starts before the one before it")
     if bin_bytes != end:
@@ -121,8 +136,10 @@ def _refuse_mask_as_tokens(prefix: str) -> None:
     text = prefix[: -len(MASK_SUFFIX)] + TEXT_SUFFIX
     if not prefix.endswith(MASK_SUFFIX) or not Path(text + ".idx").is_file():
         return  # a dataset merely named *_mask_document (json key "mask") is judged by its values (check_data)
-    raise ConfigError(f"dataset {prefix} is the loss mask `threed preprocess --sft` writes beside {text}, not "
-                      f"tokens; pass {text} (its mask is found beside it)")
+    raise ConfigError(
+        f"dataset {prefix} is the loss mask `threed preprocess --sft` writes beside {text}, not "
+        f"tokens; pass {text} (its mask is found beside it)"
+    )
 
 
 def _check_sft_dataset(prefix: str, ds: Any, seq: int) -> None:
@@ -138,14 +155,18 @@ def _check_sft_dataset(prefix: str, ds: Any, seq: int) -> None:
     except Exception as e:
         raise ConfigError(f"SFT dataset {prefix}: cannot read {mask}.idx ({type(e).__name__}: {e}); {redo}") from None
     if len(mds) != len(ds) or not np.array_equal(mds.sequence_lengths, ds.sequence_lengths):
-        raise ConfigError(f"SFT dataset {prefix}: its loss mask {mask} describes other examples ({len(mds)} vs "
-                          f"{len(ds)} examples, or other lengths); {redo}")
+        raise ConfigError(
+            f"SFT dataset {prefix}: its loss mask {mask} describes other examples ({len(mds)} vs "
+            f"{len(ds)} examples, or other lengths); {redo}"
+        )
     longest = int(ds.sequence_lengths.max()) if len(ds) else 0
     if longest - 1 > seq:
         at = int(ds.sequence_lengths.argmax())
-        raise ConfigError(f"SFT dataset {prefix}: example {at} has {longest} tokens, more than one sample of "
-                          f"seq_length {seq} + 1 holds; re-run `threed preprocess --sft --seq-length {seq}` with "
-                          f"--drop-long or --truncate-long, or raise --seq-length")
+        raise ConfigError(
+            f"SFT dataset {prefix}: example {at} has {longest} tokens, more than one sample of "
+            f"seq_length {seq} + 1 holds; re-run `threed preprocess --sft --seq-length {seq}` with "
+            f"--drop-long or --truncate-long, or raise --seq-length"
+        )
 
 
 def _check_split_ranges(splits: DataSplits, blend: Blend, prefix: str, ds: Any, seq: int) -> None:
@@ -166,13 +187,17 @@ def _check_split_ranges(splits: DataSplits, blend: Blend, prefix: str, ds: Any, 
             beg, end = (int(round(b * docs)) for b in matrix[i])
             got = int(per_doc[beg:end].sum())
             if splits.sft and end <= beg:
-                raise ConfigError(f"SFT dataset {prefix}: its {name} split (--split {splits.split}: documents "
-                                  f"{beg}..{end} of {docs}) holds no example; use more data, another --split, or "
-                                  f"--train-data-path/--valid-data-path")
+                raise ConfigError(
+                    f"SFT dataset {prefix}: its {name} split (--split {splits.split}: documents "
+                    f"{beg}..{end} of {docs}) holds no example; use more data, another --split, or "
+                    f"--train-data-path/--valid-data-path"
+                )
             if got < seq + 1 and not splits.sft:
-                raise ConfigError(f"dataset {prefix}: its {name} split (--split {splits.split}: documents {beg}..{end} "
-                                  f"of {docs}) holds {got} tokens, fewer than one sample of seq_length {seq} + 1; "
-                                  f"use more data, another --split, or --train-data-path/--valid-data-path")
+                raise ConfigError(
+                    f"dataset {prefix}: its {name} split (--split {splits.split}: documents {beg}..{end} "
+                    f"of {docs}) holds {got} tokens, fewer than one sample of seq_length {seq} + 1; "
+                    f"use more data, another --split, or --train-data-path/--valid-data-path"
+                )
 
 
 def _max_token(ds: Any, tokens: int) -> int:
@@ -198,8 +223,9 @@ def check_cache_writable(data: DataConfig, splits: DataSplits) -> None:
     while not probe_dir.exists():
         probe_dir = probe_dir.parent
     if not probe_dir.is_dir() or not os.access(probe_dir, os.W_OK | os.X_OK):
-        raise ConfigError(f"dataset index cache {where} is not writable ({probe_dir} is not a writable "
-                          f"directory); {fix}")
+        raise ConfigError(
+            f"dataset index cache {where} is not writable ({probe_dir} is not a writable directory); {fix}"
+        )
 
 
 def check_cache_visible(cache_dir: str, rank: int) -> None:
@@ -217,5 +243,7 @@ def check_cache_visible(cache_dir: str, rank: int) -> None:
         probe.unlink(missing_ok=True)
     blind = [f"{r} ({host})" for r, (ok, host) in enumerate(flags) if not ok]
     if blind:
-        raise ConfigError(f"the dataset index cache {cache_dir} built by rank 0 is not visible to rank(s) "
-                          f"{', '.join(blind)}: --data-cache-path must be on a filesystem shared by all nodes")
+        raise ConfigError(
+            f"the dataset index cache {cache_dir} built by rank 0 is not visible to rank(s) "
+            f"{', '.join(blind)}: --data-cache-path must be on a filesystem shared by all nodes"
+        )

@@ -7,6 +7,7 @@ parent, which is the only way to split one), or one Parquet row group (`threed.d
 of the chunks in input order, so the output does not depend on how many workers there are or how big the chunks
 are. Line numbers for error messages are counted only when an error needs one.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,6 +26,7 @@ class PreprocessError(ThreedError):
 @dataclasses.dataclass(frozen=True)
 class Source:
     """One input file and its format (a name in `threed.data.formats.FORMATS`)."""
+
     path: str
     format: str
     gzipped: bool
@@ -33,6 +35,7 @@ class Source:
 @dataclasses.dataclass
 class Chunk:
     """One unit of work. `index` is its place in the output; `weight` is the input bytes it stands for (progress)."""
+
     index: int
     source: Source
     start: int = 0  # byte offset (plain files) or row group (parquet)
@@ -85,8 +88,9 @@ def _cut_gzip(src: Source, chunk_bytes: int, paragraphs: bool) -> Iterator[Chunk
             try:
                 block = gz.read(chunk_bytes)
             except (OSError, EOFError, zlib.error) as e:
-                raise PreprocessError(f"{src.path}: corrupt or truncated gzip ({first_line(e)}); "
-                                      f"re-create or re-download it") from None
+                raise PreprocessError(
+                    f"{src.path}: corrupt or truncated gzip ({first_line(e)}); re-create or re-download it"
+                ) from None
             if not block:
                 if pending:
                     yield Chunk(0, src, first_line=line, data=b"".join(pending), weight=raw.tell() - consumed)

@@ -7,6 +7,7 @@ megatron's own `BlendedMegatronDatasetBuilder`, with its GPTDataset for pretrain
 megatron-core has the readers, the sample index, blending and caching; this is only the glue: the sample counts
 Megatron asks for, the tokenizer facts GPTDataset needs, and the test split left unbuilt.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -62,16 +63,24 @@ def build_datasets(cfg: RunConfig, splits: DataSplits, global_batch: int, builds
 
     d = cfg.data
     blends = splits.blends
-    common = dict(random_seed=cfg.train.seed, sequence_length=cfg.train.seq_length,
-                  tokenizer=_TokenizerInfo(cfg.model.vocab_size, splits.eod), path_to_cache=d.data_cache_path,
-                  mmap_bin_files=True)
+    common = dict(
+        random_seed=cfg.train.seed,
+        sequence_length=cfg.train.seq_length,
+        tokenizer=_TokenizerInfo(cfg.model.vocab_size, splits.eod),
+        path_to_cache=d.data_cache_path,
+        mmap_bin_files=True,
+    )
     if splits.sft:  # whole examples with their response-only loss mask (threed.data.sft_dataset)
         cls, config_cls, common = SFTDataset, SFTDatasetConfig, dict(common, pack=d.pack)
     else:
         cls, config_cls = GPTDataset, GPTDatasetConfig
         # The attention is causal SDPA: megatron's [1, s, s] mask per sample would only cost memory.
-        common.update(reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=d.eod_mask_loss,
-                      create_attention_mask=False)
+        common.update(
+            reset_position_ids=False,
+            reset_attention_mask=False,
+            eod_mask_loss=d.eod_mask_loss,
+            create_attention_mask=False,
+        )
     # The test split is never read here: it is not built (megatron-core would loop forever building a split whose
     # document range is empty, as the 1/1000 test share of a small dataset is). Train and valid keep exactly
     # Megatron's document ranges for the same --split.
@@ -83,5 +92,8 @@ def build_datasets(cfg: RunConfig, splits: DataSplits, global_batch: int, builds
     counts = sample_counts(cfg, splits, global_batch)
     train, valid, _ = BlendedMegatronDatasetBuilder(cls, counts, lambda: builds_here, gcfg).build()
     valid_blend = blends[1]
-    return Datasets(train=train if builds_here else None, valid=valid if builds_here else None,
-                    valid_names=valid_blend.prefixes if valid_blend else ())
+    return Datasets(
+        train=train if builds_here else None,
+        valid=valid if builds_here else None,
+        valid_names=valid_blend.prefixes if valid_blend else (),
+    )

@@ -1,5 +1,6 @@
 """Encoding chunks for `threed preprocess`: in the calling process (one worker) or in a pool of worker processes
 that each write one partial .bin/.idx per chunk, appended by the parent in input order."""
+
 from __future__ import annotations
 
 import ctypes
@@ -33,6 +34,7 @@ class TokenizerLike(Protocol):
 @dataclasses.dataclass(frozen=True)
 class Options:
     """What every worker needs to turn a chunk into documents (sent once, at pool start)."""
+
     keys: tuple[str, ...]
     unit: TextUnit
     bos: Optional[int]
@@ -60,8 +62,9 @@ def _encode(tok: TokenizerLike, texts: list[str], chunk: Chunk, positions: list[
                 tok.encode(text)
             except Exception as e:
                 msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
-                raise PreprocessError(f"{where(chunk, local)}: the tokenizer failed ({msg}); fix or drop that "
-                                      f"document") from None
+                raise PreprocessError(
+                    f"{where(chunk, local)}: the tokenizer failed ({msg}); fix or drop that document"
+                ) from None
         raise
 
 
@@ -148,8 +151,15 @@ def _work(chunk: Chunk) -> ChunkStats:
     return stats
 
 
-def run_parallel(chunks: Iterator[Chunk], workers: int, tok: TokenizerLike, opts: Options, tmpdir: str,
-                 builders: dict[str, Any], progress: Callable[[ChunkStats], None]) -> None:
+def run_parallel(
+    chunks: Iterator[Chunk],
+    workers: int,
+    tok: TokenizerLike,
+    opts: Options,
+    tmpdir: str,
+    builders: dict[str, Any],
+    progress: Callable[[ChunkStats], None],
+) -> None:
     """Chunks go to a pool as workers free up (at most 2 per worker in flight, which bounds the gzip blocks held
     in memory); finished partials are appended in chunk order. A failing chunk stops new submissions and its
     error is raised once every earlier chunk is done, so the error reported is the first in input order, as
@@ -164,8 +174,12 @@ def run_parallel(chunks: Iterator[Chunk], workers: int, tok: TokenizerLike, opts
     # add_index() calls gc.collect() per partial; with torch and megatron loaded that is ~0.2 s each. Freezing
     # the long-lived objects makes it ~free (and keeps forked workers from copying pages on write).
     gc.freeze()
-    ex = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method), initializer=_init_worker,
-                             initargs=(tok, opts, tmpdir, os.getpid()))
+    ex = ProcessPoolExecutor(
+        workers,
+        mp_context=multiprocessing.get_context(method),
+        initializer=_init_worker,
+        initargs=(tok, opts, tmpdir, os.getpid()),
+    )
     clean = False
     try:
         inflight: dict[Future, int] = {}

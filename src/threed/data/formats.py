@@ -10,6 +10,7 @@ Plain text: one document per paragraph (a maximal run of non-blank lines, joined
 whitespace only) by default, the way the demo corpus treats text, or one per non-blank line. Line endings are
 normalised like Python's universal newlines. Input must be UTF-8.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -49,29 +50,38 @@ def json_values(chunk: Chunk, data: bytes) -> Iterator[tuple[int, Any]]:
         try:
             yield i, json.loads(raw)
         except UnicodeDecodeError as e:
-            raise PreprocessError(f"{path} line {line_of(chunk, i)}: not UTF-8 (byte {raw[e.start]:#04x} at byte "
-                                  f"{e.start + 1}); re-encode the file as UTF-8") from None
+            raise PreprocessError(
+                f"{path} line {line_of(chunk, i)}: not UTF-8 (byte {raw[e.start]:#04x} at byte "
+                f"{e.start + 1}); re-encode the file as UTF-8"
+            ) from None
         except json.JSONDecodeError as e:
-            raise PreprocessError(f"{path} line {line_of(chunk, i)}: not valid JSON ({e.msg} at column {e.colno});"
-                                  f" fix or remove that line (one JSON object per line)") from None
+            raise PreprocessError(
+                f"{path} line {line_of(chunk, i)}: not valid JSON ({e.msg} at column {e.colno});"
+                f" fix or remove that line (one JSON object per line)"
+            ) from None
 
 
 def _jsonl_documents(chunk: Chunk, keys: Sequence[str], unit: TextUnit) -> Iterator[Document]:
     path = chunk.source.path
     for i, obj in json_values(chunk, read_chunk(chunk)):
         if not isinstance(obj, dict):
-            raise PreprocessError(f"{path} line {line_of(chunk, i)}: a JSON {type(obj).__name__}, not an object; "
-                                  f"each line must be one object like {{\"{keys[0]}\": \"...\"}}")
+            raise PreprocessError(
+                f"{path} line {line_of(chunk, i)}: a JSON {type(obj).__name__}, not an object; "
+                f'each line must be one object like {{"{keys[0]}": "..."}}'
+            )
         texts = []
         for key in keys:
             if key not in obj:
-                raise PreprocessError(f"{path} line {line_of(chunk, i)}: no key {key!r} (keys: {_names(list(obj))});"
-                                      f" pass --json-keys with the field that holds the text")
+                raise PreprocessError(
+                    f"{path} line {line_of(chunk, i)}: no key {key!r} (keys: {_names(list(obj))});"
+                    f" pass --json-keys with the field that holds the text"
+                )
             value = obj[key]
             if not isinstance(value, str):
                 kind = "null" if value is None else type(value).__name__
-                raise PreprocessError(f"{path} line {line_of(chunk, i)}: {key!r} is {kind}, not a string; fix the "
-                                      f"line or drop it")
+                raise PreprocessError(
+                    f"{path} line {line_of(chunk, i)}: {key!r} is {kind}, not a string; fix the line or drop it"
+                )
             texts.append(value)
         yield i, texts
 
@@ -85,8 +95,10 @@ def _cut_jsonl(src: Source, chunk_bytes: int, unit: TextUnit) -> Iterator[Chunk]
 
 def _check_text(path: str, keys: Sequence[str]) -> None:
     if len(keys) != 1:
-        raise PreprocessError(f"{path} is plain text, one field per document, but --json-keys names "
-                              f"{len(keys)}; pass a single key (it names the output)")
+        raise PreprocessError(
+            f"{path} is plain text, one field per document, but --json-keys names "
+            f"{len(keys)}; pass a single key (it names the output)"
+        )
 
 
 def _cut_text(src: Source, chunk_bytes: int, unit: TextUnit) -> Iterator[Chunk]:
@@ -99,8 +111,9 @@ def _text_documents(chunk: Chunk, keys: Sequence[str], unit: TextUnit) -> Iterat
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         line = line_of(chunk, data.count(b"\n", 0, e.start))
-        raise PreprocessError(f"{chunk.source.path} line {line}: not UTF-8 (byte {data[e.start]:#04x}); re-encode "
-                              f"the file as UTF-8") from None
+        raise PreprocessError(
+            f"{chunk.source.path} line {line}: not UTF-8 (byte {data[e.start]:#04x}); re-encode the file as UTF-8"
+        ) from None
     if "\r" in text:
         text = text.replace("\r\n", "\n").replace("\r", "\n")
     lines = text.split("\n")
@@ -137,11 +150,16 @@ def _check_parquet(path: str, keys: Sequence[str]) -> None:
         raise PreprocessError(f"{path}: not a readable Parquet file ({first_line(e)}); check the file") from None
     for key in keys:
         if key not in schema.names:
-            raise PreprocessError(f"{path}: no column {key!r} (columns: {_names(schema.names)}); pass --json-keys "
-                                  f"with the column that holds the text")
+            raise PreprocessError(
+                f"{path}: no column {key!r} (columns: {_names(schema.names)}); pass --json-keys "
+                f"with the column that holds the text"
+            )
         t = schema.field(key).type
-        if not (pa.types.is_string(t) or pa.types.is_large_string(t) or getattr(pa.types, "is_string_view",
-                                                                                 lambda _: False)(t)):
+        if not (
+            pa.types.is_string(t)
+            or pa.types.is_large_string(t)
+            or getattr(pa.types, "is_string_view", lambda _: False)(t)
+        ):
             raise PreprocessError(f"{path}: column {key!r} is {t}, not text; pass --json-keys with a string column")
 
 
@@ -164,14 +182,16 @@ def _parquet_documents(chunk: Chunk, keys: Sequence[str], unit: TextUnit) -> Ite
     path = chunk.source.path
     row = chunk.first_line
     # One row group, in bounded batches, single-threaded (the parallelism is the worker processes).
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=_PARQUET_BATCH_ROWS, row_groups=[chunk.start],
-                                                   columns=list(keys), use_threads=False):
+    for batch in pq.ParquetFile(path).iter_batches(
+        batch_size=_PARQUET_BATCH_ROWS, row_groups=[chunk.start], columns=list(keys), use_threads=False
+    ):
         columns = [batch.column(k).to_pylist() for k in keys]
         for j, texts in enumerate(zip(*columns)):
             for key, value in zip(keys, texts):
                 if value is None:
-                    raise PreprocessError(f"{path} row {row + j} (from 0): column {key!r} is null; drop or fill "
-                                          f"the null rows")
+                    raise PreprocessError(
+                        f"{path} row {row + j} (from 0): column {key!r} is null; drop or fill the null rows"
+                    )
             yield row + j, list(texts)
         row += batch.num_rows
 
@@ -179,13 +199,23 @@ def _parquet_documents(chunk: Chunk, keys: Sequence[str], unit: TextUnit) -> Ite
 # ------------------------------------------------------------------------------------------------- registry
 
 
-FORMATS: dict[str, InputFormat] = {f.name: f for f in (
-    InputFormat("jsonl", (".jsonl", ".json", ".ndjson"), _cut_jsonl, _jsonl_documents),
-    InputFormat("parquet", (".parquet",), _cut_parquet, _parquet_documents, check=_check_parquet, rows=True,
-                no_gzip="a gzipped Parquet file is not readable in row groups; gunzip it first (Parquet compresses "
-                        "its pages itself)"),
-    InputFormat("text", (".txt", ".text", ".md"), _cut_text, _text_documents, check=_check_text),
-)}
+FORMATS: dict[str, InputFormat] = {
+    f.name: f
+    for f in (
+        InputFormat("jsonl", (".jsonl", ".json", ".ndjson"), _cut_jsonl, _jsonl_documents),
+        InputFormat(
+            "parquet",
+            (".parquet",),
+            _cut_parquet,
+            _parquet_documents,
+            check=_check_parquet,
+            rows=True,
+            no_gzip="a gzipped Parquet file is not readable in row groups; gunzip it first (Parquet compresses "
+            "its pages itself)",
+        ),
+        InputFormat("text", (".txt", ".text", ".md"), _cut_text, _text_documents, check=_check_text),
+    )
+}
 FORMAT_CHOICES = ("auto", *FORMATS)  # --input-format
 
 
@@ -201,10 +231,13 @@ def detect(path: str, fmt: str = "auto") -> Source:
     if fmt == "auto":
         found = format_of(path)
         if found is None:
-            names = ", ".join(f"{f.suffixes[0]}, {f.suffixes[0]}.gz" if not f.no_gzip else f.suffixes[0]
-                              for f in FORMATS.values())
-            raise PreprocessError(f"cannot tell the format of {path} from its name; name it {names}, or pass "
-                                  f"--input-format {'|'.join(FORMATS)}")
+            names = ", ".join(
+                f"{f.suffixes[0]}, {f.suffixes[0]}.gz" if not f.no_gzip else f.suffixes[0] for f in FORMATS.values()
+            )
+            raise PreprocessError(
+                f"cannot tell the format of {path} from its name; name it {names}, or pass "
+                f"--input-format {'|'.join(FORMATS)}"
+            )
         fmt = found
     gzipped = path.lower().endswith(".gz")
     if gzipped and FORMATS[fmt].no_gzip:

@@ -15,6 +15,7 @@ processes die with their parent (`threed.data.encode.die_with_parent`).
 A reader finds the old pair, no .idx, or the new pair, never a mixed or partial one. The renames are flushed to
 disk like every other publish (`threed.atomic`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -46,19 +47,22 @@ def indexed_dataset() -> Any:
 def check_output(prefix: str, outputs: dict[str, str], force: bool) -> None:
     """`prefix` names files, not a directory; the outputs (key -> PREFIX_{key}_document) exist only with force."""
     if prefix.endswith(("/", os.sep)) or Path(prefix).is_dir() or not Path(prefix).name:
-        raise PreprocessError(f"--output-prefix {prefix} is a directory; give a file prefix like "
-                              f"{prefix.rstrip('/')}/corpus")
+        raise PreprocessError(
+            f"--output-prefix {prefix} is a directory; give a file prefix like {prefix.rstrip('/')}/corpus"
+        )
     for out in outputs.values():
         for path in (out + ".bin", out + ".idx"):
             if os.path.lexists(path) and not force:
-                raise PreprocessError(f"output exists: {path}; pass --force to replace it or choose another "
-                                      f"--output-prefix")
+                raise PreprocessError(
+                    f"output exists: {path}; pass --force to replace it or choose another --output-prefix"
+                )
 
 
 @dataclasses.dataclass
 class IndexedOutput:
     """What is being written: the temporary directory (workers put their partial files there too) and one
     `IndexedDatasetBuilder` per output key."""
+
     tmpdir: str
     builders: dict[str, Any]
 
@@ -93,12 +97,12 @@ def _make_tmpdir(prefix: str) -> tuple[str, list[Path]]:
     try:
         parent.mkdir(parents=True, exist_ok=True)
         remove_stale_tmpdirs(prefix)
-        return tempfile.mkdtemp(prefix=_tmp_prefix(prefix) + f"{os.getpid()}.", suffix=_TMP_SUFFIX,
-                                dir=parent), created
+        return tempfile.mkdtemp(prefix=_tmp_prefix(prefix) + f"{os.getpid()}.", suffix=_TMP_SUFFIX, dir=parent), created
     except OSError as e:
         _remove_dirs(created)
-        raise PreprocessError(f"cannot write to {parent} ({e.strerror or e}); choose a writable "
-                              f"--output-prefix") from None
+        raise PreprocessError(
+            f"cannot write to {parent} ({e.strerror or e}); choose a writable --output-prefix"
+        ) from None
 
 
 _TMP_SUFFIX = ".preprocess-tmp"
@@ -126,8 +130,10 @@ def remove_stale_tmpdirs(prefix: str) -> list[str]:
             continue
         shutil.rmtree(parent / name, ignore_errors=True)
         removed.append(str(parent / name))
-        print(f"threed preprocess: removed {parent / name}, left by a run that was killed (pid {m.group(1)})",
-              file=sys.stderr)
+        print(
+            f"threed preprocess: removed {parent / name}, left by a run that was killed (pid {m.group(1)})",
+            file=sys.stderr,
+        )
     return removed
 
 

@@ -2,6 +2,7 @@
 input order, read back as documents (plain, in the workers) or JSON records (`--sft`, in one process). What each
 format is lives in `threed.data.formats`; this is what a run does with a list of files.
 """
+
 from __future__ import annotations
 
 import os

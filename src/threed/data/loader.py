@@ -9,6 +9,7 @@ checkpoint.
 A micro-batch is what DeepSpeed's pipeline loads: `(tokens, (labels, loss_mask))` for training, with a third
 target, the one-hot source dataset of each sample, for evaluation (per-dataset validation loss).
 """
+
 from __future__ import annotations
 
 from typing import Iterator, Optional, Sequence
@@ -24,9 +25,17 @@ class SampleCounter:
         self.samples = 0
 
 
-def micro_batches(dataset, global_batch: int, micro: int, dp: int, dp_rank: int, start_sample: int,
-                  vocab_size: int, num_datasets: int = 0,
-                  counter: Optional[SampleCounter] = None) -> Iterator[tuple]:
+def micro_batches(
+    dataset,
+    global_batch: int,
+    micro: int,
+    dp: int,
+    dp_rank: int,
+    start_sample: int,
+    vocab_size: int,
+    num_datasets: int = 0,
+    counter: Optional[SampleCounter] = None,
+) -> Iterator[tuple]:
     """Endless micro-batches for this data-parallel rank from `start_sample` (consumed samples) on.
     With `num_datasets` > 0 the targets carry each sample's one-hot source dataset (evaluation)."""
     share = global_batch // dp
@@ -49,8 +58,10 @@ def collate(samples: Sequence[dict], vocab_size: int, num_datasets: int = 0) -> 
     loss_mask = torch.stack([torch.as_tensor(s["loss_mask"]) for s in samples]).float()
     top = int(max(tokens.max(), labels.max()))
     if top >= vocab_size:  # the last guard behind check_data's (sampled, for big corpora) vocabulary check
-        raise ValueError(f"a training sample holds token id {top} >= the model's vocab_size {vocab_size}: the data "
-                         f"was made with another tokenizer; re-run `threed preprocess` with the model's tokenizer")
+        raise ValueError(
+            f"a training sample holds token id {top} >= the model's vocab_size {vocab_size}: the data "
+            f"was made with another tokenizer; re-run `threed preprocess` with the model's tokenizer"
+        )
     inputs = tokens
     if "doc_ids" in samples[0]:
         inputs = (tokens, torch.stack([torch.as_tensor(s["doc_ids"]) for s in samples]).to(torch.int32))
@@ -60,8 +71,7 @@ def collate(samples: Sequence[dict], vocab_size: int, num_datasets: int = 0) -> 
     return inputs, (labels, loss_mask, torch.nn.functional.one_hot(ids, num_datasets).float())
 
 
-def token_weighted(step: list[tuple], dp_group=None,
-                   device: Optional[torch.device] = None) -> tuple[list[tuple], int]:
+def token_weighted(step: list[tuple], dp_group=None, device: Optional[torch.device] = None) -> tuple[list[tuple], int]:
     """One step's micro-batches `(inputs, (labels, loss_mask))` -> `(inputs, (labels, weights))` where every loss
     token of the global batch weighs the same: weights = loss_mask x (gas x dp) / (loss tokens of the global batch,
     summed over `dp_group`). DeepSpeed then divides the summed micro-batch losses by gas and averages gradients over

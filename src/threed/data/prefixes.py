@@ -2,6 +2,7 @@
 preprocess` writes and `--data-path` names), and the SFT pair `PREFIX_text_document` + `PREFIX_mask_document`
 (the loss mask beside the tokens). Writers, the training-data checks and the SFT dataset all agree through here.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

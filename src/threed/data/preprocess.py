@@ -8,6 +8,7 @@ partial .bin/.idx per chunk (`threed.data.encode`), and the parent appends them 
 workers gives byte-identical files. The inputs (`threed.data.inputs`) and the output (`threed.data.indexed_output`)
 are checked before any work; bad input raises PreprocessError with nothing left on disk.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -46,10 +47,12 @@ class PreprocessSummary:
 
     def line(self) -> str:
         skipped = f", {self.skipped:,} empty skipped" if self.skipped else ""
-        return (f"{self.documents:,} documents, {self.tokens:,} tokens ({self.dtype}){skipped} in "
-                f"{self.seconds:.1f}s + {self.setup_seconds:.1f}s setup ({self.tokens_per_s:,.0f} tokens/s, "
-                f"{self.workers} worker{'s' if self.workers > 1 else ''}) -> "
-                + ", ".join(f"{p}.bin/.idx" for p in self.outputs.values()))
+        return (
+            f"{self.documents:,} documents, {self.tokens:,} tokens ({self.dtype}){skipped} in "
+            f"{self.seconds:.1f}s + {self.setup_seconds:.1f}s setup ({self.tokens_per_s:,.0f} tokens/s, "
+            f"{self.workers} worker{'s' if self.workers > 1 else ''}) -> "
+            + ", ".join(f"{p}.bin/.idx" for p in self.outputs.values())
+        )
 
 
 def _load_tokenizer(spec: Union[str, os.PathLike, TokenizerLike]) -> TokenizerLike:
@@ -75,10 +78,21 @@ def _check_keys(keys: Sequence[str]) -> tuple[str, ...]:
     return keys
 
 
-def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer: Union[str, os.PathLike, TokenizerLike], *,
-               json_keys: Sequence[str] = ("text",), workers: int = 1, append_eod: bool = False, bos: bool = True,
-               input_format: str = "auto", text_unit: str = "paragraph", force: bool = False,
-               show_progress: bool = False, chunk_bytes: Optional[int] = None) -> PreprocessSummary:
+def preprocess(
+    inputs: Sequence[str],
+    output_prefix: str,
+    tokenizer: Union[str, os.PathLike, TokenizerLike],
+    *,
+    json_keys: Sequence[str] = ("text",),
+    workers: int = 1,
+    append_eod: bool = False,
+    bos: bool = True,
+    input_format: str = "auto",
+    text_unit: str = "paragraph",
+    force: bool = False,
+    show_progress: bool = False,
+    chunk_bytes: Optional[int] = None,
+) -> PreprocessSummary:
     """Tokenize `inputs` into PREFIX_{key}_document.bin/.idx for each json key. Raises PreprocessError (one-line
     message) for bad input or output, with nothing left on disk. `tokenizer` is a path (see Tokenizer) or an
     object with `encode`, `vocab_size`, `bos_id`, `eos_id` (and optionally `encode_batch`)."""
@@ -87,8 +101,9 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer: Union[str, 
     if workers < 1:
         raise PreprocessError(f"--workers must be at least 1, got {workers}")
     if input_format not in FORMAT_CHOICES or text_unit not in TEXT_UNITS:
-        raise PreprocessError(f"input format {input_format!r} / text unit {text_unit!r}: choose from "
-                              f"{FORMAT_CHOICES} / {TEXT_UNITS}")
+        raise PreprocessError(
+            f"input format {input_format!r} / text unit {text_unit!r}: choose from {FORMAT_CHOICES} / {TEXT_UNITS}"
+        )
     sources = check_sources(inputs, input_format, keys)
     outputs = {k: dataset_prefix(output_prefix, k) for k in keys}
     check_output(output_prefix, outputs, force)
@@ -113,12 +128,20 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer: Union[str, 
         if show_progress and bar is None:
             # Made at the first result, after the workers are forked: tqdm starts a monitor thread, and a process
             # should not fork while it has threads.
-            bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="preprocess",
-                       file=sys.stderr, dynamic_ncols=True)
+            bar = tqdm(
+                total=total,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                desc="preprocess",
+                file=sys.stderr,
+                dynamic_ncols=True,
+            )
         if bar is not None:
             el = max(time.perf_counter() - start, 1e-9)
-            bar.set_postfix_str(f"{counts['documents'] / el:,.0f} docs/s, {counts['tokens'] / el:,.0f} tokens/s",
-                                refresh=False)
+            bar.set_postfix_str(
+                f"{counts['documents'] / el:,.0f} docs/s, {counts['tokens'] / el:,.0f} tokens/s", refresh=False
+            )
             bar.update(s.weight)
 
     try:
@@ -132,10 +155,21 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer: Union[str, 
                 run_parallel(chunks, workers, tok, opts, out.tmpdir, out.builders, progress)
             for k, n in per_key.items():
                 if n == 0:  # an empty .bin cannot even be memory-mapped by IndexedDataset
-                    raise PreprocessError(f"no documents for key {k!r} in {', '.join(inputs)} (all empty); check "
-                                          f"the inputs and --json-keys / --text-unit")
+                    raise PreprocessError(
+                        f"no documents for key {k!r} in {', '.join(inputs)} (all empty); check "
+                        f"the inputs and --json-keys / --text-unit"
+                    )
     finally:
         if bar is not None:
             bar.close()
-    return PreprocessSummary(outputs, counts["documents"], counts["tokens"], counts["skipped"],
-                             dtype.__name__, tok.vocab_size, workers, time.perf_counter() - start, setup)
+    return PreprocessSummary(
+        outputs,
+        counts["documents"],
+        counts["tokens"],
+        counts["skipped"],
+        dtype.__name__,
+        tok.vocab_size,
+        workers,
+        time.perf_counter() - start,
+        setup,
+    )

@@ -14,6 +14,7 @@ The inputs are read through the same format registry as plain preprocessing (`th
 the same way (`threed.data.indexed_output`): in a temporary directory beside the output, renamed when complete
 (.bin files first, .idx last), nothing left behind on bad input.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,14 +44,25 @@ class SFTSummary:
     seconds: float
 
     def line(self) -> str:
-        extra = "".join(f", {n:,} {what}" for n, what in ((self.truncated, "truncated"), (self.dropped, "dropped"))
-                        if n)
-        return (f"{self.examples:,} examples, {self.tokens:,} tokens ({self.response_tokens:,} in responses)"
-                f"{extra} in {self.seconds:.1f}s -> " + ", ".join(f"{p}.bin/.idx" for p in self.outputs.values()))
+        extra = "".join(
+            f", {n:,} {what}" for n, what in ((self.truncated, "truncated"), (self.dropped, "dropped")) if n
+        )
+        return (
+            f"{self.examples:,} examples, {self.tokens:,} tokens ({self.response_tokens:,} in responses)"
+            f"{extra} in {self.seconds:.1f}s -> " + ", ".join(f"{p}.bin/.idx" for p in self.outputs.values())
+        )
 
 
-def preprocess_sft(inputs: Sequence[str], output_prefix: str, tokenizer: Any, *, seq_length: int,
-                   chat_format: Optional[str] = None, long: str = "error", force: bool = False) -> SFTSummary:
+def preprocess_sft(
+    inputs: Sequence[str],
+    output_prefix: str,
+    tokenizer: Any,
+    *,
+    seq_length: int,
+    chat_format: Optional[str] = None,
+    long: str = "error",
+    force: bool = False,
+) -> SFTSummary:
     """Render, tokenize and mask every example of `inputs` into PREFIX_text_document and PREFIX_mask_document.
     `tokenizer`: a path (see load_hf_tokenizer) or an HF fast tokenizer object. `long`: "error", "drop" or
     "truncate". PreprocessError (one line) for bad input, with nothing left on disk."""
@@ -72,8 +84,10 @@ def preprocess_sft(inputs: Sequence[str], output_prefix: str, tokenizer: Any, *,
             ids, mask = render(to_messages(record, where), where)
             if len(ids) > seq_length:
                 if long == "error":
-                    raise PreprocessError(f"{where}: example has {len(ids):,} tokens, more than --seq-length "
-                                          f"{seq_length:,}; pass --drop-long or --truncate-long")
+                    raise PreprocessError(
+                        f"{where}: example has {len(ids):,} tokens, more than --seq-length "
+                        f"{seq_length:,}; pass --drop-long or --truncate-long"
+                    )
                 if long == "drop" or not any(mask[:seq_length]):
                     counts["dropped"] += 1
                     continue
@@ -85,6 +99,8 @@ def preprocess_sft(inputs: Sequence[str], output_prefix: str, tokenizer: Any, *,
             counts["tokens"] += len(ids)
             counts["response_tokens"] += sum(mask)
         if counts["examples"] == 0:
-            raise PreprocessError(f"no examples left in {', '.join(inputs)} (empty inputs, or all dropped as longer "
-                                  f"than --seq-length {seq_length})")
+            raise PreprocessError(
+                f"no examples left in {', '.join(inputs)} (empty inputs, or all dropped as longer "
+                f"than --seq-length {seq_length})"
+            )
     return SFTSummary(outputs, seconds=time.perf_counter() - start, **counts)

@@ -17,6 +17,7 @@ split across samples, attention across examples), and its SFTDataset needs its o
 conversation; neither reads a separate loss mask. Row order is deterministic in (seed, split, epoch), independent
 of the data-parallel layout, like GPTDataset's, so resume at another layout reads the same rows.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -59,8 +60,15 @@ def greedy_rows(positions: np.ndarray, capacity: int) -> np.ndarray:
 
 
 class SFTDataset(MegatronDataset):
-    def __init__(self, dataset: SFTLowLevel, dataset_path: Optional[str], indices: np.ndarray,
-                 num_samples: Optional[int], index_split: Split, config: SFTDatasetConfig) -> None:
+    def __init__(
+        self,
+        dataset: SFTLowLevel,
+        dataset_path: Optional[str],
+        indices: np.ndarray,
+        num_samples: Optional[int],
+        index_split: Split,
+        config: SFTDatasetConfig,
+    ) -> None:
         super().__init__(dataset, dataset_path, indices, num_samples, index_split, config)
         seq = config.sequence_length
         # An example of n tokens fills n - 1 positions; one of fewer than 2 tokens trains nothing.
@@ -96,8 +104,9 @@ class SFTDataset(MegatronDataset):
     def build_low_level_dataset(dataset_path: str, config: SFTDatasetConfig) -> SFTLowLevel:
         mask = mask_prefix(dataset_path)
         assert mask is not None, dataset_path  # check_data has refused other prefixes
-        return SFTLowLevel(IndexedDataset(dataset_path, mmap=config.mmap_bin_files),
-                           IndexedDataset(mask, mmap=config.mmap_bin_files))
+        return SFTLowLevel(
+            IndexedDataset(dataset_path, mmap=config.mmap_bin_files), IndexedDataset(mask, mmap=config.mmap_bin_files)
+        )
 
     @staticmethod
     def _key_config_attributes() -> list[str]:
@@ -107,7 +116,7 @@ class SFTDataset(MegatronDataset):
         return len(self.row_starts) - 1
 
     def examples(self, idx: int) -> np.ndarray:
-        return self.order[self.row_starts[idx]:self.row_starts[idx + 1]]
+        return self.order[self.row_starts[idx] : self.row_starts[idx + 1]]
 
     def __getitem__(self, idx: int) -> dict[str, np.ndarray]:
         seq = self.config.sequence_length
@@ -121,8 +130,8 @@ class SFTDataset(MegatronDataset):
             x = self.dataset.tokens[example]
             m = self.dataset.mask[example]
             n = len(x) - 1
-            tokens[at:at + n], labels[at:at + n], loss_mask[at:at + n] = x[:-1], x[1:], m[1:]
-            doc_ids[at:at + n] = k
+            tokens[at : at + n], labels[at : at + n], loss_mask[at : at + n] = x[:-1], x[1:], m[1:]
+            doc_ids[at : at + n] = k
             at += n
         sample = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask}
         if self.config.pack:

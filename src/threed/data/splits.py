@@ -9,6 +9,7 @@ Refused as well, because they would silently do something else than asked: a dat
 (megatron builds it twice with the same shuffle, so each sample is read twice, in step: merge the weights), --split
 with per-split paths, and --test-data-path (no test split is ever evaluated).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -49,16 +50,19 @@ def parse_blend(words: Sequence[str], flag: str) -> Blend:
         prefixes = tuple(words[1::2])
         bad = [w for w in weights if not math.isfinite(w) or w < 0]
         if bad:
-            raise ConfigError(f"{flag}: blend weights must be finite and >= 0, got {bad[0]:g}; e.g. "
-                              f"{flag} 0.3 PREFIX_A 0.7 PREFIX_B")
+            raise ConfigError(
+                f"{flag}: blend weights must be finite and >= 0, got {bad[0]:g}; e.g. {flag} 0.3 PREFIX_A 0.7 PREFIX_B"
+            )
         if sum(weights) <= 0:
             raise ConfigError(f"{flag}: the blend weights sum to 0; give at least one positive weight")
         _refuse_repeats(prefixes, weights, flag)
         return Blend(prefixes, weights)
     if any(numeric):
         first = words[numeric.index(True)]
-        raise ConfigError(f"{flag}: cannot parse {' '.join(words)!r}: {first!r} looks like a weight, but weights "
-                          f"and prefixes must alternate (WEIGHT PREFIX WEIGHT PREFIX ...), or give prefixes only")
+        raise ConfigError(
+            f"{flag}: cannot parse {' '.join(words)!r}: {first!r} looks like a weight, but weights "
+            f"and prefixes must alternate (WEIGHT PREFIX WEIGHT PREFIX ...), or give prefixes only"
+        )
     _refuse_repeats(tuple(words), None, flag)
     return Blend(tuple(words), None)
 
@@ -95,8 +99,9 @@ def parse_split(split: str) -> list[float]:
     except ValueError:
         raise ConfigError(f"--split {split!r} is not a list of numbers; use e.g. --split 969,30,1") from None
     if not 1 <= len(parts) <= 3 or any(not math.isfinite(p) or p < 0 for p in parts):
-        raise ConfigError(f"--split {split!r} needs up to three non-negative numbers train,valid,test; "
-                          f"e.g. --split 969,30,1")
+        raise ConfigError(
+            f"--split {split!r} needs up to three non-negative numbers train,valid,test; e.g. --split 969,30,1"
+        )
     if sum(parts) <= 0:
         raise ConfigError(f"--split {split!r} sums to 0: no document would go anywhere; e.g. --split 969,30,1")
     return parts + [0.0] * (3 - len(parts))
@@ -111,7 +116,9 @@ class DataSplits:
     split: Optional[str]  # with --data-path; None with per-split paths
     eval_interval: int  # 0: no evaluation
     eod: int  # end-of-document id (NO_EOD: unknown, only allowed when nothing needs it)
-    sft: bool = False  # `threed preprocess --sft` data (a loss-mask dataset beside each prefix): threed.data.sft_dataset
+    sft: bool = (
+        False  # `threed preprocess --sft` data (a loss-mask dataset beside each prefix): threed.data.sft_dataset
+    )
 
     @property
     def has_valid(self) -> bool:
@@ -124,8 +131,9 @@ def read_data_flags(cfg: RunConfig) -> DataSplits:
     d, t = cfg.data, cfg.train
     per_split = (d.train_data_path, d.valid_data_path, d.test_data_path)
     if d.data_path and any(per_split):
-        raise ConfigError("give either --data-path (with --split) or --train-data-path/--valid-data-path/"
-                          "--test-data-path, not both")
+        raise ConfigError(
+            "give either --data-path (with --split) or --train-data-path/--valid-data-path/--test-data-path, not both"
+        )
     if d.data_path:
         blend = parse_blend(d.data_path, "--data-path")
         ratios = parse_split(d.split)
@@ -135,21 +143,30 @@ def read_data_flags(cfg: RunConfig) -> DataSplits:
         split: Optional[str] = ",".join(f"{r:g}" for r in ratios)
     elif d.train_data_path:
         if d.split != _DEFAULT_SPLIT:
-            raise ConfigError(f"--split {d.split} applies to --data-path only; with --train-data-path/"
-                              f"--valid-data-path each split has its own blend: drop --split")
-        blends = tuple(parse_blend(p, f"--{n}-data-path") if p else None
-                       for p, n in zip(per_split, ("train", "valid", "test")))
+            raise ConfigError(
+                f"--split {d.split} applies to --data-path only; with --train-data-path/"
+                f"--valid-data-path each split has its own blend: drop --split"
+            )
+        blends = tuple(
+            parse_blend(p, f"--{n}-data-path") if p else None for p, n in zip(per_split, ("train", "valid", "test"))
+        )
         split = None
     else:
-        raise ConfigError("no training data: pass --data-path PREFIX (a .bin/.idx pair made by `threed preprocess` "
-                          "or Megatron-LM's tools/preprocess_data.py), or --train-data-path")
+        raise ConfigError(
+            "no training data: pass --data-path PREFIX (a .bin/.idx pair made by `threed preprocess` "
+            "or Megatron-LM's tools/preprocess_data.py), or --train-data-path"
+        )
     if d.test_data_path:
-        raise ConfigError("--test-data-path would be ignored: threed evaluates no test split (only --valid-data-path,"
-                          " every --eval-interval steps); drop it, or pass that blend as --valid-data-path")
+        raise ConfigError(
+            "--test-data-path would be ignored: threed evaluates no test split (only --valid-data-path,"
+            " every --eval-interval steps); drop it, or pass that blend as --valid-data-path"
+        )
     has_valid = blends[1] is not None
     if t.eval_interval is not None and t.eval_interval > 0 and not has_valid:
-        raise ConfigError(f"--eval-interval {t.eval_interval} needs a validation split: give --split with a "
-                          f"non-zero middle part (e.g. 969,30,1) or --valid-data-path")
+        raise ConfigError(
+            f"--eval-interval {t.eval_interval} needs a validation split: give --split with a "
+            f"non-zero middle part (e.g. 969,30,1) or --valid-data-path"
+        )
     interval = (t.eval_interval if t.eval_interval is not None else DEFAULT_EVAL_INTERVAL) if has_valid else 0
     if interval and t.eval_iters < 1:
         raise ConfigError(f"--eval-iters must be >= 1 when evaluating, got {t.eval_iters}")
@@ -161,8 +178,10 @@ def read_data_flags(cfg: RunConfig) -> DataSplits:
         except (OSError, ValueError) as e:
             raise ConfigError(f"--tokenizer: {e}") from None
         if tok.vocab_size > cfg.model.vocab_size:
-            raise ConfigError(f"tokenizer {d.tokenizer} has {tok.vocab_size} tokens, more than the model's vocab_size "
-                              f"{cfg.model.vocab_size}; use the model's own tokenizer")
+            raise ConfigError(
+                f"tokenizer {d.tokenizer} has {tok.vocab_size} tokens, more than the model's vocab_size "
+                f"{cfg.model.vocab_size}; use the model's own tokenizer"
+            )
         eod = tok.eos_id
     elif d.eod_mask_loss:
         raise ConfigError("--eod-mask-loss needs --tokenizer (the end-of-document id comes from it)")
@@ -176,15 +195,21 @@ def _sft_kind(blends: Sequence[Optional[Blend]], d: DataConfig) -> bool:
     if len(set(kinds.values())) > 1:
         sft = [p for p, k in kinds.items() if k]
         plain = [p for p, k in kinds.items() if not k]
-        raise ConfigError(f"the data mixes SFT datasets ({sft[0]}, with a loss mask) and pretraining datasets "
-                          f"({plain[0]}, without): train them in separate runs, or re-make {plain[0]} with "
-                          f"`threed preprocess --sft`")
+        raise ConfigError(
+            f"the data mixes SFT datasets ({sft[0]}, with a loss mask) and pretraining datasets "
+            f"({plain[0]}, without): train them in separate runs, or re-make {plain[0]} with "
+            f"`threed preprocess --sft`"
+        )
     sft = bool(prefixes) and all(kinds.values())
     if d.pack and not sft:
-        raise ConfigError(f"--pack true needs SFT data (`threed preprocess --sft` writes PREFIX_text_document and "
-                          f"PREFIX_mask_document; {prefixes[0]} has no mask dataset beside it); pretraining data "
-                          f"is already packed by megatron's GPTDataset: drop --pack")
+        raise ConfigError(
+            f"--pack true needs SFT data (`threed preprocess --sft` writes PREFIX_text_document and "
+            f"PREFIX_mask_document; {prefixes[0]} has no mask dataset beside it); pretraining data "
+            f"is already packed by megatron's GPTDataset: drop --pack"
+        )
     if sft and d.eod_mask_loss:
-        raise ConfigError("--eod-mask-loss is for pretraining data; SFT data carries its own loss mask (the "
-                          "response tokens): drop --eod-mask-loss")
+        raise ConfigError(
+            "--eod-mask-loss is for pretraining data; SFT data carries its own loss mask (the "
+            "response tokens): drop --eod-mask-loss"
+        )
     return sft

@@ -5,6 +5,7 @@ layout, `rope_theta` / `rope_scaling`, and the v5 one, `rope_parameters`), what 
     cfg = from_hf_config("Meta-Llama-3-8B")            # a directory, its config.json, or the parsed dict
     write_config(out_dir, cfg, torch.bfloat16, source_config)
 """
+
 from __future__ import annotations
 
 import json
@@ -42,9 +43,12 @@ def from_hf_config(src: Union[str, Path, dict[str, Any]], name: str = "hf") -> M
     theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type == "llama3":
-        scaling = RopeScaling(factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
-                              high_freq_factor=float(rope["high_freq_factor"]),
-                              original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
+        scaling = RopeScaling(
+            factor=float(rope["factor"]),
+            low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+        )
     elif rope_type == "default":
         scaling = None
     else:
@@ -54,11 +58,17 @@ def from_hf_config(src: Union[str, Path, dict[str, Any]], name: str = "hf") -> M
     if hf.get("head_dim") not in (None, hidden // heads):
         raise ConfigError(f"head_dim {hf['head_dim']} != hidden_size/num_attention_heads = {hidden // heads}")
     cfg = ModelConfig(
-        name=name, vocab_size=int(hf["vocab_size"]), hidden_size=hidden, num_layers=int(hf["num_hidden_layers"]),
-        num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+        name=name,
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=hidden,
+        num_layers=int(hf["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
         ffn_hidden_size=int(hf["intermediate_size"]),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)), rope_theta=theta,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)), rope_scaling=scaling,
+        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+        rope_theta=theta,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+        rope_scaling=scaling,
         # transformers' LlamaConfig default is False (Llama 2 / 3 / 3.1); Llama 3.2 1B / 3B say true.
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
     )
@@ -71,17 +81,32 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
     rope: dict[str, Any] = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
     if cfg.rope_scaling is not None:
         s = cfg.rope_scaling
-        rope.update(rope_type="llama3", factor=s.factor, low_freq_factor=s.low_freq_factor,
-                    high_freq_factor=s.high_freq_factor,
-                    original_max_position_embeddings=s.original_max_position_embeddings)
+        rope.update(
+            rope_type="llama3",
+            factor=s.factor,
+            low_freq_factor=s.low_freq_factor,
+            high_freq_factor=s.high_freq_factor,
+            original_max_position_embeddings=s.original_max_position_embeddings,
+        )
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim, "intermediate_size": cfg.ffn_hidden_size,
-        "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_parameters": rope, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-        "tie_word_embeddings": cfg.tie_word_embeddings, "initializer_range": cfg.init_std, "torch_dtype": "float32",
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.ffn_hidden_size,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_parameters": rope,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "initializer_range": cfg.init_std,
+        "torch_dtype": "float32",
     }
 
 

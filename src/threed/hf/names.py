@@ -8,23 +8,35 @@ Each row of `threed.model.spec.PARAMETERS` is made of one or more HF tensors, fu
 HF already uses rotate-half RoPE, so no q/k permutation is needed (Meta's raw weights would need one). Entries of
 an HF checkpoint that are not weights (`IGNORED_SUFFIXES`) are `threed.hf.format`'s.
 """
+
 from __future__ import annotations
 
 from threed.config import ModelConfig
-from threed.model.spec import (PARAMETERS, LayerKind, PipelineLayer, full_shape, held_parameters, layer_parameters,
-                               tie_owners)
+from threed.model.spec import (
+    PARAMETERS,
+    LayerKind,
+    PipelineLayer,
+    full_shape,
+    held_parameters,
+    layer_parameters,
+    tie_owners,
+)
 
 # (layer kind, our name) -> HF name templates; "{i}" is the block number.
 HF_NAMES: dict[tuple[LayerKind, str], tuple[str, ...]] = {
     ("embedding", "word_embeddings.weight"): ("model.embed_tokens.weight",),
     ("block", "input_layernorm.weight"): ("model.layers.{i}.input_layernorm.weight",),
-    ("block", "self_attention.linear_qkv.weight"): ("model.layers.{i}.self_attn.q_proj.weight",
-                                                    "model.layers.{i}.self_attn.k_proj.weight",
-                                                    "model.layers.{i}.self_attn.v_proj.weight"),
+    ("block", "self_attention.linear_qkv.weight"): (
+        "model.layers.{i}.self_attn.q_proj.weight",
+        "model.layers.{i}.self_attn.k_proj.weight",
+        "model.layers.{i}.self_attn.v_proj.weight",
+    ),
     ("block", "self_attention.linear_proj.weight"): ("model.layers.{i}.self_attn.o_proj.weight",),
     ("block", "pre_mlp_layernorm.weight"): ("model.layers.{i}.post_attention_layernorm.weight",),
-    ("block", "mlp.linear_fc1.weight"): ("model.layers.{i}.mlp.gate_proj.weight",
-                                         "model.layers.{i}.mlp.up_proj.weight"),
+    ("block", "mlp.linear_fc1.weight"): (
+        "model.layers.{i}.mlp.gate_proj.weight",
+        "model.layers.{i}.mlp.up_proj.weight",
+    ),
     ("block", "mlp.linear_fc2.weight"): ("model.layers.{i}.mlp.down_proj.weight",),
     ("final_norm", "norm.weight"): ("model.norm.weight",),
     ("lm_head", "lm_head.weight"): ("lm_head.weight",),
@@ -35,8 +47,10 @@ assert set(HF_NAMES) == {(p.layer, p.name) for p in PARAMETERS}, "every paramete
 
 def hf_names(layer: PipelineLayer) -> dict[str, tuple[str, ...]]:
     """our name -> the HF names it is made of, for one pipeline layer."""
-    return {p.name: tuple(t.format(i=layer.block) for t in HF_NAMES[(layer.kind, p.name)])
-            for p in layer_parameters(layer.kind)}
+    return {
+        p.name: tuple(t.format(i=layer.block) for t in HF_NAMES[(layer.kind, p.name)])
+        for p in layer_parameters(layer.kind)
+    }
 
 
 def hf_shapes(cfg: ModelConfig, layer: PipelineLayer) -> dict[str, tuple[int, ...]]:

@@ -11,6 +11,7 @@ RSS), and a truncated or corrupt file is detected from its header before any ten
 This module knows files and tensor names, not our model: which tensors a ModelConfig implies is passed in
 (threed.convert computes it from the HF name table).
 """
+
 from __future__ import annotations
 
 import json
@@ -85,8 +86,10 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
         if end - begin != numel * ST_DTYPES[dtype].itemsize or begin < 0:
             raise HFError(f"{path}: corrupt header: {name} {dtype}{list(shape)} spans bytes {begin}..{end}")
         if end > data_size:
-            raise HFError(f"{path} is truncated: {name} ends at byte {end} of the data, the file holds "
-                               f"{data_size}; re-download or re-copy it")
+            raise HFError(
+                f"{path} is truncated: {name} ends at byte {end} of the data, the file holds "
+                f"{data_size}; re-download or re-copy it"
+            )
         out[name] = TensorInfo(name, path, ST_DTYPES[dtype], shape, data_start + begin, end - begin)
     return out
 
@@ -105,13 +108,13 @@ def read_range(fd: int, info: TensorInfo, dim: int, start: int, length: int, out
     size = length * item
     base = info.offset + start * item
     for i in range(info.shape[0]):
-        _pread(fd, view[i * size:(i + 1) * size], base + i * row_bytes, info)
+        _pread(fd, view[i * size : (i + 1) * size], base + i * row_bytes, info)
 
 
 def _pread(fd: int, view: memoryview, offset: int, info: TensorInfo) -> None:
     done = 0
     while done < len(view):
-        n = os.preadv(fd, [view[done:done + _MAX_READ]], offset + done)
+        n = os.preadv(fd, [view[done : done + _MAX_READ]], offset + done)
         if n <= 0:
             raise HFError(f"{info.file} ended while reading {info.name}: the file is truncated")
         done += n
@@ -123,8 +126,10 @@ class HFSource:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         if not self.path.is_dir():
-            raise HFError(f"--hf {self.path} is not a directory: pass an HF model directory "
-                               f"(config.json + *.safetensors or pytorch_model*.bin)")
+            raise HFError(
+                f"--hf {self.path} is not a directory: pass an HF model directory "
+                f"(config.json + *.safetensors or pytorch_model*.bin)"
+            )
         self.format, files = self._find_files()
         self.files = files
         self.tensors: dict[str, TensorInfo] = {}
@@ -141,8 +146,10 @@ class HFSource:
     # ------------------------------------------------------------------------------------------- discovery
     def _find_files(self) -> tuple[str, list[Path]]:
         p = self.path
-        for fmt, index, single, pattern in (("safetensors", SAFETENSORS_INDEX, "model.safetensors", "*.safetensors"),
-                                            ("bin", BIN_INDEX, "pytorch_model.bin", "pytorch_model*.bin")):
+        for fmt, index, single, pattern in (
+            ("safetensors", SAFETENSORS_INDEX, "model.safetensors", "*.safetensors"),
+            ("bin", BIN_INDEX, "pytorch_model.bin", "pytorch_model*.bin"),
+        ):
             if (p / index).is_file():
                 self.index = self._read_index(p / index)
                 files = sorted({p / f for f in self.index.values()})
@@ -155,8 +162,10 @@ class HFSource:
                 self.index = {}
                 return fmt, found
         if list(p.glob("consolidated.*.pth")):
-            raise HFError(f"{p} holds Meta's original consolidated.*.pth weights; convert them to HF format "
-                               f"first (transformers' convert_llama_weights_to_hf.py), which also permutes q/k")
+            raise HFError(
+                f"{p} holds Meta's original consolidated.*.pth weights; convert them to HF format "
+                f"first (transformers' convert_llama_weights_to_hf.py), which also permutes q/k"
+            )
         raise HFError(f"{p} holds no model.safetensors[.index.json] and no pytorch_model*.bin")
 
     @staticmethod
@@ -170,8 +179,10 @@ class HFSource:
         for name, fname in self.index.items():
             info = self.tensors.get(name)
             if info is None or info.file.name != fname:
-                raise HFError(f"the index maps {name} to {fname}, but {fname} does not hold it: the "
-                                   f"download is incomplete or the index is stale")
+                raise HFError(
+                    f"the index maps {name} to {fname}, but {fname} does not hold it: the "
+                    f"download is incomplete or the index is stale"
+                )
 
     def _load_bin(self, path: Path) -> dict[str, torch.Tensor]:
         """A torch .bin file, memory-mapped when it is in the zip format (pickle parsed, data left on disk)."""
@@ -182,12 +193,10 @@ class HFSource:
             sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except RuntimeError as e:
             if "mmap" not in str(e):
-                raise HFError(f"cannot read {path}: {_first_sentence(e)} (the file is truncated or "
-                                   f"corrupt)") from None
+                raise HFError(f"cannot read {path}: {_first_sentence(e)} (the file is truncated or corrupt)") from None
             sd = self._load_bin_plain(path)  # legacy (pre-zip) format: cannot be mapped, read whole
         except Exception as e:  # pickle/zip errors of many kinds: a truncated or corrupt file
-            raise HFError(f"cannot read {path}: {_first_sentence(e)} (the file is truncated or "
-                               f"corrupt)") from None
+            raise HFError(f"cannot read {path}: {_first_sentence(e)} (the file is truncated or corrupt)") from None
         if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
             raise HFError(f"{path} is not a state dict of tensors")
         self._bin_cache = (path, sd)
@@ -205,8 +214,7 @@ class HFSource:
         for name, t in sd.items():
             if not t.is_floating_point():
                 raise HFError(f"{path}: {name} has dtype {t.dtype}; only float tensors convert")
-        return {n: TensorInfo(n, path, t.dtype, tuple(t.shape), 0, t.numel() * t.element_size())
-                for n, t in sd.items()}
+        return {n: TensorInfo(n, path, t.dtype, tuple(t.shape), 0, t.numel() * t.element_size()) for n, t in sd.items()}
 
     # ------------------------------------------------------------------------------------------------ access
     def nbytes(self, names: Iterable[str]) -> int:
@@ -277,8 +285,12 @@ class HFSource:
         self._fds = {}
 
     # ------------------------------------------------------------------------------------------- validation
-    def check(self, cfg: ModelConfig, expected: dict[str, tuple[int, ...]],
-              optional: Optional[dict[str, tuple[int, ...]]] = None) -> None:
+    def check(
+        self,
+        cfg: ModelConfig,
+        expected: dict[str, tuple[int, ...]],
+        optional: Optional[dict[str, tuple[int, ...]]] = None,
+    ) -> None:
         """Every tensor the config implies (`expected`: HF name -> shape) is present with the right shape, and
         nothing else is (but IGNORED_SUFFIXES, and the `optional` ones, checked for shape when present: a tied
         model's lm_head.weight, which some writers save anyway)."""
@@ -292,13 +304,18 @@ class HFSource:
         if unexpected:
             problems.append(f"{len(unexpected)} unexpected: {_names(unexpected)}")
         shapes = {**optional, **expected}
-        wrong = [f"{n} is {list(self.tensors[n].shape)}, expected {list(s)}" for n, s in shapes.items()
-                 if n in self.tensors and self.tensors[n].shape != s]
+        wrong = [
+            f"{n} is {list(self.tensors[n].shape)}, expected {list(s)}"
+            for n, s in shapes.items()
+            if n in self.tensors and self.tensors[n].shape != s
+        ]
         if wrong:
             problems.append(f"{len(wrong)} wrong-shaped: {_names(wrong)}")
         if problems:
-            raise HFError(f"{self.path} does not match its config.json ({cfg.num_layers} layers, hidden "
-                               f"{cfg.hidden_size}, vocab {cfg.vocab_size}): " + "; ".join(problems))
+            raise HFError(
+                f"{self.path} does not match its config.json ({cfg.num_layers} layers, hidden "
+                f"{cfg.hidden_size}, vocab {cfg.vocab_size}): " + "; ".join(problems)
+            )
 
 
 def _first_sentence(e: BaseException) -> str:

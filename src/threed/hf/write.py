@@ -9,6 +9,7 @@ The shapes and dtypes of every tensor are known before any data (from the config
 headers), so each shard's header is written first and tensor bytes follow as they are produced: memory holds
 one layer, never a whole shard.
 """
+
 from __future__ import annotations
 
 import json
@@ -65,8 +66,11 @@ def _header(shard: list[Planned]) -> bytes:
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for t in shard:
-        header[t.name] = {"dtype": ST_NAMES[t.dtype], "shape": list(t.shape),
-                          "data_offsets": [offset, offset + t.nbytes]}
+        header[t.name] = {
+            "dtype": ST_NAMES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + t.nbytes],
+        }
         offset += t.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # safetensors pads the header so tensor data starts 8-byte aligned
@@ -146,8 +150,14 @@ def write_sentencepiece_tokenizer(model_file: Path, out_dir: Path) -> list[str]:
     sp = spm.SentencePieceProcessor(model_file=str(model_file))
     shutil.copyfile(model_file, out_dir / "tokenizer.model")
     piece = lambda i: sp.id_to_piece(i) if 0 <= i < sp.get_piece_size() else None  # noqa: E731
-    config = {"tokenizer_class": "LlamaTokenizer", "bos_token": piece(sp.bos_id()), "eos_token": piece(sp.eos_id()),
-              "unk_token": piece(sp.unk_id()), "add_bos_token": True, "add_eos_token": False,
-              "model_max_length": 1 << 30}
+    config = {
+        "tokenizer_class": "LlamaTokenizer",
+        "bos_token": piece(sp.bos_id()),
+        "eos_token": piece(sp.eos_id()),
+        "unk_token": piece(sp.unk_id()),
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "model_max_length": 1 << 30,
+    }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return ["tokenizer.model", "tokenizer_config.json"]

@@ -4,9 +4,9 @@
                   schedule's activations, temporaries) as DeepSpeed + megatron-core + torch allocate them;
                   checked against real engines by tests/test_memory.py
     __main__.py   `python -m threed.memory ...` (recipes/launch.sh prints its line)
-    recompute.py  which blocks of a stage Megatron's recompute flags recompute (shared with threed.steptime)
+    recompute.py  which blocks of a stage Megatron's recompute flags recompute (shared with threed.plan.steptime)
     deferred.py   what a micro-batch holds between its B and its W under --pipeline-schedule zb-h1 (from the
                   spec's linear shapes; checked against the engine's queue by tests/test_memory_zb.py)
 
-`threed plan` (`threed.planner`) ranks layouts with it.
+`threed plan` (`threed.plan.planner`) ranks layouts with it.
 """

@@ -1,5 +1,5 @@
 """What a micro-batch holds between its input-gradient pass B and its weight-gradient pass W under
-`--pipeline-schedule zb-h1` (`threed.schedule`), for the memory model.
+`--pipeline-schedule zb-h1` (`threed.parallel.schedule`), for the memory model.
 
 Megatron's deferred weight gradient (`grad_output_buffer`) keeps, per Column/RowParallelLinear and micro-batch, the
 linear's saved input and its output gradient until W computes `grad_output^T @ input`; everything else of the
@@ -16,6 +16,7 @@ linear added to the table is counted here without an edit. The LM head of a tied
 weight through the same linear: its row of the table has the same shape. A recomputed block's W holds the same,
 recomputed, tensors, so this does not depend on the recompute flags.
 """
+
 from __future__ import annotations
 
 from typing import Iterable

@@ -8,7 +8,7 @@ Per rank of pipeline stage s. tests/test_memory.py checks the static terms again
 engines (within 2%; they agree to the byte), tests/test_memory_tied.py the same for a tied model, and the
 activation estimate is reported against a measured CPU peak.
 
-  stages       `threed.partition` (the run's --partition-method) over `threed.model.spec.pipeline_layers`:
+  stages       `threed.parallel.partition` (the run's --partition-method) over `threed.model.spec.pipeline_layers`:
                stage 0 adds the embedding, the last stage the final norm and LM head, both [padded V / tp, h].
                Matrices are split over TP; norms are replicated. Tied (Llama 3.2): the same bytes, as
                `stage_parameters` counts them: the last stage's head weight is its own copy of the embedding
@@ -48,7 +48,7 @@ activation estimate is reported against a measured CPU peak.
                5as/(ht) term to remove). Partial recompute (`threed.memory.recompute`, Megatron's flags): of a
                stage's blocks the recomputed ones keep only each chunk's input and backward re-creates one chunk
                at a time; the others keep everything; selective recompute drops only the attention logsumexp.
-               Held micro-batches (`threed.schedule.held`): 1F1B min(pp - s, gas) in flight; ZB-H1 the same,
+               Held micro-batches (`threed.parallel.schedule.held`): 1F1B min(pp - s, gas) in flight; ZB-H1 the same,
                and each through B keeps its linears' W tensors till its W (`threed.memory.deferred`). Backward
                adds the MLP gradients (2 (3f/tp + h) per token) and one parameter's bf16 grad; the loss
                backward the logits' bf16 gradient (2V/tp).
@@ -59,6 +59,7 @@ activation estimate is reported against a measured CPU peak.
 Not included: CUDA context, NCCL/gloo buffers, allocator fragmentation (budget several GB). fp32 runs use
 DeepSpeed's ZeRO optimizer instead of BF16_Optimizer and are not modelled.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -70,12 +71,12 @@ from dataclasses import dataclass
 from typing import Literal, Sequence
 
 from threed.config import ModelConfig, ParallelConfig
-from threed.flags import model_config
+from threed.model.resolve import model_config
 from threed.model.spec import LayerKind, largest_parameter, stage_parameters
 from threed.memory.deferred import awaiting_w_bytes, deferred_bytes_per_token
 from threed.memory.recompute import Recompute
-from threed.partition import resolve_partition
-from threed.schedule import held_before_backward
+from threed.parallel.partition import resolve_partition
+from threed.parallel.schedule import held_before_backward
 
 GB = 1e9
 BF16 = 2
@@ -93,15 +94,15 @@ class Stage:
 
 @functools.lru_cache(maxsize=1024)
 def stage_bounds(model: ModelConfig, pp: int, tp: int, seq: int, method: str | None = None) -> tuple[int, ...]:
-    """Where each stage starts in `pipeline_layers(model)`, as the run splits it (`threed.partition`)."""
+    """Where each stage starts in `pipeline_layers(model)`, as the run splits it (`threed.parallel.partition`)."""
     # DeepSpeed, imported on the way, logs to stdout; ours is parsed (recipes/launch.sh captures the estimate).
     with contextlib.redirect_stdout(sys.stderr):
         return tuple(resolve_partition(method or ParallelConfig().partition_method, model, pp, seq, tp))
 
 
 def quiet_deepspeed_import() -> None:
-    """For command-line entry points: import DeepSpeed (threed.partition uses it) with its import-time log lines
-    (e.g. "Setting accelerator to CPU") swallowed, so that an error is the one line printed."""
+    """For command-line entry points: import DeepSpeed (threed.parallel.partition uses it) with its import-time log
+    lines (e.g. "Setting accelerator to CPU") swallowed, so that an error is the one line printed."""
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         import deepspeed.runtime.utils  # noqa: F401
 
@@ -123,7 +124,7 @@ def stage_kinds(stage: Stage) -> list[LayerKind]:
 
 
 def stage_params(model: ModelConfig, tp: int, stage: Stage) -> tuple[int, int]:
-    """(matrices, norms) parameters on one rank of `stage`: `threed.engine.make_optimizer`'s two groups."""
+    """(matrices, norms) parameters on one rank of `stage`: `threed.train.engine.make_optimizer`'s two groups."""
     return stage_parameters(model, tp, stage_kinds(stage))
 
 
@@ -152,8 +153,14 @@ class Memory:
     @property
     def phase(self) -> tuple[str, float]:
         """The largest of the phases that never overlap: forward/backward, gradient all-reduce, optimizer step."""
-        return max((("activations", self.activations), ("all-reduce copy", self.reduce_temp),
-                    ("AdamW temporaries", self.step_temp)), key=lambda kv: kv[1])
+        return max(
+            (
+                ("activations", self.activations),
+                ("all-reduce copy", self.reduce_temp),
+                ("AdamW temporaries", self.step_temp),
+            ),
+            key=lambda kv: kv[1],
+        )
 
     @property
     def peak(self) -> float:
@@ -162,19 +169,28 @@ class Memory:
     def line(self, pp: int) -> str:
         unit, scale = ("GB", GB) if self.peak >= GB else ("MB", 1e6)
         name, value = self.phase
-        parts = " + ".join(f"{k} {v / scale:.1f}" for k, v in (
-            ("weights", self.weights), ("grads", self.grads), ("optimizer", self.optimizer),
-            ("buffers", self.buffers), (name, value)))
+        parts = " + ".join(
+            f"{k} {v / scale:.1f}"
+            for k, v in (
+                ("weights", self.weights),
+                ("grads", self.grads),
+                ("optimizer", self.optimizer),
+                ("buffers", self.buffers),
+                (name, value),
+            )
+        )
         params = f"{self.params / 1e9:.2f}B" if self.params >= 1e8 else f"{self.params / 1e6:.2f}M"
-        return (f"~{self.peak / scale:.0f} {unit}/GPU = {parts} (stage {self.stage.index} of {pp}, {params} "
-                f"params; plus CUDA/NCCL overhead)")
+        return (
+            f"~{self.peak / scale:.0f} {unit}/GPU = {parts} (stage {self.stage.index} of {pp}, {params} "
+            f"params; plus CUDA/NCCL overhead)"
+        )
 
 
 def _switches(device: Device):
     # torch: only for the estimate itself, so `threed --help` stays fast.
     import torch
 
-    from threed.distributed import cuda_only  # the one place that decides the CUDA-only kernels
+    from threed.parallel.distributed import cuda_only  # the one place that decides the CUDA-only kernels
 
     return cuda_only(torch.device(device))
 
@@ -186,8 +202,9 @@ def _norm_bytes(h: int, device: Device) -> int:
     return 4 * h + 4 + 4 * h + BF16 * h  # composite: fp32 upcast input, rstd, fp32 normalised (input not kept)
 
 
-def block_bytes_per_token(model: ModelConfig, tp: int, device: Device = "cuda", sequence_parallel: bool = False,
-                          selective: bool = False) -> int:
+def block_bytes_per_token(
+    model: ModelConfig, tp: int, device: Device = "cuda", sequence_parallel: bool = False, selective: bool = False
+) -> int:
     """Activation bytes one Llama block keeps for backward per token (RoPE's cos/sin apart); per token of the
     whole sequence, so under sequence parallelism the norms' share is / tp like the rest."""
     h, f, heads = model.hidden_size, model.ffn_hidden_size, model.num_heads
@@ -199,17 +216,27 @@ def block_bytes_per_token(model: ModelConfig, tp: int, device: Device = "cuda", 
     return norms + attention // tp + swiglu * f * BF16 // tp
 
 
-def stage_activations(model: ModelConfig, tp: int, pp: int, stage: Stage, micro: int, gas: int, seq: int,
-                      act_ckpt: bool | Recompute, device: Device = "cuda", max_param: int = 0,
-                      sequence_parallel: bool = False, schedule: str = "1f1b") -> float:
+def stage_activations(
+    model: ModelConfig,
+    tp: int,
+    pp: int,
+    stage: Stage,
+    micro: int,
+    gas: int,
+    seq: int,
+    act_ckpt: bool | Recompute,
+    device: Device = "cuda",
+    max_param: int = 0,
+    sequence_parallel: bool = False,
+    schedule: str = "1f1b",
+) -> float:
     """Peak bytes of the forward/backward phase on one rank of `stage`, beyond the static terms. `act_ckpt`: True
-    (every block recomputed), False, or a `Recompute` (Megatron's flags); `schedule`: `threed.schedule`'s."""
+    (every block recomputed), False, or a `Recompute` (Megatron's flags); `schedule`: `threed.parallel.schedule`'s."""
     rc = Recompute.of(act_ckpt)
     sp = sequence_parallel and tp > 1
     h, f, v = model.hidden_size, model.ffn_hidden_size, model.padded_vocab_size(tp) // tp
     tokens = seq * micro
-    full_block = (block_bytes_per_token(model, tp, device, sp, rc.selective) * tokens
-                  + 4 * BF16 * seq * model.head_dim)
+    full_block = block_bytes_per_token(model, tp, device, sp, rc.selective) * tokens + 4 * BF16 * seq * model.head_dim
     # DeepSpeed partitions p2p activations over TP (pipe_partitioned); sequence parallelism splits them instead.
     part = h // tp if tp > 1 else h
     recomputed = rc.recomputed(stage.blocks)
@@ -231,19 +258,21 @@ def stage_activations(model: ModelConfig, tp: int, pp: int, stage: Stage, micro:
     deferred = schedule != "1f1b"  # under 1F1B, B computes the weight gradients: nothing awaits W
     # The other micro-batches held when a B starts (1F1B: min(pp - s, gas) - 1 in flight; exact, as integers).
     awaiting_w = deferred * awaiting_w_bytes(model, tp, stage_kinds(stage), sp) * tokens
-    # ZB-H1 sends without waiting for the receiver (threed.schedule): the gradients a later stage sent stay alive
-    # until the stage before has received them, and are let go at its next send; during a B that is the last two
+    # ZB-H1 sends without waiting for the receiver (threed.parallel.schedule): the gradients a later stage sent stay
+    # alive until the stage before has received them, and are let go at its next send; during a B that is the last two
     # micro-batches' (1/tp of [s, b, h] each per TP rank; measured: tests/test_memory_zb.py).
     in_send = deferred * (stage.index > 0) * min(2, gas - 1) * BF16 * tokens * h // tp
-    others = in_send + max((live - 1) * per_micro + waiting * awaiting_w
-                           for live, waiting in held_before_backward(schedule, pp, gas, stage.index))
+    others = in_send + max(
+        (live - 1) * per_micro + waiting * awaiting_w
+        for live, waiting in held_before_backward(schedule, pp, gas, stage.index)
+    )
     # Backward through the blocks: the loss's tensors of this micro-batch are gone by then (ZB-H1: but the LM
     # head's W tensors); a recomputed chunk is re-created (one at a time). Blocks go last to first, so by the
     # recomputed ones (`block`: the first N) the kept blocks of this micro-batch are freed. ZB-H1: a block past B
     # holds its W tensors instead, so the larger end counts (with recompute, W's tensors outweigh a chunk's
     # input). Assumed: ZB-H1's B makes 1F1B's gradient transients; the bf16 .grad (`grad`) moves to W.
     head_w = deferred * stage.last * deferred_bytes_per_token(model, tp, "lm_head", sp) * tokens
-    # (ZB-H1: B runs on its own copy of the received output gradient, one [s/tp, b, h], threed.schedule.)
+    # (ZB-H1: B runs on its own copy of the received output gradient, one [s/tp, b, h], threed.parallel.schedule.)
     this = max(per_micro - head + head_w, awaiting_w) + deferred * (not stage.last) * BF16 * tokens * h // tp
     recreated = max(0, rc.live_blocks(stage.blocks) - (stage.blocks - recomputed)) * full_block
     blocks_phase = others + this + recreated + BF16 * (3 * f // tp + h) * tokens + grad
@@ -265,9 +294,20 @@ def reduce_copy_bytes(groups: Sequence[int]) -> int:
     return worst
 
 
-def stage_memory(model: ModelConfig, tp: int, pp: int, dp: int, micro: int, gas: int, seq: int,
-                 act_ckpt: bool | Recompute, stage: Stage, device: Device = "cuda",
-                 sequence_parallel: bool = False, schedule: str = "1f1b") -> Memory:
+def stage_memory(
+    model: ModelConfig,
+    tp: int,
+    pp: int,
+    dp: int,
+    micro: int,
+    gas: int,
+    seq: int,
+    act_ckpt: bool | Recompute,
+    stage: Stage,
+    device: Device = "cuda",
+    sequence_parallel: bool = False,
+    schedule: str = "1f1b",
+) -> Memory:
     h, d = model.hidden_size, model.head_dim
     tokens, v = seq * micro, model.padded_vocab_size(tp) // tp
     sp = sequence_parallel and tp > 1
@@ -284,23 +324,39 @@ def stage_memory(model: ModelConfig, tp: int, pp: int, dp: int, micro: int, gas:
     max_param = largest_parameter(model, tp, stage_kinds(stage))
     adamw_temps = 0 if _switches(device).fused_adamw else 2 if device == "cpu" else 1
     return Memory(
-        stage=stage, params=sum(groups), weights=float(BF16 * sum(padded)), grads=float(4 * sum(padded)),
+        stage=stage,
+        params=sum(groups),
+        weights=float(BF16 * sum(padded)),
+        grads=float(4 * sum(padded)),
         optimizer=float(12 * sum(padded) // dp + 4 * len(groups)),  # + AdamW's fp32 `step` per group
         buffers=float(buffers),
-        activations=stage_activations(model, tp, pp, stage, micro, gas, seq, act_ckpt, device, max_param, sp,
-                                      schedule),
+        activations=stage_activations(model, tp, pp, stage, micro, gas, seq, act_ckpt, device, max_param, sp, schedule),
         reduce_temp=float(reduce_copy_bytes(padded)),
-        step_temp=float(4 * max(p // dp for p in padded) * adamw_temps))
+        step_temp=float(4 * max(p // dp for p in padded) * adamw_temps),
+    )
 
 
-def estimate(model: ModelConfig | str, tp: int, pp: int, dp: int, micro: int, gas: int, seq: int,
-             act_ckpt: bool | Recompute, device: Device = "cuda", partition_method: str | None = None,
-             sequence_parallel: bool = False, schedule: str = "1f1b") -> list[Memory]:
+def estimate(
+    model: ModelConfig | str,
+    tp: int,
+    pp: int,
+    dp: int,
+    micro: int,
+    gas: int,
+    seq: int,
+    act_ckpt: bool | Recompute,
+    device: Device = "cuda",
+    partition_method: str | None = None,
+    sequence_parallel: bool = False,
+    schedule: str = "1f1b",
+) -> list[Memory]:
     """Memory of every stage (one rank each; the TP ranks of a stage hold equal shards) under `schedule`."""
     if isinstance(model, str):
         model = model_config(model)
-    return [stage_memory(model, tp, pp, dp, micro, gas, seq, act_ckpt, s, device, sequence_parallel, schedule)
-            for s in stages(model, pp, tp, seq, partition_method)]
+    return [
+        stage_memory(model, tp, pp, dp, micro, gas, seq, act_ckpt, s, device, sequence_parallel, schedule)
+        for s in stages(model, pp, tp, seq, partition_method)
+    ]
 
 
 def heaviest(mems: list[Memory]) -> Memory:

@@ -1,6 +1,7 @@
 """Which blocks of a pipeline stage recompute in backward, as Megatron-LM's recompute flags say, for the memory model
-(kept activations) and the planner (recompute FLOPs). The flags are read and the chunks cut by `threed.partition`
-(`full_recompute`, `recompute_chunks`: what the pipeline runs); this adds the counts those two need.
+(kept activations) and the planner (recompute FLOPs). The flags are read and the chunks cut by
+`threed.parallel.partition` (`full_recompute`, `recompute_chunks`: what the pipeline runs); this adds the counts those
+two need.
 
     none                  every block keeps its activations for backward
     full uniform N        every block recomputed, in chunks of N consecutive blocks: each chunk keeps its input and
@@ -10,13 +11,14 @@
     selective             only the core attention of every block (megatron's `core_attn`): threed's SDPA keeps no
                           s x s scores, so this saves only its logsumexp (4 bytes per head per token)
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
 from threed.config import TrainConfig
-from threed.partition import full_recompute, recompute_chunks
+from threed.parallel.partition import full_recompute, recompute_chunks
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,7 @@ class Recompute:
 
     @classmethod
     def from_train(cls, train: TrainConfig) -> "Recompute":
-        """The run's flags as `threed.partition.full_recompute` reads them (the pipeline's own reading)."""
+        """The run's flags as `threed.parallel.partition.full_recompute` reads them (the pipeline's own reading)."""
         if train.recompute_granularity == "selective":
             return cls("selective")
         plan = full_recompute(train)
@@ -51,11 +53,10 @@ class Recompute:
 
     def _chunks(self, blocks: int) -> list[tuple[int, int]]:
         """The recomputed chunks of a stage of `blocks` blocks, as the pipeline runs them
-        (`threed.partition.recompute_chunks`)."""
+        (`threed.parallel.partition.recompute_chunks`)."""
         if self.granularity != "full" or not blocks:
             return []
-        return [(a, b) for a, b, again in recompute_chunks([True] * blocks, str(self.method), self.num_layers)
-                if again]
+        return [(a, b) for a, b, again in recompute_chunks([True] * blocks, str(self.method), self.num_layers) if again]
 
     def recomputed(self, blocks: int) -> int:
         """Blocks of a stage of `blocks` blocks that are recomputed in backward."""

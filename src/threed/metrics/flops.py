@@ -1,4 +1,5 @@
 """Throughput accounting: tokens/s, model TFLOPs per device, MFU."""
+
 from __future__ import annotations
 
 import os
@@ -32,10 +33,10 @@ def peak_tflops_per_device() -> Optional[float]:
     return None
 
 
-def throughput(model: ModelConfig, seq_length: int, global_batch: int, step_seconds: float,
-               world_size: int) -> dict[str, Optional[float]]:
+def throughput(
+    model: ModelConfig, seq_length: int, global_batch: int, step_seconds: float, world_size: int
+) -> dict[str, Optional[float]]:
     tokens_per_s = global_batch * seq_length / step_seconds
     tflops = flops_per_token(model, seq_length) * tokens_per_s / world_size / 1e12
     peak = peak_tflops_per_device()
-    return {"tokens_per_s": tokens_per_s, "tflops_per_device": tflops,
-            "mfu": tflops / peak if peak else None}
+    return {"tokens_per_s": tokens_per_s, "tflops_per_device": tflops, "mfu": tflops / peak if peak else None}

@@ -1,6 +1,7 @@
 """Where a metrics record goes. A record is a flat dict: `iteration`, `samples`, `tokens`, `time` (unix seconds)
 and scalars under Megatron-LM's names (`lm loss`, `learning-rate`, ...). Every sink receives the same dict.
 """
+
 from __future__ import annotations
 
 import json
@@ -81,12 +82,14 @@ class WandbSink:
     """Weights & Biases, imported only when asked for. mode "offline" writes under the run directory with no
     network (`wandb sync` uploads it later); None leaves the choice to wandb (WANDB_MODE, else online)."""
 
-    def __init__(self, project: str, name: Optional[str], mode: Optional[str], run_dir: Optional[Path],
-                 config: dict[str, Any]):
+    def __init__(
+        self, project: str, name: Optional[str], mode: Optional[str], run_dir: Optional[Path], config: dict[str, Any]
+    ):
         import wandb  # optional: only with --wandb-project (pip install wandb)
 
-        self.run = wandb.init(project=project, name=name, mode=mode, config=config,
-                              dir=str(run_dir) if run_dir else None)
+        self.run = wandb.init(
+            project=project, name=name, mode=mode, config=config, dir=str(run_dir) if run_dir else None
+        )
 
     def write(self, record: dict[str, Any]) -> None:
         values = scalars(record)
@@ -105,10 +108,17 @@ def stdout_line(record: dict[str, Any], total_steps: int, eta_s: Optional[float]
     """Today's readable line, plus the per-stage part in compact form (stage values joined by '/')."""
     r = record
     mfu = f"{r['mfu'] * 100:.1f}%" if r.get("mfu") is not None else "n/a"
-    parts = [f"step {r['iteration']}/{total_steps}", f"loss {r['lm loss']:.4f}", f"lr {r['learning-rate']:.3e}",
-             f"grad norm {r['grad-norm']:.3f}", f"{r['iteration-time'] * 1000:.0f} ms",
-             f"{r['tokens-per-sec']:.0f} tokens/s", f"{r['throughput']:.3g} TFLOP/s/GPU", f"MFU {mfu}",
-             f"mem {_mb(r['mem-allocated-bytes'])}/{_mb(r['mem-max-allocated-bytes'])} MB"]
+    parts = [
+        f"step {r['iteration']}/{total_steps}",
+        f"loss {r['lm loss']:.4f}",
+        f"lr {r['learning-rate']:.3e}",
+        f"grad norm {r['grad-norm']:.3f}",
+        f"{r['iteration-time'] * 1000:.0f} ms",
+        f"{r['tokens-per-sec']:.0f} tokens/s",
+        f"{r['throughput']:.3g} TFLOP/s/GPU",
+        f"MFU {mfu}",
+        f"mem {_mb(r['mem-allocated-bytes'])}/{_mb(r['mem-max-allocated-bytes'])} MB",
+    ]
     if "loss-tokens" in r:  # SFT: the response tokens the loss counted, of all the positions above
         parts.insert(6, f"{r['loss-tokens']} loss tokens ({r['loss-tokens-per-sec']:.0f}/s)")
     stages = [s for s in range(pp) if f"stage{s}/mem-max-allocated-bytes" in r]
@@ -117,11 +127,13 @@ def stdout_line(record: dict[str, Any], total_steps: int, eta_s: Optional[float]
         return "/".join(fmt(r[f"stage{s}/{key}"]) for s in stages)
 
     if stages and f"stage{stages[0]}/idle-fraction" in r:
-        parts.append(f"stages idle {join('idle-fraction', lambda v: f'{v * 100:.0f}')}% "
-                     f"(ideal {r['pipeline/ideal-bubble'] * 100:.0f}%) "
-                     f"compute {join('compute-time', lambda v: f'{v * 1000:.0f}')} ms "
-                     f"wait {join('p2p-wait-time', lambda v: f'{v * 1000:.0f}')} ms "
-                     f"peak {join('mem-max-allocated-bytes', _mb)} MB")
+        parts.append(
+            f"stages idle {join('idle-fraction', lambda v: f'{v * 100:.0f}')}% "
+            f"(ideal {r['pipeline/ideal-bubble'] * 100:.0f}%) "
+            f"compute {join('compute-time', lambda v: f'{v * 1000:.0f}')} ms "
+            f"wait {join('p2p-wait-time', lambda v: f'{v * 1000:.0f}')} ms "
+            f"peak {join('mem-max-allocated-bytes', _mb)} MB"
+        )
     elif stages:
         parts.append(f"stages peak {join('mem-max-allocated-bytes', _mb)} MB")
     if eta_s is not None:

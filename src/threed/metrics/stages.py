@@ -2,7 +2,7 @@
 one all-gather per log interval that brings every rank's numbers to the metrics writer.
 
 Each 1F1B instruction falls in one bucket:
-  compute    LoadMicroBatch, ForwardPass, BackwardPass, and zb-h1's WeightPass (threed.schedule)
+  compute    LoadMicroBatch, ForwardPass, BackwardPass, and zb-h1's WeightPass (threed.parallel.zero_bubble)
   p2p        SendActivation, RecvActivation, SendGrad, RecvGrad (time blocked on the neighbouring stage)
   dp-reduce  ReduceGrads, ReduceTiedGrads (ZeRO-1 gradient reduction over DP)
   optimizer  OptimizerStep
@@ -14,6 +14,7 @@ The idle fraction of a stage is p2p / (compute + p2p): the share of the pipeline
 stage spends waiting on its neighbours. With equal stages it is the bubble (pp-1)/(gas+pp-1); more means imbalance
 or slow transfers. Only `train_batch` is timed: `eval_batch` runs the same handlers and is not counted.
 """
+
 from __future__ import annotations
 
 import resource
@@ -24,7 +25,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from threed.schedule import zero_bubble_engine
+from threed.parallel.zero_bubble import WeightPass
 
 BUCKETS = ("iteration", "compute", "p2p", "dp-reduce", "optimizer", "loss-sync")
 # One row per rank in the all-gather: stage, steps in the window, the buckets (seconds), memory now and peak.
@@ -34,10 +35,19 @@ ROW = ("stage", "steps", *BUCKETS, "mem-allocated-bytes", "mem-max-allocated-byt
 def _instruction_buckets() -> dict[type, str]:
     from deepspeed.runtime.pipe import schedule as s  # deepspeed: heavy; `threed report` reads this module
 
-    return {s.LoadMicroBatch: "compute", s.ForwardPass: "compute", s.BackwardPass: "compute",
-            zero_bubble_engine().WeightPass: "compute",
-            s.SendActivation: "p2p", s.RecvActivation: "p2p", s.SendGrad: "p2p", s.RecvGrad: "p2p",
-            s.ReduceGrads: "dp-reduce", s.ReduceTiedGrads: "dp-reduce", s.OptimizerStep: "optimizer"}
+    return {
+        s.LoadMicroBatch: "compute",
+        s.ForwardPass: "compute",
+        s.BackwardPass: "compute",
+        WeightPass: "compute",
+        s.SendActivation: "p2p",
+        s.RecvActivation: "p2p",
+        s.SendGrad: "p2p",
+        s.RecvGrad: "p2p",
+        s.ReduceGrads: "dp-reduce",
+        s.ReduceTiedGrads: "dp-reduce",
+        s.OptimizerStep: "optimizer",
+    }
 
 
 def memory_bytes(device: torch.device) -> tuple[float, float]:
@@ -97,11 +107,14 @@ class StageTimer:
         engine = self.engine
         if self.instructions:
             buckets = _instruction_buckets()
-            engine._INSTRUCTION_MAP = {cmd: self._timed(fn, buckets[cmd]) if cmd in buckets else fn
-                                       for cmd, fn in type(engine)._INSTRUCTION_MAP.items()}
+            engine._INSTRUCTION_MAP = {
+                cmd: self._timed(fn, buckets[cmd]) if cmd in buckets else fn
+                for cmd, fn in type(engine)._INSTRUCTION_MAP.items()
+            }
             # An instance attribute shadows the method; DeepSpeed calls it as self._aggregate_total_loss().
-            engine._aggregate_total_loss = MethodType(self._timed(type(engine)._aggregate_total_loss, "loss-sync"),
-                                                      engine)
+            engine._aggregate_total_loss = MethodType(
+                self._timed(type(engine)._aggregate_total_loss, "loss-sync"), engine
+            )
         inner = engine.train_batch
 
         def train_batch(*args: Any, **kwargs: Any) -> Any:
@@ -126,8 +139,7 @@ class StageTimer:
             self._installed = False
 
     def row(self) -> list[float]:
-        return [float(self.stage), float(self.steps), *(self.totals[b] for b in BUCKETS),
-                *memory_bytes(self.device)]
+        return [float(self.stage), float(self.steps), *(self.totals[b] for b in BUCKETS), *memory_bytes(self.device)]
 
     def reset(self) -> None:
         for b in BUCKETS:

@@ -2,8 +2,8 @@
 
 Every rank builds a `RunMetrics` and calls `step` once per training step (the per-stage numbers need one
 all-gather every log interval); only the writer rank, the last pipeline stage at TP rank 0 and DP rank 0
-(threed.distributed.loss_rank), builds records and feeds the sinks. That rank holds the loss itself: DeepSpeed averages it over DP on the last stage
-and broadcasts it back up the pipe only for the other stages' return value.
+(threed.parallel.distributed.loss_rank), builds records and feeds the sinks. That rank holds the loss itself: DeepSpeed
+averages it over DP on the last stage and broadcasts it back up the pipe only for the other stages' return value.
 
 The run directory (where `metrics.jsonl` and `run_config.json` go, always) is `--save` when given, else the parent
 of `--tensorboard-dir`; with neither the run logs to stdout only. TensorBoard writes to `--tensorboard-dir`,
@@ -12,6 +12,7 @@ by default `<run dir>/tensorboard`; `--tensorboard false` turns it off. `--wandb
 Per-step records carry the writer rank's scalars; every `log_interval` steps the record also carries the
 per-stage numbers (means over the interval) and the stdout line is printed.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -27,8 +28,8 @@ import deepspeed
 import torch
 
 from threed.config import ConfigError, RunConfig
-from threed.distributed import loss_rank
-from threed.engine import deepspeed_config
+from threed.parallel.distributed import loss_rank
+from threed.train.engine import deepspeed_config
 from threed.metrics.flops import flops_per_token, peak_tflops_per_device
 from threed.metrics.sinks import CONFIG_FILE, METRICS_FILE, JsonlSink, TensorBoardSink, WandbSink, stdout_line
 from threed.metrics.stages import StageTimer, gather_rows, ideal_bubble, memory_bytes, per_stage
@@ -63,21 +64,36 @@ def check_metrics_config(cfg: RunConfig) -> None:
     if m.wandb_mode is not None and m.wandb_mode not in WANDB_MODES:
         raise ConfigError(f"wandb_mode must be one of {', '.join(WANDB_MODES)}, got {m.wandb_mode!r}")
     if m.wandb_project and importlib.util.find_spec("wandb") is None:
-        raise ConfigError(f"wandb_project={m.wandb_project} needs the wandb package, which is not installed. "
-                          f"Install it (`pip install wandb`; use --wandb-mode offline without network), or drop "
-                          f"--wandb-project: metrics.jsonl and TensorBoard need nothing extra")
+        raise ConfigError(
+            f"wandb_project={m.wandb_project} needs the wandb package, which is not installed. "
+            f"Install it (`pip install wandb`; use --wandb-mode offline without network), or drop "
+            f"--wandb-project: metrics.jsonl and TensorBoard need nothing extra"
+        )
 
 
 def run_summary(cfg: RunConfig, world_size: int, start_iteration: int) -> dict[str, Any]:
     """Everything that defines the run, written once beside the metrics (and as TensorBoard text)."""
     dp = cfg.parallel.dp(world_size)
     micro, gas, glob = cfg.train.resolve_batch(dp)
-    return {"config": cfg.to_dict(), "world_size": world_size, "tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": dp,
-            "micro_batch_size": micro, "grad_accum_steps": gas, "global_batch_size": glob,
-            "start_iteration": start_iteration, "flops_per_token": flops_per_token(cfg.model, cfg.train.seq_length, cfg.parallel.tp),
-            "peak_tflops_per_device": peak_tflops_per_device(), "deepspeed_config": deepspeed_config(cfg, world_size),
-            "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                         "deepspeed": deepspeed.__version__}}
+    return {
+        "config": cfg.to_dict(),
+        "world_size": world_size,
+        "tp": cfg.parallel.tp,
+        "pp": cfg.parallel.pp,
+        "dp": dp,
+        "micro_batch_size": micro,
+        "grad_accum_steps": gas,
+        "global_batch_size": glob,
+        "start_iteration": start_iteration,
+        "flops_per_token": flops_per_token(cfg.model, cfg.train.seq_length, cfg.parallel.tp),
+        "peak_tflops_per_device": peak_tflops_per_device(),
+        "deepspeed_config": deepspeed_config(cfg, world_size),
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "deepspeed": deepspeed.__version__,
+        },
+    }
 
 
 class RunMetrics:
@@ -124,16 +140,25 @@ class RunMetrics:
         if m.wandb_project:
             self.sinks.append(WandbSink(m.wandb_project, m.wandb_name, m.wandb_mode, self.run_dir, summary))
             where.append(f"W&B project {m.wandb_project}")
-        print("metrics: " + (", ".join(where) if where else "stdout only (give --save or --tensorboard-dir to "
-                                                            "keep metrics.jsonl)"), flush=True)
+        print(
+            "metrics: "
+            + (", ".join(where) if where else "stdout only (give --save or --tensorboard-dir to keep metrics.jsonl)"),
+            flush=True,
+        )
 
     def _meta(self, iteration: int, samples: Optional[int]) -> dict[str, Any]:
         if samples is None:
             samples = iteration * self.batch  # a constant global batch since step 0
         return {"iteration": iteration, "samples": samples, "tokens": samples * self.seq, "time": time.time()}
 
-    def step(self, iteration: int, loss: float, grad_norm: Optional[float] = None,
-             samples: Optional[int] = None, loss_tokens: Optional[int] = None) -> Optional[dict[str, Any]]:
+    def step(
+        self,
+        iteration: int,
+        loss: float,
+        grad_norm: Optional[float] = None,
+        samples: Optional[int] = None,
+        loss_tokens: Optional[int] = None,
+    ) -> Optional[dict[str, Any]]:
         """Every rank, once per training step, right after `train_batch`. `iteration` counts steps done (1-based),
         `samples` the samples consumed so far (default iteration x global batch). Returns the record on the writer
         rank, None elsewhere. `loss_tokens` (SFT: the tokens the loss counted in this global batch, known on the
@@ -169,8 +194,9 @@ class RunMetrics:
         self.overhead_s += time.perf_counter() - t0
         return record
 
-    def _step_record(self, iteration: int, loss: float, grad_norm: Optional[float],
-                     samples: Optional[int]) -> dict[str, Any]:
+    def _step_record(
+        self, iteration: int, loss: float, grad_norm: Optional[float], samples: Optional[int]
+    ) -> dict[str, Any]:
         if grad_norm is None:
             norm = self.engine.get_global_grad_norm()
             grad_norm = float(norm) if norm is not None else float("nan")
@@ -178,10 +204,18 @@ class RunMetrics:
         tokens_per_s = self.batch * self.seq / dt if dt > 0 else 0.0
         tflops = self.flops_per_token * tokens_per_s / self.world / 1e12
         mem_now, mem_peak = memory_bytes(self.device)
-        record = {**self._meta(iteration, samples), "lm loss": float(loss),
-                  "learning-rate": float(self.engine.get_lr()[0]), "grad-norm": float(grad_norm),
-                  "iteration-time": dt, "batch-size": self.batch, "tokens-per-sec": tokens_per_s, "throughput": tflops,
-                  "mem-allocated-bytes": mem_now, "mem-max-allocated-bytes": mem_peak}
+        record = {
+            **self._meta(iteration, samples),
+            "lm loss": float(loss),
+            "learning-rate": float(self.engine.get_lr()[0]),
+            "grad-norm": float(grad_norm),
+            "iteration-time": dt,
+            "batch-size": self.batch,
+            "tokens-per-sec": tokens_per_s,
+            "throughput": tflops,
+            "mem-allocated-bytes": mem_now,
+            "mem-max-allocated-bytes": mem_peak,
+        }
         if self.peak_tflops:
             record["mfu"] = tflops / self.peak_tflops
         return record
@@ -199,8 +233,14 @@ class RunMetrics:
             sink.write(record)
         self.overhead_s += time.perf_counter() - t0
 
-    def validation(self, iteration: int, loss: float, per_dataset: Optional[dict[str, float]] = None,
-                   samples: Optional[int] = None, line: bool = False) -> None:
+    def validation(
+        self,
+        iteration: int,
+        loss: float,
+        per_dataset: Optional[dict[str, float]] = None,
+        samples: Optional[int] = None,
+        line: bool = False,
+    ) -> None:
         """Megatron's `lm loss validation` and `lm loss validation ppl` (exp of the loss, capped at e^20 as
         Megatron does), plus `.../<name>` for each dataset of a blend. No stdout line by default: the training
         loop prints its own validation line."""

@@ -8,8 +8,8 @@
                    (RoPE incl. Llama 3.1 scaling); `megatron_config` holds the block's TP switches
     init.py        (layer 3) random init keyed by (seed, layer, tensor, row): the same weights at every layout
 
-Where new things go: a tie between parameters is the table's `tie` column (plus `threed.pipeline`'s
+Where new things go: a tie between parameters is the table's `tie` column (plus `threed.parallel.pipeline`'s
 `TiedLayerSpec` and the HF names); sequence parallelism is a switch of `megatron_config` (the block's TP plan)
-plus what crosses a stage boundary (`threed.pipeline`). How the layers are cut into stages is
-`threed.partition` / `threed.pipeline`, never here.
+plus what crosses a stage boundary (`threed.parallel.pipeline`). How the layers are cut into stages is
+`threed.parallel.partition` / `threed.parallel.pipeline`, never here.
 """

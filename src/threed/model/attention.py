@@ -9,6 +9,7 @@ outside its document. On CUDA in half precision that runs through `torch.nn.atte
 cumulative lengths, no s x s mask); elsewhere SDPA with a boolean `[b, 1, s, s]` mask (exact; on CPU ~3x the cost
 of `is_causal`, see the stack notes).
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -23,8 +24,14 @@ class SDPACoreAttention(torch.nn.Module):
         self.softmax_scale = softmax_scale  # None: 1/sqrt(head_dim), as in Llama
         self.layer_number = layer_number
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                attention_mask: Optional[torch.Tensor] = None, **_: Any) -> torch.Tensor:
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        **_: Any,
+    ) -> torch.Tensor:
         """query `[s, b, heads, d]`, key/value `[s, b, kv_heads, d]` (this TP rank's heads) -> `[s, b, heads*d]`.
 
         `attention_mask` None: every sequence is a full causal window. Otherwise it holds integer segment ids
@@ -34,15 +41,19 @@ class SDPACoreAttention(torch.nn.Module):
         if attention_mask is not None:
             return self._packed(query, key, value, attention_mask)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
-                                             enable_gqa=k.shape[1] != heads)
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=k.shape[1] != heads
+        )
         return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
 
-    def _packed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                segments: torch.Tensor) -> torch.Tensor:
+    def _packed(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments: torch.Tensor
+    ) -> torch.Tensor:
         if segments.is_floating_point() or segments.dtype == torch.bool or segments.dim() != 2:
-            raise ValueError("SDPACoreAttention takes integer segment ids [b, s] as its mask, got "
-                             f"{segments.dtype} {tuple(segments.shape)}")
+            raise ValueError(
+                "SDPACoreAttention takes integer segment ids [b, s] as its mask, got "
+                f"{segments.dtype} {tuple(segments.shape)}"
+            )
         s, b, heads, d = query.shape
         gqa = key.shape[2] != heads
         if _varlen_usable(query):
@@ -51,8 +62,9 @@ class SDPACoreAttention(torch.nn.Module):
             # [s, b, h, d] -> [b*s, h, d]: each row's documents become sequences of one flat batch.
             q, k, v = (t.transpose(0, 1).reshape(b * s, t.shape[2], d) for t in (query, key, value))
             cu, max_len = reuse_per_tensor(segments, "varlen", cumulative_lengths)  # one host sync per micro-batch
-            out = varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=self.softmax_scale, window_size=(-1, 0),
-                              enable_gqa=gqa)
+            out = varlen_attn(
+                q, k, v, cu, cu, max_len, max_len, scale=self.softmax_scale, window_size=(-1, 0), enable_gqa=gqa
+            )
             return out.reshape(b, s, heads * d).transpose(0, 1).contiguous()
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
         mask = reuse_per_tensor(segments, "mask", block_causal_mask)

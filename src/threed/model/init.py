@@ -16,6 +16,7 @@ ones. Distributions follow Megatron-LM: N(0, init_std) for the embedding, QKV, f
 init_std / sqrt(2 * num_layers)) for the two output projections (linear_proj, linear_fc2); norms are ones;
 vocabulary padding rows are zero (the LM head masks them).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -27,8 +28,16 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from threed.config import ModelConfig
-from threed.model.spec import (LayerKind, Param, PipelineLayer, full_shape, layer_parameters, shard_shape, split_axis,
-                               tp_segments)
+from threed.model.spec import (
+    LayerKind,
+    Param,
+    PipelineLayer,
+    full_shape,
+    layer_parameters,
+    shard_shape,
+    split_axis,
+    tp_segments,
+)
 
 # Rows drawn per task: large enough that the pool's overhead is small, small enough to balance the threads.
 _ROWS_PER_TASK = 64
@@ -39,8 +48,15 @@ def _seed(seed: int, layer_index: int, name: str, index: int) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-def draw_rows(seed: int, layer_index: int, name: str, indices: Sequence[int], length: int, std: float,
-              threads: Optional[int] = None) -> torch.Tensor:
+def draw_rows(
+    seed: int,
+    layer_index: int,
+    name: str,
+    indices: Sequence[int],
+    length: int,
+    std: float,
+    threads: Optional[int] = None,
+) -> torch.Tensor:
     """`[len(indices), length]` fp32: row k is N(0, std) from the generator of key index `indices[k]`."""
     out = torch.empty(len(indices), length, dtype=torch.float32)
 
@@ -82,38 +98,54 @@ def shard_of(model: ModelConfig, layer_index: int, p: Param, tp: int, tp_rank: i
         # [gate; up]: each half keyed on its own (name:gate / name:up, index within the half).
         half = full[0] // 2
         gate, up = segments
-        return torch.cat([draw_rows(seed, layer_index, p.name + ":gate", range(gate.start, gate.start + gate.length),
-                                    other, std),
-                          draw_rows(seed, layer_index, p.name + ":up",
-                                    range(up.start - half, up.start - half + up.length), other, std)])
+        return torch.cat(
+            [
+                draw_rows(seed, layer_index, p.name + ":gate", range(gate.start, gate.start + gate.length), other, std),
+                draw_rows(
+                    seed, layer_index, p.name + ":up", range(up.start - half, up.start - half + up.length), other, std
+                ),
+            ]
+        )
     (seg,) = segments
     out = torch.zeros(seg.length, other)
     real = [i for i in range(seg.start, seg.start + seg.length) if p.split != "vocab" or i < model.vocab_size]
     if real:  # vocabulary padding rows stay zero (the LM head masks them)
-        out[:len(real)] = draw_rows(seed, layer_index, p.name, real, other, std)
+        out[: len(real)] = draw_rows(seed, layer_index, p.name, real, other, std)
     return out.t() if axis == 1 else out  # row-parallel: keyed by column, drawn as rows
 
 
 @torch.no_grad()
-def init_layer_(module: torch.nn.Module, layer_kind: LayerKind, layer_index: int, model: ModelConfig, tp: int,
-                tp_rank: int, seed: int) -> None:
+def init_layer_(
+    module: torch.nn.Module,
+    layer_kind: LayerKind,
+    layer_index: int,
+    model: ModelConfig,
+    tp: int,
+    tp_rank: int,
+    seed: int,
+) -> None:
     """Fill every parameter of one pipeline layer's module (on any device) with its layout-independent init."""
     table = {p.name: p for p in layer_parameters(layer_kind)}
     params = dict(module.named_parameters())
     unknown = set(params) - set(table)
     if unknown:
-        raise RuntimeError(f"no initialisation rule for {sorted(unknown)} in a {layer_kind} layer; add it to "
-                           f"threed.model.spec.PARAMETERS")
+        raise RuntimeError(
+            f"no initialisation rule for {sorted(unknown)} in a {layer_kind} layer; add it to "
+            f"threed.model.spec.PARAMETERS"
+        )
     for name, param in params.items():
         value = shard_of(model, layer_index, table[name], tp, tp_rank, seed)
         if tuple(value.shape) != tuple(param.shape):
-            raise RuntimeError(f"{layer_kind} layer {layer_index}: {name} is {list(param.shape)} in the module, "
-                               f"{list(value.shape)} in threed.model.spec")
+            raise RuntimeError(
+                f"{layer_kind} layer {layer_index}: {name} is {list(param.shape)} in the module, "
+                f"{list(value.shape)} in threed.model.spec"
+            )
         param.copy_(value)
 
 
-def init_pipeline_layers_(layers: Iterable[tuple[PipelineLayer, torch.nn.Module]], model: ModelConfig, tp: int,
-                          tp_rank: int, seed: int) -> None:
+def init_pipeline_layers_(
+    layers: Iterable[tuple[PipelineLayer, torch.nn.Module]], model: ModelConfig, tp: int, tp_rank: int, seed: int
+) -> None:
     """Each (spec layer, its module): a tied weight is drawn from its owner layer's seeds on every stage that holds
     a copy, so the copies start bit-identical without a broadcast."""
     for layer, module in layers:

@@ -3,11 +3,12 @@ run with the embedding's weight), and the loss.
 
 Tensor parallelism is megatron-core's: the block is its `TransformerLayer` built from local (non-TE) layers, with
 our SDPA core attention and our RoPE angles plugged in. Its linears (and the LM head) are megatron's
-Column/RowParallelLinear whose weight gradient can be deferred for a zero-bubble schedule (`threed.model.wgrad`). Between pipeline stages one tensor travels: hidden states
-`[s, b, h]`. Positions (RoPE) are rebuilt on each stage from the sequence length; the causal mask is implicit.
-Packed SFT rows add a second, `doc_ids [b, s]` int32, from which each stage rebuilds the block-diagonal mask and
-the per-document positions.
+Column/RowParallelLinear whose weight gradient can be deferred for a zero-bubble schedule (`threed.model.wgrad`).
+Between pipeline stages one tensor travels: hidden states `[s, b, h]`. Positions (RoPE) are rebuilt on each stage from
+the sequence length; the causal mask is implicit. Packed SFT rows add a second, `doc_ids [b, s]` int32, from which each
+stage rebuilds the block-diagonal mask and the per-document positions.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -15,8 +16,12 @@ import warnings
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
-from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                           vocab_parallel_cross_entropy)
+from megatron.core.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.tensor_parallel.utils import VocabUtility
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
@@ -34,8 +39,14 @@ from threed.model.rope import RotaryAngles, document_positions
 from threed.model.wgrad import SplitColumnParallelLinear, SplitRowParallelLinear
 
 
-def megatron_config(model: ModelConfig, tp: int, initialize: bool = True, fused_swiglu: bool = False,
-                    sequence_parallel: bool = False, selective_recompute: bool = False) -> TransformerConfig:
+def megatron_config(
+    model: ModelConfig,
+    tp: int,
+    initialize: bool = True,
+    fused_swiglu: bool = False,
+    sequence_parallel: bool = False,
+    selective_recompute: bool = False,
+) -> TransformerConfig:
     """megatron-core's TransformerConfig for one Llama block.
 
     pipeline_model_parallel_size stays 1: DeepSpeed owns the pipeline, so megatron must not offset layer numbers
@@ -46,23 +57,41 @@ def megatron_config(model: ModelConfig, tp: int, initialize: bool = True, fused_
     the row-parallel ones; the norms and the residual stream hold [s/tp, b, h]). `selective_recompute`:
     megatron's own (`--recompute-granularity selective`): its Attention runs the core attention (our SDPA) under
     `tensor_parallel.checkpoint` in training, keeping q, k, v and recomputing the rest in backward (CPU:
-    `threed.megatron_device`).
+    `threed.parallel.megatron_device`).
     """
     with warnings.catch_warnings():
         # megatron warns, for "core_attn", that Transformer Engine's fused attention needs no recompute; the core
         # attention here is ours (SDPA), not TE's.
         warnings.filterwarnings("ignore", message="If you are using transformer_engine")
         return TransformerConfig(
-            num_layers=model.num_layers, hidden_size=model.hidden_size, num_attention_heads=model.num_heads,
-            num_query_groups=model.num_kv_heads, ffn_hidden_size=model.ffn_hidden_size, kv_channels=model.head_dim,
-            normalization="RMSNorm", layernorm_epsilon=model.rms_norm_eps, add_bias_linear=False,
-            gated_linear_unit=True, activation_func=F.silu, bias_activation_fusion=fused_swiglu, hidden_dropout=0.0,
-            attention_dropout=0.0, apply_rope_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
-            persist_layer_norm=False, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
-            params_dtype=torch.float32, use_cpu_initialization=True, perform_initialization=initialize,
-            gradient_accumulation_fusion=False, sequence_parallel=sequence_parallel and tp > 1,
+            num_layers=model.num_layers,
+            hidden_size=model.hidden_size,
+            num_attention_heads=model.num_heads,
+            num_query_groups=model.num_kv_heads,
+            ffn_hidden_size=model.ffn_hidden_size,
+            kv_channels=model.head_dim,
+            normalization="RMSNorm",
+            layernorm_epsilon=model.rms_norm_eps,
+            add_bias_linear=False,
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            bias_activation_fusion=fused_swiglu,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            apply_rope_fusion=False,
+            masked_softmax_fusion=False,
+            bias_dropout_fusion=False,
+            persist_layer_norm=False,
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=1,
+            params_dtype=torch.float32,
+            use_cpu_initialization=True,
+            perform_initialization=initialize,
+            gradient_accumulation_fusion=False,
+            sequence_parallel=sequence_parallel and tp > 1,
             init_method_std=model.init_std,
-            recompute_granularity="selective" if selective_recompute else None, recompute_modules=["core_attn"],
+            recompute_granularity="selective" if selective_recompute else None,
+            recompute_modules=["core_attn"],
         )
 
 
@@ -71,7 +100,7 @@ class LlamaRMSNorm:
     torch's RMSNorm, as megatron's WrappedTorchNorm builds it, which however refuses sequence parallelism (its
     weight would not say that its gradient is partial). Under sequence parallelism each TP rank normalises its own
     part of the sequence, so the weight is tagged `sequence_parallel` (what megatron's TE and apex norms do); its
-    gradient is summed over the TP group before the step (`threed.partition.StagedPipelineModule`)."""
+    gradient is summed over the TP group before the step (`threed.parallel.partition.StagedPipelineModule`)."""
 
     def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_unused) -> torch.nn.Module:
         norm = torch.nn.RMSNorm(hidden_size, eps=eps)
@@ -85,14 +114,19 @@ LLAMA_BLOCK_SUBMODULES = TransformerLayerSubmodules(
     self_attention=ModuleSpec(
         module=SelfAttention,
         params={"attn_mask_type": AttnMaskType.causal},
-        submodules=SelfAttentionSubmodules(linear_qkv=SplitColumnParallelLinear, core_attention=SDPACoreAttention,
-                                           linear_proj=SplitRowParallelLinear, q_layernorm=IdentityOp,
-                                           k_layernorm=IdentityOp),
+        submodules=SelfAttentionSubmodules(
+            linear_qkv=SplitColumnParallelLinear,
+            core_attention=SDPACoreAttention,
+            linear_proj=SplitRowParallelLinear,
+            q_layernorm=IdentityOp,
+            k_layernorm=IdentityOp,
+        ),
     ),
     self_attn_bda=get_bias_dropout_add,
     pre_mlp_layernorm=LlamaRMSNorm,
-    mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=SplitColumnParallelLinear,
-                                                        linear_fc2=SplitRowParallelLinear)),
+    mlp=ModuleSpec(
+        module=MLP, submodules=MLPSubmodules(linear_fc1=SplitColumnParallelLinear, linear_fc2=SplitRowParallelLinear)
+    ),
     mlp_bda=get_bias_dropout_add,
 )
 
@@ -105,8 +139,14 @@ def mark_tensor_parallel(module: torch.nn.Module) -> None:
     wrong clipping after every resume. Found by tests/test_training.py::test_resume_is_bit_exact.
     """
     for sub in module.modules():
-        dim = next((d for cls, d in ((ColumnParallelLinear, 0), (VocabParallelEmbedding, 0), (RowParallelLinear, 1))
-                    if isinstance(sub, cls)), None)
+        dim = next(
+            (
+                d
+                for cls, d in ((ColumnParallelLinear, 0), (VocabParallelEmbedding, 0), (RowParallelLinear, 1))
+                if isinstance(sub, cls)
+            ),
+            None,
+        )
         weight = getattr(sub, "weight", None)
         if dim is not None and weight is not None and not getattr(weight, "tensor_model_parallel", False):
             set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=1)
@@ -120,8 +160,12 @@ class EmbeddingPipe(torch.nn.Module):
     def __init__(self, model: ModelConfig, mcore: TransformerConfig):
         super().__init__()
         self.word_embeddings = VocabParallelEmbedding(
-            model.padded_vocab_size(mcore.tensor_model_parallel_size), model.hidden_size,
-            init_method=mcore.init_method, config=mcore, reduce_scatter_embeddings=mcore.sequence_parallel)
+            model.padded_vocab_size(mcore.tensor_model_parallel_size),
+            model.hidden_size,
+            init_method=mcore.init_method,
+            config=mcore,
+            reduce_scatter_embeddings=mcore.sequence_parallel,
+        )
         mark_tensor_parallel(self)
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -169,6 +213,7 @@ class LlamaBlock(TransformerLayer):
 def _packed_geometry(doc_ids: torch.Tensor, rotary: RotaryAngles, device: torch.device):
     """Segments and RoPE angles of a micro-batch, built once per stage (not per block); the same segments object
     then lets the core attention reuse its mask / varlen lengths too."""
+
     def build(ids: torch.Tensor):
         segments = document_segments(ids.to(device))
         return segments, rotary.at_positions(document_positions(segments))
@@ -194,14 +239,15 @@ class PaddedLogits:
     def __init__(self, model: ModelConfig, tp: int):
         per_rank = model.padded_vocab_size(tp) // tp
         start, _ = VocabUtility.vocab_range_from_per_partition_vocab_size(
-            per_rank, parallel_state.get_tensor_model_parallel_rank(), tp)
+            per_rank, parallel_state.get_tensor_model_parallel_rank(), tp
+        )
         self.first_padded_column = max(0, min(per_rank, model.vocab_size - start))
         self.columns = per_rank
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         if self.first_padded_column < self.columns:
             pad = torch.zeros(self.columns, dtype=torch.bool, device=logits.device)
-            pad[self.first_padded_column:] = True
+            pad[self.first_padded_column :] = True
             logits = logits.masked_fill(pad, float("-inf"))
         return logits
 
@@ -212,8 +258,14 @@ class LMHeadPipe(torch.nn.Module):
     def __init__(self, model: ModelConfig, mcore: TransformerConfig):
         super().__init__()
         tp = mcore.tensor_model_parallel_size
-        self.lm_head = SplitColumnParallelLinear(model.hidden_size, model.padded_vocab_size(tp), config=mcore,
-                                                 init_method=mcore.init_method, bias=False, gather_output=False)
+        self.lm_head = SplitColumnParallelLinear(
+            model.hidden_size,
+            model.padded_vocab_size(tp),
+            config=mcore,
+            init_method=mcore.init_method,
+            bias=False,
+            gather_output=False,
+        )
         mark_tensor_parallel(self)
         self.mask_padding = PaddedLogits(model, tp)
 
@@ -231,9 +283,15 @@ class TiedLMHead:
 
     def __init__(self, model: ModelConfig, mcore: TransformerConfig):
         tp = mcore.tensor_model_parallel_size
-        self.linear = SplitColumnParallelLinear(model.hidden_size, model.padded_vocab_size(tp), config=mcore,
-                                                init_method=mcore.init_method, bias=False, gather_output=False,
-                                                skip_weight_param_allocation=True)
+        self.linear = SplitColumnParallelLinear(
+            model.hidden_size,
+            model.padded_vocab_size(tp),
+            config=mcore,
+            init_method=mcore.init_method,
+            bias=False,
+            gather_output=False,
+            skip_weight_param_allocation=True,
+        )
         self.mask_padding = PaddedLogits(model, tp)
 
     def __call__(self, embedding: "EmbeddingPipe", hidden: torch.Tensor) -> torch.Tensor:
@@ -264,7 +322,7 @@ def causal_lm_loss(logits: torch.Tensor, targets) -> torch.Tensor:
     - (labels, loss_mask): the masked mean, sum(loss * mask) / sum(mask) (Megatron's loss);
     - (labels, loss_mask, dataset_onehot `[b, D]`), for evaluation: not a mean but the sums that reduce exactly
       over micro-batches and data-parallel ranks, `[sum(loss*mask), sum(mask), per-dataset sums (D),
-      per-dataset token counts (D)]` (threed.evaluate).
+      per-dataset token counts (D)]` (threed.train.evaluate).
     """
     if isinstance(targets, torch.Tensor):
         return token_losses(logits, targets).mean()
@@ -274,5 +332,6 @@ def causal_lm_loss(logits: torch.Tensor, targets) -> torch.Tensor:
         return losses.sum() / mask.sum().clamp(min=1.0)
     onehot = targets[2].float()
     per_sample_loss, per_sample_count = losses.sum(dim=1), mask.sum(dim=1)
-    return torch.cat([losses.sum().reshape(1), mask.sum().reshape(1), per_sample_loss @ onehot,
-                      per_sample_count @ onehot])
+    return torch.cat(
+        [losses.sum().reshape(1), mask.sum().reshape(1), per_sample_loss @ onehot, per_sample_count @ onehot]
+    )

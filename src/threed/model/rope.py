@@ -1,6 +1,7 @@
 """RoPE frequencies, computed by us (megatron's RotaryEmbedding moves its buffer to CUDA, and has no Llama 3.1
 scaling in the form HF uses). Layout: megatron-core's rotate-half `[s, 1, 1, head_dim]` angles, which equals
 HF's `rotate_half` convention, so HF weights need no permutation."""
+
 from __future__ import annotations
 
 import math

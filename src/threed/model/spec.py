@@ -11,8 +11,8 @@ that table, so adding a parameter kind is one row:
     layer_training_flops(...)          FLOPs per token, one convention (partition, planner, metrics)
     universal_checkpoint_info(model)   DeepSpeed's patterns to merge / split TP shards (resume at another layout)
 
-Where a layer lives among the stages is `threed.partition`'s job (from this layer list); the HF names of each row
-are `threed.hf.names`' (the one table used in both directions).
+Where a layer lives among the stages is `threed.parallel.partition`'s job (from this layer list); the HF names of each
+row are `threed.hf.names`' (the one table used in both directions).
 
 FLOPs convention (stated once, used everywhere): training = forward + backward = 3 x forward; forward = 2 FLOPs
 per multiply-accumulate of every matmul parameter (the LM head over the padded vocabulary: that is the matmul
@@ -20,6 +20,7 @@ that runs; the input embedding is a lookup and counts zero), plus the attention 
 seq x seq square, 4 * seq * hidden per token per block (Megatron-LM's and PaLM's MFU convention, no causal
 halving, no recompute).
 """
+
 from __future__ import annotations
 
 import math
@@ -114,8 +115,7 @@ PARAMETERS: tuple[Param, ...] = (
     Param("block", "mlp.linear_fc1.weight", "gate_up", "normal", ("2ffn", "hidden"), megatron_linear=True),
     Param("block", "mlp.linear_fc2.weight", "row", "scaled", ("hidden", "ffn"), megatron_linear=True),
     Param("final_norm", "norm.weight", "replicated", "ones", ("hidden",)),
-    Param("lm_head", "lm_head.weight", "vocab", "normal", ("vocab", "hidden"), megatron_linear=True,
-          tie="embedding"),
+    Param("lm_head", "lm_head.weight", "vocab", "normal", ("vocab", "hidden"), megatron_linear=True, tie="embedding"),
 )
 
 
@@ -133,9 +133,14 @@ def parameter(kind: LayerKind, name: str) -> Param:
 
 def _dim(model: ModelConfig, dim: str, vocab: int) -> int:
     d = model.head_dim
-    return {"vocab": vocab, "hidden": model.hidden_size, "q": model.num_heads * d,
-            "qkv": (model.num_heads + 2 * model.num_kv_heads) * d, "ffn": model.ffn_hidden_size,
-            "2ffn": 2 * model.ffn_hidden_size}[dim]
+    return {
+        "vocab": vocab,
+        "hidden": model.hidden_size,
+        "q": model.num_heads * d,
+        "qkv": (model.num_heads + 2 * model.num_kv_heads) * d,
+        "ffn": model.ffn_hidden_size,
+        "2ffn": 2 * model.ffn_hidden_size,
+    }[dim]
 
 
 def full_shape(model: ModelConfig, p: Param, tp: Optional[int] = 1) -> tuple[int, ...]:
@@ -190,6 +195,7 @@ def tp_segments(split: Split, n: int, tp: int, rank: int) -> tuple[Segment, ...]
 
 # ------------------------------------------------------------------------------------------------ counts
 
+
 def parameter_count(model: ModelConfig, tp: Optional[int] = None) -> int:
     """Parameters of the (unpadded, HF) model, or with tp given, of the model a run at that tp holds (its
     vocabulary padded; each tensor once, however TP splits it): what a checkpoint stores. A tied weight counts
@@ -217,7 +223,7 @@ def optimizer_parameters(model: ModelConfig, tp: int, pp: int) -> int:
 
 def stage_parameters(model: ModelConfig, tp: int, kinds: list[LayerKind]) -> tuple[int, int]:
     """(matrices, norms) elements on one TP rank of a stage holding these layers (one entry per layer, a block
-    once per block): `threed.engine`'s two optimizer groups (decay / no decay). Vocabulary padded for `tp`.
+    once per block): `threed.train.engine`'s two optimizer groups (decay / no decay). Vocabulary padded for `tp`.
     A tied weight is held once per stage: the last stage of a tied model holds the embedding's copy in place of
     an LM head weight (the same shape), a single stage holding both holds it once."""
     matrices = norms = 0
@@ -247,6 +253,7 @@ def largest_parameter(model: ModelConfig, tp: int, kinds: list[LayerKind]) -> in
 
 
 # ------------------------------------------------------------------------------------------------ FLOPs
+
 
 def matmul_parameters(model: ModelConfig, kind: LayerKind, tp: int = 1) -> int:
     """Unsharded elements of a layer's matmul weights (2-D parameters, vocab padded for `tp`); the embedding is
@@ -291,7 +298,7 @@ _UNIVERSAL_KEY: dict[Split, Optional[str]] = {
 
 
 # DeepSpeed's PipelineModule registers a TiedLayerSpec's module as `tied_modules.<key>` (its parameters are named
-# `tied_modules.<key>.<name>` on every stage holding a copy), not under a layer index; threed.pipeline uses the
+# `tied_modules.<key>.<name>` on every stage holding a copy), not under a layer index; threed.parallel.pipeline uses the
 # table's `tie` value as the key.
 TIED_MODULES = "tied_modules"
 

@@ -1,6 +1,6 @@
-"""The weight-gradient split for zero-bubble schedules (`--pipeline-schedule zb-h1`, threed.schedule): megatron-core's
-Column/RowParallelLinear with a backward that, while `DEFERRED.deferring()` is on, computes only the input gradient
-and queues the weight gradient for the schedule's W pass.
+"""The weight-gradient split for zero-bubble schedules (`--pipeline-schedule zb-h1`, threed.parallel.schedule):
+megatron-core's Column/RowParallelLinear with a backward that, while `DEFERRED.deferring()` is on, computes only the
+input gradient and queues the weight gradient for the schedule's W pass.
 
 The forward is megatron's function, and so is the backward outside a W-split schedule (1F1B, evaluation, anything
 else). While deferring, the backward is megatron's input-gradient half, with the same tensor-parallel
@@ -15,6 +15,7 @@ parameter's AccumulateGrad: DeepSpeed's BF16_Optimizer hooks (fp32 accumulation)
 
     python -m pytest tests/test_pipeline_schedule.py
 """
+
 from __future__ import annotations
 
 import functools
@@ -80,8 +81,14 @@ def _gather_sequence(part: torch.Tensor, tp_group) -> torch.Tensor:
     return full
 
 
-def _weight_grad(input_: torch.Tensor, weight: torch.Tensor, grad_output: torch.Tensor, input_part: bool,
-                 grad_output_part: bool, tp_group) -> None:
+def _weight_grad(
+    input_: torch.Tensor,
+    weight: torch.Tensor,
+    grad_output: torch.Tensor,
+    input_part: bool,
+    grad_output_part: bool,
+    tp_group,
+) -> None:
     # What megatron's backward does for the weight (gradient_accumulation_fusion is off in threed: no main_grad),
     # without recording a graph, as inside a backward.
     with torch.no_grad():
@@ -120,8 +127,9 @@ def _backward(ctx, grad_output: torch.Tensor, keep_sequence_part: bool):
         # column-parallel linears do with their input: 1/tp of the bytes while it waits.
         rank = torch.distributed.get_rank(ctx.tp_group)
         kept = grad_output.chunk(ctx.tp_group.size(), dim=0)[rank].clone()
-    DEFERRED.put(functools.partial(_weight_grad, input_, weight, kept, ctx.sequence_parallel, keep_sequence_part,
-                                   ctx.tp_group))
+    DEFERRED.put(
+        functools.partial(_weight_grad, input_, weight, kept, ctx.sequence_parallel, keep_sequence_part, ctx.tp_group)
+    )
     return grad_input, None, grad_bias, None, None, None, None, None, None
 
 
@@ -142,11 +150,31 @@ class SplitBackwardSequenceParallelRow(LinearWithGradAccumulationAndAsyncCommuni
         return _backward(ctx, grad_output, keep_sequence_part=True)
 
 
-def _split_forward(function, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
-                   grad_output_buffer=None, wgrad_deferral_limit=0, tp_group=None, **_ignored):
+def _split_forward(
+    function,
+    input,
+    weight,
+    bias,
+    gradient_accumulation_fusion,
+    allreduce_dgrad,
+    sequence_parallel,
+    grad_output_buffer=None,
+    wgrad_deferral_limit=0,
+    tp_group=None,
+    **_ignored,
+):
     """megatron's `linear_with_grad_accumulation_and_async_allreduce`, applying `function`."""
-    return function.apply(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
-                          grad_output_buffer, wgrad_deferral_limit, get_tensor_model_parallel_group_if_none(tp_group))
+    return function.apply(
+        input,
+        weight,
+        bias,
+        gradient_accumulation_fusion,
+        allreduce_dgrad,
+        sequence_parallel,
+        grad_output_buffer,
+        wgrad_deferral_limit,
+        get_tensor_model_parallel_group_if_none(tp_group),
+    )
 
 
 class _SplitBackward:
@@ -157,8 +185,9 @@ class _SplitBackward:
         if not weight.requires_grad or args:
             return super()._forward_impl(input, weight, *args, **kwargs)  # type: ignore[misc]
         row_sp = isinstance(self, RowParallelLinear) and self.sequence_parallel  # type: ignore[attr-defined]
-        return _split_forward(SplitBackwardSequenceParallelRow if row_sp else SplitBackwardLinear, input, weight,
-                              **kwargs)
+        return _split_forward(
+            SplitBackwardSequenceParallelRow if row_sp else SplitBackwardLinear, input, weight, **kwargs
+        )
 
 
 class SplitColumnParallelLinear(_SplitBackward, ColumnParallelLinear):

@@ -1,4 +1,5 @@
 """Full-vocabulary logits from a pipeline engine, for parity checks (`threed verify`, tests)."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -14,8 +15,9 @@ def pipeline_logits(engine, inputs, vocab_size: int) -> Optional[torch.Tensor]:
     other stages. Every rank of the model must call this."""
     tokens = inputs[0] if isinstance(inputs, (tuple, list)) else inputs
     batch = (inputs, torch.zeros_like(tokens))  # labels are loaded by the last stage but unused here
-    _, logits = engine.eval_batch(iter([batch]), return_logits=True, compute_loss=False, reduce_output=None,
-                                  bcast_loss=False, num_micro_batches=1)
+    _, logits = engine.eval_batch(
+        iter([batch]), return_logits=True, compute_loss=False, reduce_output=None, bcast_loss=False, num_micro_batches=1
+    )
     if not engine.is_last_stage():
         return None
     tp_group = ps.get_tensor_model_parallel_group()

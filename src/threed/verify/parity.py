@@ -9,6 +9,7 @@ whole in this process: verify is a check for models that fit in RAM (or for a ti
 
 It lives above training, not in threed.convert: its ranks (threed.verify.worker) build the training engine.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,12 +23,12 @@ import torch
 from threed.checkpoint.format import open_checkpoint
 from threed.convert.io_utils import ConvertError
 from threed.hf.config import from_hf_config
-from threed.launch import run_ranks
+from threed.parallel.launch import run_ranks
 
 WORKER = "threed.verify.worker"  # the module each of the tp x pp ranks runs (python -m)
 # On CPU, whatever the machine has: HF's side runs on CPU in fp32 too, and the 1e-5 default tolerance is a CPU
 # fp32 one (a GPU's kernels reduce in other orders, and TF32 would need its own tolerance). It also leaves a
-# training job's GPUs alone when verify runs beside it. (threed.distributed reads THREED_DEVICE.)
+# training job's GPUs alone when verify runs beside it. (threed.parallel.distributed reads THREED_DEVICE.)
 VERIFY_ENV = {"THREED_DEVICE": "cpu"}
 
 
@@ -45,22 +46,39 @@ class VerifyResult:
 
     def line(self) -> str:
         verdict = "OK" if self.ok else "FAIL"
-        return (f"threed verify: tp={self.tp} pp={self.pp}: max abs logits diff {self.max_abs:.3e}, max rel "
-                f"{self.max_rel:.3e} (tolerance {self.tol:.1e}) {verdict}")
+        return (
+            f"threed verify: tp={self.tp} pp={self.pp}: max abs logits diff {self.max_abs:.3e}, max rel "
+            f"{self.max_rel:.3e} (tolerance {self.tol:.1e}) {verdict}"
+        )
 
 
-def checkpoint_logits(ckpt: str | os.PathLike, tokens: torch.Tensor,
-                      timeout: Optional[float] = 900) -> tuple[torch.Tensor, int, int]:
+def checkpoint_logits(
+    ckpt: str | os.PathLike, tokens: torch.Tensor, timeout: Optional[float] = 900
+) -> tuple[torch.Tensor, int, int]:
     """fp32 logits [b, s, vocab] of a checkpoint, computed by its own tp x pp ranks."""
     ck = open_checkpoint(ckpt)
     pp = ck.pp
     with tempfile.TemporaryDirectory(prefix="threed-verify-") as d:
         torch.save(tokens, Path(d) / "tokens.pt")
         try:
-            run_ranks(ck.tp * pp, WORKER,
-                      ["--ckpt", str(Path(ckpt).absolute()), "--tp", str(ck.tp), "--pp", str(pp),
-                       "--tokens", str(Path(d) / "tokens.pt"), "--out", str(Path(d) / "logits.pt")],
-                      env=VERIFY_ENV, timeout=timeout)
+            run_ranks(
+                ck.tp * pp,
+                WORKER,
+                [
+                    "--ckpt",
+                    str(Path(ckpt).absolute()),
+                    "--tp",
+                    str(ck.tp),
+                    "--pp",
+                    str(pp),
+                    "--tokens",
+                    str(Path(d) / "tokens.pt"),
+                    "--out",
+                    str(Path(d) / "logits.pt"),
+                ],
+                env=VERIFY_ENV,
+                timeout=timeout,
+            )
         except Exception as e:  # RanksFailed / CalledProcessError carry the ranks' output tail
             raise ConvertError(f"the {ck.tp * pp} verify ranks failed: {getattr(e, 'output', None) or e}") from None
         return torch.load(Path(d) / "logits.pt")["logits"], ck.tp, pp
@@ -76,25 +94,36 @@ def hf_logits(hf_dir: str | os.PathLike, tokens: torch.Tensor) -> torch.Tensor:
 
 def compare(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     if got.shape != ref.shape:
-        raise ConvertError(f"logits shapes differ: checkpoint {list(got.shape)}, HF {list(ref.shape)} (another "
-                           f"vocab size?)")
+        raise ConvertError(
+            f"logits shapes differ: checkpoint {list(got.shape)}, HF {list(ref.shape)} (another vocab size?)"
+        )
     max_abs = (got - ref).abs().max().item()
     return max_abs, max_abs / max(ref.abs().max().item(), 1e-30)
 
 
-def verify(hf_dir: str | os.PathLike, ckpt: str | os.PathLike, tol: float = 1e-5, seq_length: int = 32,
-           batch: int = 2, seed: int = 0) -> VerifyResult:
+def verify(
+    hf_dir: str | os.PathLike,
+    ckpt: str | os.PathLike,
+    tol: float = 1e-5,
+    seq_length: int = 32,
+    batch: int = 2,
+    seed: int = 0,
+) -> VerifyResult:
     ck = open_checkpoint(ckpt)
     hf_cfg = from_hf_config(hf_dir)
     if hf_cfg.vocab_size != ck.model.vocab_size or hf_cfg.num_layers != ck.model.num_layers:
-        raise ConvertError(f"{hf_dir} (vocab {hf_cfg.vocab_size}, {hf_cfg.num_layers} layers) is not the model "
-                           f"in {ckpt} (vocab {ck.model.vocab_size}, {ck.model.num_layers} layers)")
+        raise ConvertError(
+            f"{hf_dir} (vocab {hf_cfg.vocab_size}, {hf_cfg.num_layers} layers) is not the model "
+            f"in {ckpt} (vocab {ck.model.vocab_size}, {ck.model.num_layers} layers)"
+        )
     if hf_cfg.tie_word_embeddings != ck.model.tie_word_embeddings:
         flag = lambda tied: "true" if tied else "false"  # noqa: E731
-        raise ConvertError(f"{hf_dir} says tie_word_embeddings={flag(hf_cfg.tie_word_embeddings)}, the model in "
-                           f"{ckpt} has tie_word_embeddings={flag(ck.model.tie_word_embeddings)}: not the same "
-                           f"model; compare against the HF model it was converted from, or export it with "
-                           f"`threed export --ckpt {ckpt} --out DIR` and pass --hf DIR")
+        raise ConvertError(
+            f"{hf_dir} says tie_word_embeddings={flag(hf_cfg.tie_word_embeddings)}, the model in "
+            f"{ckpt} has tie_word_embeddings={flag(ck.model.tie_word_embeddings)}: not the same "
+            f"model; compare against the HF model it was converted from, or export it with "
+            f"`threed export --ckpt {ckpt} --out DIR` and pass --hf DIR"
+        )
     seq = min(seq_length, ck.model.max_position_embeddings)
     tokens = torch.randint(0, ck.model.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
     got, tp, pp = checkpoint_logits(ckpt, tokens)

@@ -5,6 +5,7 @@ the full-vocab fp32 logits from the last stage.
     python -m torch.distributed.run --nproc-per-node 4 -m threed.verify.worker \
         --ckpt DIR --tp 2 --pp 2 --tokens tokens.pt --out logits.pt
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,8 +16,8 @@ import torch
 
 from threed.config import CheckpointConfig, ParallelConfig, RunConfig, TrainConfig
 from threed.checkpoint.format import check_loadable, read_model_config
-from threed.distributed import init_distributed
-from threed.engine import build_engine
+from threed.parallel.distributed import init_distributed
+from threed.train.engine import build_engine
 from threed.verify.logits import pipeline_logits
 
 
@@ -33,10 +34,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     model = read_model_config(args.ckpt)
     assert model is not None, f"{args.ckpt} records no model config"
     check_loadable(args.ckpt, model, args.tp, args.pp)
-    cfg = RunConfig(model=model, parallel=ParallelConfig(tp=args.tp, pp=args.pp),
-                    train=TrainConfig(dtype="fp32", seq_length=tokens.shape[1], micro_batch_size=tokens.shape[0],
-                                      steps=1),
-                    checkpoint=CheckpointConfig(init_from=args.ckpt))
+    cfg = RunConfig(
+        model=model,
+        parallel=ParallelConfig(tp=args.tp, pp=args.pp),
+        train=TrainConfig(dtype="fp32", seq_length=tokens.shape[1], micro_batch_size=tokens.shape[0], steps=1),
+        checkpoint=CheckpointConfig(init_from=args.ckpt),
+    )
     rt = init_distributed()
     cfg.validate(rt.world_size)
     built = build_engine(cfg, rt)

@@ -6,9 +6,10 @@ layer and DeepSpeed's gradient all-reduce over DP must see the same partners), s
 them on every rank at start-up.
 
 It is also the one place that quiets the libraries' start-up noise (`quiet_libraries`, run when this module is
-imported: threed.engine, threed.train and every rank's entry point import it before deepspeed or megatron-core) and
-that sets every process group's collective timeout (`init_distributed`).
+imported: threed.train.engine, threed.train and every rank's entry point import it before deepspeed or megatron-core)
+and that sets every process group's collective timeout (`init_distributed`).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -28,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from threed import megatron_device
+from threed.parallel import megatron_device
 from threed.config import ConfigError
 
 
@@ -91,15 +92,19 @@ def device_and_backend() -> tuple[torch.device, str]:
     want = _wanted_device()
     if want == "cuda" and not torch.cuda.is_available():
         build = "a CPU-only torch build" if torch.version.cuda is None else f"torch built for CUDA {torch.version.cuda}"
-        raise DeviceError(f"DEVICE=cuda, but no GPU is usable ({build}, {torch.cuda.device_count()} visible "
-                          f"devices); install the CUDA build of torch 2.13.0 in the venv, or use DEVICE=cpu")
+        raise DeviceError(
+            f"DEVICE=cuda, but no GPU is usable ({build}, {torch.cuda.device_count()} visible "
+            f"devices); install the CUDA build of torch 2.13.0 in the venv, or use DEVICE=cpu"
+        )
     if want != "cpu" and torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         count = torch.cuda.device_count()
         if local_rank >= count:
-            raise DeviceError(f"local rank {local_rank} has no GPU: this node shows {count} GPUs "
-                              f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); start at "
-                              f"most {count} ranks per node (GPUS_PER_NODE={count})")
+            raise DeviceError(
+                f"local rank {local_rank} has no GPU: this node shows {count} GPUs "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); start at "
+                f"most {count} ranks per node (GPUS_PER_NODE={count})"
+            )
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank), "nccl"
     return torch.device("cpu"), "gloo"
@@ -107,7 +112,7 @@ def device_and_backend() -> tuple[torch.device, str]:
 
 def set_cuda_environment() -> None:
     """Environment a CUDA rank needs before its CUDA context exists. Harmless (unused) on CPU; set wherever ranks
-    start: recipes/launch.sh, slurm/common.sh, `threed.launch`, and here for ranks started any other way.
+    start: recipes/launch.sh, slurm/common.sh, `threed.parallel.launch`, and here for ranks started any other way.
     - CUDA_DEVICE_MAX_CONNECTIONS=1: one hardware queue, so a TP collective is not overtaken by a later
       kernel (megatron-core requires it for comm/compute overlap to be ordered).
     - expandable_segments: fewer fragmentation OOMs with pipeline micro-batches of changing lifetimes."""
@@ -124,9 +129,7 @@ QUIET_WARNINGS = (
     r"full scope is deprecated",
 )
 # FutureWarnings from inside a library, about its own calls (twice per rank from DeepSpeed's comm layer at dp > 1)
-QUIET_FUTURE_WARNINGS = (
-    r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
-)
+QUIET_FUTURE_WARNINGS = (r"`torch\.distributed\.all_gather_into_tensor` is deprecated",)
 # What DeepSpeed print()s on start-up (rank 0 or every rank), dropped by `library_prints`: its process groups and
 # PipelineModule, and BF16_Optimizer's memory reports (`see_memory_usage(..., force=True)`, on rank 0: a message,
 # then "MA ... GB  Max_MA ..." and "CPU Virtual Memory: ...", around each parameter group; no config turns them off).
@@ -134,7 +137,8 @@ QUIET_PRINTS = re.compile(
     r"^(SEED_LAYERS=\S+ BASE_SEED=|Using topology: |DeepSpeed deepspeed\.ops\.comm\.\S+ built successfully"
     r"|RANK=\d+ .*tied_comms"
     r"|(begin|end) bf16_ ?optimizer$|(before|after) initializing group \d+$|MA [\d.]+ GB +Max_MA "
-    r"|CPU Virtual Memory: +used = )")
+    r"|CPU Virtual Memory: +used = )"
+)
 # What megatron-core logs at WARNING that is expected here, by logger: the blend and dataset indexes are built in
 # memory when no cache path is given (we give none: they take seconds). Other warnings of these loggers still print.
 QUIET_LOGS = {
@@ -242,8 +246,13 @@ def init_distributed(timeout_minutes: Optional[float] = None) -> Runtime:
             deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=collective_timeout(backend))
         # Every way out (a finished run, sys.exit(3) on divergence, a ConfigError) tears the groups down first.
         atexit.register(shutdown_distributed)
-    return Runtime(device=device, backend=backend, rank=dist.get_rank(), world_size=dist.get_world_size(),
-                   local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+    return Runtime(
+        device=device,
+        backend=backend,
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+    )
 
 
 def is_multi_rank() -> bool:
@@ -276,9 +285,11 @@ def _use_device_policy_accelerator(device: torch.device) -> None:
         return
     if device.type == "cuda":
         from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator  # heavy: as deepspeed above
+
         set_accelerator(CUDA_Accelerator())
     else:
         from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator  # heavy: as deepspeed above
+
         set_accelerator(CPU_Accelerator())
 
 
@@ -306,9 +317,12 @@ def init_megatron_parallel_state(tp: int, pp: int, gloo_process_groups: bool = T
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, create_gloo_process_groups=gloo_process_groups,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        create_gloo_process_groups=gloo_process_groups,
         # megatron makes timedelta(minutes=this): a float keeps a fractional --dist-timeout-minutes
-        distributed_timeout_minutes=collective_timeout().total_seconds() / 60)
+        distributed_timeout_minutes=collective_timeout().total_seconds() / 60,
+    )
 
 
 def grid_coordinates(rank: int, tp: int, dp: int) -> tuple[int, int, int]:
@@ -323,7 +337,7 @@ def loss_rank(tp: int, pp: int, dp: int, dp_rank: int = 0) -> int:
     every TP rank of that stage holds the same value, so TP rank 0 of the last stage counts it. Replica 0's (the
     default) is the one rank that speaks for the run: it prints the log lines and writes the metrics (threed.train,
     threed.metrics.writer; DeepSpeed has already averaged the loss over DP there), so on a multi-node job every
-    line of a run is in one node's log; threed.evaluate sums each replica's validation loss once, from its loss
+    line of a run is in one node's log; threed.train.evaluate sums each replica's validation loss once, from its loss
     rank. Rank order as in `grid_coordinates` (tp fastest, then dp, then pp)."""
     return ((pp - 1) * dp + dp_rank) * tp
 
@@ -348,9 +362,11 @@ def check_groups_agree(grid) -> dict[str, list[int]]:
         "dp": _axis_group(topo, "data", rank),
         "pp": _axis_group(topo, "pipe", rank),
     }
-    ranks_ok = (ps.get_tensor_model_parallel_rank() == grid.get_slice_parallel_rank()
-                and ps.get_pipeline_model_parallel_rank() == grid.get_stage_id()
-                and ps.get_data_parallel_rank() == grid.get_data_parallel_rank())
+    ranks_ok = (
+        ps.get_tensor_model_parallel_rank() == grid.get_slice_parallel_rank()
+        and ps.get_pipeline_model_parallel_rank() == grid.get_stage_id()
+        and ps.get_data_parallel_rank() == grid.get_data_parallel_rank()
+    )
     if {k: sorted(v) for k, v in ours.items()} != {k: sorted(v) for k, v in theirs.items()} or not ranks_ok:
         raise GroupMismatch(
             f"rank {rank}: megatron-core groups {ours} differ from DeepSpeed's grid {theirs}. Both must order "

@@ -1,12 +1,13 @@
-"""A layout `threed plan` (`threed.planner`) weighs, and what it says about layouts: the table, and one phrase each
+"""A layout `threed plan` (`threed.plan.planner`) weighs, and what it says about layouts: the table, and one phrase each
 for recomputing every block and for the pipeline schedule. Apart from the search so that each stays readable."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from threed.memory.model import GB, Memory
 from threed.memory.recompute import Recompute
-from threed.schedule import simulate
+from threed.parallel.schedule import simulate
 
 
 @dataclass(frozen=True)
@@ -22,8 +23,8 @@ class Layout:
     fits: bool
     sp: bool = False
     blocks: int = 0  # the largest stage's blocks
-    schedule: str = "1f1b"  # threed.schedule's
-    passes: tuple[float, float, float] = (1.0, 1.0, 1.0)  # the slowest stage's F, B, W seconds (threed.steptime)
+    schedule: str = "1f1b"  # threed.parallel.schedule's
+    passes: tuple[float, float, float] = (1.0, 1.0, 1.0)  # the slowest stage's F, B, W seconds (threed.plan.steptime)
 
     @property
     def act_ckpt(self) -> bool:
@@ -53,8 +54,10 @@ class Layout:
     def name(self) -> str:
         sp = ", sequence parallel" if self.sp else ""
         schedule = f", {self.schedule}" if self.schedule != "1f1b" else ""
-        return (f"tp{self.tp} pp{self.pp} dp{self.dp}, micro {self.micro} x gas {self.gas}{sp}{schedule}, "
-                f"{self.recompute_words()}")
+        return (
+            f"tp{self.tp} pp{self.pp} dp{self.dp}, micro {self.micro} x gas {self.gas}{sp}{schedule}, "
+            f"{self.recompute_words()}"
+        )
 
 
 def full_recompute_verdict(every: list[Layout]) -> str:
@@ -63,14 +66,18 @@ def full_recompute_verdict(every: list[Layout]) -> str:
     lighter = [la for la in fitting if not la.act_ckpt]
     if lighter:
         count = "1 layout fits" if len(lighter) == 1 else f"{len(lighter)} layouts fit"
-        return (f"full recomputation: not needed: {count} without recomputing every block; the fastest, "
-                f"{lighter[0].name()}, at {lighter[0].memory.peak / GB:.1f} GB/GPU")
+        return (
+            f"full recomputation: not needed: {count} without recomputing every block; the fastest, "
+            f"{lighter[0].name()}, at {lighter[0].memory.peak / GB:.1f} GB/GPU"
+        )
     others = [la for la in every if not la.act_ckpt]
     if not others:
         return "full recomputation: the only option searched (--act-ckpt true)"
     leanest = min(others, key=lambda la: la.memory.peak)
-    return (f"full recomputation: needed: no layout fits without recomputing every block; the leanest, "
-            f"{leanest.name()}, needs {leanest.memory.peak / GB:.0f} GB/GPU")
+    return (
+        f"full recomputation: needed: no layout fits without recomputing every block; the leanest, "
+        f"{leanest.name()}, needs {leanest.memory.peak / GB:.0f} GB/GPU"
+    )
 
 
 def schedule_verdict(best: Layout, every: list[Layout]) -> str:
@@ -87,27 +94,37 @@ def schedule_verdict(best: Layout, every: list[Layout]) -> str:
     fitting = [la for la in others if la.fits]
     if not fitting:
         leanest = min(others, key=lambda la: la.memory.peak)
-        return (f"1f1b: {leanest.schedule} would need {leanest.memory.peak / GB:.0f} GB/GPU "
-                f"({leanest.recompute_words()}; bubble {best.bubble:.1%} -> {leanest.bubble:.1%})")
+        return (
+            f"1f1b: {leanest.schedule} would need {leanest.memory.peak / GB:.0f} GB/GPU "
+            f"({leanest.recompute_words()}; bubble {best.bubble:.1%} -> {leanest.bubble:.1%})"
+        )
     fastest = fitting[0]
     if fastest.recompute == best.recompute:  # it fits alike: its smaller bubble costs more than it saves
-        return (f"1f1b: {fastest.schedule} is slower here, {fastest.step_s:.1f} s/step (bubble {best.bubble:.1%} -> "
-                f"{fastest.bubble:.1%}, but its weight-gradient passes gather their inputs again)")
-    return (f"1f1b: {fastest.schedule} fits only {fastest.recompute_words()}, {fastest.step_s:.1f} s/step "
-            f"(bubble {best.bubble:.1%} -> {fastest.bubble:.1%})")
+        return (
+            f"1f1b: {fastest.schedule} is slower here, {fastest.step_s:.1f} s/step (bubble {best.bubble:.1%} -> "
+            f"{fastest.bubble:.1%}, but its weight-gradient passes gather their inputs again)"
+        )
+    return (
+        f"1f1b: {fastest.schedule} fits only {fastest.recompute_words()}, {fastest.step_s:.1f} s/step "
+        f"(bubble {best.bubble:.1%} -> {fastest.bubble:.1%})"
+    )
 
 
 def table(rows: list[Layout], budget: float) -> list[str]:
     """Fitting layouts are numbered in rank order; the ones that do not fit are marked, not numbered. recompute:
     recomputed blocks per stage / the largest stage's blocks."""
-    out = [f"{'rank':>4} {'tp':>3} {'pp':>3} {'dp':>4} {'micro':>5} {'gas':>5} {'sp':>3} {'sched':>5} "
-           f"{'recompute':>9} {'GB/GPU':>7} {'bubble':>7} {'step s':>8}  fits"]
+    out = [
+        f"{'rank':>4} {'tp':>3} {'pp':>3} {'dp':>4} {'micro':>5} {'gas':>5} {'sp':>3} {'sched':>5} "
+        f"{'recompute':>9} {'GB/GPU':>7} {'bubble':>7} {'step s':>8}  fits"
+    ]
     rank = 0
     for la in rows:
         rank += la.fits
         fits = "yes" if la.fits else f"NO: {la.memory.peak / GB:.0f} > {budget / GB:.0f} GB"
         recompute = f"{la.recomputed}/{la.blocks}"
-        out.append(f"{rank if la.fits else '-':>4} {la.tp:>3} {la.pp:>3} {la.dp:>4} {la.micro:>5} {la.gas:>5} "
-                   f"{'yes' if la.sp else 'no':>3} {la.schedule:>5} {recompute:>9} {la.memory.peak / GB:>7.1f} "
-                   f"{la.bubble:>7.1%} {la.step_s:>8.2f}  {fits}")
+        out.append(
+            f"{rank if la.fits else '-':>4} {la.tp:>3} {la.pp:>3} {la.dp:>4} {la.micro:>5} {la.gas:>5} "
+            f"{'yes' if la.sp else 'no':>3} {la.schedule:>5} {recompute:>9} {la.memory.peak / GB:>7.1f} "
+            f"{la.bubble:>7.1%} {la.step_s:>8.2f}  {fits}"
+        )
     return out

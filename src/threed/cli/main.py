@@ -6,9 +6,10 @@
     threed preprocess --input corpus.txt --tokenizer runs/demo/tok.model --append-eod --output-prefix runs/demo/a
     threed demo-text --out runs/demo/corpus.txt
 
-Training flags are generated from the config dataclasses (`threed.flags`), so the CLI cannot drift from the config.
+Training flags are generated from the config dataclasses (`threed.cli.flags`), so the CLI cannot drift from the config.
 Bad input is one `threed: configuration error: ...` line and exit 2 (`threed.errors.guarded`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,18 +17,19 @@ import os
 import sys
 from typing import Callable, Optional, Sequence
 
-from threed.check_config import register as register_check_config
+from threed.cli.check_config import register as register_check_config
 from threed.config import ConfigError, RunConfig
-from threed.commands.convert import positive_int, register as register_convert
-from threed.data.cli import register as register_preprocess
+from threed.cli.convert import positive_int, register as register_convert
+from threed.cli.preprocess import register as register_preprocess
 from threed.data.tokenizer import train_tokenizer
-from threed.demo_text import write_demo_text
+from threed.data.demo_text import write_demo_text
 from threed.errors import guarded
-from threed.flags import add_run_flags, run_config_from_args
-from threed.launch import torchrun_main
-from threed.layer_profile import register as register_profile_layers
-from threed.planner import register as register_plan
-from threed.report import register as register_report
+from threed.cli.flags import add_run_flags, run_config_from_args
+from threed.parallel.launch import torchrun_main
+from threed.cli.memory import register as register_memory
+from threed.cli.plan import register as register_plan
+from threed.cli.profile_layers import register as register_profile_layers
+from threed.cli.report import register as register_report
 
 # Modules that add sub-commands: each `register(subparsers)` sets `run(ns)` on its parsers.
 REGISTER: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
@@ -35,15 +37,16 @@ REGISTER: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     register_preprocess,
     register_check_config,  # check-config: training's checks at a world size, nothing built (recipes/launch.sh)
     register_report,  # report: plots and a summary from a run's metrics.jsonl
-    register_plan,
+    register_plan,  # plan: rank layouts for a cluster (the memory model + the step-time model)
+    register_memory,  # memory: the memory model's estimate for one layout
     register_profile_layers,  # profile-layers: measured per-layer costs -> --partition-method costs:...
 )
 
 
 def _train(cfg: RunConfig) -> None:
     # torch, deepspeed, megatron: only for `threed train`, so that `threed --help` and the light commands stay fast.
-    from threed.distributed import shutdown_distributed
-    from threed.train import train
+    from threed.parallel.distributed import shutdown_distributed
+    from threed.train.loop import train
 
     try:
         train(cfg)
@@ -57,7 +60,7 @@ NPROC_FLAG = "--nproc-per-node"
 def _train_ranks(ns: argparse.Namespace, argv: Sequence[str]) -> int:
     """`threed train --nproc-per-node N ...`: the config checks once here (one line, before any rank starts), then
     N local ranks of `threed train ...` under torchrun, ending as the ranks do: a refusal is rank 0's one line and
-    exit 2, without torchrun's ChildFailedError traceback (threed.launch.torchrun_main)."""
+    exit 2, without torchrun's ChildFailedError traceback (threed.parallel.launch.torchrun_main)."""
     if os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("LOCAL_RANK"):
         raise ConfigError(f"{NPROC_FLAG} starts the ranks itself: under torchrun (or srun) leave it out")
     run_config_from_args(ns).validate(ns.nproc_per_node)
@@ -71,8 +74,9 @@ def _train_ranks(ns: argparse.Namespace, argv: Sequence[str]) -> int:
             rest.append(a)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    return torchrun_main(["--standalone", f"--nproc-per-node={ns.nproc_per_node}", "--max-restarts=0",
-                          "-m", "threed.cli", *rest])
+    return torchrun_main(
+        ["--standalone", f"--nproc-per-node={ns.nproc_per_node}", "--max-restarts=0", "-m", "threed.cli", *rest]
+    )
 
 
 def _tokenizer(ns: argparse.Namespace) -> None:
@@ -99,12 +103,18 @@ def _command(ns: argparse.Namespace, argv: Sequence[str]) -> int:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="threed", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    train_p = sub.add_parser("train", help="train (--nproc-per-node N: on N local ranks; or run it under torchrun)",
-                             allow_abbrev=False)
+    train_p = sub.add_parser(
+        "train", help="train (--nproc-per-node N: on N local ranks; or run it under torchrun)", allow_abbrev=False
+    )
     add_run_flags(train_p)
-    train_p.add_argument(NPROC_FLAG, type=positive_int, default=None, metavar="N",
-                         help="start N local ranks of this command with torchrun (one machine); a refusal ends "
-                              "with one line and exit 2, as in one process. Not a config field")
+    train_p.add_argument(
+        NPROC_FLAG,
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="start N local ranks of this command with torchrun (one machine); a refusal ends "
+        "with one line and exit 2, as in one process. Not a config field",
+    )
     tok_p = sub.add_parser("tokenizer", help="train a sentencepiece tokenizer")
     tok_p.add_argument("--text", nargs="+", required=True)
     tok_p.add_argument("--vocab-size", type=positive_int, required=True)

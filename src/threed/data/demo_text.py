@@ -1,5 +1,6 @@
 """Real English text that ships with every CPython: the Python reference topics in `pydoc_data` (~460 kB).
 Used by `make demo` and the tests, so nothing is downloaded."""
+
 from __future__ import annotations
 
 from pathlib import Path

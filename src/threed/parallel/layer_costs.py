@@ -4,14 +4,15 @@ given) relative costs per layer kind instead of `balanced`'s FLOP formula.
 Why: the formula prices the LM head + loss at 6·h·V and the embedding and norms at zero, but what 1F1B waits on is
 time, and time is not FLOPs (on the benchmark's model the head measured 0.98-1.0 blocks, not the formula's 1.3; the
 embedding's backward is not free). `threed profile-layers` measures each kind and prints this string; the split
-itself is `threed.partition.min_max_partition`'s, as for `balanced`. The numbers are part of the flag, not measured
-at start-up, so a resumed run given the same flag gets the same stages.
+itself is `threed.parallel.partition.min_max_partition`'s, as for `balanced`. The numbers are part of the flag, not
+measured at start-up, so a resumed run given the same flag gets the same stages.
 
     threed profile-layers --model tiny --pp 2          # prints --partition-method costs:...
     threed check-config --world 2 --model tiny --pp 2 --partition-method costs:block=1,lm_head=1.2
 
 A missing kind costs 0, except `block`, which is required and > 0 (the costs are relative to it).
 """
+
 from __future__ import annotations
 
 import math
@@ -46,14 +47,16 @@ def parse_costs(spec: str) -> dict[LayerKind, float]:
         try:
             cost = float(value)
         except ValueError:
-            raise ConfigError(f"{where}: {kind}={value.strip()!r} is not a number; give a relative cost >= 0, "
-                              f"e.g. {kind}=1.2") from None
+            raise ConfigError(
+                f"{where}: {kind}={value.strip()!r} is not a number; give a relative cost >= 0, e.g. {kind}=1.2"
+            ) from None
         if not math.isfinite(cost) or cost < 0:
             raise ConfigError(f"{where}: {kind}={value.strip()} must be a finite number >= 0")
         out[kind] = cost
     if "block" not in out:
-        raise ConfigError(f"{where}: no block cost; the costs are relative to a block, so give one, e.g. "
-                          f"{COSTS_PREFIX}block=1,{spec}")
+        raise ConfigError(
+            f"{where}: no block cost; the costs are relative to a block, so give one, e.g. {COSTS_PREFIX}block=1,{spec}"
+        )
     if out["block"] == 0:
         raise ConfigError(f"{where}: block=0; the costs are relative to a block, so give it a cost > 0, e.g. block=1")
     return {k: out.get(k, 0.0) for k in LAYER_KINDS}

@@ -1,16 +1,17 @@
-"""`threed profile-layers`: measure what each layer kind costs in training, and print the
-`--partition-method costs:...` that balances the pipeline stages on those measurements.
+"""What `threed profile-layers` does (its command line: `threed.cli.profile_layers`): measure what each layer kind costs
+in training, and print the `--partition-method costs:...` that balances the pipeline stages on those measurements.
 
     threed profile-layers --model tiny --pp 2 --micro-batch-size 1 --seq-length 128 [--threads 1]
 
 Why: 1F1B runs at the pace of its slowest stage, and `balanced` splits by a FLOP formula that misprices what is
 not a matmul (the embedding's backward, the loss's softmax, norms; on CPU the formula's 1.3 blocks for the
-benchmark's LM head measured 0.98-1.0 on a quiet machine, `benchmarks/bench_pipeline.py --partition measured`). This builds one of each kind (embedding, one transformer block, final norm, LM
-head + loss) exactly as the pipeline does (`threed.pipeline.layer_spec`, `run_megatron_config`,
-`threed.model.init`), runs forward + backward on random micro-batches of the run's size, sequence length and
-dtype, interleaving the kinds so background load hits all alike, and takes each kind's median after a warm-up.
-The costs are relative to a block; the split is `threed.partition`'s own (`costs:` = `balanced` over these
-numbers), so the achievable spread printed here is what training would get.
+benchmark's LM head measured 0.98-1.0 on a quiet machine, `benchmarks/bench_pipeline.py --partition measured`). This
+builds one of each kind (embedding, one transformer block, final norm, LM head + loss) exactly as the pipeline does
+(`threed.parallel.pipeline.layer_spec`, `run_megatron_config`, `threed.model.init`), runs forward + backward on random
+micro-batches of the run's size, sequence length and dtype, interleaving the kinds so background load hits all alike,
+and takes each kind's median after a warm-up. The costs are relative to a block; the split is
+`threed.parallel.partition`'s own (`costs:` = `balanced` over these numbers), so the achievable spread printed here is
+what training would get.
 
 It measures at tp=1, in one process: a tp>1 run splits each matmul over its TP group and adds TP collectives
 (all-reduce or, with sequence parallelism, all-gather / reduce-scatter) to the blocks, the embedding and the loss,
@@ -18,9 +19,9 @@ whose share differs by kind, so its true ratios can differ; the output says so. 
 (a recomputed block costs one more forward). Threads: `--threads` (default torch's current setting); the
 benchmarks run one thread per rank, so profile with `--threads 1` for them.
 """
+
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import os
@@ -29,11 +30,9 @@ import time
 from typing import Callable, Iterator, Optional
 
 from threed.config import ConfigError, ModelConfig, RunConfig
-from threed.errors import guarded
-from threed.flags import add_run_flags, run_config_from_args
-from threed.layer_costs import COSTS_PREFIX, format_costs, parse_costs
+from threed.parallel.layer_costs import COSTS_PREFIX, format_costs, parse_costs
 from threed.model.spec import LAYER_KINDS, LayerKind, PipelineLayer, pipeline_layers
-from threed.partition import describe, resolve_partition
+from threed.parallel.partition import describe, resolve_partition
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +48,8 @@ class LayerProfile:
 
 
 def stage_costs(method: str, model: ModelConfig, pp: int, seq_length: int) -> tuple[list[int], list[float]]:
-    """The stage boundaries a `costs:` method gives (threed.partition's split) and each stage's summed cost."""
-    costs = parse_costs(method[len(COSTS_PREFIX):])
+    """The stage boundaries a `costs:` method gives (threed.parallel.partition's split) and each stage's summed cost."""
+    costs = parse_costs(method[len(COSTS_PREFIX) :])
     bounds = resolve_partition(method, model, pp, seq_length)
     per_layer = [costs[la.kind] for la in pipeline_layers(model)]
     return bounds, [sum(per_layer[a:b]) for a, b in zip(bounds, bounds[1:])]
@@ -66,16 +65,18 @@ def balance(stages: list[float]) -> tuple[float, float]:
 def _world_of_one() -> Iterator[None]:
     """megatron's layers need its tp=1 process groups: a gloo world of one, torn down again (and the environment
     it set restored), so a caller can go on to launch ranks of its own (benchmarks/bench_pipeline.py)."""
-    # torch, megatron: heavy; only the profile itself needs them. threed.distributed first: it quiets the
+    # torch, megatron: heavy; only the profile itself needs them. threed.parallel.distributed first: it quiets the
     # libraries' import-time warnings before megatron is imported.
-    from threed.distributed import init_distributed, init_megatron_parallel_state, shutdown_distributed
+    from threed.parallel.distributed import init_distributed, init_megatron_parallel_state, shutdown_distributed
 
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     if dist.is_initialized():
-        raise ConfigError("threed profile-layers runs in a process of its own (tp=1, one rank); torch.distributed "
-                          "is already initialised here")
+        raise ConfigError(
+            "threed profile-layers runs in a process of its own (tp=1, one rank); torch.distributed "
+            "is already initialised here"
+        )
     env = dict(os.environ)
     init_distributed()
     try:
@@ -101,15 +102,14 @@ def _threads(n: Optional[int]) -> Iterator[int]:
         torch.set_num_threads(before)
 
 
-def profile_layers(cfg: RunConfig, threads: Optional[int] = None, warmup: int = 3, repeats: int = 10
-                   ) -> LayerProfile:
+def profile_layers(cfg: RunConfig, threads: Optional[int] = None, warmup: int = 3, repeats: int = 10) -> LayerProfile:
     """Median forward + backward seconds per micro-batch of one layer of each kind, at tp=1 (see the docstring)."""
     with _world_of_one(), _threads(threads) as n:
         return LayerProfile(seconds=_measure(cfg, warmup, repeats), threads=n, device=_device())
 
 
 def _device() -> str:
-    from threed.distributed import device_and_backend  # heavy: torch
+    from threed.parallel.distributed import device_and_backend  # heavy: torch
 
     return str(device_and_backend()[0])
 
@@ -121,7 +121,7 @@ def _measure(cfg: RunConfig, warmup: int, repeats: int) -> dict[LayerKind, float
     from threed.convert.io_utils import DTYPES
     from threed.model.init import init_pipeline_layers_
     from threed.model.layers import causal_lm_loss
-    from threed.pipeline import layer_spec, run_megatron_config
+    from threed.parallel.pipeline import layer_spec, run_megatron_config
 
     device = torch.device(_device())
     dtype = DTYPES[cfg.train.dtype]
@@ -134,7 +134,7 @@ def _measure(cfg: RunConfig, warmup: int, repeats: int) -> dict[LayerKind, float
     specs = {kind: layer_spec(layer, cfg.model, mcore) for kind, layer in first.items()}
     modules = {kind: spec.build() for kind, spec in specs.items()}
     # Weights as training starts them (an uninitialised tensor may hold denormals, which are slow on CPU); a tied
-    # head's module is an embedding copy, drawn as its owner (threed.pipeline.local_modules).
+    # head's module is an embedding copy, drawn as its owner (threed.parallel.pipeline.local_modules).
     owners = [(layers[la.tied_to] if la.tied_to is not None else la, modules[k]) for k, la in first.items()]
     init_pipeline_layers_(owners, cfg.model, 1, 0, cfg.train.seed)
     for m in modules.values():
@@ -160,8 +160,9 @@ def _measure(cfg: RunConfig, warmup: int, repeats: int) -> dict[LayerKind, float
         "final_norm": lambda: modules["final_norm"](hidden_in()).backward(grad),
         "lm_head": lambda: causal_lm_loss(run_head(hidden_in()), labels).backward(),
     }
-    return {kind: t for kind, t in zip(LAYER_KINDS, _median_times([steps[k] for k in LAYER_KINDS], device,
-                                                                    warmup, repeats))}
+    return {
+        kind: t for kind, t in zip(LAYER_KINDS, _median_times([steps[k] for k in LAYER_KINDS], device, warmup, repeats))
+    }
 
 
 def _median_times(fns: list[Callable[[], None]], device, warmup: int, repeats: int) -> list[float]:
@@ -187,44 +188,29 @@ def _median_times(fns: list[Callable[[], None]], device, warmup: int, repeats: i
 def report(profile: LayerProfile, cfg: RunConfig) -> list[str]:
     """The table, the flag, and what it gives at the run's pp."""
     t, pp, block = cfg.train, cfg.parallel.pp, profile.seconds["block"]
-    lines = [f"layer costs: {cfg.model.name}, micro {t.micro_batch_size} x seq {t.seq_length}, {t.dtype}, tp=1, "
-             f"{profile.threads} thread{'s' * (profile.threads != 1)}, {profile.device}; forward + backward of one "
-             f"micro-batch, median"]
-    lines += [f"  {kind:<11} {profile.seconds[kind] * 1000:9.3f} ms  {profile.seconds[kind] / block:7.3f} blocks"
-              for kind in LAYER_KINDS]
+    lines = [
+        f"layer costs: {cfg.model.name}, micro {t.micro_batch_size} x seq {t.seq_length}, {t.dtype}, tp=1, "
+        f"{profile.threads} thread{'s' * (profile.threads != 1)}, {profile.device}; forward + backward of one "
+        f"micro-batch, median"
+    ]
+    lines += [
+        f"  {kind:<11} {profile.seconds[kind] * 1000:9.3f} ms  {profile.seconds[kind] / block:7.3f} blocks"
+        for kind in LAYER_KINDS
+    ]
     method = profile.method
     lines.append(f"--partition-method {method}")
     bounds, stages = stage_costs(method, cfg.model, pp, t.seq_length)
     if pp > 1:
         spread, fraction = balance(stages)
-        lines.append(f"pp {pp}: {describe(bounds, cfg.model)}; stage costs "
-                     + ", ".join(f"{c:.3f}" for c in stages) + f" blocks; spread (slowest / fastest) {spread:.3f}, "
-                     f"at best {fraction * 100:.1f}% of the ideal pipeline speed-up (whole blocks per stage)")
+        lines.append(
+            f"pp {pp}: {describe(bounds, cfg.model)}; stage costs "
+            + ", ".join(f"{c:.3f}" for c in stages)
+            + f" blocks; spread (slowest / fastest) {spread:.3f}, "
+            f"at best {fraction * 100:.1f}% of the ideal pipeline speed-up (whole blocks per stage)"
+        )
     if cfg.parallel.tp > 1:
-        lines.append(f"measured at tp=1: at tp={cfg.parallel.tp} the TP collectives change the ratios (see "
-                     f"`threed profile-layers --help`)")
+        lines.append(
+            f"measured at tp=1: at tp={cfg.parallel.tp} the TP collectives change the ratios (see "
+            f"`threed profile-layers --help`)"
+        )
     return lines
-
-
-def _run(ns: argparse.Namespace) -> int:
-    def go() -> None:
-        cfg = run_config_from_args(ns)
-        cfg.model.validate()
-        cfg.parallel.validate(cfg.model, cfg.parallel.tp * cfg.parallel.pp)
-        if ns.threads is not None and ns.threads < 1 or ns.repeats < 1 or ns.warmup < 0:
-            raise ConfigError("--threads and --repeats must be >= 1, --warmup >= 0")
-        profile = profile_layers(cfg, ns.threads, ns.warmup, ns.repeats)
-        print("\n".join(report(profile, cfg)), flush=True)
-
-    return guarded("threed", go, prefix="configuration error: ")
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("profile-layers", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                       help="measure each layer kind's training cost; print --partition-method costs:...")
-    add_run_flags(p)
-    p.add_argument("--threads", type=int, default=None, metavar="N",
-                   help="torch threads while profiling (default: torch's current setting; the benchmarks use 1)")
-    p.add_argument("--warmup", type=int, default=3, metavar="N", help="untimed rounds first (default: 3)")
-    p.add_argument("--repeats", type=int, default=10, metavar="N", help="timed rounds; medians (default: 10)")
-    p.set_defaults(run=_run)

@@ -9,6 +9,7 @@ import DeepSpeed for its split functions); with `--paths`, also what the run wou
 recipes/launch.sh runs it before torchrun (and in its dry run), so a bad recipe fails once, with one line.
 Exit status 0 when the run would start, 2 (and one `threed: configuration error: ...` line) when not.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,9 +17,9 @@ import argparse
 from threed.checkpoint.format import checkpoint_bytes
 from threed.config import ConfigError, RunConfig
 from threed.errors import guarded
-from threed.flags import add_run_flags, run_config_from_args
+from threed.cli.flags import add_run_flags, run_config_from_args
 from threed.model.spec import parameter_count
-from threed.partition import describe, recompute_summary, resolve_partition
+from threed.parallel.partition import describe, recompute_summary, resolve_partition
 from threed.units import human_bytes
 
 
@@ -32,16 +33,19 @@ def check(ns: argparse.Namespace) -> str:
     micro, gas, glob = cfg.train.resolve_batch(dp)
     recompute = recompute_summary(cfg)  # --recompute-num-layers against the stages' blocks
     # --partition-method resolved here too, so that a bad one (costs:...) is refused once, before any rank starts.
-    bounds = resolve_partition(cfg.parallel.partition_method, cfg.model, cfg.parallel.pp, cfg.train.seq_length,
-                               cfg.parallel.tp)
+    bounds = resolve_partition(
+        cfg.parallel.partition_method, cfg.model, cfg.parallel.pp, cfg.train.seq_length, cfg.parallel.tp
+    )
     stages = f"stages: {describe(bounds, cfg.model)}; " if cfg.parallel.pp > 1 else ""
     start = "random init"
     if ns.paths:
         start = check_paths(cfg, ns.world)
-    return (f"config ok: {cfg.model.name} ({parameter_count(cfg.model) / 1e6:.1f}M params), world {ns.world} = "
-            f"tp {cfg.parallel.tp} x pp {cfg.parallel.pp} x dp {dp}, global batch {glob} = micro {micro} x gas "
-            f"{gas} x dp {dp}, seq {cfg.train.seq_length}, {cfg.train.steps} steps; {stages}recompute: {recompute}; "
-            f"start: {start}; {checkpoints(cfg)}")
+    return (
+        f"config ok: {cfg.model.name} ({parameter_count(cfg.model) / 1e6:.1f}M params), world {ns.world} = "
+        f"tp {cfg.parallel.tp} x pp {cfg.parallel.pp} x dp {dp}, global batch {glob} = micro {micro} x gas "
+        f"{gas} x dp {dp}, seq {cfg.train.seq_length}, {cfg.train.steps} steps; {stages}recompute: {recompute}; "
+        f"start: {start}; {checkpoints(cfg)}"
+    )
 
 
 def checkpoints(cfg: RunConfig) -> str:
@@ -51,8 +55,10 @@ def checkpoints(cfg: RunConfig) -> str:
         return "no --save: no checkpoints"
     one = checkpoint_bytes(cfg)
     if ck.keep_last:
-        return (f"checkpoints ~{human_bytes(one)} each, the newest {ck.keep_last} kept (--keep-last): "
-                f"~{human_bytes(one * ck.keep_last)} in {ck.save}")
+        return (
+            f"checkpoints ~{human_bytes(one)} each, the newest {ck.keep_last} kept (--keep-last): "
+            f"~{human_bytes(one * ck.keep_last)} in {ck.save}"
+        )
     return f"checkpoints ~{human_bytes(one)} each, all kept (--keep-last 0)"
 
 
@@ -74,6 +80,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("check-config", help="run training's config checks at a world size, build nothing")
     add_run_flags(p)
     p.add_argument("--world", type=int, required=True, help="number of ranks (nodes x ranks per node)")
-    p.add_argument("--paths", action="store_true",
-                   help="also check the checkpoint directories (--save / --load / --init-from); creates nothing")
+    p.add_argument(
+        "--paths",
+        action="store_true",
+        help="also check the checkpoint directories (--save / --load / --init-from); creates nothing",
+    )
     p.set_defaults(run=_run)

@@ -10,6 +10,7 @@ Each command prints one line per failure naming the file / tensor and exits 2; v
 The work is imported when a command runs (torch, and megatron / deepspeed through the checkpoint layout): `threed
 --help` and the other commands do not pay for it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,23 +21,33 @@ from threed.errors import ThreedError, guarded
 
 def _guard(name: str, fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     """Bad input becomes one clear line and exit status 2 (the output directory was never created)."""
+
     def command(ns: argparse.Namespace) -> int:
         try:
             return fn(ns)
         except OSError as e:  # disk full, permissions, a file vanishing meanwhile: one line, as bad input
             raise ThreedError(str(e)) from e
 
-    return lambda ns: guarded(f"threed {name}", lambda: command(ns),
-                              interrupted="interrupted; no output was left behind")
+    return lambda ns: guarded(
+        f"threed {name}", lambda: command(ns), interrupted="interrupted; no output was left behind"
+    )
 
 
 def _convert(ns: argparse.Namespace) -> int:
     from threed.convert.from_hf import convert_hf_checkpoint  # torch, megatron: heavy, only when it runs
     from threed.convert.io_utils import parse_dtype  # torch: heavy, only when a command runs
 
-    convert_hf_checkpoint(ns.hf, ns.out, ns.tp, ns.pp, dtype=parse_dtype(ns.dtype),
-                          make_vocab_size_divisible_by=ns.make_vocab_size_divisible_by, workers=ns.workers,
-                          force=ns.force, show_progress=not ns.quiet)
+    convert_hf_checkpoint(
+        ns.hf,
+        ns.out,
+        ns.tp,
+        ns.pp,
+        dtype=parse_dtype(ns.dtype),
+        make_vocab_size_divisible_by=ns.make_vocab_size_divisible_by,
+        workers=ns.workers,
+        force=ns.force,
+        show_progress=not ns.quiet,
+    )
     return 0
 
 
@@ -45,8 +56,15 @@ def _export(ns: argparse.Namespace) -> int:
     from threed.convert.io_utils import parse_dtype  # torch: heavy, only when a command runs
     from threed.hf.write import parse_size  # torch: heavy, only when a command runs
 
-    export(ns.ckpt, ns.out, dtype=parse_dtype(ns.dtype), max_shard_bytes=parse_size(ns.max_shard_size),
-           tokenizer=ns.tokenizer, force=ns.force, show_progress=not ns.quiet)
+    export(
+        ns.ckpt,
+        ns.out,
+        dtype=parse_dtype(ns.dtype),
+        max_shard_bytes=parse_size(ns.max_shard_size),
+        tokenizer=ns.tokenizer,
+        force=ns.force,
+        show_progress=not ns.quiet,
+    )
     return 0
 
 
@@ -69,8 +87,17 @@ def _verify(ns: argparse.Namespace) -> int:
 def _make_tiny(ns: argparse.Namespace) -> int:
     from threed.convert.tiny import make_tiny_hf  # torch, transformers: heavy, only when it runs
 
-    print(make_tiny_hf(ns.out, like=ns.like, vocab_size=ns.vocab_size, seed=ns.seed, dtype=ns.dtype,
-                       tokenizer=ns.tokenizer, force=ns.force))
+    print(
+        make_tiny_hf(
+            ns.out,
+            like=ns.like,
+            vocab_size=ns.vocab_size,
+            seed=ns.seed,
+            dtype=ns.dtype,
+            tokenizer=ns.tokenizer,
+            force=ns.force,
+        )
+    )
     return 0
 
 
@@ -119,8 +146,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", type=int, required=True)  # range checked with the model (one message for both)
     p.add_argument("--pp", type=int, required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--make-vocab-size-divisible-by", type=positive_int, default=128,
-                   help="pad the vocab to a multiple of this x tp (Megatron's default 128)")
+    p.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=positive_int,
+        default=128,
+        help="pad the vocab to a multiple of this x tp (Megatron's default 128)",
+    )
     p.add_argument("--workers", type=positive_int, default=1, help="writer processes (each holds one layer)")
     common(p, "dtype of the layer files (default: the source's)")
     p.set_defaults(run=_guard("convert", _convert))
@@ -129,8 +160,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ckpt", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--max-shard-size", type=shard_size, default="5GB", help="largest safetensors file (5GB)")
-    p.add_argument("--tokenizer", default=None, help="HF tokenizer dir, tokenizer.json or sentencepiece .model "
-                                                     "(default: the run's, or the converted source's)")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="HF tokenizer dir, tokenizer.json or sentencepiece .model (default: the run's, or the converted source's)",
+    )
     common(p, "dtype of the safetensors (default: the checkpoint's)")
     p.set_defaults(run=_guard("export", _export))
 

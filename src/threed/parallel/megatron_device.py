@@ -4,8 +4,8 @@ megatron-core 0.16.1 allocates some communication buffers with `device=torch.cud
 `tensor_parallel/mappings.py` (the sequence-parallel all-gather and reduce-scatter outputs), `tensor_parallel/layers.py`
 (the backward's reduce-scatter buffer of a sequence-parallel linear) and `utils.py` (`GlobalMemoryBuffer`, the
 all-gather buffer of the forward). On a CPU/gloo run that call raises, so those modules are given a `torch` whose
-`cuda.current_device()` is the device `threed.distributed` chose; every other attribute is torch's own. On a GPU
-that is the device megatron would have used, so a CPU run and a GPU run execute the same layers.
+`cuda.current_device()` is the device `threed.parallel.distributed` chose; every other attribute is torch's own. On a
+GPU that is the device megatron would have used, so a CPU run and a GPU run execute the same layers.
 
 Selective recompute (`--recompute-granularity selective`) runs megatron's `tensor_parallel.checkpoint`, which saves
 and restores the CUDA generator's state around the recompute (`random._get_cuda_rng_state` /
@@ -13,11 +13,13 @@ and restores the CUDA generator's state around the recompute (`random._get_cuda_
 those two become "nothing" / "nothing to restore"; the CPU generator and megatron's RNG tracker are still saved
 and restored as megatron does. On a GPU both stay megatron's.
 """
+
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+
 
 class _Cuda:
     """`torch.cuda` with `current_device()` answering the run's device."""
@@ -44,7 +46,7 @@ class _Torch:
 
 def use_device(device: torch.device) -> None:
     """Point megatron-core's buffers at `device` (once per process, before a layer runs; idempotent)."""
-    # megatron: heavy; imported where process groups are made anyway (threed.distributed.init_distributed)
+    # megatron: heavy; imported where process groups are made anyway (threed.parallel.distributed.init_distributed)
     from megatron.core import utils
     from megatron.core.tensor_parallel import layers, mappings, random
 

@@ -1,6 +1,7 @@
 """Build the DeepSpeed pipeline engine for a RunConfig: the DeepSpeed config (engine policy: batch, ZeRO, bf16 with
 fp32 accumulation and reduction), process groups, the PipelineModule, AdamW + schedule, the group-agreement
 check, and loading weights or a full checkpoint."""
+
 from __future__ import annotations
 
 import math
@@ -11,9 +12,9 @@ import torch
 
 from threed.checkpoint.start import StartDecision, start
 from threed.config import RunConfig
-from threed.distributed import Runtime, check_groups_agree, init_megatron_parallel_state, library_prints
-from threed.pipeline import build_pipeline_module
-from threed.schedule import use_schedule
+from threed.parallel.distributed import Runtime, check_groups_agree, init_megatron_parallel_state, library_prints
+from threed.parallel.pipeline import build_pipeline_module
+from threed.parallel.zero_bubble import use_schedule
 
 
 def deepspeed_config(cfg: RunConfig, world_size: int, load_universal: bool = False) -> dict[str, Any]:
@@ -75,17 +76,22 @@ def lr_lambda(cfg: RunConfig):
     return factor
 
 
-def make_optimizer(model: torch.nn.Module, cfg: RunConfig,
-                   fused: bool = False) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+def make_optimizer(
+    model: torch.nn.Module, cfg: RunConfig, fused: bool = False
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     # Norm weights (1-D) get no weight decay, as in Megatron-LM.
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
     t = cfg.train
-    groups = [g for g in ({"params": decay, "weight_decay": t.weight_decay},
-                          {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
-    # fused (CUDA only, see threed.distributed.cuda_only); elsewhere torch's default (foreach) implementation.
-    optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.adam_eps,
-                                  fused=True if fused else None)
+    groups = [
+        g
+        for g in ({"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0})
+        if g["params"]
+    ]
+    # fused (CUDA only, see threed.parallel.distributed.cuda_only); elsewhere torch's default (foreach) implementation.
+    optimizer = torch.optim.AdamW(
+        groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.adam_eps, fused=True if fused else None
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     return optimizer, scheduler
 
@@ -138,8 +144,9 @@ class Built:
     decision: Optional[StartDecision] = None  # where the run started, and the log lines about it
 
 
-def build_engine(cfg: RunConfig, rt: Runtime, decision: Optional[StartDecision] = None,
-                 token_weighted: bool = False) -> Built:
+def build_engine(
+    cfg: RunConfig, rt: Runtime, decision: Optional[StartDecision] = None, token_weighted: bool = False
+) -> Built:
     """Builds from a validated `cfg` (`RunConfig.validate`: threed.train validates once, before anything else).
     Where the run starts (and whether --save can take a checkpoint) is decided on rank 0 and shared before the
     model is built (`threed.checkpoint.start.start`; threed.train calls it even before the datasets and passes its
@@ -153,14 +160,20 @@ def build_engine(cfg: RunConfig, rt: Runtime, decision: Optional[StartDecision] 
     torch.manual_seed(cfg.train.seed)
     init_megatron_parallel_state(cfg.parallel.tp, cfg.parallel.pp, rt.cuda_only.gloo_process_groups)
     with library_prints():  # DeepSpeed's PipelineModule and engine print() their start-up lines on rank 0
-        module = build_pipeline_module(cfg, rt.world_size, initialize=decision.mode == "fresh",
-                                       fused_swiglu=rt.cuda_only.fused_swiglu, token_weighted=token_weighted)
+        module = build_pipeline_module(
+            cfg,
+            rt.world_size,
+            initialize=decision.mode == "fresh",
+            fused_swiglu=rt.cuda_only.fused_swiglu,
+            token_weighted=token_weighted,
+        )
         check_groups_agree(module._grid)
         optimizer, scheduler = make_optimizer(module, cfg, fused=rt.cuda_only.fused_adamw)
         ds_config = deepspeed_config(cfg, rt.world_size, load_universal=decision.universal)
-        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
-                                               config=ds_config)
-        use_schedule(engine, cfg.parallel.pipeline_schedule)  # --pipeline-schedule (threed.schedule)
+        engine, _, _, _ = deepspeed.initialize(
+            model=module, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
+        )
+        use_schedule(engine, cfg.parallel.pipeline_schedule)  # --pipeline-schedule (threed.parallel.schedule)
     client_state: dict = {}
     if resume:
         path, client_state = engine.load_checkpoint(decision.load_dir, tag=decision.tag)
@@ -168,8 +181,13 @@ def build_engine(cfg: RunConfig, rt: Runtime, decision: Optional[StartDecision] 
             raise RuntimeError(f"DeepSpeed could not load the checkpoint {decision.load_dir}/{decision.tag}")
         place_optimizer_state(engine.optimizer)
     elif decision.mode == "weights":
-        path, _ = engine.load_checkpoint(decision.load_dir, tag=decision.tag, load_module_only=True,
-                                         load_optimizer_states=False, load_lr_scheduler_states=False)
+        path, _ = engine.load_checkpoint(
+            decision.load_dir,
+            tag=decision.tag,
+            load_module_only=True,
+            load_optimizer_states=False,
+            load_lr_scheduler_states=False,
+        )
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load weights from {decision.load_dir}/{decision.tag}")
         # DeepSpeed 0.19 refreshes the optimizer's fp32 master weights after load_module_only (the fix for the

@@ -1,6 +1,7 @@
 """Start ranks with torchrun. `run_ranks` starts N local ranks (what `threed verify` and the tests use);
-`torchrun_main` is torchrun with our exit policy (`python -m threed.launch TORCHRUN_ARGS...`: what
+`torchrun_main` is torchrun with our exit policy (`python -m threed.parallel.launch TORCHRUN_ARGS...`: what
 `threed train --nproc-per-node N` and recipes/launch.sh run, on one machine or one node of many)."""
+
 from __future__ import annotations
 
 import logging
@@ -18,20 +19,36 @@ class RanksFailed(RuntimeError):
 def torchrun_command(nproc: int, module: str, args: Sequence[str]) -> list[str]:
     """`module` is a dotted module name, or a path to a script (ending in .py)."""
     target = [module] if module.endswith(".py") else ["-m", module]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            *target, *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *target, *args]
 
 
-def run_ranks(nproc: int, module: str, args: Sequence[str], env: Optional[dict[str, str]] = None,
-              timeout: Optional[float] = None, capture: bool = True) -> subprocess.CompletedProcess:
+def run_ranks(
+    nproc: int,
+    module: str,
+    args: Sequence[str],
+    env: Optional[dict[str, str]] = None,
+    timeout: Optional[float] = None,
+    capture: bool = True,
+) -> subprocess.CompletedProcess:
     """Run `python -m module args` on `nproc` local ranks; raises RanksFailed with the output tail."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-                "CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "1"), **(env or {})}
-    proc = subprocess.run(torchrun_command(nproc, module, args), env=full_env, timeout=timeout, text=True,
-                          stdout=subprocess.PIPE if capture else None, stderr=subprocess.STDOUT if capture else None)
+    full_env = {
+        **os.environ,
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        "CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "1"),
+        **(env or {}),
+    }
+    proc = subprocess.run(
+        torchrun_command(nproc, module, args),
+        env=full_env,
+        timeout=timeout,
+        text=True,
+        stdout=subprocess.PIPE if capture else None,
+        stderr=subprocess.STDOUT if capture else None,
+    )
     if proc.returncode != 0:
-        raise RanksFailed(f"{' '.join(proc.args)} exited {proc.returncode}; output tail:\n"
-                          f"{(proc.stdout or '')[-8000:]}")
+        raise RanksFailed(
+            f"{' '.join(proc.args)} exited {proc.returncode}; output tail:\n{(proc.stdout or '')[-8000:]}"
+        )
     return proc
 
 
@@ -76,14 +93,18 @@ def torchrun_main(argv: Sequence[str]) -> int:
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         if failure.exitcode < 0:
-            print(f"threed: rank {rank} was killed by {failure.signal_name()} (exit {failure_status(failure.exitcode)})"
-                  f"; see the lines above for the cause", file=sys.stderr, flush=True)
+            print(
+                f"threed: rank {rank} was killed by {failure.signal_name()} (exit {failure_status(failure.exitcode)})"
+                f"; see the lines above for the cause",
+                file=sys.stderr,
+                flush=True,
+            )
         return failure_status(failure.exitcode) or 1
     except SignalException as e:
         # Ctrl-C (the terminal signals the launcher and its ranks) or SIGTERM to the launcher: torchrun's agent has
         # already forwarded the signal to the ranks and waited for them (--shutdown-timeout, SHUTDOWN_TIMEOUT_S), and
-        # the ranks treat it as a stop request (threed.guard.StopRequest: save at the step boundary, exit 0, and say
-        # so). Without this, the agent's SignalException ended the launcher with a traceback and exit 1 after a
+        # the ranks treat it as a stop request (threed.train.guard.StopRequest: save at the step boundary, exit 0, and
+        # say so). Without this, the agent's SignalException ended the launcher with a traceback and exit 1 after a
         # clean save (issue 19, tests/test_ctrl_c_ranks.py). Any other signal: the shell's 128 + signal.
         return 0 if e.sigval in (signal.SIGINT, signal.SIGTERM) else 128 + int(e.sigval)
     return 0

@@ -33,6 +33,7 @@ run on request (a signal, a STOP file, the time budget) with a checkpoint first.
   rank's stacks are printed. Only the engine's train_batch / eval_batch calls are timed: validation bookkeeping
   and saving between steps never count. The RunGuard owns its watchdog thread (`close` stops it).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -54,7 +55,7 @@ import torch.distributed as dist
 from threed.checkpoint.format import read_latest
 from threed.checkpoint.save import EXIT_DIVERGED, weight_norm  # exit 3 (a save refuses diverged weights too)
 from threed.config import RunConfig
-from threed.distributed import is_multi_rank
+from threed.parallel.distributed import is_multi_rank
 
 EXIT_HUNG = 4
 _STARTED = time.time()  # import time of this module: close enough to the process start for a time budget
@@ -90,8 +91,11 @@ class StopRequest:
             if self.interrupted_at is None:
                 self.interrupted_at = now
                 if os.environ.get("RANK", "0") == "0":  # os.write: print is not safe inside a signal handler
-                    os.write(2, b"threed: Ctrl-C: saving a checkpoint at the end of this step, then exiting; "
-                                b"press Ctrl-C again to exit at once without saving\n")
+                    os.write(
+                        2,
+                        b"threed: Ctrl-C: saving a checkpoint at the end of this step, then exiting; "
+                        b"press Ctrl-C again to exit at once without saving\n",
+                    )
             elif now - self.interrupted_at > self.SIGINT_REPEAT_SECONDS:
                 raise KeyboardInterrupt
         self.flag = True
@@ -148,6 +152,7 @@ class Watchdog(threading.Thread):
                 return original(*args, **kwargs)
             finally:
                 self.leave()
+
         setattr(engine, name, timed)
 
     def stop(self) -> None:
@@ -162,10 +167,14 @@ class Watchdog(threading.Thread):
             waited, limit = time.monotonic() - start, self.limit(kind)
             if waited > limit:
                 what = f"step {self.step + 1}" if kind == "train_batch" else f"an eval batch after step {self.step}"
-                print(f"threed: watchdog: rank {self.rank}: {what} has run for {waited:.0f} s (median "
-                      f"{statistics.median(self.durations[kind]):.2f} s, limit {limit:.0f} s = max("
-                      f"--watchdog-min-seconds, --watchdog-factor x median)); Python stacks of every thread follow, "
-                      f"then exit {EXIT_HUNG}", file=sys.stderr, flush=True)
+                print(
+                    f"threed: watchdog: rank {self.rank}: {what} has run for {waited:.0f} s (median "
+                    f"{statistics.median(self.durations[kind]):.2f} s, limit {limit:.0f} s = max("
+                    f"--watchdog-min-seconds, --watchdog-factor x median)); Python stacks of every thread follow, "
+                    f"then exit {EXIT_HUNG}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
                 sys.stderr.flush()
                 os._exit(EXIT_HUNG)
@@ -175,8 +184,14 @@ class RunGuard:
     """The run's control point, once per step on every rank: divergence (exit 3), the time budget and the stop
     request (save and exit 0), and the watchdog (exit 4) it owns."""
 
-    def __init__(self, cfg: RunConfig, rank: int, engine, stop: Optional[StopRequest] = None,
-                 device: Optional[torch.device] = None):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        rank: int,
+        engine,
+        stop: Optional[StopRequest] = None,
+        device: Optional[torch.device] = None,
+    ):
         ctl = cfg.control  # the run-control fields
         self.cfg, self.rank, self.engine, self.stop = cfg, rank, engine, stop
         self.skip_nonfinite = ctl.skip_nonfinite
@@ -254,17 +269,24 @@ class RunGuard:
         through the all-reduce; loss and gradient norm are global), or None. A healthy step's loss joins the
         spike check's history."""
         if self.weight_jump_factor and jump > self.weight_jump_factor:
-            return ("the step made the weights non-finite" if math.isinf(jump) else
-                    f"the step multiplied the weight norm by {jump:.3g} (--weight-jump-factor "
-                    f"{self.weight_jump_factor:g})")
+            return (
+                "the step made the weights non-finite"
+                if math.isinf(jump)
+                else f"the step multiplied the weight norm by {jump:.3g} (--weight-jump-factor "
+                f"{self.weight_jump_factor:g})"
+            )
         if dead:
-            return (f"gradient norm {norm:.3g} on a step with loss tokens (loss {loss:.4f}): the model is dead, its "
-                    f"weights saturated (--dead-grad-norm {self.dead_grad_norm:g})")
+            return (
+                f"gradient norm {norm:.3g} on a step with loss tokens (loss {loss:.4f}): the model is dead, its "
+                f"weights saturated (--dead-grad-norm {self.dead_grad_norm:g})"
+            )
         if self.spike_factor and len(self.losses) >= SPIKE_WARMUP:
             median = statistics.median(self.losses)
             if loss > max(self.spike_factor * median, median + SPIKE_MIN_NATS):
-                return (f"loss {loss:.4f} is {loss / median:.1f}x the median {median:.4f} of the last "
-                        f"{len(self.losses)} steps (--spike-factor {self.spike_factor:g})")
+                return (
+                    f"loss {loss:.4f} is {loss / median:.1f}x the median {median:.4f} of the last "
+                    f"{len(self.losses)} steps (--spike-factor {self.spike_factor:g})"
+                )
         self.losses = (self.losses + [loss])[-SPIKE_WINDOW:]
         return None
 
@@ -294,27 +316,35 @@ class RunGuard:
             allowed = self.skip_nonfinite
             if self.skipped > allowed:
                 last = self.last_checkpoint()
-                self._log(f"threed: error: non-finite {what}: stopping without saving (the run diverged; "
-                          f"{self.skipped} non-finite step(s), --skip-nonfinite {allowed}). Last good checkpoint: "
-                          f"{last}. {self.restart(last)} with a lower --lr or more --warmup-steps, or allow "
-                          f"skipping such batches with --skip-nonfinite N")
+                self._log(
+                    f"threed: error: non-finite {what}: stopping without saving (the run diverged; "
+                    f"{self.skipped} non-finite step(s), --skip-nonfinite {allowed}). Last good checkpoint: "
+                    f"{last}. {self.restart(last)} with a lower --lr or more --warmup-steps, or allow "
+                    f"skipping such batches with --skip-nonfinite N"
+                )
                 raise RunAborted(EXIT_DIVERGED)
-            self._log(f"threed: warning: non-finite {what}: the optimizer step was skipped (weights unchanged); "
-                      f"{self.skipped} of --skip-nonfinite {allowed}")
+            self._log(
+                f"threed: warning: non-finite {what}: the optimizer step was skipped (weights unchanged); "
+                f"{self.skipped} of --skip-nonfinite {allowed}"
+            )
         else:
             seen = self._diverged(loss, norm, bool(dead), jump)
             if seen is not None:
                 last = self.last_checkpoint()
                 if not seen.startswith("the step") and last.endswith(f"/global_step{step - 1}"):
                     last += " (saved just before this step: its weights gave this loss; an earlier one may be safer)"
-                self._log(f"threed: error: the run diverged at step {step}: {seen}; stopping without saving. Last "
-                          f"good checkpoint: {last}. {self.restart(last)} with a lower --lr or more --warmup-steps; "
-                          f"if the run was healthy, raise the flag named above (0 turns its check off)")
+                self._log(
+                    f"threed: error: the run diverged at step {step}: {seen}; stopping without saving. Last "
+                    f"good checkpoint: {last}. {self.restart(last)} with a lower --lr or more --warmup-steps; "
+                    f"if the run was healthy, raise the flag named above (0 turns its check off)"
+                )
                 raise RunAborted(EXIT_DIVERGED)
         if late and not self.out_of_time:
             self.out_of_time = True
-            self._log(f"threed: --exit-duration-in-mins {self.exit_duration_in_mins:g} is near "
-                      f"({(time.time() - _STARTED) / 60:.1f} min elapsed): saving and exiting")
+            self._log(
+                f"threed: --exit-duration-in-mins {self.exit_duration_in_mins:g} is near "
+                f"({(time.time() - _STARTED) / 60:.1f} min elapsed): saving and exiting"
+            )
             if self.stop is not None:
                 self.stop.flag = True
         return stop or late

@@ -1,5 +1,6 @@
 """The planner's step-time model: predicted seconds per optimizer step of a layout on a cluster, so that
-`threed plan` (`threed.planner`) can rank layouts. A ranking, not a promise: bf16, no compute/communication overlap.
+`threed plan` (`threed.plan.planner`) can rank layouts. A ranking, not a promise: bf16, no compute/communication
+overlap.
 
     step = pipeline(schedule, pp, gas; F, B, W of the slowest stage)  + t_dp + t_tied + t_optimizer
     t_micro(stage) = F + B + W
@@ -11,13 +12,13 @@
   (the repo's one FLOPs convention: 6 x matmul parameters, attention scores over the full seq x seq square, so
   causal attention's cost is overstated by 6 s h per block, as in every MFU figure). A recomputed block runs its
   forward once more: F_block / 3 (`threed.memory.recompute` says which blocks of a stage are recomputed).
-  The passes (`threed.schedule`): F is a third of the FLOPs; of the backward, W (weight gradients) is the
+  The passes (`threed.parallel.schedule`): F is a third of the FLOPs; of the backward, W (weight gradients) is the
   matmuls' forward FLOPs again (2 x matmul parameters per token) and B the rest (input gradients, the attention
   scores' backward, the recompute forward). Collectives: the forward ones and the p2p send are F's, the backward
   ones and the gradient send B's, SP's re-gathers for the weight gradients W's (under ZB-H1 also the row-parallel
   output gradients'). pipeline(): the step
-  `threed.schedule.simulate` finds when every stage runs the slowest stage's passes (the slowest sets the pace):
-  under 1F1B (gas + pp - 1)(F + B + W), a bubble of (pp - 1) / (gas + pp - 1); under ZB-H1 less.
+  `threed.parallel.schedule.simulate` finds when every stage runs the slowest stage's passes (the slowest sets the
+  pace): under 1F1B (gas + pp - 1)(F + B + W), a bubble of (pp - 1) / (gas + pp - 1); under ZB-H1 less.
   n_tp, in all-reduces of [s, b, h] (a ring all-reduce moves the bytes of one all-gather plus one reduce-scatter):
   per block 2 forward (attention and MLP outputs) + 2 backward (their inputs' gradients) + 2 more per recomputed
   block; plus the embedding's and the LM head's one each. Sequence parallelism (Megatron's) replaces each
@@ -35,6 +36,7 @@
   Bandwidths: NVLink (--nvlink-gbps) inside a node, the per-GPU network share (--network-gbps) across nodes; the
   DP and PP groups cross nodes when their rank stride (tp, tp dp) reaches a node.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -44,7 +46,7 @@ from threed.config import ModelConfig
 from threed.memory.model import GB, stages
 from threed.memory.recompute import Recompute
 from threed.model.spec import layer_training_flops, matmul_parameters, shard_shape, tie_owners, tied
-from threed.schedule import simulate
+from threed.parallel.schedule import simulate
 
 
 @dataclass(frozen=True)
@@ -74,9 +76,18 @@ def link_bytes_per_s(hw: Hardware, stride: int) -> float:
     return (hw.nvlink_gbps if stride < hw.gpus_per_node else hw.network_gbps) * 1e9
 
 
-def pass_times(model: ModelConfig, hw: Hardware, tp: int, pp: int, dp: int, micro: int, seq: int,
-               recompute: bool | Recompute, sequence_parallel: bool = False,
-               schedule: str = "1f1b") -> tuple[float, float, float]:
+def pass_times(
+    model: ModelConfig,
+    hw: Hardware,
+    tp: int,
+    pp: int,
+    dp: int,
+    micro: int,
+    seq: int,
+    recompute: bool | Recompute,
+    sequence_parallel: bool = False,
+    schedule: str = "1f1b",
+) -> tuple[float, float, float]:
     """Seconds of one micro-batch's F, B and W passes on the slowest stage (the model in the module docstring);
     `recompute`: True (every block), False, or Megatron's flags."""
     rc = Recompute.of(recompute)
@@ -102,8 +113,10 @@ def pass_times(model: ModelConfig, hw: Hardware, tp: int, pp: int, dp: int, micr
         # megatron's re-gather of the column-parallel inputs; a deferred W (threed.model.wgrad) also re-gathers
         # the row-parallel output gradients it kept as sequence parts (two all-gathers: one all-reduce's worth)
         w_tp = sp * (st.blocks + st.last / 2 + (schedule != "1f1b" and pp > 1) * st.blocks)
-        f, b, w = (tokens * (st.blocks * x + st.last * y) / (tp * rate) + n * allreduce
-                   for x, y, n in zip(block, head, (f_tp, b_tp, w_tp)))
+        f, b, w = (
+            tokens * (st.blocks * x + st.last * y) / (tp * rate) + n * allreduce
+            for x, y, n in zip(block, head, (f_tp, b_tp, w_tp))
+        )
         b += tokens * recomputed * block[0] / (tp * rate)  # a recomputed block's forward runs again in B
         if pp > 1:  # activations forward (F), gradients backward (B): 1/tp of them each
             p2p = act_bytes / tp / link_bytes_per_s(hw, tp * dp)
@@ -115,12 +128,24 @@ def pass_times(model: ModelConfig, hw: Hardware, tp: int, pp: int, dp: int, micr
     return slowest
 
 
-def step_time(model: ModelConfig, hw: Hardware, tp: int, pp: int, dp: int, micro: int, gas: int, seq: int,
-              recompute: bool | Recompute, params: int, sequence_parallel: bool = False,
-              schedule: str = "1f1b", passes: Optional[tuple[float, float, float]] = None) -> float:
+def step_time(
+    model: ModelConfig,
+    hw: Hardware,
+    tp: int,
+    pp: int,
+    dp: int,
+    micro: int,
+    gas: int,
+    seq: int,
+    recompute: bool | Recompute,
+    params: int,
+    sequence_parallel: bool = False,
+    schedule: str = "1f1b",
+    passes: Optional[tuple[float, float, float]] = None,
+) -> float:
     """Predicted seconds per optimizer step (the model in the module docstring); `params`: the largest stage's
     parameters per GPU; `recompute`: True (every block), False, or Megatron's flags; `schedule`:
-    `threed.schedule`'s; `passes`: `pass_times` of the same arguments, when the caller has them already."""
+    `threed.parallel.schedule`'s; `passes`: `pass_times` of the same arguments, when the caller has them already."""
     passes = passes or pass_times(model, hw, tp, pp, dp, micro, seq, recompute, sequence_parallel, schedule)
     pipeline, _ = simulate(schedule, pp, gas, *passes)
     t_dp = (2 * 4 * params + 2 * params) * (dp - 1) / dp / link_bytes_per_s(hw, tp)  # DP ranks are tp apart

@@ -7,6 +7,7 @@ the layout. The loss is the token-weighted mean: the last stage's loss_fn return
 count) and the same per source dataset, summed over micro-batches and data-parallel ranks — not DeepSpeed's mean
 of micro-batch means.
 """
+
 from __future__ import annotations
 
 import math
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from threed.data.loader import SampleCounter, micro_batches
-from threed.distributed import loss_rank
+from threed.parallel.distributed import loss_rank
 
 
 @dataclass
@@ -31,23 +32,46 @@ class EvalResult:
         return math.exp(min(self.loss, 700.0))
 
 
-def evaluate(engine, valid_dataset, dataset_names: tuple[str, ...], eval_index: int, eval_iters: int,
-             micro: int, gas: int, vocab_size: int, device: torch.device,
-             counter: Optional[SampleCounter] = None) -> EvalResult:
+def evaluate(
+    engine,
+    valid_dataset,
+    dataset_names: tuple[str, ...],
+    eval_index: int,
+    eval_iters: int,
+    micro: int,
+    gas: int,
+    vocab_size: int,
+    device: torch.device,
+    counter: Optional[SampleCounter] = None,
+) -> EvalResult:
     """Every rank calls this (DeepSpeed's eval_batch is collective). Returns the same result on every rank."""
     dp, dp_rank = engine.grid.get_data_parallel_world_size(), engine.grid.get_data_parallel_rank()
     global_batch = micro * gas * dp
     n = max(1, len(dataset_names))
     reads = engine.is_first_stage() or engine.is_last_stage()
-    batches = micro_batches(valid_dataset, global_batch, micro, dp, dp_rank, eval_index * eval_iters * global_batch,
-                            vocab_size, num_datasets=n, counter=counter) if reads else None
+    batches = (
+        micro_batches(
+            valid_dataset,
+            global_batch,
+            micro,
+            dp,
+            dp_rank,
+            eval_index * eval_iters * global_batch,
+            vocab_size,
+            num_datasets=n,
+            counter=counter,
+        )
+        if reads
+        else None
+    )
     totals = torch.zeros(2 + 2 * n, dtype=torch.float64, device=device)
     for _ in range(eval_iters):
         # DeepSpeed 0.19's eval_batch adds each micro-batch loss into `total_loss`, which only train_batch resets:
         # after a training step it still holds that step's scalar, and our loss vector cannot be added to it.
         engine.total_loss = None
-        outputs = engine.eval_batch(batches, compute_loss=True, reduce_output=None, bcast_loss=False,
-                                    num_micro_batches=gas)
+        outputs = engine.eval_batch(
+            batches, compute_loss=True, reduce_output=None, bcast_loss=False, num_micro_batches=gas
+        )
         if engine.is_last_stage():
             totals += torch.stack([o.detach().to(device, torch.float64) for o in outputs]).sum(dim=0)
     engine.total_loss = None
@@ -60,6 +84,6 @@ def evaluate(engine, valid_dataset, dataset_names: tuple[str, ...], eval_index: 
     loss_sum, count = totals[0].item(), totals[1].item()
     per_dataset = {}
     if len(dataset_names) > 1:
-        sums, counts = totals[2:2 + n].tolist(), totals[2 + n:].tolist()
+        sums, counts = totals[2 : 2 + n].tolist(), totals[2 + n :].tolist()
         per_dataset = {name: s / c for name, s, c in zip(dataset_names, sums, counts) if c > 0}
     return EvalResult(loss=loss_sum / max(count, 1.0), tokens=int(count), per_dataset=per_dataset)

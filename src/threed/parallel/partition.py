@@ -8,7 +8,7 @@
                       embedding goes with the first stage, the final norm and LM head with the last.
     costs:block=1,lm_head=1.2,...
                       as balanced, over given relative costs per layer kind (embedding, block, final_norm, lm_head;
-                      a missing kind costs 0): what `threed profile-layers` measured (`threed.layer_costs`).
+                      a missing kind costs 0): what `threed profile-layers` measured (`threed.parallel.layer_costs`).
     parameters        balance parameter counts (DeepSpeed's method; counted from the config, nothing is built).
     uniform           equal numbers of pipeline layers (embedding, each block, norm and head count one each).
     type:REGEX        balance the layers whose class name matches (DeepSpeed's method). `type:LlamaBlock` spreads the
@@ -18,27 +18,31 @@ Why balanced: the last stage's LM head + loss costs 6·h·V FLOPs per token, 0.6
 Llama-3-8B block (their vocabularies are 32k and 128k), and 1F1B runs at the pace of the slowest stage.
 `benchmarks/bench_pipeline.py` measures the effect.
 
-DeepSpeed's PipelineModule knows only its own methods, so `StagedPipelineModule` takes the resolved boundaries as
-`partition_method="parts:0,6,11"` (layer indices where each stage starts, then the end).
+DeepSpeed's PipelineModule knows only its own methods, so `threed.parallel.staged.StagedPipelineModule` takes the
+resolved boundaries as `partition_method="parts:0,6,11"` (layer indices where each stage starts, then the end).
 
 Full recompute (Megatron-LM's `--recompute-granularity full --recompute-method uniform|block --recompute-num-layers
 N`) counts the blocks of each stage, so it lives here too: `recompute_summary` checks N against the stages before
-anything is built, and `StagedPipelineModule` runs the recomputed chunks (`recompute_chunks`).
+anything is built, and `StagedPipelineModule` (threed.parallel.staged) runs the recomputed chunks (`recompute_chunks`).
 """
+
 from __future__ import annotations
 
-import functools
 import re
-from typing import Any, Optional
+from typing import Optional
 
 from threed.config import ModelConfig, TrainConfig
 from threed.errors import ConfigError
-from threed.layer_costs import COSTS_PREFIX, parse_costs
+from threed.parallel.layer_costs import COSTS_PREFIX, parse_costs
 from threed.model.spec import PipelineLayer, layer_training_flops, pipeline_layers, stage_parameters
 
 PARTS_PREFIX = "parts:"
-CLASS_NAMES = {"embedding": "EmbeddingPipe", "block": "LlamaBlock", "final_norm": "FinalNormPipe",
-               "lm_head": "LMHeadPipe"}
+CLASS_NAMES = {
+    "embedding": "EmbeddingPipe",
+    "block": "LlamaBlock",
+    "final_norm": "FinalNormPipe",
+    "lm_head": "LMHeadPipe",
+}
 METHODS = "balanced, layers:N1,N2,..., costs:block=1,lm_head=X,..., parameters, uniform, type:REGEX"
 
 
@@ -81,12 +85,16 @@ def _explicit(spec: str, model: ModelConfig, pp: int) -> list[int]:
     try:
         counts = [int(x) for x in spec.split(",")]
     except ValueError:
-        raise ConfigError(f"partition_method layers:{spec}: expected comma-separated block counts per stage, e.g. "
-                          f"layers:{','.join([str(model.num_layers // pp)] * pp)}") from None
+        raise ConfigError(
+            f"partition_method layers:{spec}: expected comma-separated block counts per stage, e.g. "
+            f"layers:{','.join([str(model.num_layers // pp)] * pp)}"
+        ) from None
     if len(counts) != pp or min(counts) < 1 or sum(counts) != model.num_layers:
-        raise ConfigError(f"partition_method layers:{spec} gives {len(counts)} stages holding {sum(counts)} blocks; "
-                          f"this run has pp={pp} and {model.num_layers} blocks: give {pp} counts, each >= 1, "
-                          f"summing to {model.num_layers}")
+        raise ConfigError(
+            f"partition_method layers:{spec} gives {len(counts)} stages holding {sum(counts)} blocks; "
+            f"this run has pp={pp} and {model.num_layers} blocks: give {pp} counts, each >= 1, "
+            f"summing to {model.num_layers}"
+        )
     # Layer 0 is the embedding (stage 0); the norm and head after the last block belong to the last stage.
     bounds, block = [0], 0
     for c in counts[:-1]:
@@ -101,12 +109,11 @@ def resolve_partition(method: str, model: ModelConfig, pp: int, seq_length: int,
     is_block = [layer.kind == "block" for layer in layers]
     m = method.strip()
     if m.lower() == "balanced":
-        return min_max_partition([layer_training_flops(model, la.kind, seq_length, tp) for la in layers], pp,
-                                 is_block)
+        return min_max_partition([layer_training_flops(model, la.kind, seq_length, tp) for la in layers], pp, is_block)
     if m.lower().startswith("layers:"):
-        return _explicit(m[len("layers:"):], model, pp)
+        return _explicit(m[len("layers:") :], model, pp)
     if m.lower().startswith(COSTS_PREFIX):
-        costs = parse_costs(m[len(COSTS_PREFIX):])
+        costs = parse_costs(m[len(COSTS_PREFIX) :])
         return min_max_partition([costs[la.kind] for la in layers], pp, is_block)
     # DeepSpeed's own methods, computed with its own split functions (imported here: the three above need no
     # DeepSpeed, so `threed check-config` can resolve them cheaply).
@@ -118,13 +125,14 @@ def resolve_partition(method: str, model: ModelConfig, pp: int, seq_length: int,
         return [int(b) for b in ds_utils.partition_uniform(len(layers), pp)]
     if m.lower().startswith("type:"):
         try:
-            pattern = re.compile(m[len("type:"):], re.IGNORECASE)
+            pattern = re.compile(m[len("type:") :], re.IGNORECASE)
         except re.error as e:
             raise ConfigError(f"partition_method {m}: bad regular expression ({e})") from None
         weights = [1 if pattern.search(CLASS_NAMES[la.kind]) else 0 for la in layers]
         if not any(weights):
-            raise ConfigError(f"partition_method {m} matches no layer; the layer classes are "
-                              f"{', '.join(CLASS_NAMES.values())}")
+            raise ConfigError(
+                f"partition_method {m} matches no layer; the layer classes are {', '.join(CLASS_NAMES.values())}"
+            )
         return [int(b) for b in ds_utils.partition_balanced(weights, pp)]
     raise ConfigError(f"unknown partition_method {method!r}; use one of: {METHODS}")
 
@@ -134,7 +142,7 @@ def describe(bounds: list[int], model: ModelConfig) -> str:
     layers = pipeline_layers(model)
     out = []
     for s in range(len(bounds) - 1):
-        mine = layers[bounds[s]:bounds[s + 1]]
+        mine = layers[bounds[s] : bounds[s + 1]]
         blocks = [la.block for la in mine if la.kind == "block"]
         names = [la.kind for la in mine if la.kind == "embedding"]
         if blocks:
@@ -146,8 +154,9 @@ def describe(bounds: list[int], model: ModelConfig) -> str:
 
 def stage_boundaries(cfg) -> str:
     """The `partition_method` argument for `StagedPipelineModule`, resolved from cfg.parallel.partition_method."""
-    bounds = resolve_partition(cfg.parallel.partition_method, cfg.model, cfg.parallel.pp, cfg.train.seq_length,
-                               cfg.parallel.tp)
+    bounds = resolve_partition(
+        cfg.parallel.partition_method, cfg.model, cfg.parallel.pp, cfg.train.seq_length, cfg.parallel.tp
+    )
     return PARTS_PREFIX + ",".join(str(b) for b in bounds)
 
 
@@ -178,24 +187,31 @@ def recompute_summary(cfg) -> str:
     if plan is None:
         return "none"
     method, n = plan
-    counts = stage_blocks(resolve_partition(cfg.parallel.partition_method, cfg.model, cfg.parallel.pp,
-                                            train.seq_length, cfg.parallel.tp), cfg.model)
+    counts = stage_blocks(
+        resolve_partition(cfg.parallel.partition_method, cfg.model, cfg.parallel.pp, train.seq_length, cfg.parallel.tp),
+        cfg.model,
+    )
     flags = f"--recompute-method {method} --recompute-num-layers {n}"
     if method == "uniform":
         most = max(counts)
         if n > most:
-            raise ConfigError(f"{flags}: a recompute chunk lies within one pipeline stage and the largest, stage "
-                              f"{counts.index(most)}, holds {most} blocks; use --recompute-num-layers {most} or fewer")
+            raise ConfigError(
+                f"{flags}: a recompute chunk lies within one pipeline stage and the largest, stage "
+                f"{counts.index(most)}, holds {most} blocks; use --recompute-num-layers {most} or fewer"
+            )
         return f"full, uniform: every block, in chunks of {n}"
     for stage, blocks in enumerate(counts):
         if n > blocks:
-            raise ConfigError(f"{flags}: pipeline stage {stage} holds {blocks} block{'s' * (blocks != 1)}, fewer "
-                              f"than {n} to recompute; use --recompute-num-layers {min(counts)} or fewer (the "
-                              f"smallest stage's blocks), or --recompute-method uniform to recompute every block")
+            raise ConfigError(
+                f"{flags}: pipeline stage {stage} holds {blocks} block{'s' * (blocks != 1)}, fewer "
+                f"than {n} to recompute; use --recompute-num-layers {min(counts)} or fewer (the "
+                f"smallest stage's blocks), or --recompute-method uniform to recompute every block"
+            )
     if len(set(counts)) == 1:
         return f"full, block: the first {n} of {counts[0]} blocks on each of {len(counts)} stages"
-    return "full, block " + ", ".join(f"{n} of {blocks} block{'s' * (blocks != 1)} on stage {stage}"
-                                      for stage, blocks in enumerate(counts))
+    return "full, block " + ", ".join(
+        f"{n} of {blocks} block{'s' * (blocks != 1)} on stage {stage}" for stage, blocks in enumerate(counts)
+    )
 
 
 def recompute_chunks(checkpointable: list[bool], method: str, n: int) -> list[tuple[int, int, bool]]:
@@ -217,85 +233,3 @@ def recompute_chunks(checkpointable: list[bool], method: str, n: int) -> list[tu
     if at < len(checkpointable):
         chunks.append((at, len(checkpointable), False))
     return chunks
-
-
-@functools.cache
-def staged_pipeline_module():
-    """DeepSpeed's PipelineModule, taking explicit stage boundaries (created lazily: DeepSpeed is imported only
-    where a model is built)."""
-    # deepspeed, torch: heavy; the planner and check-config resolve stages without them
-    import torch
-    import torch.distributed as dist
-    from deepspeed.pipe import PipelineModule
-
-    class StagedPipelineModule(PipelineModule):
-        """`recompute`: (method, N) of full recompute (`full_recompute`), or None. The module is then built with
-        activation_checkpoint_interval 1, which only keeps DeepSpeed's engine treating it as checkpointed (the
-        reentrant variant's first-stage inputs); `forward` runs `recompute_runs` instead of DeepSpeed's chunks."""
-
-        def __init__(self, *args: Any, recompute: Optional[tuple[str, int]] = None, **kwargs: Any):
-            super().__init__(*args, **kwargs)
-            # DeepSpeed cuts a stage's layers into chunks of `activation_checkpoint_interval` counted from its first
-            # layer (on stage 0 the embedding: a chunk of N would mix it with N-1 blocks and not be checkpointed at
-            # all) and checkpoints every chunk of blocks alike. Megatron's methods count blocks (uniform: chunks
-            # from the first block; block: only the first N), so the runs are Megatron's, over the layers that
-            # DeepSpeed's `_is_checkpointable` accepts (`checkpointable_layers`: the blocks).
-            self.recompute = recompute
-            self.recompute_runs: list[tuple[int, int, bool]] = [] if recompute is None else recompute_chunks(
-                [self._is_checkpointable([f]) for f in self.forward_funcs], *recompute)
-
-        def forward(self, forward_input: Any) -> Any:
-            if self.recompute is None:
-                return super().forward(forward_input)
-            # DeepSpeed's forward with its chunks replaced by the runs; the checkpoint function is the one its
-            # engine set (reentrant, or non-reentrant for packed rows: threed.engine). Its per-layer reseeding
-            # (seed_layers) is off in threed's pipeline and not repeated here.
-            assert not self.seed_layers, "threed's pipeline builds no per-layer seeds"
-            self.micro_offset += 1
-            x = forward_input
-            for start, stop, recomputed in self.recompute_runs:
-                x = x if isinstance(x, tuple) else (x,)  # DeepSpeed's convention: layers get one tensor or a tuple
-                run = functools.partial(self._run_layers, start, stop)
-                x = self.activation_checkpoint_func(run, *x) if recomputed else run(*x)
-            return x
-
-        def _run_layers(self, start: int, stop: int, *inputs: Any) -> Any:
-            x = inputs[0] if len(inputs) == 1 else inputs
-            for layer in self.forward_funcs[start:stop]:
-                x = layer(x)
-            return x
-
-        def get_tied_weights_and_groups(self) -> list:
-            # Sequence parallelism: each TP rank's norm weights (tagged `sequence_parallel`, threed.model.layers)
-            # saw its own part of the sequence, so their gradients must be summed over the TP group, as megatron's
-            # finalize_model_grads does; DeepSpeed's pipeline engine does not. Its tied-weight step
-            # (ReduceTiedGrads: after the last backward, before the DP reduction and the gradient norm; the fp32
-            # `_hp_grad` under bf16) all-reduces each (weight, group) of this list: they join it with the TP group.
-            pairs = super().get_tied_weights_and_groups()
-            partial = [p for p in self.parameters() if getattr(p, "sequence_parallel", False)]
-            if partial:
-                from megatron.core import parallel_state  # heavy: as deepspeed above
-
-                group = parallel_state.get_tensor_model_parallel_group()
-                pairs += [(p, group) for p in partial]
-            return pairs
-
-        def _synchronize_tied_weights(self) -> None:
-            # DeepSpeed broadcasts the tied weight (Llama 3.2's embedding) in place with autograd on, so torch
-            # warns at every backward that c10d::broadcast_ has no autograd kernel (the gradients are right).
-            # Copying weights is not part of the graph: no_grad.
-            with torch.no_grad():
-                super()._synchronize_tied_weights()
-
-        def _partition_layers(self, method: str = "uniform") -> None:
-            if not method.startswith(PARTS_PREFIX):
-                return super()._partition_layers(method)
-            self.parts = [int(b) for b in method[len(PARTS_PREFIX):].split(",")]
-            assert len(self.parts) == self.num_stages + 1 and self.parts[-1] == len(self._layer_specs), self.parts
-            if dist.get_rank() == 0:
-                model = self._layer_specs[0].module_args[0]
-                print(f"pipeline stages: {describe(self.parts, model)}", flush=True)
-            stage = self._topo.get_coord(self.global_rank).pipe
-            self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
-
-    return StagedPipelineModule

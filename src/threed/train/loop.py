@@ -15,9 +15,9 @@ the next run resumes from it (and removes the STOP file left behind, saying so).
 One run per save directory: rank 0 holds `<save>/threed.lock` from before anything is written to --save until
 the run ends, however it ends (threed.checkpoint.lock; a killed job's lock goes with its process).
 """
+
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -33,15 +33,14 @@ from threed.data.checks import check_cache_visible, check_data
 from threed.data.datasets import build_datasets
 from threed.data.loader import SampleCounter, micro_batches, token_weighted
 from threed.data.splits import DataSplits, read_data_flags
-from threed.distributed import Runtime, grid_coordinates, init_distributed, loss_rank, shutdown_distributed
-from threed.engine import build_engine
-from threed.errors import guarded
-from threed.flags import parse_run_config
-from threed.guard import RunGuard, StopRequest
-from threed.evaluate import evaluate
+from threed.parallel.distributed import Runtime, grid_coordinates, init_distributed, loss_rank
+from threed.train.engine import build_engine
+from threed.train.guard import RunGuard, StopRequest
+from threed.train.evaluate import evaluate
 from threed.metrics.writer import RunMetrics
 from threed.model.spec import parameter_count
-from threed.partition import recompute_summary
+from threed.parallel.partition import recompute_summary
+
 
 @dataclass
 class TrainResult:
@@ -93,8 +92,10 @@ def log(is_logger: bool, msg: str) -> None:
 
 def train(cfg: RunConfig) -> TrainResult:
     if cfg.train.steps == 0:
-        raise ConfigError("--steps 0 trains nothing (it is the total step count to train to); give --steps N >= 1, "
-                          "or check a configuration without building it with `threed check-config`")
+        raise ConfigError(
+            "--steps 0 trains nothing (it is the total step count to train to); give --steps N >= 1, "
+            "or check a configuration without building it with `threed check-config`"
+        )
     rt = init_distributed(cfg.control.dist_timeout_minutes)
     cfg.validate(rt.world_size)
     recompute_summary(cfg)  # --recompute-num-layers against the stages' blocks, before anything is built
@@ -129,21 +130,37 @@ def _train(cfg: RunConfig, rt: Runtime, splits: DataSplits, start_decision: Star
     # Consumed samples position the sampler; a checkpoint from before they were recorded had a constant batch.
     consumed = int(built.client_state.get("consumed_samples", start * glob))
     result = TrainResult(start_step=start, end_step=start)
-    log(logger, f"threed: world {rt.world_size} = tp {tp} x pp {pp} x dp {dp} on "
-                 f"{rt.device.type}/{rt.backend}; global batch {glob} = micro {micro} x gas {gas} x dp {dp}; "
-                 f"{cfg.model.name} {parameter_count(cfg.model) / 1e6:.1f}M params; dtype {cfg.train.dtype}; "
-                 + (f"pipeline schedule {cfg.parallel.pipeline_schedule}; " if pp > 1 else "")
-                 + f"recompute: {recompute_summary(cfg)}; "
-                 + (f"resumed from {built.resumed_from} at step {start} ({consumed} samples consumed)"
-                    if built.resumed_from else
-                    f"weights from {cfg.checkpoint.init_from}" if cfg.checkpoint.init_from else "random init")
-                 + (f"; validation every {splits.eval_interval} steps ({cfg.train.eval_iters} batches)"
-                    if splits.eval_interval else "; no validation")
-                 + (f"; SFT data, response-only loss, {'packed' if cfg.data.pack else 'one example per'} sequence"
-                    if splits.sft else ""))
+    log(
+        logger,
+        f"threed: world {rt.world_size} = tp {tp} x pp {pp} x dp {dp} on "
+        f"{rt.device.type}/{rt.backend}; global batch {glob} = micro {micro} x gas {gas} x dp {dp}; "
+        f"{cfg.model.name} {parameter_count(cfg.model) / 1e6:.1f}M params; dtype {cfg.train.dtype}; "
+        + (f"pipeline schedule {cfg.parallel.pipeline_schedule}; " if pp > 1 else "")
+        + f"recompute: {recompute_summary(cfg)}; "
+        + (
+            f"resumed from {built.resumed_from} at step {start} ({consumed} samples consumed)"
+            if built.resumed_from
+            else f"weights from {cfg.checkpoint.init_from}"
+            if cfg.checkpoint.init_from
+            else "random init"
+        )
+        + (
+            f"; validation every {splits.eval_interval} steps ({cfg.train.eval_iters} batches)"
+            if splits.eval_interval
+            else "; no validation"
+        )
+        + (
+            f"; SFT data, response-only loss, {'packed' if cfg.data.pack else 'one example per'} sequence"
+            if splits.sft
+            else ""
+        ),
+    )
     counter = SampleCounter()
-    batches = micro_batches(data.train, glob, micro, dp, dp_rank, consumed, cfg.model.vocab_size,
-                            counter=counter) if reads_data else None
+    batches = (
+        micro_batches(data.train, glob, micro, dp, dp_rank, consumed, cfg.model.vocab_size, counter=counter)
+        if reads_data
+        else None
+    )
     metrics = RunMetrics(cfg, engine, rt, start)  # every rank: times its stage; the loss rank writes
     for step in range(start, cfg.train.steps):
         step_iter, loss_tokens = step_batches(batches, gas, splits.sft, engine, rt.device)
@@ -157,7 +174,9 @@ def _train(cfg: RunConfig, rt: Runtime, splits: DataSplits, start_decision: Star
             result.loss_tokens.append(loss_tokens)
         result.end_step = step + 1
         result.consumed_samples = consumed
-        metrics.step(step + 1, loss, norm, samples=consumed, loss_tokens=loss_tokens)  # every rank (one all-gather per log interval)
+        metrics.step(
+            step + 1, loss, norm, samples=consumed, loss_tokens=loss_tokens
+        )  # every rank (one all-gather per log interval)
         # The step's one control all-reduce: exit 3 on divergence (before the step can be saved); True: every rank
         # saves and exits after this step. SFT: only the last stage knows whether the step had loss tokens.
         has_loss_tokens = not splits.sft or bool(loss_tokens)
@@ -165,16 +184,38 @@ def _train(cfg: RunConfig, rt: Runtime, splits: DataSplits, start_decision: Star
         last = step + 1 == cfg.train.steps
         if splits.eval_interval and ((step + 1) % splits.eval_interval == 0 or last):
             # Evaluation k reads the k-th block of eval_iters valid batches (the last one may be off-interval).
-            index = (step + 1) // splits.eval_interval - 1 if (step + 1) % splits.eval_interval == 0 else \
-                (step + 1) // splits.eval_interval
-            ev = evaluate(engine, data.valid, data.valid_names, index, cfg.train.eval_iters, micro, gas,
-                          cfg.model.vocab_size, rt.device, counter=counter)
+            index = (
+                (step + 1) // splits.eval_interval - 1
+                if (step + 1) % splits.eval_interval == 0
+                else (step + 1) // splits.eval_interval
+            )
+            ev = evaluate(
+                engine,
+                data.valid,
+                data.valid_names,
+                index,
+                cfg.train.eval_iters,
+                micro,
+                gas,
+                cfg.model.vocab_size,
+                rt.device,
+                counter=counter,
+            )
             metrics.validation(step + 1, ev.loss, {Path(k).name: v for k, v in ev.per_dataset.items()}, consumed)
-            result.evals.append({"step": step + 1, "loss": ev.loss, "tokens": ev.tokens, **{
-                f"loss/{k}": v for k, v in ev.per_dataset.items()}})
+            result.evals.append(
+                {
+                    "step": step + 1,
+                    "loss": ev.loss,
+                    "tokens": ev.tokens,
+                    **{f"loss/{k}": v for k, v in ev.per_dataset.items()},
+                }
+            )
             per = "".join(f" | {Path(k).name} {v:.4f}" for k, v in ev.per_dataset.items())
-            log(logger, f"validation at step {step + 1} | loss {ev.loss:.4f} | perplexity {ev.perplexity:.2f} | "
-                         f"{ev.tokens} tokens{per}")
+            log(
+                logger,
+                f"validation at step {step + 1} | loss {ev.loss:.4f} | perplexity {ev.perplexity:.2f} | "
+                f"{ev.tokens} tokens{per}",
+            )
         interval = cfg.checkpoint.save_interval
         due = last or bool(interval and (step + 1) % interval == 0)
         if cfg.checkpoint.save and (stop_now or due):
@@ -191,16 +232,3 @@ def _train(cfg: RunConfig, rt: Runtime, splits: DataSplits, start_decision: Star
     metrics.close()
     result.samples_read = counter.samples
     return result
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    def run() -> None:
-        train(parse_run_config(sys.argv[1:] if argv is None else argv))
-        shutdown_distributed()
-
-    # as `threed train`: one line from rank 0, no traceback per rank
-    return guarded("threed", run, prefix="configuration error: ")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -4,6 +4,7 @@
 The layer list and every parameter's TP split are `threed.model.spec`'s; this module only turns them into DeepSpeed
 objects (one `LayerSpec` per layer of `spec.pipeline_layers`, so checkpoint file indices are spec positions).
 """
+
 from __future__ import annotations
 
 import torch
@@ -14,10 +15,19 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from threed.config import ModelConfig, RunConfig
 from threed.model.init import init_pipeline_layers_
-from threed.model.layers import (EmbeddingPipe, FinalNormPipe, LlamaBlock, LMHeadPipe, TiedLMHead, causal_lm_loss,
-                                 megatron_config, token_weighted_loss)
+from threed.model.layers import (
+    EmbeddingPipe,
+    FinalNormPipe,
+    LlamaBlock,
+    LMHeadPipe,
+    TiedLMHead,
+    causal_lm_loss,
+    megatron_config,
+    token_weighted_loss,
+)
 from threed.model.spec import PipelineLayer, pipeline_layers, tie_owners, tied, universal_checkpoint_info
-from threed.partition import full_recompute, recompute_summary, stage_boundaries, staged_pipeline_module
+from threed.parallel.partition import full_recompute, recompute_summary, stage_boundaries
+from threed.parallel.staged import StagedPipelineModule
 
 
 def make_topology(tp: int, pp: int, dp: int) -> PipeModelDataParallelTopology:
@@ -25,18 +35,20 @@ def make_topology(tp: int, pp: int, dp: int) -> PipeModelDataParallelTopology:
     return PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
 
 
-def build_pipeline_module(cfg: RunConfig, world_size: int, initialize: bool = True,
-                          fused_swiglu: bool = False, token_weighted: bool = False) -> PipelineModule:
+def build_pipeline_module(
+    cfg: RunConfig, world_size: int, initialize: bool = True, fused_swiglu: bool = False, token_weighted: bool = False
+) -> PipelineModule:
     """Each rank instantiates only the LayerSpecs of its own stage. `fused_swiglu` is CUDA-only
-    (`threed.distributed.cuda_only`). `token_weighted` (SFT data): the loss takes per-token weights from the data
-    side (`threed.model.layers.token_weighted_loss`)."""
+    (`threed.parallel.distributed.cuda_only`). `token_weighted` (SFT data): the loss takes per-token weights from the
+    data side (`threed.model.layers.token_weighted_loss`)."""
     mcore = run_megatron_config(cfg, fused_swiglu)
     specs = [layer_spec(layer, cfg.model, mcore) for layer in pipeline_layers(cfg.model)]
     recompute = full_recompute(cfg.train)
     recompute_summary(cfg)  # --recompute-num-layers against the stages (threed.train checked it already)
     topology = make_topology(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp(world_size))
-    # Stage boundaries resolved by threed.partition (--partition-method; DeepSpeed's PipelineModule underneath).
-    module = staged_pipeline_module()(
+    # Stage boundaries resolved by threed.parallel.partition (--partition-method; DeepSpeed's PipelineModule
+    # underneath).
+    module = StagedPipelineModule(
         layers=specs,
         loss_fn=token_weighted_loss if token_weighted else causal_lm_loss,
         topology=topology,
@@ -50,8 +62,13 @@ def build_pipeline_module(cfg: RunConfig, world_size: int, initialize: bool = Tr
         base_seed=cfg.train.seed,
     )
     if initialize:
-        init_pipeline_layers_(local_modules(module, cfg.model), cfg.model, cfg.parallel.tp,
-                              parallel_state.get_tensor_model_parallel_rank(), cfg.train.seed)
+        init_pipeline_layers_(
+            local_modules(module, cfg.model),
+            cfg.model,
+            cfg.parallel.tp,
+            parallel_state.get_tensor_model_parallel_rank(),
+            cfg.train.seed,
+        )
     # How each parameter is split over TP; DeepSpeed saves it in every mp_rank file, and its universal checkpoint
     # conversion (resume at another tp / pp / dp) needs it: threed.checkpoint.universal.
     module.universal_checkpoint_info = universal_checkpoint_info(cfg.model)
@@ -62,9 +79,14 @@ def run_megatron_config(cfg: RunConfig, fused_swiglu: bool = False) -> Transform
     """megatron-core's config for the run's layers: its tp, sequence parallelism and selective recompute. megatron's
     own init is always skipped: it draws full master weights from the global generator, which every stage seeds
     alike (copied blocks) and which changes with tp. `threed.model.init` replaces it."""
-    return megatron_config(cfg.model, cfg.parallel.tp, initialize=False, fused_swiglu=fused_swiglu,
-                           sequence_parallel=cfg.parallel.sequence_parallel,
-                           selective_recompute=cfg.train.recompute_granularity == "selective")
+    return megatron_config(
+        cfg.model,
+        cfg.parallel.tp,
+        initialize=False,
+        fused_swiglu=fused_swiglu,
+        sequence_parallel=cfg.parallel.sequence_parallel,
+        selective_recompute=cfg.train.recompute_granularity == "selective",
+    )
 
 
 def layer_spec(layer: PipelineLayer, model: ModelConfig, mcore: TransformerConfig) -> LayerSpec:
@@ -79,8 +101,7 @@ def layer_spec(layer: PipelineLayer, model: ModelConfig, mcore: TransformerConfi
         # share_embeddings_and_output_weights is the same idea without DeepSpeed).
         owner = tie_owners()["embedding"]
         forward_fn = TiedLMHead(model, mcore) if layer.kind == "lm_head" else None
-        return TiedLayerSpec(owner.tie, EmbeddingPipe, model, mcore, forward_fn=forward_fn,
-                             tied_weight_attr=owner.name)
+        return TiedLayerSpec(owner.tie, EmbeddingPipe, model, mcore, forward_fn=forward_fn, tied_weight_attr=owner.name)
     if layer.kind == "embedding":
         return LayerSpec(EmbeddingPipe, model, mcore)
     if layer.kind == "block":

@@ -8,16 +8,16 @@ Plots (always all five; a panel without data says so): loss.png (training and va
 learning_rate.png, throughput.png (tokens/s and TFLOP/s per GPU), memory.png (peak memory per stage),
 idle.png (idle fraction per pipeline stage, with the ideal bubble dashed).
 """
+
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from threed.errors import ThreedError, guarded
+from threed.errors import ThreedError
 from threed.metrics.sinks import CONFIG_FILE, METRICS_FILE
 
 PLOTS = ("loss.png", "learning_rate.png", "throughput.png", "memory.png", "idle.png")
@@ -40,8 +40,9 @@ class Run:
 
     def stages(self) -> list[int]:
         keys = {k for r in self.train for k in r}
-        return sorted(int(k[5:].split("/")[0]) for k in keys
-                      if k.startswith("stage") and k.endswith("/mem-max-allocated-bytes"))
+        return sorted(
+            int(k[5:].split("/")[0]) for k in keys if k.startswith("stage") and k.endswith("/mem-max-allocated-bytes")
+        )
 
 
 def load_run(run_dir: str) -> Run:
@@ -50,8 +51,9 @@ def load_run(run_dir: str) -> Run:
         raise ReportError(f"{run_dir}: no such directory")
     metrics = path / METRICS_FILE
     if not metrics.is_file():
-        raise ReportError(f"{run_dir}: no {METRICS_FILE} (the training run writes it into --save, or the parent of "
-                          f"--tensorboard-dir)")
+        raise ReportError(
+            f"{run_dir}: no {METRICS_FILE} (the training run writes it into --save, or the parent of --tensorboard-dir)"
+        )
     lines = metrics.read_text().splitlines()
     records = []
     for n, line in enumerate(lines, 1):
@@ -74,9 +76,12 @@ def load_run(run_dir: str) -> Run:
     summary = {}
     if (path / CONFIG_FILE).is_file():
         summary = json.loads((path / CONFIG_FILE).read_text())
-    return Run(label=path.name if path.name not in ("", ".") else str(path.resolve().name),
-               train=[by_iteration[i] for i in sorted(by_iteration)],
-               validation=[r for r in records if "lm loss validation" in r], summary=summary)
+    return Run(
+        label=path.name if path.name not in ("", ".") else str(path.resolve().name),
+        train=[by_iteration[i] for i in sorted(by_iteration)],
+        validation=[r for r in records if "lm loss validation" in r],
+        summary=summary,
+    )
 
 
 def _median(values: list) -> Optional[float]:
@@ -89,27 +94,38 @@ def summary_lines(run: Run) -> list[str]:
     lines = [f"== {run.label}"]
     if s:
         c = s["config"]
-        lines.append(f"   {c['model']['name']}: tp {s['tp']} x pp {s['pp']} x dp {s['dp']} = {s['world_size']} "
-                     f"rank(s); global batch {s['global_batch_size']} = micro {s['micro_batch_size']} x gas "
-                     f"{s['grad_accum_steps']} x dp {s['dp']}; seq {c['train']['seq_length']}; {c['train']['dtype']}")
+        lines.append(
+            f"   {c['model']['name']}: tp {s['tp']} x pp {s['pp']} x dp {s['dp']} = {s['world_size']} "
+            f"rank(s); global batch {s['global_batch_size']} = micro {s['micro_batch_size']} x gas "
+            f"{s['grad_accum_steps']} x dp {s['dp']}; seq {c['train']['seq_length']}; {c['train']['dtype']}"
+        )
     losses = [r["lm loss"] for r in run.train if r.get("lm loss") is not None]
-    lines.append(f"   steps {run.train[0]['iteration']}-{last['iteration']}, {last['tokens']:,} tokens; lm loss "
-                 f"{losses[0]:.4f} -> {losses[-1]:.4f} (min {min(losses):.4f})")
+    lines.append(
+        f"   steps {run.train[0]['iteration']}-{last['iteration']}, {last['tokens']:,} tokens; lm loss "
+        f"{losses[0]:.4f} -> {losses[-1]:.4f} (min {min(losses):.4f})"
+    )
     if run.validation:
         v = run.validation[-1]
-        lines.append(f"   validation at step {v['iteration']}: lm loss {v['lm loss validation']:.4f}, ppl "
-                     f"{v.get('lm loss validation ppl', float('nan')):.2f}")
+        lines.append(
+            f"   validation at step {v['iteration']}: lm loss {v['lm loss validation']:.4f}, ppl "
+            f"{v.get('lm loss validation ppl', float('nan')):.2f}"
+        )
     it, tok, tfl = (_median([r.get(k) for r in run.train]) for k in ("iteration-time", "tokens-per-sec", "throughput"))
     mfu = _median([r.get("mfu") for r in run.train])
-    lines.append(f"   median: {it * 1000:.0f} ms/step, {tok:,.0f} tokens/s, {tfl:.3g} TFLOP/s/GPU, MFU "
-                 + (f"{mfu * 100:.1f}%" if mfu is not None else "n/a (peak unknown)"))
+    lines.append(
+        f"   median: {it * 1000:.0f} ms/step, {tok:,.0f} tokens/s, {tfl:.3g} TFLOP/s/GPU, MFU "
+        + (f"{mfu * 100:.1f}%" if mfu is not None else "n/a (peak unknown)")
+    )
     for st in run.stages():
         idle = _median([r.get(f"stage{st}/idle-fraction") for r in run.train])
         comp = _median([r.get(f"stage{st}/compute-time") for r in run.train])
         mem = max((r.get(f"stage{st}/mem-max-allocated-bytes") or 0) for r in run.train)
-        timing = "no timing (stage_timing off)" if idle is None else \
-            f"idle {idle * 100:.1f}% (ideal {last.get('pipeline/ideal-bubble', 0) * 100:.1f}%), compute " \
+        timing = (
+            "no timing (stage_timing off)"
+            if idle is None
+            else f"idle {idle * 100:.1f}% (ideal {last.get('pipeline/ideal-bubble', 0) * 100:.1f}%), compute "
             f"{comp * 1000:.0f} ms/step"
+        )
         lines.append(f"   stage {st}: {timing}, peak memory {mem / 2**30:.2f} GiB")
     return lines
 
@@ -135,10 +151,14 @@ def write_plots(runs: list[Run], out: Path) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for run in runs:
-        line, = ax.plot(*run.series("lm loss", "tokens"), label=f"{run.label} train")
+        (line,) = ax.plot(*run.series("lm loss", "tokens"), label=f"{run.label} train")
         if run.validation:
-            ax.plot(*run.series("lm loss validation", "tokens", run.validation), "o--", color=line.get_color(),
-                    label=f"{run.label} validation")
+            ax.plot(
+                *run.series("lm loss validation", "tokens", run.validation),
+                "o--",
+                color=line.get_color(),
+                label=f"{run.label} validation",
+            )
     ax.set(xlabel="tokens", ylabel="lm loss", title="loss vs tokens")
     ax.legend()
     save(fig, "loss.png")
@@ -160,8 +180,9 @@ def write_plots(runs: list[Run], out: Path) -> list[Path]:
     save(fig, "throughput.png")
 
     for name, key, ylabel, title in (
-            ("memory.png", "mem-max-allocated-bytes", "GiB", "peak memory per stage (max over the stage's ranks)"),
-            ("idle.png", "idle-fraction", "idle fraction", "pipeline idle per stage (dashed: ideal bubble)")):
+        ("memory.png", "mem-max-allocated-bytes", "GiB", "peak memory per stage (max over the stage's ranks)"),
+        ("idle.png", "idle-fraction", "idle fraction", "pipeline idle per stage (dashed: ideal bubble)"),
+    ):
         fig, ax = plt.subplots(figsize=(8, 4))
         plotted = False
         for run in runs:
@@ -193,23 +214,3 @@ def report(run_dirs: list[str], out: Optional[str]) -> list[Path]:
     paths = write_plots(runs, Path(out) if out else Path(run_dirs[0]) / "report")
     print(f"plots: {', '.join(str(p) for p in paths)}")
     return paths
-
-
-def _report(ns: argparse.Namespace) -> None:
-    if len(ns.run_dirs) > 2:
-        raise ReportError(f"at most two run directories, got {len(ns.run_dirs)}")
-    try:
-        report(ns.run_dirs, ns.out)
-    except OSError as e:  # a file vanishing or unreadable meanwhile, a disk full: bad input, one line
-        raise ReportError(str(e)) from e
-
-
-def _run(ns: argparse.Namespace) -> int:
-    return guarded("threed report", lambda: _report(ns))
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("report", help="plots and a summary from a run's metrics.jsonl (one or two runs)")
-    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="directory holding metrics.jsonl (at most two)")
-    p.add_argument("--out", help="where the PNGs go (default: RUN_DIR/report)")
-    p.set_defaults(run=_run)

@@ -1,0 +1,120 @@
+"""`threed memory` (also `python -m threed.memory`): the memory model's estimate per GPU (`threed.memory.model`, whose
+docstring lists every term), one line for the heaviest stage or one per stage.
+
+    threed memory --model llama3.1-70b --tp 8 --pp 4 --dp 16 --micro-batch-size 1 --grad-accum-steps 32 \
+        --seq-length 8192 --sequence-parallel [--pipeline-schedule zb-h1] [--all-stages]
+
+The flags are training's (`threed.cli.flags`: the same names, Megatron aliases and checks as `threed train`); the
+earlier short names (--micro, --gas, --seq, --act-ckpt) stay as aliases. `--dp` is the one flag training does not
+have: a training run derives it from its world size. `threed check-config` prints the same estimate for a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from threed.cli.flags import add_field_flag, add_model_flag, field_value
+from threed.config import ConfigError, TrainConfig
+from threed.errors import guarded
+from threed.memory import model as memory_model
+from threed.memory.model import estimate, heaviest, quiet_deepspeed_import
+from threed.memory.recompute import Recompute
+from threed.model.resolve import model_config
+
+# (section, field, earlier names): the training fields the memory model reads.
+REQUIRED = (
+    ("parallel", "tp", ()),
+    ("parallel", "pp", ()),
+    ("train", "micro_batch_size", ("--micro",)),
+    ("train", "grad_accum_steps", ("--gas",)),
+    ("train", "seq_length", ("--seq",)),
+)
+OPTIONAL = (
+    ("train", "activation_checkpointing", ("--act-ckpt",)),
+    ("parallel", "sequence_parallel", ()),
+    ("train", "recompute_granularity", ()),
+    ("train", "recompute_method", ()),
+    ("train", "recompute_num_layers", ()),
+    ("parallel", "pipeline_schedule", ()),
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_flag(p)
+    for section, name, old in REQUIRED:
+        add_field_flag(p, section, name, required=True, old=old)
+    p.add_argument(
+        "--dp", type=int, required=True, metavar="N", help="data-parallel size (training derives it: world / (tp x pp))"
+    )
+    for section, name, old in OPTIONAL:
+        add_field_flag(p, section, name, old=old)
+    p.add_argument("--all-stages", action="store_true", help="one line per pipeline stage")
+
+
+def lines(ns: argparse.Namespace) -> list[str]:
+    """The estimate's line(s); ConfigError on a bad layout, before anything is computed."""
+    tp, pp, micro, gas, seq = (field_value(ns, s, n) for s, n, _ in REQUIRED)
+    if min(tp, pp, ns.dp, micro, gas, seq) < 1:
+        raise ConfigError(
+            "--tp, --pp, --dp, --micro-batch-size, --grad-accum-steps and --seq-length must all be positive integers"
+        )
+    sp = field_value(ns, "parallel", "sequence_parallel")
+    if sp and tp == 1:
+        raise ConfigError(
+            "--sequence-parallel needs tp > 1 (it splits the sequence over the tensor-parallel "
+            "group); drop it or raise --tp"
+        )
+    model = model_config(ns.model)
+    train = TrainConfig(
+        seq_length=1,
+        activation_checkpointing=field_value(ns, "train", "activation_checkpointing"),
+        recompute_granularity=field_value(ns, "train", "recompute_granularity"),
+        recompute_method=field_value(ns, "train", "recompute_method"),
+        recompute_num_layers=field_value(ns, "train", "recompute_num_layers"),
+    )
+    train.validate(model)  # the recompute flags' checks (seq_length 1 passes the others), as training's
+    mems = estimate(
+        model,
+        tp,
+        pp,
+        ns.dp,
+        micro,
+        gas,
+        seq,
+        Recompute.from_train(train),
+        sequence_parallel=sp,
+        schedule=field_value(ns, "parallel", "pipeline_schedule"),
+    )
+    return [m.line(pp) for m in (mems if ns.all_stages else [heaviest(mems)])]
+
+
+def run(ns: argparse.Namespace) -> int:
+    quiet_deepspeed_import()
+    return guarded("threed memory", lambda: print("\n".join(lines(ns))), prefix="")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "memory",
+        help="the memory model's estimate per GPU for a layout",
+        description=memory_model.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(p)
+    p.set_defaults(run=run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="threed memory",
+        description=memory_model.__doc__,
+        allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""`threed plan`: the command line of the layout planner (`threed.plan.planner`: the search, whose docstring says
+what it searches and how).
+
+    threed plan --model llama3.1-70b --nodes 4 --gpus-per-node 8 --gpu-memory 80 --seq-length 8192 \
+        --global-batch-size 512 [--tp 8] [--pp 4] [--micro-batch-size 1] [--sequence-parallel true]
+
+Training's flag names (`threed.cli.flags`), with the earlier short ones (--seq, --global-batch, --micro,
+--act-ckpt) kept as aliases; the hardware flags (--nodes, --gpu-memory, ...) are the planner's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional
+
+from threed.cli.flags import add_field_flag, add_model_flag, field_value
+from threed.config import ConfigError
+from threed.errors import guarded
+from threed.memory.model import quiet_deepspeed_import
+from threed.model.resolve import model_config
+from threed.plan.layout import full_recompute_verdict, schedule_verdict, table
+from threed.plan import planner
+from threed.plan.planner import plan, recipe_lines
+from threed.plan.steptime import Hardware
+
+# (section, field, earlier names, what the filter keeps) -> the keyword of threed.plan.planner.plan.
+FILTERS = (
+    ("parallel", "tp", (), "this tp"),
+    ("parallel", "pp", (), "this pp"),
+    ("train", "micro_batch_size", ("--micro",), "this micro-batch size"),
+    ("train", "activation_checkpointing", ("--act-ckpt",), "every block recomputed (true) / none (false)"),
+    ("parallel", "sequence_parallel", (), "with (true) / without (false) sequence parallelism"),
+    ("parallel", "pipeline_schedule", (), "this pipeline schedule"),
+)
+FILTER_KEYS = ("tp", "pp", "micro", "act_ckpt", "sequence_parallel", "schedule")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_flag(p)
+    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpu-memory", type=float, required=True, help="GB per GPU, e.g. 80")
+    add_field_flag(p, "train", "seq_length", required=True, old=("--seq",))
+    add_field_flag(
+        p, "train", "global_batch_size", required=True, old=("--global-batch",), help="sequences per optimizer step"
+    )
+    p.add_argument("--reserve", type=float, default=Hardware.reserve_gb, help="GB kept free per GPU (CUDA, NCCL)")
+    p.add_argument("--tflops", type=float, default=Hardware.tflops, help="sustained bf16 TFLOP/s per GPU")
+    p.add_argument("--nvlink-gbps", type=float, default=Hardware.nvlink_gbps, help="intra-node GB/s")
+    p.add_argument("--network-gbps", type=float, default=Hardware.network_gbps, help="inter-node GB/s per GPU")
+    p.add_argument("--hbm-gbps", type=float, default=Hardware.hbm_gbps, help="GPU memory bandwidth, GB/s")
+    # The search's filters: training's flags, each restricting the search to one value (none given: all searched).
+    for section, name, old, what in FILTERS:
+        add_field_flag(p, section, name, default=None, old=old, help=f"only {what}")
+    p.add_argument("--top", type=int, default=15, help="rows to list")
+
+
+def run(ns: argparse.Namespace) -> int:
+    quiet_deepspeed_import()
+    model = model_config(ns.model)
+    hw = Hardware(
+        ns.nodes, ns.gpus_per_node, ns.gpu_memory, ns.reserve, ns.tflops, ns.nvlink_gbps, ns.network_gbps, ns.hbm_gbps
+    )
+    if ns.top < 1:
+        raise ConfigError(f"--top must be a positive number, got {ns.top}")
+    seq, global_batch = field_value(ns, "train", "seq_length"), field_value(ns, "train", "global_batch_size")
+    only = {key: field_value(ns, section, name) for (section, name, _, _), key in zip(FILTERS, FILTER_KEYS)}
+    best, every = plan(model, hw, seq, global_batch, **only)
+    tokens = seq * global_batch
+    fitting = [la for la in every if la.fits]
+    print(
+        f"{model.name} on {hw.nodes} x {hw.gpus_per_node} GPUs ({hw.gpu_memory_gb:g} GB, {hw.reserve_gb:g} "
+        f"reserved), seq {seq}, global batch {global_batch} ({tokens / 1e6:.2f}M tokens): "
+        f"{len(fitting)} of {len(every)} layouts fit. Fastest first, with up to 5 faster ones that do not fit:"
+    )
+    shown = fitting[: ns.top] + [la for la in every if not la.fits and la.step_s < best.step_s][:5]
+    print("\n".join(table(sorted(shown, key=lambda la: la.step_s), hw.budget)))
+    if len(fitting) > ns.top:
+        print(f"({len(fitting) - ns.top} slower layouts that fit not shown; --top N lists more)")
+    print(full_recompute_verdict(every))
+    print(f"pipeline schedule: {schedule_verdict(best, every)}")
+    print(
+        f"\nbest: {best.name()}: {best.step_s:.1f} s/step predicted ({tokens / best.step_s:,.0f} tokens/s), "
+        f"bubble {best.bubble:.1%}, {best.memory.line(best.pp)}"
+    )
+    print("recipe lines (recipes/<model>.sh):")
+    print("\n".join(recipe_lines(ns.model, best, global_batch, seq)))
+    print(
+        f"launch: NNODES={hw.nodes} GPUS_PER_NODE={hw.gpus_per_node} recipes/launch.sh RECIPE "
+        f"(or sbatch --nodes={hw.nodes} slurm/train.sh RECIPE)"
+    )
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="rank (tp, pp, micro, gas, sequence parallel, schedule, recompute) layouts for a cluster",
+        description=planner.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(p)
+    p.set_defaults(run=run)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="threed plan",
+        description=planner.__doc__,
+        allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(p)
+    ns = p.parse_args(argv)
+    return guarded("threed plan", lambda: run(ns), prefix="")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,17 @@
+"""How a run is parallelised: everything that knows about ranks, groups, stages and schedules.
+
+    distributed.py      the device policy (cuda+nccl or cpu+gloo, chosen in one place), megatron-core's parallel
+                        state, and the check that megatron's groups are DeepSpeed's
+    megatron_device.py  megatron-core's CUDA-only buffers, put on the device policy's device (the one adaptation)
+    launch.py           N ranks under torchrun, ending as the ranks do (one line, their exit status)
+    partition.py        which stage holds which layers (--partition-method), full recompute's chunks (pure)
+    layer_costs.py      the values of --partition-method costs:... (pure)
+    pipeline.py         the model's LayerSpecs -> DeepSpeed's PipelineModule over (pipe, data, model)
+    staged.py           StagedPipelineModule: DeepSpeed's PipelineModule with explicit stage boundaries, Megatron's
+                        recompute chunks, and sequence parallelism's norm-gradient sum
+    schedule.py         --pipeline-schedule: each stage's F/B/W order, what it holds, its idle time (pure)
+    zero_bubble.py      ZB-H1 on DeepSpeed's PipelineEngine (the W passes, sends that do not wait)
+
+The pure modules (partition, layer_costs, schedule) import no DeepSpeed at the top: the planner, the memory model and
+check-config use them in a second, without torch.
+"""

@@ -1,0 +1,125 @@
+"""The pipeline schedule, `--pipeline-schedule 1f1b | zb-h1`: in which order each stage runs its forward (F),
+input-gradient (B) and weight-gradient (W) passes, and what that order costs in time and held activations.
+
+    1f1b   DeepSpeed's TrainSchedule: p - 1 - s warm-up forwards on stage s, then one forward, one backward; the
+           backward computes both gradients. Every stage idles (p - 1) / (gas + p - 1) of the step.
+    zb-h1  Zero Bubble's ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", section 3.1): the same F and B
+           order and the same messages, but B computes only the input gradient (what the stage before waits for)
+           and stage s defers its weight gradients by s micro-batches, W(j) running after B(j + s). The deferred
+           W fill the cool-down, where 1F1B stages wait for gradients; the bubble falls from (p-1)(F+B+W) to about
+           (p-1)(F+B-W). Stage s holds at most p micro-batches (p - s in flight plus s awaiting W): no stage
+           holds more than 1F1B's first stage.
+
+Why ZB-H1 and not DeepSpeed's DualPipeV: see README ("Pipeline schedules"). Why on DeepSpeed's engine: the F/B
+order and every send and receive are DeepSpeed's own TrainSchedule, so ZB-H1 cannot deadlock where 1F1B does not;
+the W passes are local and slot in between, and its sends do not wait for the receiver, so that a stage runs its W
+instead (`threed.parallel.zero_bubble`). The weight-gradient split is `threed.model.wgrad`, on megatron-core's
+Column/RowParallelLinear.
+
+The pure part (orders, `held`, `simulate`) needs no torch: the memory model, the step-time model and the planner
+use it. The DeepSpeed part, the engine, is `threed.parallel.zero_bubble`.
+"""
+
+from __future__ import annotations
+
+import functools
+import typing
+
+from threed.config import ParallelConfig
+
+# The names are the flag's choices (ParallelConfig.pipeline_schedule), listed once there.
+SCHEDULES: tuple[str, ...] = typing.get_args(typing.get_type_hints(ParallelConfig)["pipeline_schedule"])
+
+
+def weight_delay(schedule: str, pp: int, stage: int) -> int:
+    """By how many micro-batches stage `stage` defers its weight gradients (0: W runs right after its B)."""
+    return stage if schedule == "zb-h1" else 0
+
+
+def stage_order(schedule: str, pp: int, gas: int, stage: int) -> list[tuple[str, int]]:
+    """The passes of one stage in the order it runs them: ("F", j), ("B", j), ("W", j) for micro-batch j. Under
+    1f1b "B" is the whole backward (no "W" entries). The F/B order is 1F1B's under every schedule."""
+    warmup = min(pp - 1 - stage, gas)
+    fb: list[tuple[str, int]] = [("F", j) for j in range(warmup)]
+    for k in range(gas - warmup):
+        fb += [("F", warmup + k), ("B", k)]
+    fb += [("B", k) for k in range(gas - warmup, gas)]
+    if schedule == "1f1b":
+        return fb
+    delay = weight_delay(schedule, pp, stage)
+    order: list[tuple[str, int]] = []
+    next_w = 0
+    for kind, j in fb:
+        order.append((kind, j))
+        if kind == "B":
+            # W(i) is due once B(i + delay) has run; the last B releases every W still pending.
+            last = j if j == gas - 1 else j - delay
+            order += [("W", i) for i in range(next_w, last + 1)]
+            next_w = max(next_w, last + 1)
+    return order
+
+
+def held(schedule: str, pp: int, gas: int, stage: int) -> list[tuple[int, int]]:
+    """(micro-batches forwarded and not yet through B, micro-batches through B awaiting W) after each pass of the
+    stage: the first holds a micro-batch's whole activations, the second only what its W needs (the linears'
+    inputs and output gradients; threed.memory)."""
+    live = waiting = 0
+    out = []
+    for kind, _ in stage_order(schedule, pp, gas, stage):
+        if kind == "F":
+            live += 1
+        elif kind == "B":
+            live -= 1
+            waiting += schedule != "1f1b"
+        else:
+            waiting -= 1
+        out.append((live, waiting))
+    return out
+
+
+def held_before_backward(schedule: str, pp: int, gas: int, stage: int) -> list[tuple[int, int]]:
+    """`held` just before each B of the stage (the micro-batch about to go through B among those in flight): what
+    the backward's transients come on top of."""
+    before = [(0, 0), *held(schedule, pp, gas, stage)]
+    return [state for (kind, _), state in zip(stage_order(schedule, pp, gas, stage), before) if kind == "B"]
+
+
+@functools.lru_cache(maxsize=4096)
+def simulate(
+    schedule: str,
+    pp: int,
+    gas: int,
+    f: float = 1.0,
+    b: float = 1.0,
+    w: float = 1.0,
+) -> tuple[float, tuple[float, ...]]:
+    """(step time, each stage's idle fraction) of one step when every stage takes f, b and w per micro-batch for
+    its F, B and W passes and messages are free. Under 1f1b a backward costs b + w."""
+    orders = [stage_order(schedule, pp, gas, s) for s in range(pp)]
+    cost = {"F": f, "B": b + w if schedule == "1f1b" else b, "W": w}
+    finish: dict[tuple[str, int, int], float] = {}
+    clock, at = [0.0] * pp, [0] * pp
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for s in range(pp):
+            while at[s] < len(orders[s]):
+                kind, j = orders[s][at[s]]
+                if kind == "F":
+                    dep = ("F", s - 1, j) if s > 0 else None
+                elif kind == "B":
+                    dep = ("B", s + 1, j) if s < pp - 1 else ("F", s, j)
+                else:
+                    dep = None
+                if dep is not None and dep not in finish:
+                    break
+                start = max(clock[s], finish[dep] if dep is not None else 0.0)
+                clock[s] = start + cost[kind]
+                finish[(kind, s, j)] = clock[s]
+                at[s] += 1
+                remaining -= 1
+                progressed = True
+        assert progressed, "schedule deadlocks"
+    step = max(clock)
+    busy = [sum(cost[k] for k, _ in o) for o in orders]
+    return step, tuple(1 - x / step for x in busy)

@@ -1,0 +1,98 @@
+"""`StagedPipelineModule`: DeepSpeed's PipelineModule with three things it lacks, for `threed.parallel.pipeline`.
+
+- Explicit stage boundaries: DeepSpeed's PipelineModule knows only its own partition methods, so threed's
+  (`--partition-method`, resolved by the pure `threed.parallel.partition`) arrive as `partition_method="parts:0,6,11"`
+  (layer indices where each stage starts, then the end).
+- Megatron's full recompute (`--recompute-granularity full --recompute-method uniform|block --recompute-num-layers
+  N`): the chunks are `threed.parallel.partition.recompute_chunks`, counted over blocks as Megatron counts them.
+- Sequence parallelism's norm-gradient sum over the TP group, which megatron's finalize_model_grads does and
+  DeepSpeed's pipeline engine does not.
+
+A module of its own, apart from partition.py, so that the pure partitioner imports no DeepSpeed: the planner, the
+memory model and check-config resolve stages in a second, without torch.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from deepspeed.pipe import PipelineModule
+
+from threed.parallel.partition import PARTS_PREFIX, describe, recompute_chunks
+
+
+class StagedPipelineModule(PipelineModule):
+    """`recompute`: (method, N) of full recompute (`full_recompute`), or None. The module is then built with
+    activation_checkpoint_interval 1, which only keeps DeepSpeed's engine treating it as checkpointed (the
+    reentrant variant's first-stage inputs); `forward` runs `recompute_runs` instead of DeepSpeed's chunks."""
+
+    def __init__(self, *args: Any, recompute: Optional[tuple[str, int]] = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        # DeepSpeed cuts a stage's layers into chunks of `activation_checkpoint_interval` counted from its first
+        # layer (on stage 0 the embedding: a chunk of N would mix it with N-1 blocks and not be checkpointed at
+        # all) and checkpoints every chunk of blocks alike. Megatron's methods count blocks (uniform: chunks
+        # from the first block; block: only the first N), so the runs are Megatron's, over the layers that
+        # DeepSpeed's `_is_checkpointable` accepts (`checkpointable_layers`: the blocks).
+        self.recompute = recompute
+        self.recompute_runs: list[tuple[int, int, bool]] = (
+            []
+            if recompute is None
+            else recompute_chunks([self._is_checkpointable([f]) for f in self.forward_funcs], *recompute)
+        )
+
+    def forward(self, forward_input: Any) -> Any:
+        if self.recompute is None:
+            return super().forward(forward_input)
+        # DeepSpeed's forward with its chunks replaced by the runs; the checkpoint function is the one its
+        # engine set (reentrant, or non-reentrant for packed rows: threed.train.engine). Its per-layer reseeding
+        # (seed_layers) is off in threed's pipeline and not repeated here.
+        assert not self.seed_layers, "threed's pipeline builds no per-layer seeds"
+        self.micro_offset += 1
+        x = forward_input
+        for start, stop, recomputed in self.recompute_runs:
+            x = x if isinstance(x, tuple) else (x,)  # DeepSpeed's convention: layers get one tensor or a tuple
+            run = functools.partial(self._run_layers, start, stop)
+            x = self.activation_checkpoint_func(run, *x) if recomputed else run(*x)
+        return x
+
+    def _run_layers(self, start: int, stop: int, *inputs: Any) -> Any:
+        x = inputs[0] if len(inputs) == 1 else inputs
+        for layer in self.forward_funcs[start:stop]:
+            x = layer(x)
+        return x
+
+    def get_tied_weights_and_groups(self) -> list:
+        # Sequence parallelism: each TP rank's norm weights (tagged `sequence_parallel`, threed.model.layers)
+        # saw its own part of the sequence, so their gradients must be summed over the TP group, as megatron's
+        # finalize_model_grads does; DeepSpeed's pipeline engine does not. Its tied-weight step
+        # (ReduceTiedGrads: after the last backward, before the DP reduction and the gradient norm; the fp32
+        # `_hp_grad` under bf16) all-reduces each (weight, group) of this list: they join it with the TP group.
+        pairs = super().get_tied_weights_and_groups()
+        partial = [p for p in self.parameters() if getattr(p, "sequence_parallel", False)]
+        if partial:
+            from megatron.core import parallel_state  # heavy: as deepspeed above
+
+            group = parallel_state.get_tensor_model_parallel_group()
+            pairs += [(p, group) for p in partial]
+        return pairs
+
+    def _synchronize_tied_weights(self) -> None:
+        # DeepSpeed broadcasts the tied weight (Llama 3.2's embedding) in place with autograd on, so torch
+        # warns at every backward that c10d::broadcast_ has no autograd kernel (the gradients are right).
+        # Copying weights is not part of the graph: no_grad.
+        with torch.no_grad():
+            super()._synchronize_tied_weights()
+
+    def _partition_layers(self, method: str = "uniform") -> None:
+        if not method.startswith(PARTS_PREFIX):
+            return super()._partition_layers(method)
+        self.parts = [int(b) for b in method[len(PARTS_PREFIX) :].split(",")]
+        assert len(self.parts) == self.num_stages + 1 and self.parts[-1] == len(self._layer_specs), self.parts
+        if dist.get_rank() == 0:
+            model = self._layer_specs[0].module_args[0]
+            print(f"pipeline stages: {describe(self.parts, model)}", flush=True)
+        stage = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])

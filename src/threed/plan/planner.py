@@ -1,0 +1,226 @@
+"""`threed plan`: the (tp, pp, micro, gas, sequence parallelism, schedule, recompute) layouts of a model on a cluster,
+whether each fits in GPU memory (`threed.memory`), ranked by a predicted step time (`threed.plan.steptime`); then the
+recipe lines of the best one.
+
+    threed plan --model llama3.1-70b --nodes 4 --gpus-per-node 8 --gpu-memory 80 --seq-length 8192 \
+        --global-batch-size 512
+
+Candidates: tp divides the heads and the KV heads and at most fills a node (TP collectives stay on NVLink);
+pp <= layers; dp = world / (tp pp); micro x dp divides the global batch and gas = global / (micro dp); Megatron's
+sequence parallelism on and off (tp > 1); the pipeline schedule (`threed.parallel.schedule.SCHEDULES`, pp > 1: ZB-H1
+idles less and holds more); and recompute: none, every block, and the fewest recomputed blocks per
+stage that fit (Megatron's full recompute, method block: the first N blocks of every stage), found by bisection
+over N = 0..the largest stage's blocks (memory falls and step time grows with N, so no other N can win).
+Selective recompute is not searched: threed's SDPA keeps no s x s scores, so it saves next to nothing
+(`threed.memory.recompute`). A layout fits when its heaviest stage's peak (threed.memory, CUDA kernels) is at most
+--gpu-memory - --reserve.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from threed.config import ConfigError, ModelConfig
+from threed.memory.model import GB, estimate, heaviest, stages
+from threed.memory.recompute import Recompute
+
+# Layout, full_recompute_verdict: also names of threed.plan.planner, where callers import them from.
+from threed.plan.layout import Layout, full_recompute_verdict, schedule_verdict, table  # noqa: F401
+from threed.parallel.schedule import SCHEDULES
+from threed.plan.steptime import Hardware, pass_times, step_time, tied_allreduce_s  # noqa: F401 (re-exported)
+
+# plan()'s filters, by the training flags that name them (threed.cli.plan takes them under these names).
+FILTER_FLAGS = {
+    "tp": "--tp",
+    "pp": "--pp",
+    "micro": "--micro-batch-size",
+    "act_ckpt": "--activation-checkpointing",
+    "sequence_parallel": "--sequence-parallel",
+    "schedule": "--pipeline-schedule",
+}
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def candidates(
+    model: ModelConfig,
+    hw: Hardware,
+    seq: int,
+    global_batch: int,
+    tp: Optional[int] = None,
+    pp: Optional[int] = None,
+    micro: Optional[int] = None,
+    act_ckpt: Optional[bool] = None,
+    sequence_parallel: Optional[bool] = None,
+    schedule: Optional[str] = None,
+) -> list[Layout]:
+    """Every valid layout (optionally restricted), fitting or not, fastest first. `act_ckpt`: only every block
+    recomputed (True) or none (False); None: none, every block and the fewest that fit. Each schedule is searched
+    on its own (ZB-H1 may need more recompute to fit); at pp 1 they are one."""
+    out = []
+    for t in _divisors(hw.gpus_per_node):
+        if model.num_heads % t or model.num_kv_heads % t or (tp and t != tp):
+            continue
+        for p in _divisors(hw.world // t):
+            if p > model.num_layers or (pp and p != pp):
+                continue
+            dp = hw.world // (t * p)
+            most = max(st.blocks for st in stages(model, p, t, seq))
+            for m in [micro] if micro else [1, 2, 4, 8, 16]:
+                if global_batch % (m * dp):
+                    continue
+                gas = global_batch // (m * dp)
+                for sp in (False, True):  # Megatron's SP splits the sequence over TP: tp > 1, seq a multiple
+                    if (sp and (t == 1 or seq % t)) or sequence_parallel not in (None, sp):
+                        continue
+                    for sched in SCHEDULES:
+                        if (p == 1 and sched != "1f1b") or schedule not in (None, sched):
+                            continue
+                        layout = _layouts(model, hw, seq, t, p, dp, m, gas, sp, most, sched)
+                        none, every = layout(0), layout(most)
+                        out += {False: [none], True: [every]}.get(act_ckpt, [none, every])  # type: ignore[arg-type]
+                        if act_ckpt is None and every.fits and not none.fits and most > 1:
+                            fewest = _fewest_fitting(layout, most)
+                            out += [fewest] if fewest.recomputed < most else []
+    return sorted(out, key=lambda la: la.step_s)
+
+
+def _layouts(
+    model: ModelConfig,
+    hw: Hardware,
+    seq: int,
+    tp: int,
+    pp: int,
+    dp: int,
+    micro: int,
+    gas: int,
+    sp: bool,
+    most: int,
+    schedule: str = "1f1b",
+):
+    """N -> the layout recomputing the first N blocks of each stage (N = `most`: every block)."""
+
+    def layout(n: int) -> Layout:
+        rc = Recompute.of(True) if n >= most else Recompute.first_blocks(n)
+        mems = estimate(model, tp, pp, dp, micro, gas, seq, rc, sequence_parallel=sp, schedule=schedule)
+        passes = pass_times(model, hw, tp, pp, dp, micro, seq, rc, sp, schedule)
+        seconds = step_time(
+            model, hw, tp, pp, dp, micro, gas, seq, rc, max(x.params for x in mems), sp, schedule, passes
+        )
+        return Layout(
+            tp,
+            pp,
+            dp,
+            micro,
+            gas,
+            rc,
+            heaviest(mems),
+            seconds,
+            heaviest(mems).peak <= hw.budget,
+            sp,
+            most,
+            schedule,
+            passes,
+        )
+
+    return layout
+
+
+def _fewest_fitting(layout, most: int) -> Layout:
+    """Bisection between N = 0 (does not fit) and N = most (fits): memory only falls as N grows."""
+    lo, hi = 0, most
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if layout(mid).fits else (mid, hi)
+    return layout(hi)
+
+
+def _nodes_needed(model: ModelConfig, hw: Hardware, seq: int) -> Optional[int]:
+    """The fewest nodes (doubling) on which the leanest layout fits: largest tp, all GPUs in the pipeline."""
+    tp = max(t for t in _divisors(hw.gpus_per_node) if model.num_heads % t == 0 and model.num_kv_heads % t == 0)
+    nodes = hw.nodes
+    while nodes < 4096:
+        nodes *= 2
+        pp = min(nodes * hw.gpus_per_node // tp, model.num_layers)
+        while (nodes * hw.gpus_per_node) % (tp * pp):
+            pp -= 1
+        dp = nodes * hw.gpus_per_node // (tp * pp)
+        if heaviest(estimate(model, tp, pp, dp, 1, pp, seq, True, sequence_parallel=tp > 1)).peak <= hw.budget:
+            return nodes
+    return None
+
+
+def plan(model: ModelConfig, hw: Hardware, seq: int, global_batch: int, **only) -> tuple[Layout, list[Layout]]:
+    """(best, every candidate fastest first); ConfigError when nothing is valid or nothing fits."""
+    restricted = {k: v for k, v in only.items() if v is not None}
+    for what, value in (
+        ("--nodes", hw.nodes),
+        ("--gpus-per-node", hw.gpus_per_node),
+        ("--seq-length", seq),
+        ("--global-batch-size", global_batch),
+        ("--gpu-memory", hw.gpu_memory_gb),
+        ("--tflops", hw.tflops),
+        ("--nvlink-gbps", hw.nvlink_gbps),
+        ("--network-gbps", hw.network_gbps),
+        ("--hbm-gbps", hw.hbm_gbps),
+        *((FILTER_FLAGS[k], v) for k, v in restricted.items() if not isinstance(v, (bool, str))),
+    ):
+        if value <= 0:
+            raise ConfigError(f"{what} must be a positive number, got {value:g}")
+    if not 0 <= hw.reserve_gb < hw.gpu_memory_gb:
+        raise ConfigError(f"--reserve {hw.reserve_gb:g} GB must be >= 0 and below --gpu-memory {hw.gpu_memory_gb:g} GB")
+    if seq > model.max_position_embeddings:
+        raise ConfigError(
+            f"--seq-length {seq} exceeds {model.name}'s max_position_embeddings "
+            f"{model.max_position_embeddings}; use --seq-length <= {model.max_position_embeddings}"
+        )
+    every = candidates(model, hw, seq, global_batch, **only)
+    where = f"{hw.nodes} node(s) x {hw.gpus_per_node} GPUs"
+    given = "".join(f" {FILTER_FLAGS[k]} {str(v).lower()}" for k, v in restricted.items())
+    if not every:
+        raise ConfigError(
+            f"no valid layout of {model.name} on {where} with --global-batch-size {global_batch}{given}: "
+            f"tp must divide {model.num_heads} heads, {model.num_kv_heads} KV heads and "
+            f"{hw.gpus_per_node} GPUs per node, pp <= {model.num_layers} layers, and micro x dp must "
+            f"divide the global batch; use a global batch that is a multiple of {hw.world}"
+            f"{' or drop' + given if given else ''}"
+        )
+    fitting = [la for la in every if la.fits]
+    if not fitting:
+        leanest = min(every, key=lambda la: la.memory.peak)
+        more = "" if restricted else _more_nodes(model, hw, seq)
+        raise ConfigError(
+            f"nothing fits: {model.name} at seq {seq} on {where} with {hw.gpu_memory_gb:g} GB needs "
+            f"at least {leanest.memory.peak / GB:.0f} GB per GPU ({leanest.name()}; "
+            f"{hw.reserve_gb:g} GB reserved); {more}use more nodes, a shorter --seq-length or larger GPUs"
+        )
+    return fitting[0], every
+
+
+def _more_nodes(model: ModelConfig, hw: Hardware, seq: int) -> str:
+    nodes = _nodes_needed(model, hw, seq)
+    return f"by this model it needs >= {nodes} nodes; " if nodes else ""
+
+
+def recipe_lines(model: str, best: Layout, global_batch: int, seq: int) -> list[str]:
+    """What to paste into a recipe (recipes/launch.sh's variables; GAS empty so GLOBAL decides it). Partial
+    recompute goes as Megatron's flags (RECOMPUTE_*), every block as ACT_CKPT; a schedule other than 1f1b as
+    PIPELINE_SCHEDULE."""
+    values = {
+        "MODEL": model,
+        "TP": best.tp,
+        "PP": best.pp,
+        "MICRO": best.micro,
+        "GAS": "",
+        "GLOBAL": global_batch,
+        "SEQ": seq,
+        "SEQUENCE_PARALLEL": str(best.sp).lower(),
+        "ACT_CKPT": str(best.act_ckpt).lower(),
+    }
+    if best.recomputed and not best.act_ckpt:
+        values.update(RECOMPUTE_GRANULARITY="full", RECOMPUTE_METHOD="block", RECOMPUTE_NUM_LAYERS=best.recomputed)
+    if best.schedule != "1f1b":  # --pipeline-schedule
+        values.update(PIPELINE_SCHEDULE=best.schedule)
+    return [f"{k}=${{{k}-{v}}}" for k, v in values.items()]
