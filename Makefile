@@ -24,9 +24,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	bash tools/demo.sh
 
-# The house first (pyproject.toml's import-linter layers: a second), then the suite.
+# The house first (pyproject.toml's import-linter layers and ruff's format and lint rules: seconds), then the suite.
 test: $(STAMP)
 	$(VENV)/bin/lint-imports --no-cache
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -x -q --durations=15 tests
 
 # The slow tests that are not Slurm jobs (those are test-slurm's).

@@ -23,17 +23,14 @@
 #                      as training: `threed check-config`)
 #   EXIT_DURATION  minutes after which the run saves and exits 0 (--exit-duration-in-mins; slurm/common.sh sets
 #                  it from the job's time limit)
-# Recipe variables: MODEL TP PP PIPELINE_SCHEDULE (--pipeline-schedule 1f1b|zb-h1) MICRO GAS GLOBAL SEQ LR MIN_LR
-# WARMUP STEPS DTYPE ACT_CKPT SEQUENCE_PARALLEL
-# RECOMPUTE_GRANULARITY RECOMPUTE_METHOD RECOMPUTE_NUM_LAYERS (Megatron's --sequence-parallel, --recompute-granularity,
-# --recompute-method, --recompute-num-layers; SEQUENCE_PARALLEL=true passes the bare flag) DATA SPLIT
-# DATA_CACHE_PATH EVAL_INTERVAL EVAL_ITERS (Megatron's --data-path, --split, --data-cache-path, --eval-interval,
-# --eval-iters) PACK (SFT data: --pack true|false) TOKENIZER INIT_FROM LOAD SAVE SAVE_INTERVAL LOG_INTERVAL
-# KEEP_LAST SKIP_NONFINITE. The defaults below (DEFAULTS) hold what the recipes share; a recipe states only the
-# values it does differently, each as VAR=${VAR-value}, so the environment overrides a recipe's value and a
-# default alike, and an empty value clears either (e.g. GAS= GLOBAL=256; an empty variable passes no flag). A
-# recipe that sets any other variable is refused (a typo would otherwise be ignored silently); add new ones to
-# RECIPE_VARS below.
+# Recipe variables: one table, src/threed/cli/recipe.py (`python -m threed.cli.recipe` prints it), maps each to the
+# config field it sets and passes it as that field's training flag (MICRO -> --micro-batch-size, SEQ ->
+# --seq-length, SEQUENCE_PARALLEL=true -> the bare --sequence-parallel, DATA -> --data-path WORDS...; the flags are
+# Megatron-LM's names). `docs/flags.md` says what each flag does. The defaults below (DEFAULTS) hold what the recipes
+# share; a recipe states only the values it does differently, each as VAR=${VAR-value}, so the environment
+# overrides a recipe's value and a default alike, and an empty value clears either (e.g. GAS= GLOBAL=256; an empty
+# variable passes no flag). A recipe that sets any other variable is refused (a typo would otherwise be ignored
+# silently); a new variable is a row of that table.
 # Before torchrun starts, `threed check-config --paths` runs training's checks once (config, checkpoint
 # directories), so a bad recipe fails with one line instead of one traceback per rank.
 set -euo pipefail
@@ -51,9 +48,21 @@ RECIPE=$1
 shift
 [ -f "$RECIPE" ] || die "recipe $RECIPE not found"
 
-RECIPE_VARS=(MODEL TP PP PIPELINE_SCHEDULE MICRO GAS GLOBAL SEQ LR MIN_LR WARMUP STEPS DTYPE ACT_CKPT SEQUENCE_PARALLEL
-             RECOMPUTE_GRANULARITY RECOMPUTE_METHOD RECOMPUTE_NUM_LAYERS DATA SPLIT DATA_CACHE_PATH PACK EVAL_INTERVAL
-             EVAL_ITERS TOKENIZER INIT_FROM LOAD SAVE SAVE_INTERVAL LOG_INTERVAL KEEP_LAST SKIP_NONFINITE)
+if [ -z "${PYTHON:-}" ]; then
+    if [ -x "$ROOT/.venv/bin/python" ]; then PYTHON=$ROOT/.venv/bin/python; else PYTHON=python3; fi
+fi
+# The table of recipe variables (threed.cli.recipe): NAME FORM FLAG per line, in the recipes' order.
+table=$(PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m threed.cli.recipe) ||
+    die "could not read the recipe variables with $PYTHON -m threed.cli.recipe: run \`make venv\` (or set PYTHON)"
+declare -A FORM FLAG
+ORDER=()        # every variable of the table, in its order
+RECIPE_VARS=()  # those a recipe may set (not the environment's own, FORM env)
+while read -r name form flag; do
+    FORM[$name]=$form
+    FLAG[$name]=$flag
+    ORDER+=("$name")
+    [ "$form" = env ] || RECIPE_VARS+=("$name")
+done <<<"$table"
 closest_var() {  # the known recipe variable with the smallest edit distance to $1
     awk -v w="$1" -v list="${RECIPE_VARS[*]}" '
         function lev(s, t,   i, j, m, n, d, c, a, b) {
@@ -140,9 +149,6 @@ NNODES=${NNODES:-${SLURM_NNODES:-1}}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 NODE_RANK=${NODE_RANK:-${SLURM_PROCID:-0}}
 DEVICE=${DEVICE:-auto}
-if [ -z "${PYTHON:-}" ]; then
-    if [ -x "$ROOT/.venv/bin/python" ]; then PYTHON=$ROOT/.venv/bin/python; else PYTHON=python3; fi
-fi
 
 for var in MODEL TP PP MICRO SEQ STEPS; do
     [ -n "${!var:-}" ] || die "$var is not set: the recipe $RECIPE (or the environment) must give it"
@@ -200,43 +206,29 @@ fi
 GAS=${GAS:-1}
 TRAIN_BATCH=$((MICRO * GAS * DP))
 
-args=(--model "$MODEL" --tp "$TP" --pp "$PP" --micro-batch-size "$MICRO" --grad-accum-steps "$GAS"
-      --global-batch-size "$TRAIN_BATCH" --seq-length "$SEQ" --steps "$STEPS")
-opt() {  # opt FLAG VAR: pass --FLAG value when VAR is set and not empty
-    if [ -n "${!2:-}" ]; then args+=("$1" "${!2}"); fi
-}
-opt --lr LR
-opt --min-lr MIN_LR
-opt --warmup-steps WARMUP
-opt --dtype DTYPE
-opt --activation-checkpointing ACT_CKPT
-opt --pipeline-schedule PIPELINE_SCHEDULE
-case "${SEQUENCE_PARALLEL:-false}" in  # Megatron's store_true flag: bare when on, absent when off
-    true) args+=(--sequence-parallel) ;;
-    false) ;;
-    *) die "SEQUENCE_PARALLEL must be true or false, got '$SEQUENCE_PARALLEL'" ;;
-esac
-opt --recompute-granularity RECOMPUTE_GRANULARITY
-opt --recompute-method RECOMPUTE_METHOD
-opt --recompute-num-layers RECOMPUTE_NUM_LAYERS
-if [ -n "${DATA:-}" ]; then  # a prefix, or a blend "WEIGHT PREFIX WEIGHT PREFIX ..." (Megatron's --data-path)
-    read -ra data_words <<<"$DATA"
-    args+=(--data-path "${data_words[@]}")
-fi
-opt --split SPLIT
-opt --data-cache-path DATA_CACHE_PATH
-opt --pack PACK
-opt --eval-interval EVAL_INTERVAL
-opt --eval-iters EVAL_ITERS
-opt --tokenizer TOKENIZER
-opt --init-from INIT_FROM
-opt --load LOAD
-opt --save SAVE
-opt --save-interval SAVE_INTERVAL
-opt --log-interval LOG_INTERVAL
-opt --keep-last KEEP_LAST
-opt --skip-nonfinite SKIP_NONFINITE
-opt --exit-duration-in-mins EXIT_DURATION
+GLOBAL=$TRAIN_BATCH  # what --global-batch-size gets: the one the arithmetic above settled on
+
+# Each variable of the table as its field's flag (threed.cli.recipe: FORM says how).
+args=()
+for name in "${ORDER[@]}"; do
+    flag=${FLAG[$name]}
+    case ${FORM[$name]} in
+        layout) args+=("$flag" "${!name}") ;;
+        value | env) if [ -n "${!name:-}" ]; then args+=("$flag" "${!name}"); fi ;;
+        bare) # Megatron's store_true flag: bare when on, absent when off
+            case "${!name:-false}" in
+                true) args+=("$flag") ;;
+                false) ;;
+                *) die "$name must be true or false, got '${!name}'" ;;
+            esac ;;
+        words) # a prefix, or a blend "WEIGHT PREFIX WEIGHT PREFIX ..." (Megatron's --data-path)
+            if [ -n "${!name:-}" ]; then
+                read -ra words <<<"${!name}"
+                args+=("$flag" "${words[@]}")
+            fi ;;
+        *) die "threed.cli.recipe: $name has an unknown form ${FORM[$name]}" ;;
+    esac
+done
 # shellcheck disable=SC2206
 args+=(${THREED_ARGS:-} "$@")
 
@@ -265,32 +257,20 @@ run+=(-m threed.cli train "${args[@]}")
 check=("$PYTHON" -m threed.cli check-config --world "$WORLD" "${args[@]}")
 [ "${THREED_DRY_RUN:-0}" != 0 ] || check+=(--paths)
 summary=$(PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}" "${check[@]}") || exit 2
+memory=$(grep '^memory: ' <<<"$summary" || true)  # the memory model's estimate for the heaviest stage
+summary=$(grep -v '^memory: ' <<<"$summary")
 
 where=""
 [ "${THREED_DRY_RUN:-0}" != 0 ] || where=" on node $NODE_RANK of $NNODES"
 echo "threed launch: $RECIPE$where: world $WORLD = $NNODES x $GPUS_PER_NODE (nodes x ranks);" \
      "tp $TP x pp $PP x dp $DP; train_batch_size $TRAIN_BATCH = micro $MICRO x gas $GAS x dp $DP"
 echo "threed check-config: $summary"  # ... start: random init | resume ...; checkpoints ~N GiB each, ...
+[ -z "$memory" ] || echo "$memory"
 
 if [ "${THREED_DRY_RUN:-0}" != 0 ]; then
     echo "DP=$DP"
     echo "GAS=$GAS"
     echo "TRAIN_BATCH_SIZE=$TRAIN_BATCH"
-    ckpt=${ACT_CKPT:-0}
-    recompute=()  # the layout's own memory flags, as training gets them
-    for flag in --sequence-parallel --recompute-granularity --recompute-method --recompute-num-layers \
-            --pipeline-schedule; do
-        for ((i = 0; i < ${#args[@]}; i++)); do
-            [ "${args[i]}" = "$flag" ] || continue
-            recompute+=("$flag")
-            [ "$flag" = --sequence-parallel ] || recompute+=("${args[i + 1]}")
-        done
-    done
-    if mem=$(PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m threed.memory --model "$MODEL" \
-            --tp "$TP" --pp "$PP" --dp "$DP" --micro "$MICRO" --gas "$GAS" --seq "$SEQ" --act-ckpt "$ckpt" \
-            "${recompute[@]}" 2>/dev/null | grep '^~' | tail -n 1) && [ -n "$mem" ]; then  # the estimate, not library log lines
-        echo "memory: $mem"
-    fi
     printf 'command:'
     printf ' %q' "${run[@]}"
     echo

@@ -5,11 +5,11 @@
 #          train_batch_size = MICRO x GAS x DP = 1 x 1024 x 1 = 1024 sequences x 4096 = 4.19M tokens per step.
 #          At 8 nodes DP = 2 and GAS = 512: the same batch. GLOBAL must stay a multiple of MICRO x DP.
 # Memory   per GPU at 4 nodes (DP=1), heaviest pipeline stage, activation checkpointing on,
-#          from `python -m threed.memory` (its docstring lists every term; tests/test_memory.py checks them):
+#          from `threed memory` (its docstring lists every term; tests/test_memory.py checks them):
 #          ~45 GB/GPU = weights 4.3 + grads 8.7 + optimizer 26.1 + buffers 0.1 + activations 6.1
 #          (stage 0 of 4, 2.17B params; plus CUDA/NCCL overhead)
 #          At DP=2 the ZeRO-1 optimizer shard halves: ~32 GB/GPU. Other layouts, ranked by predicted step time:
-#          threed plan --model llama2-70b --nodes 4 --gpu-memory 80 --seq 4096 --global-batch 1024
+#          threed plan --model llama2-70b --nodes 4 --gpu-memory 80 --seq-length 4096 --global-batch-size 1024
 # Data     DATA: a megatron .bin/.idx prefix or a blend "W1 PREFIX1 W2 PREFIX2" 
 #          made by `threed preprocess --append-eod --tokenizer $TOKENIZER` or Megatron-LM (Llama 2's sentencepiece model, 32000 pieces).
 # Weights  random init; INIT_FROM=<`threed convert` output of HF Llama-2-70b-hf> starts from the HF weights.

@@ -5,17 +5,17 @@
 #          train_batch_size = MICRO x GAS x DP = 1 x 512 x 2 = 1024 sequences x 4096 = 4.19M tokens per step.
 #          At 64 nodes DP = 4 and GAS = 256: the same batch. GLOBAL must stay a multiple of MICRO x DP.
 # Memory   per GPU at 32 nodes (DP=2), heaviest pipeline stage, Megatron's sequence parallelism and the first block
-#          of each stage recomputed, from `python -m threed.memory --model llama3.1-405b --tp 8 --pp 16 --dp 2
-#          --micro 1 --gas 512 --seq 4096 --sequence-parallel --recompute-granularity full --recompute-method block
+#          of each stage recomputed, from `threed memory --model llama3.1-405b --tp 8 --pp 16 --dp 2
+#          --micro-batch-size 1 --grad-accum-steps 512 --seq-length 4096 --sequence-parallel --recompute-granularity full --recompute-method block
 #          --recompute-num-layers 1` (its docstring lists every term; tests/test_memory*.py check them):
 #          ~70 GB/GPU = weights 6.4 + grads 12.8 + optimizer 19.1 + buffers 0.2 + activations 31.8
 #          (stage 1 of 16, 3.19B params; plus CUDA/NCCL overhead)
 #          SP without recompute needs ~74 GB, over the 72 GB this recipe allows itself; recomputing every block
 #          ~42 GB. At DP=4 the ZeRO-1 optimizer shard halves: ~61 GB/GPU.
-# Speed    predicted by `threed plan --model llama3.1-405b --nodes 32 --gpu-memory 80 --seq 4096 --global-batch 1024
-#          --tp 8 --pp 16 --micro 1 --reserve 8` (a ranking model, threed.plan.steptime; it chooses this): 127 s/step,
+# Speed    predicted by `threed plan --model llama3.1-405b --nodes 32 --gpu-memory 80 --seq-length 4096 --global-batch-size 1024
+#          --tp 8 --pp 16 --micro-batch-size 1 --reserve 8` (a ranking model, threed.plan.steptime; it chooses this): 127 s/step,
 #          against 161 s recomputing every block (ACT_CKPT=true, no SP) and 155 s recomputing 7 of 8 without SP.
-#          SEQ=8192: the same command with --seq 8192 chooses RECOMPUTE_NUM_LAYERS=5 (~69 GB, 305 s/step
+#          SEQ=8192: the same command with --seq-length 8192 chooses RECOMPUTE_NUM_LAYERS=5 (~69 GB, 305 s/step
 #          against 337 s recomputing every block).
 # Data     DATA: a megatron .bin/.idx prefix or a blend "W1 PREFIX1 W2 PREFIX2" 
 #          made by `threed preprocess --append-eod --tokenizer $TOKENIZER` or Megatron-LM (the HF Llama 3 tokenizer directory, 128256 pieces).

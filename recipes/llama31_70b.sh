@@ -5,16 +5,16 @@
 #          train_batch_size = MICRO x GAS x DP = 1 x 512 x 1 = 512 sequences x 8192 = 4.19M tokens per step.
 #          At 8 nodes DP = 2 and GAS = 256: the same batch. GLOBAL must stay a multiple of MICRO x DP.
 # Memory   per GPU at 4 nodes (DP=1), heaviest pipeline stage, Megatron's sequence parallelism, no recompute,
-#          from `python -m threed.memory --model llama3.1-70b --tp 8 --pp 4 --dp 1 --micro 1 --gas 512 --seq 8192
+#          from `threed memory --model llama3.1-70b --tp 8 --pp 4 --dp 1 --micro-batch-size 1 --grad-accum-steps 512 --seq-length 8192
 #          --sequence-parallel` (its docstring lists every term; tests/test_memory*.py check them):
 #          ~66 GB/GPU = weights 4.5 + grads 9.1 + optimizer 27.3 + buffers 0.2 + activations 25.3
 #          (stage 0 of 4, 2.27B params; plus CUDA/NCCL overhead)
 #          Without SP (no recompute) stage 0 needs ~104 GB (activations 62.9): it would have to recompute 12 of its
 #          21 blocks (73 GB) or all of them (53 GB). At DP=2 the ZeRO-1 optimizer shard halves: ~53 GB/GPU.
-# Speed    predicted by `threed plan --model llama3.1-70b --nodes 4 --gpu-memory 80 --seq 8192 --global-batch 512
-#          --tp 8 --pp 4 --micro 1` (a ranking model, threed.plan.steptime): 199 s/step with SP and no recompute,
+# Speed    predicted by `threed plan --model llama3.1-70b --nodes 4 --gpu-memory 80 --seq-length 8192 --global-batch-size 512
+#          --tp 8 --pp 4 --micro-batch-size 1` (a ranking model, threed.plan.steptime): 199 s/step with SP and no recompute,
 #          against 261 s recomputing every block (ACT_CKPT=true, no SP) and 232 s recomputing 12 blocks per stage
-#          without SP. Without --tp/--pp/--micro it ranks every layout; this one comes first.
+#          without SP. Without --tp/--pp/--micro-batch-size it ranks every layout; this one comes first.
 # Data     DATA: a megatron .bin/.idx prefix or a blend "W1 PREFIX1 W2 PREFIX2" 
 #          made by `threed preprocess --append-eod --tokenizer $TOKENIZER` or Megatron-LM (the HF Llama 3 tokenizer directory, 128256 pieces).
 # Weights  random init; INIT_FROM=<`threed convert` output of HF Llama-3.1-70B> starts from the HF weights.

@@ -8,7 +8,7 @@
 #          At 8 nodes DP = 2 and GAS = 32: the same batch. GLOBAL must stay a multiple of MICRO x DP.
 #          GAS 64 over PP 4 keeps the pipeline bubble at (PP - 1) / (GAS + PP - 1) = 4.5%.
 # Memory   per GPU at 4 nodes (DP=1), heaviest pipeline stage, activation checkpointing on, from
-#          `python -m threed.memory --model llama3.1-70b --tp 8 --pp 4 --dp 1 --micro 1 --gas 64 --seq 8192 --act-ckpt 1`:
+#          `threed memory --model llama3.1-70b --tp 8 --pp 4 --dp 1 --micro-batch-size 1 --grad-accum-steps 64 --seq-length 8192 --activation-checkpointing 1`:
 #          ~53 GB/GPU = weights 4.5 + grads 9.1 + optimizer 27.3 + buffers 0.1 + activations 12.2
 #          (stage 0 of 4; plus CUDA/NCCL overhead). At DP=2 the ZeRO-1 optimizer shard halves: ~40 GB/GPU.
 # Loss     sum of the response tokens' losses / their count over the whole global batch; validation on the SPLIT's

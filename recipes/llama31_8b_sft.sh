@@ -7,7 +7,7 @@
 #          a packed row of whole examples (~90% real tokens with chat-length examples: benchmarks/bench_packing.py). At 2 nodes DP = 4 and
 #          GAS = 16: the same batch. GLOBAL must stay a multiple of MICRO x DP.
 # Memory   per GPU at 1 node (DP=2), heaviest pipeline stage, activation checkpointing off, from
-#          `python -m threed.memory --model llama3.1-8b --tp 2 --pp 2 --dp 2 --micro 1 --gas 32 --seq 8192`:
+#          `threed memory --model llama3.1-8b --tp 2 --pp 2 --dp 2 --micro-batch-size 1 --grad-accum-steps 32 --seq-length 8192`:
 #          ~52 GB/GPU = weights 4.2 + grads 8.5 + optimizer 12.7 + buffers 0.1 + activations 26.7
 #          (stage 0 of 2; plus CUDA/NCCL overhead; packed attention on CUDA is varlen flash: no s x s mask).
 # Loss     sum of the response tokens' losses / their count over the whole global batch (every answer token weighs

@@ -7,12 +7,12 @@
 #          train_batch_size = MICRO x GAS x DP = 1 x 64 x 8 = 512 sequences x 8192 = 4.19M tokens per step.
 #          At 2 nodes DP = 16 and GAS = 32: the same batch. GLOBAL must stay a multiple of MICRO x DP.
 # Memory   per GPU at 1 node (DP=8), activation checkpointing off, from
-#          `python -m threed.memory --model llama3.2-1b --tp 1 --pp 1 --dp 8 --micro 1 --gas 64 --seq 8192`:
+#          `threed memory --model llama3.2-1b --tp 1 --pp 1 --dp 8 --micro-batch-size 1 --grad-accum-steps 64 --seq-length 8192`:
 #          ~31 GB/GPU = weights 2.5 + grads 4.9 + optimizer 1.9 + buffers 4.2 + activations 17.6
 #          (stage 0 of 1, 1.24B params; plus CUDA/NCCL overhead). buffers: mostly the logits of the last two
 #          micro-batches ([8192, 128256] bf16 each). At DP=16 the ZeRO-1 optimizer shard halves: ~30 GB/GPU.
 #          Other layouts, ranked by predicted step time:
-#          threed plan --model llama3.2-1b --nodes 1 --gpu-memory 80 --seq 8192 --global-batch 512
+#          threed plan --model llama3.2-1b --nodes 1 --gpu-memory 80 --seq-length 8192 --global-batch-size 512
 # Data     DATA: a megatron .bin/.idx prefix or a blend "W1 PREFIX1 W2 PREFIX2"
 #          made by `threed preprocess --append-eod --tokenizer $TOKENIZER` or Megatron-LM (the HF Llama 3 tokenizer
 #          directory, 128256 pieces; Llama 3.2 uses the same one).

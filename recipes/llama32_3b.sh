@@ -10,11 +10,11 @@
 #          At 2 nodes DP = 8 and GAS = 64: the same batch. GLOBAL must stay a multiple of MICRO x DP.
 #          GAS 128 over PP 2 keeps the pipeline bubble at (PP - 1) / (GAS + PP - 1) = 0.8%.
 # Memory   per GPU at 1 node (DP=4), heaviest pipeline stage, activation checkpointing off, from
-#          `python -m threed.memory --model llama3.2-3b --tp 1 --pp 2 --dp 4 --micro 1 --gas 128 --seq 8192`:
+#          `threed memory --model llama3.2-3b --tp 1 --pp 2 --dp 4 --micro-batch-size 1 --grad-accum-steps 128 --seq-length 8192`:
 #          ~43 GB/GPU = weights 3.8 + grads 7.6 + optimizer 5.7 + buffers 0.1 + activations 25.8
 #          (stage 0 of 2, 1.90B params; plus CUDA/NCCL overhead; stage 1: ~38 GB). At DP=8 the ZeRO-1 optimizer
 #          shard halves: ~40 GB/GPU. Other layouts, ranked by predicted step time:
-#          threed plan --model llama3.2-3b --nodes 1 --gpu-memory 80 --seq 8192 --global-batch 512
+#          threed plan --model llama3.2-3b --nodes 1 --gpu-memory 80 --seq-length 8192 --global-batch-size 512
 # Data     DATA: a megatron .bin/.idx prefix or a blend "W1 PREFIX1 W2 PREFIX2"
 #          made by `threed preprocess --append-eod --tokenizer $TOKENIZER` or Megatron-LM (the HF Llama 3 tokenizer
 #          directory, 128256 pieces; Llama 3.2 uses the same one).

@@ -5,11 +5,11 @@
 #          train_batch_size = MICRO x GAS x DP = 1 x 512 x 1 = 512 sequences x 8192 = 4.19M tokens per step.
 #          At 8 nodes DP = 2 and GAS = 256: the same batch. GLOBAL must stay a multiple of MICRO x DP.
 # Memory   per GPU at 4 nodes (DP=1), heaviest pipeline stage, activation checkpointing on,
-#          from `python -m threed.memory` (its docstring lists every term; tests/test_memory.py checks them):
+#          from `threed memory` (its docstring lists every term; tests/test_memory.py checks them):
 #          ~53 GB/GPU = weights 4.5 + grads 9.1 + optimizer 27.3 + buffers 0.1 + activations 12.2
 #          (stage 0 of 4, 2.27B params; plus CUDA/NCCL overhead)
 #          At DP=2 the ZeRO-1 optimizer shard halves: ~40 GB/GPU. Other layouts, ranked by predicted step time:
-#          threed plan --model llama3-70b --nodes 4 --gpu-memory 80 --seq 8192 --global-batch 512
+#          threed plan --model llama3-70b --nodes 4 --gpu-memory 80 --seq-length 8192 --global-batch-size 512
 # Data     DATA: a megatron .bin/.idx prefix or a blend "W1 PREFIX1 W2 PREFIX2" 
 #          made by `threed preprocess --append-eod --tokenizer $TOKENIZER` or Megatron-LM (the HF Llama 3 tokenizer directory, 128256 pieces).
 # Weights  random init; INIT_FROM=<`threed convert` output of HF Meta-Llama-3-70B> starts from the HF weights.

@@ -5,11 +5,11 @@
 #          train_batch_size = MICRO x GAS x DP = 1 x 256 x 2 = 512 sequences x 8192 = 4.19M tokens per step.
 #          At 2 nodes DP = 4 and GAS = 128: the same batch. GLOBAL must stay a multiple of MICRO x DP.
 # Memory   per GPU at 1 node (DP=2), heaviest pipeline stage, activation checkpointing off,
-#          from `python -m threed.memory` (its docstring lists every term; tests/test_memory.py checks them):
+#          from `threed memory` (its docstring lists every term; tests/test_memory.py checks them):
 #          ~52 GB/GPU = weights 4.2 + grads 8.5 + optimizer 12.7 + buffers 0.1 + activations 26.7
 #          (stage 0 of 2, 2.12B params; plus CUDA/NCCL overhead)
 #          At DP=4 the ZeRO-1 optimizer shard halves: ~46 GB/GPU. Other layouts, ranked by predicted step time:
-#          threed plan --model llama3-8b --nodes 1 --gpu-memory 80 --seq 8192 --global-batch 512
+#          threed plan --model llama3-8b --nodes 1 --gpu-memory 80 --seq-length 8192 --global-batch-size 512
 # Data     DATA: a megatron .bin/.idx prefix or a blend "W1 PREFIX1 W2 PREFIX2" 
 #          made by `threed preprocess --append-eod --tokenizer $TOKENIZER` or Megatron-LM (the HF Llama 3 tokenizer directory, 128256 pieces).
 # Weights  random init; INIT_FROM=<`threed convert` output of HF Meta-Llama-3-8B> starts from the HF weights.

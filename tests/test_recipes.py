@@ -14,6 +14,7 @@ import pytest
 
 from threed.train.engine import deepspeed_config
 from threed.cli.flags import parse_run_config
+from threed.cli.recipe import RECIPE_VARS as RECIPE_TABLE
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH = REPO / "recipes" / "launch.sh"
@@ -30,8 +31,9 @@ MODEL_RECIPES = [
     "llama32_3b",
 ]
 LAUNCH_TEXT = LAUNCH.read_text()
-# The launcher's list of recipe variables, and its defaults (its VAR=${VAR-default} lines).
-RECIPE_VARS = re.search(r"^RECIPE_VARS=\(([^)]*)\)", LAUNCH_TEXT, re.M)[1].split()
+# The recipe variables (threed.cli.recipe's table, which the launcher reads), and the launcher's defaults (its
+# VAR=${VAR-default} lines).
+RECIPE_VARS = [v.name for v in RECIPE_TABLE if v.form != "env"]
 DEFAULTS = {m[1]: m[3] for m in re.finditer(r"^([A-Z_]+)=\$\{(\w+)-([^}]*)\}$", LAUNCH_TEXT, re.M)}
 SFT_RECIPES = ["llama31_8b_sft", "llama31_70b_sft", "llama32_3b_sft"]
 SLURM_SCRIPTS = {

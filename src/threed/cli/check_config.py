@@ -1,13 +1,16 @@
-"""`threed check-config`: the checks `threed train` runs before it builds anything, in one process, in a second,
-without torch: numeric ranges, the model, tp / pp against heads and layers, seq against positions, the batch
-arithmetic at a given world size, which stage holds which layers (--partition-method; DeepSpeed's own methods
-import DeepSpeed for its split functions); with `--paths`, also what the run would do with its checkpoint directories
-(resume, refuse to overwrite a run, room for a checkpoint) without creating anything.
+"""`threed check-config`: the checks `threed train` runs before it builds anything, in one process, in a few seconds:
+numeric ranges, the model, tp / pp against heads and layers, seq against positions, the batch arithmetic at a given
+world size (DP, GAS and train_batch_size = micro x gas x DP), which stage holds which layers (--partition-method;
+DeepSpeed's own methods import DeepSpeed for its split functions), and the memory model's estimate per GPU for the
+heaviest stage (`threed.memory`: the same line as `threed memory` with these flags); with `--paths`, also what the
+run would do with its checkpoint directories (resume, refuse to overwrite a run, room for a checkpoint) without
+creating anything.
 
     threed check-config --world 8 --model tiny --tp 2 --pp 2 --micro-batch-size 4 --grad-accum-steps 4 ...
 
 recipes/launch.sh runs it before torchrun (and in its dry run), so a bad recipe fails once, with one line.
-Exit status 0 when the run would start, 2 (and one `threed: configuration error: ...` line) when not.
+Exit status 0 when the run would start, 2 (and one `threed: configuration error: ...` line) when not. Output: the
+summary line, then `memory: ~N GB/GPU = ...`.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import argparse
 from threed.checkpoint.format import checkpoint_bytes
 from threed.config import ConfigError, RunConfig
 from threed.errors import guarded
+from threed.memory.model import estimate, heaviest, quiet_deepspeed_import
+from threed.memory.recompute import Recompute
 from threed.cli.flags import add_run_flags, run_config_from_args
 from threed.model.spec import parameter_count
 from threed.parallel.partition import describe, recompute_summary, resolve_partition
@@ -24,7 +29,7 @@ from threed.units import human_bytes
 
 
 def check(ns: argparse.Namespace) -> str:
-    """Raise ConfigError, or return the one-line summary of the run."""
+    """Raise ConfigError, or return the summary of the run and its memory line."""
     if ns.world < 1:
         raise ConfigError(f"--world must be >= 1 (the number of ranks), got {ns.world}")
     cfg = run_config_from_args(ns)
@@ -40,12 +45,33 @@ def check(ns: argparse.Namespace) -> str:
     start = "random init"
     if ns.paths:
         start = check_paths(cfg, ns.world)
-    return (
+    summary = (
         f"config ok: {cfg.model.name} ({parameter_count(cfg.model) / 1e6:.1f}M params), world {ns.world} = "
         f"tp {cfg.parallel.tp} x pp {cfg.parallel.pp} x dp {dp}, global batch {glob} = micro {micro} x gas "
         f"{gas} x dp {dp}, seq {cfg.train.seq_length}, {cfg.train.steps} steps; {stages}recompute: {recompute}; "
         f"start: {start}; {checkpoints(cfg)}"
     )
+    return f"{summary}\nmemory: {memory(cfg, dp, micro, gas)}"
+
+
+def memory(cfg: RunConfig, dp: int, micro: int, gas: int) -> str:
+    """The memory model's line for the run's heaviest stage (bf16 on CUDA: what the model describes)."""
+    p, t = cfg.parallel, cfg.train
+    mems = estimate(
+        cfg.model,
+        p.tp,
+        p.pp,
+        dp,
+        micro,
+        gas,
+        t.seq_length,
+        Recompute.from_train(t),
+        partition_method=p.partition_method,
+        sequence_parallel=p.sequence_parallel,
+        schedule=p.pipeline_schedule,
+    )
+    line = heaviest(mems).line(p.pp)
+    return line if t.dtype == "bf16" else f"{line} (the model is of a bf16 run; this one is {t.dtype})"
 
 
 def checkpoints(cfg: RunConfig) -> str:
@@ -73,6 +99,7 @@ def check_paths(cfg: RunConfig, world: int) -> str:
 
 
 def _run(ns: argparse.Namespace) -> int:
+    quiet_deepspeed_import()  # its import-time lines would otherwise come before ours
     return guarded("threed", lambda: print(check(ns)), prefix="configuration error: ")
 
 

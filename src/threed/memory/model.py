@@ -1,8 +1,10 @@
 """Memory per GPU of a bf16 layout, term by term, as DeepSpeed 0.19.8 + megatron-core 0.16.1 + torch 2.13 allocate it.
 
-    python -m threed.memory --model llama3.1-70b --tp 8 --pp 4 --dp 1 --micro 1 --gas 512 --seq 8192 --act-ckpt 1
-    python -m threed.memory --model llama3.1-70b --tp 8 --pp 4 --dp 1 --micro 1 --gas 512 --seq 8192 \
-        --sequence-parallel --recompute-granularity full --recompute-method block --recompute-num-layers 4
+    threed memory --model llama3.1-70b --tp 8 --pp 4 --dp 1 --micro-batch-size 1 --grad-accum-steps 512 \
+        --seq-length 8192 --activation-checkpointing
+    python -m threed.memory --model llama3.1-70b --tp 8 --pp 4 --dp 1 --micro-batch-size 1 --grad-accum-steps 512 \
+        --seq-length 8192 --sequence-parallel --recompute-granularity full --recompute-method block \
+        --recompute-num-layers 4
 
 Per rank of pipeline stage s. tests/test_memory.py checks the static terms against the tensors of real CPU
 engines (within 2%; they agree to the byte), tests/test_memory_tied.py the same for a tied model, and the

@@ -72,7 +72,7 @@ def full_recompute_verdict(every: list[Layout]) -> str:
         )
     others = [la for la in every if not la.act_ckpt]
     if not others:
-        return "full recomputation: the only option searched (--act-ckpt true)"
+        return "full recomputation: the only option searched (--activation-checkpointing true)"
     leanest = min(others, key=lambda la: la.memory.peak)
     return (
         f"full recomputation: needed: no layout fits without recomputing every block; the leanest, "
