@@ -1,7 +1,8 @@
 """The house is checked, not remembered: the import-linter `layers` contract in pyproject.toml passes, it names
 every module of src/threed, no import circle exists (not even through an import inside a function), nothing is
-imported behind importlib, and an import inside a function is only for a heavy or optional dependency, with a
-comment saying which.
+imported behind importlib, an import inside a function is only for a heavy or optional dependency, with a comment
+saying which; the top level holds at most ten modules (the wings are folders), no class is built inside a function,
+the pure modules import no heavy library at the top, and a moved module path names its new home.
 
     .venv/bin/python -m pytest -q tests/test_house.py      (or: .venv/bin/lint-imports)
 """
@@ -179,3 +180,48 @@ def test_nothing_is_imported_behind_importlib():
         text = path.read_text()
         for needle in ("import_module(", "__import__("):
             assert needle not in text, f"{path.relative_to(REPO)} loads a module by name ({needle}): import it"
+
+
+def test_the_top_level_holds_at_most_ten_modules():
+    # The wings are folders (parallel/, plan/, cli/, train/, ...); the top level keeps the floor only.
+    top = sorted(p.name for p in SRC.glob("*.py"))
+    assert len(top) <= 10, f"{len(top)} modules at the top of src/threed (at most 10): {top}"
+
+
+def test_no_class_is_built_inside_a_function():
+    bad = []
+    for path in sorted(SRC.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                bad += [f"{path.relative_to(REPO)}:{sub.lineno}: class {sub.name} inside {node.name}()"
+                        for sub in ast.walk(node) if isinstance(sub, ast.ClassDef)]  # fmt: skip
+    assert not bad, "\n".join(bad)
+
+
+# What says which layers go where and in what order: the planner, the memory model and check-config use these in a
+# second, without torch, so their module level imports none of the heavy libraries.
+PURE = ["parallel/partition.py", "parallel/schedule.py", "parallel/layer_costs.py", "model/spec.py", "config.py",
+        "cli/recipe.py", "cli/flags.py", "model/resolve.py"]  # fmt: skip
+
+
+@pytest.mark.parametrize("path", PURE)
+def test_pure_modules_import_no_heavy_library_at_the_top(path: str):
+    for node in ast.parse((SRC / path).read_text()).body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+            heavy = [n for n in names if n.split(".")[0] in {"deepspeed", "megatron", "torch"}]
+            assert not heavy, f"src/threed/{path}:{node.lineno} imports {heavy[0]} at the top: it is a pure module"
+
+
+def test_a_moved_module_path_names_its_new_home():
+    import threed
+
+    for old, new in threed.MOVED.items():
+        assert module_exists(new), f"threed.MOVED sends {old} to {new}, which does not exist"
+        assert not module_exists(old), f"{old} exists again: drop it from threed.MOVED"
+    with pytest.raises(ModuleNotFoundError, match=r"threed\.planner moved to threed\.plan\.planner"):
+        import threed.planner  # noqa: F401
+
+
+def module_exists(name: str) -> bool:
+    return name in all_modules()
