@@ -1,0 +1,140 @@
+"""One vocabulary: `threed memory`, `threed plan` and `threed check-config` take training's flag names (and Megatron's
+aliases), generated from the same config metadata as `threed train`; the earlier short names still work and mean
+the same; and the three agree on the memory estimate of one layout.
+
+    .venv/bin/python -m pytest -q tests/cli/test_vocabulary.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import pytest
+
+from threed.cli import memory as memory_cli
+from threed.cli import plan as plan_cli
+from threed.cli.flags import add_run_flags
+from threed.cli.main import main
+
+LAYOUT = ["--model", "llama3.1-70b", "--tp", "8", "--pp", "4", "--sequence-parallel"]
+PLAN_HW = ["--model", "llama3.1-70b", "--nodes", "4", "--gpu-memory", "80", "--tp", "8", "--pp", "4"]
+
+
+def run(capsys, *argv: str) -> str:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return out
+
+
+def test_plan_takes_trainings_flags_and_the_old_names_alike(capsys) -> None:
+    new = run(
+        capsys,
+        "plan",
+        *PLAN_HW,
+        "--micro-batch-size",
+        "1",
+        "--seq-length",
+        "8192",
+        "--global-batch-size",
+        "512",
+        "--sequence-parallel",
+        "true",
+    )
+    old = run(
+        capsys,
+        "plan",
+        *PLAN_HW,
+        "--micro",
+        "1",
+        "--seq",
+        "8192",
+        "--global-batch",
+        "512",
+        "--sequence-parallel",
+        "true",
+    )
+    assert new == old and "best: tp8 pp4" in new, new
+    # Megatron's names too (the config's aliases)
+    megatron = run(
+        capsys,
+        "plan",
+        "--model",
+        "llama3.1-70b",
+        "--nodes",
+        "4",
+        "--gpu-memory",
+        "80",
+        "--tensor-model-parallel-size",
+        "8",
+        "--pipeline-model-parallel-size",
+        "4",
+        "--micro-batch-size",
+        "1",
+        "--seq-length",
+        "8192",
+        "--global-batch-size",
+        "512",
+        "--sequence-parallel",
+        "true",
+    )
+    assert megatron == new
+
+
+def test_memory_check_config_and_plan_agree_on_one_layout(capsys) -> None:
+    batch = ["--micro-batch-size", "1", "--grad-accum-steps", "256", "--seq-length", "8192"]
+    mem = run(capsys, "memory", *LAYOUT, "--dp", "2", *batch).strip()
+    old = run(capsys, "memory", *LAYOUT, "--dp", "2", "--micro", "1", "--gas", "256", "--seq", "8192").strip()
+    assert mem == old and mem.startswith("~"), mem
+    check = run(capsys, "check-config", "--world", "64", *LAYOUT, *batch)
+    assert re.search(r"^memory: (.*)$", check, re.M)[1] == mem
+    assert "world 64 = tp 8 x pp 4 x dp 2, global batch 512 = micro 1 x gas 256 x dp 2" in check
+    plan = run(
+        capsys,
+        "plan",
+        "--model",
+        "llama3.1-70b",
+        "--nodes",
+        "8",
+        "--gpu-memory",
+        "80",
+        "--tp",
+        "8",
+        "--pp",
+        "4",
+        "--micro-batch-size",
+        "1",
+        "--seq-length",
+        "8192",
+        "--global-batch-size",
+        "512",
+        "--sequence-parallel",
+        "true",
+        "--activation-checkpointing",
+        "false",
+        "--pipeline-schedule",
+        "1f1b",
+    )
+    best = re.search(r"^best: (.*)$", plan, re.M)[1]
+    assert best.startswith("tp8 pp4 dp2, micro 1 x gas 256, sequence parallel, without recompute") and best.endswith(
+        mem
+    ), best
+
+
+def _options(build) -> dict[str, argparse.Action]:
+    p = argparse.ArgumentParser()
+    build(p)
+    return {a.dest: a for a in p._actions}
+
+
+@pytest.mark.parametrize("build", [memory_cli.add_arguments, plan_cli.add_arguments], ids=["memory", "plan"])
+def test_shared_flags_are_trainings_own(build) -> None:
+    train = _options(add_run_flags)
+    theirs = _options(build)
+    shared = [d for d in theirs if "." in d]
+    assert {"train.seq_length", "train.micro_batch_size", "parallel.tp", "parallel.pp"} <= set(shared)
+    for dest in shared:
+        ours, trains = theirs[dest], train[dest]
+        assert ours.option_strings[: len(trains.option_strings)] == trains.option_strings, dest
+        assert ours.type is trains.type and ours.choices == trains.choices, dest
