@@ -8,7 +8,11 @@ the same; and the three agree on the memory estimate of one layout.
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +21,7 @@ from threed.cli import plan as plan_cli
 from threed.cli.flags import add_run_flags
 from threed.cli.main import main
 
+REPO = Path(__file__).resolve().parents[2]
 LAYOUT = ["--model", "llama3.1-70b", "--tp", "8", "--pp", "4", "--sequence-parallel"]
 PLAN_HW = ["--model", "llama3.1-70b", "--nodes", "4", "--gpu-memory", "80", "--tp", "8", "--pp", "4"]
 
@@ -138,3 +143,25 @@ def test_shared_flags_are_trainings_own(build) -> None:
         ours, trains = theirs[dest], train[dest]
         assert ours.option_strings[: len(trains.option_strings)] == trains.option_strings, dest
         assert ours.type is trains.type and ours.choices == trains.choices, dest
+
+
+def test_the_entry_points_users_script_against_still_run() -> None:
+    """`python -m threed.memory` (old short names included) and `python -m threed.train` survive the move."""
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    mem = subprocess.run(
+        [sys.executable, "-m", "threed.memory", *LAYOUT, "--dp", "2", "--micro", "1", "--gas", "256", "--seq", "8192"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert mem.returncode == 0 and mem.stdout.startswith("~") and "GB/GPU" in mem.stdout, mem.stderr
+    train = subprocess.run([sys.executable, "-m", "threed.train", "--help"], capture_output=True, text=True, env=env,
+                           timeout=120)  # fmt: skip
+    assert (
+        train.returncode == 0
+        and "--micro-batch-size" in train.stdout
+        and "--tensor-model-parallel-size" in train.stdout
+    )
+    bad = subprocess.run([sys.executable, "-m", "threed.train", "--model", "tiny", "--tp", "3"], capture_output=True,
+                         text=True, env=env, timeout=120)  # fmt: skip
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr, (
+        bad.stderr
+    )
