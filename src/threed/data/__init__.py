@@ -2,7 +2,7 @@
 micro-batches (`threed train`). Megatron-LM's own file format and sample order, so corpora move both ways.
 
 Preprocessing (`threed preprocess`, plain and --sft):
-    cli             the command line: flags, exit policy
+    (the command line is threed.cli.preprocess: flags, exit policy)
     preprocess      plain text -> PREFIX_{key}_document, one or many worker processes (encode)
     sft, chat       chat / instruction JSONL -> tokens + response-only loss mask
     inputs          the --input files: checks, chunks in input order, records
@@ -11,6 +11,7 @@ Preprocessing (`threed preprocess`, plain and --sft):
     chunks          cutting files into pieces a worker reads alone; PreprocessError
     indexed_output  the one atomic writer of .bin/.idx outputs (megatron-core's IndexedDatasetBuilder)
     tokenizer       sentencepiece / HF tokenizers, never downloaded
+    demo_text       the demo corpus (`threed demo-text`: Python's own reference docs)
 
 Training data (`threed train`):
     splits          Megatron's data flags -> DataSplits (the blend of each split)

@@ -10,7 +10,7 @@ input-gradient (B) and weight-gradient (W) passes, and what that order costs in 
            (p-1)(F+B-W). Stage s holds at most p micro-batches (p - s in flight plus s awaiting W): no stage
            holds more than 1F1B's first stage.
 
-Why ZB-H1 and not DeepSpeed's DualPipeV: see README ("Pipeline schedules"). Why on DeepSpeed's engine: the F/B
+Why ZB-H1 and not DeepSpeed's DualPipeV: see docs/schedules-and-memory.md. Why on DeepSpeed's engine: the F/B
 order and every send and receive are DeepSpeed's own TrainSchedule, so ZB-H1 cannot deadlock where 1F1B does not;
 the W passes are local and slot in between, and its sends do not wait for the receiver, so that a stage runs its W
 instead (`threed.parallel.zero_bubble`). The weight-gradient split is `threed.model.wgrad`, on megatron-core's
