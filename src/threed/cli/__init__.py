@@ -1,9 +1,10 @@
 """The command lines: every argv -> config translation and every `threed` sub-command, in one vocabulary of flag
 names (`flags.py`: generated from the config fields' metadata, with Megatron-LM's aliases).
 
-    main.py            `threed ...`: the parser, the sub-commands, the one exit policy (__main__: `python -m
-    threed.cli`) flags.py           argv <-> RunConfig; `add_field_flag` gives any command a training flag under its own
-    name recipe.py          recipe variables (recipes/*.sh) <-> config fields: the one table recipes/launch.sh reads
+    main.py            `threed ...`: the parser, the sub-commands, the one exit policy
+    __main__.py        `python -m threed.cli ...` (what torchrun and recipes/launch.sh start)
+    flags.py           argv <-> RunConfig; `add_field_flag` gives any command a training flag under its own name
+    recipe.py          recipe variables (recipes/*.sh) <-> config fields: the one table recipes/launch.sh reads
     check_config.py    `threed check-config`: training's checks at a world size, the batch and the memory estimate
     convert.py         `threed convert | export | reshard | verify | make-tiny-hf`
     preprocess.py      `threed preprocess` (plain and --sft)

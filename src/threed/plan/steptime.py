@@ -16,9 +16,9 @@ overlap.
   matmuls' forward FLOPs again (2 x matmul parameters per token) and B the rest (input gradients, the attention
   scores' backward, the recompute forward). Collectives: the forward ones and the p2p send are F's, the backward
   ones and the gradient send B's, SP's re-gathers for the weight gradients W's (under ZB-H1 also the row-parallel
-  output gradients'). pipeline(): the step
-  `threed.parallel.schedule.simulate` finds when every stage runs the slowest stage's passes (the slowest sets the
-  pace): under 1F1B (gas + pp - 1)(F + B + W), a bubble of (pp - 1) / (gas + pp - 1); under ZB-H1 less.
+  output gradients'). pipeline(): the step `threed.parallel.schedule.simulate` finds when every stage runs the
+  slowest stage's passes (the slowest sets the pace): under 1F1B (gas + pp - 1)(F + B + W), a bubble of
+  (pp - 1) / (gas + pp - 1); under ZB-H1 less.
   n_tp, in all-reduces of [s, b, h] (a ring all-reduce moves the bytes of one all-gather plus one reduce-scatter):
   per block 2 forward (attention and MLP outputs) + 2 backward (their inputs' gradients) + 2 more per recomputed
   block; plus the embedding's and the LM head's one each. Sequence parallelism (Megatron's) replaces each
