@@ -11,7 +11,7 @@ export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: venv demo test test-slow test-gpu test-slurm bench convert export clean
+.PHONY: venv demo test test-slow test-gpu test-slurm bench convert export docs clean
 
 venv: $(STAMP)
 $(STAMP): pyproject.toml
@@ -74,6 +74,11 @@ convert: $(STAMP)
 # $(EXPORT_USAGE)
 export: $(STAMP)
 	$(PY) -m threed.cli export --ckpt $(CKPT) --out $(OUT) $(ARGS)
+
+# docs/flags.md from the config fields' metadata, the same the parser is built from (tools/gen_flags.py;
+# tests/unit/test_docs.py fails when the file is stale). PYTHONPATH: this checkout's source, whatever the venv holds.
+docs: $(STAMP)
+	PYTHONPATH=src $(PY) tools/gen_flags.py
 
 clean:
 	rm -rf runs .pytest_cache
