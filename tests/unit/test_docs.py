@@ -24,8 +24,6 @@ SRC = ROOT / "src" / "threed"
 README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 PAGES = [README, *DOCS, ROOT / "tools" / "convert_hf" / "README.md"]
-# Named by the docs, added on another branch at the time of writing (the recipe variable -> config field table).
-PENDING = {"cli/recipe.py", "recipe.py", "threed.cli.recipe"}
 
 
 def load_gen_flags() -> types.ModuleType:
@@ -173,9 +171,9 @@ def test_doc_module_paths_and_files_exist(page):
     bad = []
     for span in code_spans(page.read_text()):
         for name in re.findall(r"(?<![\w/.-])threed(?:\.[A-Za-z_]\w*)+", span):
-            if name not in PENDING and not dotted_name_exists(name):
+            if not dotted_name_exists(name):
                 bad.append(name)
         for ref in re.findall(r"(?<![\w./-])([\w./{},-]+\.py)\b", span):
-            if ref not in PENDING and not ref.startswith(".") and not file_exists(ref):
+            if not ref.startswith(".") and not file_exists(ref):
                 bad.append(ref)
     assert not bad, f"{page.relative_to(ROOT)} names what does not exist: {sorted(set(bad))}"
