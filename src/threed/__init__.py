@@ -9,7 +9,7 @@ The finder sits last on sys.meta_path, so it is asked only about names no other 
 import importlib.abc
 import sys
 
-__version__ = "0.2.0"
+__version__ = "0.1.0"
 
 MOVED = {
     "threed.check_config": "threed.cli.check_config",
