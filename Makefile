@@ -11,7 +11,7 @@ export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: venv demo test test-slow test-gpu test-slurm bench convert export docs clean
+.PHONY: venv demo test test-slow test-gpu test-slurm bench convert export docs clean gpu-bundle
 
 venv: $(STAMP)
 $(STAMP): pyproject.toml
@@ -39,6 +39,12 @@ test-slow: $(STAMP)
 test-gpu: $(STAMP)
 	@$(PY) -c "import sys, torch; torch.cuda.is_available() or sys.exit('make test-gpu: no CUDA GPU visible (torch ' + str(torch.__version__) + ', CUDA build: ' + str(torch.version.cuda) + '); run it on a GPU node with the CUDA build of torch')"
 	THREED_DEVICE=cuda $(PY) -m pytest -q -s -m gpu tests/test_gpu.py
+
+# The wheels the lent GPU machine lacks (deepspeed from its sdist, megatron-core, pydantic, hjson; CPython 3.12
+# manylinux), into gpu-bundle/ with its MANIFEST.json: carried there with the tree, installed by tools/gpu_check.sh
+# (docs/gpu.md). Needs PyPI and any python3 with pip, not the venv.
+gpu-bundle:
+	$(PYTHON) tools/gpu_bundle.py --out gpu-bundle
 
 test-slurm: $(STAMP)
 	$(PY) -m pytest -q -s --durations=0 -m "slurm and slow" tests

@@ -1,0 +1,199 @@
+"""The one call on the lent GPU machine (`tools/gpu_check.sh`, docs/gpu.md) and the wheels it installs there
+(`tools/gpu_bundle.py`, `make gpu-bundle`), checked where CI runs: no GPU, no network.
+
+- The dry run (DRY=1: every phase on CPU at a tiny shape; the GPU tests skip) leaves at most 8 files, the device
+  tool's limit, and one JSON holding every phase, the environment, the test outcomes and the benchmark.
+- The bundle's spec names exactly the packages the image lacks, each pinned and explained; the manifest and size
+  checks refuse a missing, extra, duplicated, mispinned, uninstallable, altered or oversized wheel in one line.
+- A bundle built here (`make gpu-bundle`, git-ignored) matches its manifest and the spec; skipped when absent.
+
+    .venv/bin/python -m pytest -q tests/cli/test_gpu_check.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tools"))
+import gpu_bundle  # noqa: E402  (tools/ is not a package)
+
+EXPECTED = {
+    "deepspeed": "0.19.8",
+    "megatron-core": "0.16.1",
+    "pydantic": "2.14.4",
+    "pydantic-core": "2.50.5",
+    "annotated-types": "0.8.0",
+    "typing-inspection": "0.4.5",
+    "typing-extensions": "4.16.0",
+    "hjson": "3.1.0",
+}
+SUMMARY_KEYS = {"dry", "budget_s", "elapsed_s", "phases", "env", "tests", "one_gpu", "bench", "files"}
+
+
+@pytest.fixture(scope="module")
+def dry(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("gpu_check")
+    env = {k: v for k, v in os.environ.items() if k not in ("THREED_DEVICE", "PYTHON")}
+    proc = subprocess.run(
+        ["bash", str(REPO / "tools" / "gpu_check.sh"), str(out)],
+        env={**env, "DRY": "1"},
+        cwd=REPO,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=600,
+    )
+    return {"proc": proc, "out": out}
+
+
+def test_dry_run_passes_and_leaves_at_most_8_files(dry):
+    proc, out = dry["proc"], dry["out"]
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    files = sorted(p.name for p in out.iterdir())
+    print(proc.stdout[-3000:])
+    assert all((out / f).is_file() and re.fullmatch(r"[A-Za-z0-9._-]+", f) for f in files), files
+    assert len(files) <= 8, files
+    assert [f for f in files if f.endswith(".json")] == ["gpu_check.json"], files
+    assert {"env.log", "tests.log", "bench.log", "one_gpu.log"} <= set(files)
+
+
+def test_dry_run_summary_holds_every_phase(dry):
+    s = json.loads((dry["out"] / "gpu_check.json").read_text())
+    assert SUMMARY_KEYS <= set(s), sorted(s)
+    assert s["dry"] is True and s["elapsed_s"] <= s["budget_s"]
+    assert [(p["name"], p["status"]) for p in s["phases"]] == [
+        ("env", "ok"),
+        ("tests", "ok"),
+        ("bench", "ok"),
+        ("one_gpu", "ok"),
+    ]
+    assert s["env"]["threed_imports"] == "ok" and s["env"]["versions"]["deepspeed"] == "0.19.8"
+    assert "varlen_attn" in s["env"]["capabilities"]
+    for key in ("tests", "one_gpu"):  # on CPU every GPU test is collected and skips, saying why
+        t = s[key]
+        assert t["skipped"] > 0 and t["failed"] == t["errors"] == t["passed"] == 0, t
+        assert all("GPU" in c["message"] for c in t["cases"]), t["cases"]
+    assert sorted(s["files"]) == sorted(p.name for p in dry["out"].iterdir())
+
+
+def test_dry_run_benchmark_measured_both_sides(dry):
+    bench = json.loads((dry["out"] / "gpu_check.json").read_text())["bench"]
+    runs = bench["runs"]
+    assert sorted((r["impl"], r["activation_checkpointing"]) for r in runs) == [
+        ("hf", False),
+        ("hf", True),
+        ("threed", False),
+        ("threed", True),
+    ]
+    for r in runs:
+        assert "error" not in r and "skipped" not in r, r
+        assert r["tokens_per_s"] > 0 and r["kernels"]["sdpa_ops"], r
+    threed = [r for r in runs if r["impl"] == "threed"]
+    assert all(r["estimate"]["peak_bytes"] > 0 and r["optimizer"] == "BF16_Optimizer" for r in threed)
+    assert bench["flops_convention"].startswith("threed.model.spec.training_flops_per_token")
+    assert "seq64_acoff_threed_over_hf_tokens_per_s" in bench["ratios"]
+
+
+def test_gpu_check_without_an_outdir_says_how_to_call_it():
+    proc = subprocess.run(["bash", str(REPO / "tools" / "gpu_check.sh")], capture_output=True, text=True)
+    assert proc.returncode != 0 and "usage: tools/gpu_check.sh OUTDIR" in proc.stderr
+
+
+def test_bundle_spec_names_exactly_the_packages_the_image_lacks():
+    spec = {gpu_bundle.normalize(w.package): w for w in gpu_bundle.SPEC}
+    assert {k: w.version for k, w in spec.items()} == EXPECTED
+    assert [k for k, w in spec.items() if w.source == "sdist"] == ["deepspeed"], "only deepspeed has no wheel"
+    assert all(len(w.why) > 15 for w in spec.values())
+    assert not set(spec) & gpu_bundle.IMAGE_HAS and "torch" in gpu_bundle.IMAGE_HAS
+    gpu_bundle.check_spec()
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (("torch", "2.11.0", "wheel", "the CUDA build"), "is in the device image already"),
+        (("hjson", "3.1.0", "wheel", "twice"), "names a package twice"),
+        (("einops", ">=0.8", "wheel", "unpinned"), "must be pinned to one release"),
+        (("einops", "0.8.1", "wheel", " "), "must say why it travels"),
+    ],
+)
+def test_a_bad_spec_is_refused_in_one_line(change, message):
+    spec = (*gpu_bundle.SPEC, gpu_bundle.Wheel(*change))
+    with pytest.raises(gpu_bundle.BundleError, match=message) as e:
+        gpu_bundle.check_spec(spec)
+    assert "\n" not in str(e.value)
+
+
+def fake_files(size: int = 1000) -> dict[str, int]:
+    """A wheel file name per spec entry, as pip names them (binary ones cp312 manylinux)."""
+    out = {}
+    for w in gpu_bundle.SPEC:
+        stem = f"{w.package.replace('-', '_')}-{w.version}"
+        binary = w.package in ("megatron-core", "pydantic-core")
+        tags = "cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64" if binary else "py3-none-any"
+        out[f"{stem}-{tags}.whl"] = size
+    return out
+
+
+def test_the_files_check_takes_the_spec_and_nothing_else():
+    files = fake_files()
+    assert gpu_bundle.check_files(files) == 1000 * len(EXPECTED)
+    no_hjson = {k: v for k, v in files.items() if not k.startswith("hjson")}
+    no_core = {k: v for k, v in files.items() if not k.startswith("pydantic_core")}
+    cases = {
+        "is not in the bundle spec": {**files, "einops-0.8.1-py3-none-any.whl": 10},
+        "lacks hjson": no_hjson,
+        "two wheels of hjson": {**files, "hjson-3.1.0-py2.py3-none-any.whl": 10},
+        "hjson is pinned to 3.1.0": {**no_hjson, "hjson-3.2.0-py3-none-any.whl": 1},
+        "does not install on CPython 3.12": {
+            **no_core,
+            "pydantic_core-2.50.5-cp311-cp311-manylinux_2_17_x86_64.whl": 1,
+        },
+        "not a wheel file name": {**files, "notes.whl": 1},
+    }
+    for message, bad in cases.items():
+        with pytest.raises(gpu_bundle.BundleError, match=message) as e:
+            gpu_bundle.check_files(bad)
+        assert "\n" not in str(e.value)
+
+
+def test_the_size_limit_counts_every_wheel():
+    files = fake_files()
+    per = (gpu_bundle.LIMIT_BYTES // len(files)) + 1  # one byte each over an even share: just over the limit
+    with pytest.raises(gpu_bundle.BundleError, match=r"MiB, over its 24 MiB share") as e:
+        gpu_bundle.check_files({k: per for k in files})
+    assert "\n" not in str(e.value)
+    assert gpu_bundle.check_files({k: per - 1 for k in files}) <= gpu_bundle.LIMIT_BYTES
+    assert gpu_bundle.check_files(files, limit=1000 * len(files)) == 1000 * len(files)
+
+
+def test_manifest_round_trip_and_what_it_catches(tmp_path):
+    for name in fake_files():
+        (tmp_path / name).write_bytes(name.encode())
+    listed = gpu_bundle.manifest(tmp_path)
+    (tmp_path / gpu_bundle.MANIFEST).write_text(json.dumps(listed))
+    assert gpu_bundle.check_bundle(tmp_path) == listed
+    assert {w["package"] for w in listed["wheels"]} == set(EXPECTED)
+    assert all(w["bytes"] > 0 and len(w["sha256"]) == 64 and w["why"] for w in listed["wheels"])
+    first = tmp_path / listed["wheels"][0]["file"]
+    first.write_bytes(bytes(reversed(first.read_bytes())))  # same size, other bytes
+    with pytest.raises(gpu_bundle.BundleError, match="is not the file MANIFEST.json lists"):
+        gpu_bundle.check_bundle(tmp_path)
+    (tmp_path / "einops-0.8.1-py3-none-any.whl").write_bytes(b"x")
+    with pytest.raises(gpu_bundle.BundleError, match="disagree on the wheels"):
+        gpu_bundle.check_bundle(tmp_path)
+
+
+@pytest.mark.skipif(not (REPO / "gpu-bundle" / "MANIFEST.json").is_file(), reason="no gpu-bundle/ (make gpu-bundle)")
+def test_the_built_bundle_matches_its_manifest_and_the_spec():
+    listed = gpu_bundle.check_bundle(REPO / "gpu-bundle")
+    assert {gpu_bundle.normalize(w["package"]): w["version"] for w in listed["wheels"]} == EXPECTED
+    assert listed["total_bytes"] <= gpu_bundle.LIMIT_BYTES

@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# tools/gpu_check.sh OUTDIR: the one call on the lent GPU machine (docs/gpu.md). Why one script: a task that draws a
+# GPU gets 15 minutes of device time in all, starts included, so everything that needs the GPU runs in one command
+# that ends by itself within 8 minutes on one H100 and leaves its results where the device tool brings them back
+# (OUTDIR, at most 8 files: env.log, tests.log, bench.log, one_gpu.log and gpu_check.json, which sums them up).
+#
+#   1. install  gpu-bundle/ (make gpu-bundle, carried with the tree) with pip --no-index --no-deps --target
+#   2. env      python, torch, CUDA, the GPU, every version and where it is imported from, capability probes
+#   3. tests    every GPU test one GPU can run: `pytest -m gpu tests` with THREED_DEVICE=cuda (test_one_gpu.py apart)
+#   4. bench    benchmarks/bench_gpu.py: threed against HF at Llama-3.2-1B's shape, seq 4096 and 8192
+#   5. one_gpu  with the time left: tests/gpu/test_one_gpu.py (training against HF, resume, recompute, ZB-H1, SFT)
+#
+# Each phase runs under `timeout` with what is left of GPU_CHECK_BUDGET_S (default 470 s), so the script ends in
+# time whatever hangs; a phase that no longer fits is skipped and says so. DRY=1 runs the same phases on CPU at a
+# tiny shape (no install: this python's own packages; the GPU tests skip): what tests/cli/test_gpu_check.py runs.
+#
+#   tools/gpu_check.sh "$OUT"            on the device machine: run(command="tools/gpu_check.sh $OUT",
+#                                        carry=["gpu-bundle"])
+#   DRY=1 tools/gpu_check.sh /tmp/dry    here
+set -uo pipefail
+OUT=${1:?usage: tools/gpu_check.sh OUTDIR (DRY=1 for the CPU dry run)}
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+cd "$REPO" || exit 2
+mkdir -p "$OUT" || exit 2
+OUT=$(cd "$OUT" && pwd)
+DRY=${DRY:-0}
+BUDGET=${GPU_CHECK_BUDGET_S:-470}
+RESERVE=10    # seconds kept for the summary
+MIN_PHASE=20  # a phase with less than this left is skipped
+START=$SECONDS
+TMP=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
+PHASES=$TMP/phases.tsv
+: >"$PHASES"
+
+if [ "$DRY" = 1 ] && [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; fi
+PY=${PYTHON:-python3}
+export PYTHONPATH="$REPO/src${PYTHONPATH:+:$PYTHONPATH}"  # threed itself is not installed on the image
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+if [ "$DRY" = 1 ]; then
+  unset THREED_DEVICE  # auto: CPU here; the GPU tests skip
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+  BENCH_ARGS=(--tiny --seqs 64)
+else
+  export THREED_DEVICE=cuda  # a missing GPU is an error, not a silent CPU run
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
+  BENCH_ARGS=()
+fi
+
+left() { echo $((BUDGET - (SECONDS - START) - RESERVE)); }
+limit_for() { # limit_for CAP: the seconds a phase may take, CAP or what is left
+  local l
+  l=$(left)
+  echo $(($1 < l ? $1 : l))
+}
+
+phase() { # phase NAME LIMIT LOG CMD...: CMD under timeout, its output appended to LOG, a row in phases.tsv
+  local name=$1 limit=$2 log=$3 t0 rc=0
+  shift 3
+  if ((limit < MIN_PHASE)); then
+    echo "gpu_check: $name skipped: $(left) s of the ${BUDGET} s budget left" | tee -a "$log"
+    printf '%s\tskipped\t0\t%s\t%s\n' "$name" "$limit" "$(basename "$log")" >>"$PHASES"
+    return 0
+  fi
+  echo "gpu_check: $name (at most $limit s) at $((SECONDS - START)) s" | tee -a "$log"
+  t0=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" >>"$log" 2>&1 || rc=$?
+  printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" "$limit" "$(basename "$log")" >>"$PHASES"
+  echo "gpu_check: $name exit $rc$( ((rc == 124 || rc == 137)) && echo ' (timed out)') after $((SECONDS - t0)) s" |
+    tee -a "$log"
+}
+
+summarize() {
+  "$PY" tools/gpu_check_report.py summary --tmp "$TMP" --out "$OUT" --budget "$BUDGET" \
+    --elapsed $((SECONDS - START)) $([ "$DRY" = 1 ] && echo --dry)
+  rm -rf "$TMP"
+}
+trap summarize EXIT
+
+# 1. install
+ENV_LOG=$OUT/env.log
+if [ "$DRY" = 1 ]; then
+  echo "gpu_check: install skipped (DRY=1: $PY's own deepspeed and megatron-core are used)" | tee -a "$ENV_LOG"
+elif [ -d gpu-bundle ]; then
+  SITE=${GPU_CHECK_SITE:-/tmp/threed-site}
+  phase check "$(limit_for 30)" "$ENV_LOG" "$PY" tools/gpu_bundle.py --check gpu-bundle
+  phase install "$(limit_for 90)" "$ENV_LOG" "$PY" -m pip install -q --no-index --no-deps --no-compile \
+    --no-cache-dir --upgrade --target "$SITE" gpu-bundle/*.whl
+  export PYTHONPATH="$SITE:$PYTHONPATH"
+elif "$PY" -c "import deepspeed, megatron.core" >/dev/null 2>&1; then
+  echo "gpu_check: no gpu-bundle/; deepspeed and megatron-core import already, installing nothing" | tee -a "$ENV_LOG"
+else
+  echo "gpu_check: no gpu-bundle/ and no deepspeed here: run make gpu-bundle where PyPI answers and carry" \
+    "gpu-bundle (docs/gpu.md)" | tee -a "$ENV_LOG"
+  exit 2
+fi
+
+# 2. the environment (also to stdout: the device tool's output tail shows it)
+phase env "$(limit_for 60)" "$ENV_LOG" "$PY" tools/gpu_check_report.py env --json "$TMP/env.json"
+grep -E '"(python|torch|deepspeed|megatron-core|transformers|name|cuda_build|threed_imports|varlen_attn_enable_gqa)"' \
+  "$ENV_LOG" | tr -s ' ' | head -20
+
+# 3. every GPU test one GPU can run, test_one_gpu.py apart (phase 5)
+phase tests "$(limit_for 150)" "$OUT/tests.log" "$PY" -m pytest -q -s -ra --durations=10 -p no:cacheprovider \
+  -m gpu tests --ignore-glob='*test_one_gpu.py' --junitxml="$TMP/tests.xml"
+
+# 4. the benchmark; it starts no run that would end past its own budget
+BENCH_LIMIT=$(limit_for 200)
+phase bench "$BENCH_LIMIT" "$OUT/bench.log" "$PY" benchmarks/bench_gpu.py --json "$TMP/bench.json" \
+  --budget-s $((BENCH_LIMIT - 25)) "${BENCH_ARGS[@]}"
+
+# 5. the one-GPU checks, with the time left
+ONE_GPU=$(find tests -name test_one_gpu.py | head -1)
+phase one_gpu "$(limit_for 600)" "$OUT/one_gpu.log" "$PY" -m pytest -q -s -ra --durations=10 -p no:cacheprovider \
+  -m gpu "${ONE_GPU:-tests/gpu/test_one_gpu.py}" --junitxml="$TMP/one_gpu.xml"
+# Exit 0 only when every phase that ran exited 0 (a skipped phase is said in the summary, not failed).
+! cut -f2 "$PHASES" | grep -qvE '^(0|skipped)$'
