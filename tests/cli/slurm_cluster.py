@@ -16,7 +16,7 @@ has, so 4 ranks per "node" fit on 2 cores), ``MinJobAge=600`` (finished jobs sta
 there is no accounting), ``AuthInfo=cred_expire=10`` (a requeued job is held cred_expire+1 s before it may
 start again; the default is 120 s) and ``sched_interval=2`` (it then starts within ~2 s, not 60).
 Needs root; ``ensure_slurm_installed`` apt-get installs ``slurm-wlm`` and ``munge``, and the
-``local_slurm_factory`` fixture skips with its reason when it cannot.
+``local_slurm_factory`` fixture (tests/cli/conftest.py) skips with its reason when it cannot.
 """
 
 from __future__ import annotations
@@ -30,11 +30,9 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
-import pytest
 
 HOSTS = Path("/etc/hosts")
 HOSTS_LOCK = Path("/run/threed-local-slurm-hosts.lock")
@@ -340,18 +338,3 @@ class LocalSlurm:
             _tail(self.workdir / f, n)
             for f in ["munged.log", "slurmctld.log", *(f"slurmd-{node}.log" for node in self.nodes)]
         )
-
-
-@pytest.fixture
-def local_slurm_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., LocalSlurm]]:
-    """``make(num_nodes=2, cpus_per_node=8, **kw) -> LocalSlurm``, started; all are stopped after the test."""
-    reason = ensure_slurm_installed()
-    if reason:
-        pytest.skip(reason)
-    with contextlib.ExitStack() as stack:
-
-        def make(num_nodes: int = 2, cpus_per_node: int = 8, **kw: Any) -> LocalSlurm:
-            workdir = tmp_path_factory.mktemp("slurm")
-            return stack.enter_context(LocalSlurm(num_nodes, cpus_per_node, workdir, **kw))
-
-        yield make

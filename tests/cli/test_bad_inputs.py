@@ -14,34 +14,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import sft_examples, write_dataset, write_sft_dataset
-from test_checkpoint import fake_checkpoint
+from helpers import REPO, fake_checkpoint, sft_examples, write_dataset, write_sft_dataset
 
-REPO = Path(__file__).resolve().parents[1]
 VENV_PY = Path(os.environ.get("THREED_TEST_PYTHON", REPO / ".venv" / "bin" / "python"))
 TRAIN = ["train", "--model", "tiny", "--data-path", "{w}/data/corpus", "--seq-length", "32", "--steps", "2"]
 SFT = TRAIN[:4] + ["{w}/sft/chat_text_document", "--pack", "true"] + TRAIN[5:]
 CHECK = ["check-config", "--model", "tiny", "--seq-length", "32", "--steps", "2"]
 
 
-DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def own_process_group():
-    """`threed train` in process makes a world of one (and sets torchrun's variables): undo both afterwards, so
-    later tests that start ranks or a single-process run do not inherit this process's rendezvous port."""
-    saved = {k: os.environ.get(k) for k in DIST_ENV}
-    yield
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+# `threed train` runs in this process (a world of one): conftest.py's own_process_group undoes it after each test.
+pytestmark = pytest.mark.usefixtures("own_process_group")
 
 
 @pytest.fixture(scope="module")

@@ -18,10 +18,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import sft_examples, write_dataset, write_sft_dataset
-from test_bad_inputs import REPO, TRAIN, own_process_group, run_cli, snapshot  # noqa: F401 (a fixture)
-from test_preprocess import corpus  # noqa: F401 (a fixture)
-from test_sft import _cli as sft_cli, tok_dirs  # noqa: F401, F811 (a fixture)
+from helpers import REPO, preprocess_cli, sft_examples, write_dataset, write_sft_dataset
+from test_bad_inputs import TRAIN, run_cli, snapshot
+
+# `threed train` runs in this process (a world of one): conftest.py's own_process_group undoes it after each test.
+pytestmark = pytest.mark.usefixtures("own_process_group")
 
 
 @pytest.fixture(scope="module")
@@ -152,12 +153,12 @@ def test_the_good_pairs_pass_the_index_check(world):
         check_index(str(world / prefix), IndexedDataset(str(world / prefix)))
 
 
-def test_sft_preprocess_names_the_line_of_non_utf8_input(tmp_path, tok_dirs, capsys):  # noqa: F811 (the fixture, imported above)
+def test_sft_preprocess_names_the_line_of_non_utf8_input(tmp_path, tok_dirs, capsys):
     good = '{"prompt": "hi", "response": "hello"}\n'
     src = tmp_path / "in.jsonl"
     src.write_bytes((good * 4).encode() + b'{"prompt": "caf\xe9", "response": "x"}\n' + good.encode())
     (tmp_path / "out").mkdir()
-    rc = sft_cli(
+    rc = preprocess_cli(
         [
             "--sft",
             "--input",
@@ -198,7 +199,7 @@ def _running(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernel's parent-death signal is Linux's")
-def test_kill_9_of_preprocess_leaves_no_worker_and_the_next_run_cleans_up(corpus, tmp_path):  # noqa: F811
+def test_kill_9_of_preprocess_leaves_no_worker_and_the_next_run_cleans_up(corpus, tmp_path):
     docs = [d for d in corpus["docs"] if d.strip()]
     big = tmp_path / "big.txt"
     big.write_text("\n\n".join(docs * 40) + "\n")  # tens of seconds of tokenizing at 2 workers

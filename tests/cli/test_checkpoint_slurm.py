@@ -1,4 +1,4 @@
-"""On the local Slurm cluster (tests/slurm_cluster.py; `make test-slurm`): a job on 2 nodes x 4 ranks (tp2 pp2 dp2)
+"""On the local Slurm cluster (tests/cli/slurm_cluster.py; `make test-slurm`): a job on 2 nodes x 4 ranks (tp2 pp2 dp2)
 saves, and the same script resubmitted on 1 node (dp1, the same global batch) resumes from it through a
 universal checkpoint, optimizer state included, and trains on."""
 
@@ -10,12 +10,8 @@ import pytest
 
 from helpers import learnable_tokens, write_dataset
 
-try:
-    from slurm_cluster import LocalSlurm, local_slurm_factory  # noqa: F401 (a fixture)
-    from test_slurm_jobs import job_report, latest_step, losses, submit
-except ImportError:  # tests/ became a package
-    from tests.slurm_cluster import LocalSlurm, local_slurm_factory  # noqa: F401
-    from tests.test_slurm_jobs import job_report, latest_step, losses, submit
+from slurm_cluster import LocalSlurm
+from test_slurm_jobs import job_report, latest_step, losses, submit
 
 
 def node_logs(log_dir: Path) -> str:

@@ -6,52 +6,14 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
-
-import numpy as np
-import pytest
-
-from helpers import write_dataset
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory) -> str:
-    d = tmp_path_factory.mktemp("train_data")
-    return write_dataset(d / "corpus", np.random.default_rng(0).integers(0, 500, 20000), 512)
+from helpers import tiny_train
 
 
-def train(data: str, save, *flags: str) -> subprocess.CompletedProcess[str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "threed.cli",
-        "train",
-        "--model",
-        "tiny",
-        "--data-path",
-        data,
-        "--split",
-        "100,0,0",
-        "--seq-length",
-        "32",
-        "--dtype",
-        "fp32",
-        "--save",
-        str(save),
-        *flags,
-    ]
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    }  # a world of its own
-    env["OMP_NUM_THREADS"] = "1"
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-
-
-def test_divergence_exits_3_and_keeps_the_last_good_checkpoint(data, tmp_path):
+def test_divergence_exits_3_and_keeps_the_last_good_checkpoint(tiny_corpus, tmp_path):
     save = tmp_path / "save"
-    p = train(data, save, "--steps", "4", "--save-interval", "1", "--lr", "1e30", "--min-lr", "1e29")
+    p = tiny_train(tiny_corpus, save, "--steps", "4", "--save-interval", "1", "--lr", "1e30", "--min-lr", "1e29")
     assert p.returncode == 3, p.stdout[-2000:] + p.stderr[-2000:]
     errors = [line for line in p.stderr.splitlines() if "threed: error" in line]
     assert len(errors) == 1 and "Traceback" not in p.stderr
@@ -62,25 +24,27 @@ def test_divergence_exits_3_and_keeps_the_last_good_checkpoint(data, tmp_path):
     assert not (save / "latest").exists() and not list(save.glob("global_step*"))
 
 
-def test_exit_duration_saves_exits_0_and_the_same_command_resumes(data, tmp_path):
+def test_exit_duration_saves_exits_0_and_the_same_command_resumes(tiny_corpus, tmp_path):
     save = tmp_path / "save"
     # A budget of 0.0001 min is spent at once: the first step's end saves and exits.
-    p = train(data, save, "--steps", "3", "--exit-duration-in-mins", "0.0001")
+    p = tiny_train(tiny_corpus, save, "--steps", "3", "--exit-duration-in-mins", "0.0001")
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     assert "--exit-duration-in-mins 0.0001 is near" in p.stderr and "saving and exiting" in p.stderr
     assert (save / "latest").read_text() == "global_step1"
-    p = train(data, save, "--steps", "3")
+    p = tiny_train(tiny_corpus, save, "--steps", "3")
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     assert f"resumed from {save} at step 1" in p.stdout
     assert (save / "latest").read_text() == "global_step3"
 
 
-def test_config_error_under_torchrun_is_one_line_from_rank_0(data, tmp_path):
+def test_config_error_under_torchrun_is_one_line_from_rank_0(tiny_corpus, tmp_path):
     """torchrun (the README's own command) prints its own summary of the failed ranks; ours is one line."""
     from threed.parallel.launch import torchrun_command
 
     cmd = torchrun_command(
-        2, "threed.train", ["--model", "tiny", "--data-path", data, "--steps", "-1", "--save", str(tmp_path / "save")]
+        2,
+        "threed.train",
+        ["--model", "tiny", "--data-path", tiny_corpus, "--steps", "-1", "--save", str(tmp_path / "save")],
     )
     p = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
     out = p.stdout + p.stderr

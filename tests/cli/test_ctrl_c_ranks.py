@@ -1,7 +1,7 @@
 """Ctrl-C under torchrun with several ranks (issue 19): `threed train --nproc-per-node 2 --pp 2 ...`, the README's
 form, gets SIGINT as a terminal delivers it, to the whole process group (the launcher and both ranks at once, and
 torchrun forwards its own copy to the ranks). The run must end as one Ctrl-C of a one-process run does
-(tests/test_run_start.py): one "saving a checkpoint" line, a checkpoint of the step it stopped at, exit 0, no
+(tests/cli/test_run_start.py): one "saving a checkpoint" line, a checkpoint of the step it stopped at, exit 0, no
 traceback from any rank or from torchrun's agent, and the save directory's lock released."""
 
 from __future__ import annotations
@@ -12,47 +12,15 @@ import subprocess
 import sys
 import time
 
-import numpy as np
-
-from helpers import write_dataset
+from helpers import own_world_env, tiny_train_argv
 from threed.checkpoint.lock import LOCK_NAME
 
 
-def test_ctrl_c_on_two_pipeline_ranks_saves_once_and_exits_0(tmp_path):
-    data = write_dataset(tmp_path / "corpus", np.random.default_rng(0).integers(0, 500, 20000), 512)
+def test_ctrl_c_on_two_pipeline_ranks_saves_once_and_exits_0(tiny_corpus, tmp_path):
     save, log = tmp_path / "save", tmp_path / "run.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "threed.cli",
-        "train",
-        "--nproc-per-node",
-        "2",
-        "--pp",
-        "2",
-        "--model",
-        "tiny",
-        "--data-path",
-        data,
-        "--split",
-        "100,0,0",
-        "--seq-length",
-        "32",
-        "--dtype",
-        "fp32",
-        "--save",
-        str(save),
-        "--steps",
-        "100000",
-        "--log-interval",
-        "1",
-    ]
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
-    }
-    env["OMP_NUM_THREADS"] = "1"
+    flags = ("--nproc-per-node", "2", "--pp", "2", "--steps", "100000", "--log-interval", "1")
+    cmd = [sys.executable, "-m", "threed.cli", *tiny_train_argv(tiny_corpus, save, *flags)]
+    env = own_world_env("TORCHELASTIC_RUN_ID")
     # A session of its own: its process group is the launcher and its ranks, as a terminal's foreground job.
     p = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     try:

@@ -13,10 +13,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from helpers import learnable_tokens, write_dataset
-from test_resume_path import NOISE as START_UP_NOISE
-
-SRC_ENV = {"PYTHONPATH": f"{Path(__file__).resolve().parents[1] / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+from helpers import SRC_ENV, START_UP_NOISE, learnable_tokens, write_dataset
 
 # What a bf16 run at dp > 1 on a blend printed before: BF16_Optimizer's memory reports (rank 0), torch's
 # FutureWarning from DeepSpeed's all-gather (every rank, twice), megatron-core's cache-path warning (data ranks).

@@ -8,14 +8,13 @@ import os
 import re
 import shlex
 import subprocess
-from pathlib import Path
 
 import pytest
 
+from helpers import REPO
 from threed.train.engine import deepspeed_config
 from threed.cli.flags import parse_run_config
 
-REPO = Path(__file__).resolve().parents[1]
 LAUNCH = REPO / "recipes" / "launch.sh"
 MODEL_RECIPES = [
     "llama2_7b",

@@ -14,22 +14,15 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from helpers import write_dataset
-from test_checkpoint import cfg, fake_checkpoint
-from test_checkpoint_train import train
-
+from helpers import SRC, checkpoint_config, fake_checkpoint, own_world_env, tiny_train, tiny_train_argv
 from threed.checkpoint import lock as lockmod
 from threed.checkpoint.format import RUN_JSON
 from threed.checkpoint.lock import LOCK_NAME, SaveDirBusy, SaveLock
 from threed.checkpoint.manifest import find_resumable
 from threed.checkpoint.start import decide_start, remove_stale_stop
 from threed.config import RunConfig
-
-SRC = str(Path(__file__).resolve().parents[1] / "src")
-
 
 # ------------------------------------------------------------------------------------------ the lock, in process
 
@@ -59,7 +52,7 @@ def hold_lock_in_a_process(save: Path) -> subprocess.Popen:
         [sys.executable, "-c", code, str(save)],
         stdout=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYTHONPATH": SRC},
+        env={**os.environ, "PYTHONPATH": str(SRC)},
     )
     assert p.stdout.readline().strip() == "held"
     return p
@@ -145,19 +138,23 @@ def test_stale_stop_is_removed_with_a_line(tmp_path):
 
 def test_a_finished_run_is_said_and_nothing_is_converted(tmp_path):
     fake_checkpoint(tmp_path / "run", 10)
-    plan = decide_start(cfg(tmp_path / "run"), world_size=1)  # steps=10; dp 1 vs 1: native, but it would not matter
+    plan = decide_start(
+        checkpoint_config(tmp_path / "run"), world_size=1
+    )  # steps=10; dp 1 vs 1: native, but it would not matter
     assert plan.finished and "is at step 10 and --steps is 10: the run has finished" in plan.finished
     assert not plan.universal
     assert "raise --steps" in plan.describe()
-    assert not decide_start(cfg(tmp_path / "run"), world_size=2).universal  # another dp: still nothing converted
+    assert not decide_start(
+        checkpoint_config(tmp_path / "run"), world_size=2
+    ).universal  # another dp: still nothing converted
 
 
 def test_a_changed_batch_shape_on_resume_is_a_warning(tmp_path):
     run = tmp_path / "run"
     fake_checkpoint(run, 4)
-    recorded = cfg(run).to_dict()
+    recorded = checkpoint_config(run).to_dict()
     (run / RUN_JSON).write_text(json.dumps(recorded))
-    assert not [n for n in decide_start(cfg(run), world_size=2).notes if "warning" in n]
+    assert not [n for n in decide_start(checkpoint_config(run), world_size=2).notes if "warning" in n]
     changed = RunConfig.from_dict({**recorded, "train": {**recorded["train"], "seq_length": 64, "micro_batch_size": 2}})
     notes = [n for n in decide_start(changed, world_size=2).notes if "warning" in n]
     assert len(notes) == 1, notes
@@ -181,12 +178,6 @@ def test_a_damaged_manifest_is_named_in_a_warning(tmp_path):
 # ------------------------------------------------------------------------------------------ `threed train` runs
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory) -> str:
-    d = tmp_path_factory.mktemp("start_data")
-    return write_dataset(d / "corpus", np.random.default_rng(0).integers(0, 500, 20000), 512)
-
-
 # `threed train`, each step slowed to 0.1 s: a run that is certainly still training when the test acts on it, on a
 # busy machine too (without the sleep, 3,000 tiny steps can be over before a second run has started).
 SLOW_TRAIN = (
@@ -203,30 +194,9 @@ def start_long_run(data: str, save: Path, log: Path) -> subprocess.Popen:
         sys.executable,
         "-c",
         SLOW_TRAIN,
-        "train",
-        "--model",
-        "tiny",
-        "--data-path",
-        data,
-        "--split",
-        "100,0,0",
-        "--seq-length",
-        "32",
-        "--dtype",
-        "fp32",
-        "--save",
-        str(save),
-        "--steps",
-        "3000",
-        "--log-interval",
-        "100000",
+        *tiny_train_argv(data, save, "--steps", "3000", "--log-interval", "100000"),
     ]
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    }
-    env["OMP_NUM_THREADS"] = "1"
+    env = own_world_env()
     p = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.time() + 240
     while "threed: world" not in log.read_text():
@@ -235,8 +205,8 @@ def start_long_run(data: str, save: Path, log: Path) -> subprocess.Popen:
     return p
 
 
-def test_steps_0_is_refused_before_anything(data, tmp_path):
-    p = train(data, tmp_path / "save", "--steps", "0")
+def test_steps_0_is_refused_before_anything(tiny_corpus, tmp_path):
+    p = tiny_train(tiny_corpus, tmp_path / "save", "--steps", "0")
     assert p.returncode == 2 and "Traceback" not in p.stderr
     errors = [line for line in p.stderr.splitlines() if "error" in line]  # (library start-up noise aside)
     assert errors == [
@@ -247,12 +217,12 @@ def test_steps_0_is_refused_before_anything(data, tmp_path):
     assert not (tmp_path / "save").exists()
 
 
-def test_second_run_refused_first_saves_on_ctrl_c_stale_stop_then_finished(data, tmp_path):
+def test_second_run_refused_first_saves_on_ctrl_c_stale_stop_then_finished(tiny_corpus, tmp_path):
     save, log = tmp_path / "save", tmp_path / "first.log"
-    first = start_long_run(data, save, log)
+    first = start_long_run(tiny_corpus, save, log)
     try:
         # A second run on the same directory: refused in one line naming the holder and the fix, nothing written.
-        second = train(data, save, "--steps", "3")
+        second = tiny_train(tiny_corpus, save, "--steps", "3")
         assert second.returncode == 2, second.stdout[-2000:] + second.stderr[-2000:]
         assert "Traceback" not in second.stderr
         lines = [line for line in second.stderr.splitlines() if "error" in line]
@@ -273,7 +243,7 @@ def test_second_run_refused_first_saves_on_ctrl_c_stale_stop_then_finished(data,
 
     # A STOP left behind (as a run stopped by STOP leaves it) is removed with a line; a batch change is a warning.
     (save / "STOP").touch()
-    p = train(data, save, "--steps", str(step + 1), "--micro-batch-size", "2")
+    p = tiny_train(tiny_corpus, save, "--steps", str(step + 1), "--micro-batch-size", "2")
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     assert f"removed a stale {save / 'STOP'}" in p.stdout and not (save / "STOP").exists()
     assert "stop requested" not in p.stdout and (save / "latest").read_text() == f"global_step{step + 1}"
@@ -282,20 +252,20 @@ def test_second_run_refused_first_saves_on_ctrl_c_stale_stop_then_finished(data,
 
     # The same command again: the run has finished; one line, exit 0, nothing built or written.
     before = sorted((f.name, f.stat().st_mtime_ns) for f in save.rglob("*"))
-    p = train(data, save, "--steps", str(step + 1), "--micro-batch-size", "2")
+    p = tiny_train(tiny_corpus, save, "--steps", str(step + 1), "--micro-batch-size", "2")
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     assert f"is at step {step + 1} and --steps is {step + 1}: the run has finished" in p.stdout
     assert "threed: world" not in p.stdout and "Traceback" not in p.stderr
     assert sorted((f.name, f.stat().st_mtime_ns) for f in save.rglob("*")) == before
 
 
-def test_a_killed_runs_lock_does_not_block_the_requeue(data, tmp_path):
+def test_a_killed_runs_lock_does_not_block_the_requeue(tiny_corpus, tmp_path):
     save = tmp_path / "save"
-    first = start_long_run(data, save, tmp_path / "first.log")
+    first = start_long_run(tiny_corpus, save, tmp_path / "first.log")
     os.killpg(first.pid, signal.SIGKILL)  # a dead job: no exit path of ours runs
     first.wait()
     assert json.loads((save / LOCK_NAME).read_text())["pid"] == first.pid
-    p = train(data, save, "--steps", "2")
+    p = tiny_train(tiny_corpus, save, "--steps", "2")
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     assert (save / "latest").read_text() == "global_step2"
     assert (save / LOCK_NAME).read_text() == ""

@@ -10,13 +10,11 @@ import json
 import os
 import re
 import subprocess
-from pathlib import Path
 
 import numpy as np
 
-from test_sft import CONVERSATIONS, _llama3_tokenizer
-
-REPO = Path(__file__).resolve().parents[1]
+from chat_fixtures import CONVERSATIONS, llama3_tokenizer
+from helpers import REPO
 
 
 def _conversations(n: int) -> list[dict]:
@@ -42,7 +40,7 @@ def test_sft_from_hf_to_hf_through_the_recipe(tmp_path):
 
     hf, ckpt, run, exported = (tmp_path / n for n in ("hf", "ckpt", "run", "exported"))
     assert main(["make-tiny-hf", "--out", str(hf), "--like", "tiny", "--vocab-size", "400"]) == 0
-    source_tok = _llama3_tokenizer()
+    source_tok = llama3_tokenizer()
     source_tok.save_pretrained(hf)
     chats = tmp_path / "chat.jsonl"
     chats.write_text("".join(json.dumps(r) + "\n" for r in _conversations(160)))

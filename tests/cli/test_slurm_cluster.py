@@ -1,4 +1,4 @@
-"""The local Slurm cluster of tests/slurm_cluster.py: multi-node srun, host names, signals, requeue."""
+"""The local Slurm cluster of tests/cli/slurm_cluster.py: multi-node srun, host names, signals, requeue."""
 
 from __future__ import annotations
 
@@ -10,10 +10,7 @@ from pathlib import Path
 
 import pytest
 
-try:
-    from slurm_cluster import LocalSlurm, local_slurm_factory  # noqa: F401 (a fixture)
-except ImportError:  # tests/ became a package
-    from tests.slurm_cluster import LocalSlurm, local_slurm_factory  # noqa: F401
+from slurm_cluster import LocalSlurm
 
 pytestmark = pytest.mark.slurm
 

@@ -1,4 +1,4 @@
-"""The slurm/ scripts, submitted with sbatch to a real Slurm running on this machine (tests/slurm_cluster.py):
+"""The slurm/ scripts, submitted with sbatch to a real Slurm running on this machine (tests/cli/slurm_cluster.py):
 several slurmd daemons simulate nodes, srun starts one torchrun per node, the ranks train on CPU over gloo.
 
 - test_tiny_recipe_on_two_nodes_trains_and_resumes (`make test`): slurm/train.sh recipes/tiny.sh on 2 nodes x 4
@@ -24,12 +24,9 @@ from pathlib import Path
 
 import pytest
 
-try:
-    from slurm_cluster import LocalSlurm, local_slurm_factory  # noqa: F401 (a fixture)
-except ImportError:  # tests/ became a package
-    from tests.slurm_cluster import LocalSlurm, local_slurm_factory  # noqa: F401
+from helpers import REPO
+from slurm_cluster import LocalSlurm
 
-REPO = Path(__file__).resolve().parents[1]
 STEP = re.compile(r"^step (\d+)/(\d+) \| loss ([0-9.]+) \|", re.M)
 
 

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from helpers import TESTS, hf_model
+from helpers import RANKS, hf_model
 from threed.parallel.launch import run_ranks
 
 pytestmark = pytest.mark.gpu
@@ -112,7 +112,7 @@ def test_packed_varlen_attention_matches_each_document_alone():
 def test_logits_parity_on_cuda(tmp_path):
     """dist_worker's parity scenario on min(4, GPUs) NCCL ranks: every layout that fits, against HF on CPU."""
     nproc = min(4, GPUS)
-    run_ranks(nproc, str(TESTS / "dist_worker.py"), ["parity", "--out", str(tmp_path)], env=CUDA_ENV, timeout=1200)
+    run_ranks(nproc, str(RANKS / "dist_worker.py"), ["parity", "--out", str(tmp_path)], env=CUDA_ENV, timeout=1200)
     files = sorted(tmp_path.glob("*_tp*_pp*.pt"))
     assert files, "no layout ran"
     for f in files:
@@ -128,12 +128,12 @@ def test_logits_parity_on_cuda(tmp_path):
 
 @pytest.mark.skipif(GPUS < 8, reason=f"training parity and resume run tp2 x pp2 x dp2: need 8 GPUs, see {GPUS}")
 def test_training_parity_and_resume_on_cuda():
-    """tests/test_training.py on 8 NCCL ranks (its worker picks CUDA through threed.parallel.distributed)."""
+    """tests/ranks/test_training.py on 8 NCCL ranks (its worker picks CUDA through threed.parallel.distributed)."""
     import subprocess
     import sys
 
     env = {**os.environ, **CUDA_ENV}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", str(TESTS / "test_training.py")], env=env)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", str(RANKS / "test_training.py")], env=env)
     assert proc.returncode == 0
 
 
@@ -149,18 +149,18 @@ def _pytest_on_cuda(*args: str, timeout: float = 3600) -> None:
 
 @pytest.mark.skipif(GPUS < 8, reason=f"packed SFT runs tp2 x pp2 x dp2: need 8 GPUs, see {GPUS}")
 def test_packed_sft_through_the_pipeline_on_cuda():
-    """tests/test_sft_train.py on 8 NCCL ranks: packed rows (doc_ids between stages, varlen attention in bf16 on
+    """tests/ranks/test_sft_train.py on 8 NCCL ranks: packed rows (doc_ids between stages, varlen attention in bf16 on
     CUDA, the non-reentrant activation checkpointing DeepSpeed needs for them) against HF per example."""
-    _pytest_on_cuda(str(TESTS / "test_sft_train.py"))
+    _pytest_on_cuda(str(RANKS / "test_sft_train.py"))
 
 
 @pytest.mark.skipif(GPUS < 8, reason=f"the universal reference runs tp2 x pp2 x dp2: need 8 GPUs, see {GPUS}")
 def test_universal_resume_with_fused_adamw_on_cuda():
-    """tests/test_checkpoint_universal.py (every layout, slow ones included) and the resume-path cases on CUDA,
+    """tests/ranks/test_checkpoint_universal.py (every layout, slow ones included) and the resume-path cases on CUDA,
     where AdamW is fused=True: after the universal load every optimizer state tensor, `step` included, must be on
     its parameter's GPU (threed.train.engine.place_optimizer_state), or the fused kernel is handed a host pointer."""
-    _pytest_on_cuda(str(TESTS / "test_checkpoint_universal.py"), "-m", "slow or not slow")
-    _pytest_on_cuda(str(TESTS / "test_resume_path.py"), "-k", "cut_short or two_rank")
+    _pytest_on_cuda(str(RANKS / "test_checkpoint_universal.py"), "-m", "slow or not slow")
+    _pytest_on_cuda(str(RANKS / "test_resume_path.py"), "-k", "cut_short or two_rank")
 
 
 @pytest.fixture(scope="module")
@@ -318,13 +318,13 @@ def test_sequence_parallel_tp2_matches_tp1_in_bf16_on_cuda(train_data, tmp_path)
 @pytest.mark.skipif(GPUS < 2, reason=f"the SP memory check runs tp2: need 2 GPUs, see {GPUS}")
 def test_sp_activation_estimate_against_cuda_peak(tmp_path):
     """threed.memory's activations (CUDA kernels: fused RMSNorm and SwiGLU) against torch.cuda.max_memory_allocated
-    over one micro-batch's forward and backward on each of 2 GPUs (tests/memory_worker.py --stage-activations),
+    over one micro-batch's forward and backward on each of 2 GPUs (tests/ranks/memory_worker.py --stage-activations),
     with sequence parallelism, without and with recompute; and SP's saving against tp alone. The CUDA caching
     allocator rounds every block up (512 B, 2 MiB segments), hence 10% rather than the CPU test's 5%."""
     import json
 
     run_ranks(
-        2, str(TESTS / "memory_worker.py"), ["--out", str(tmp_path), "--stage-activations"], env=CUDA_ENV, timeout=1800
+        2, str(RANKS / "memory_worker.py"), ["--out", str(tmp_path), "--stage-activations"], env=CUDA_ENV, timeout=1800
     )
     ranks = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("stage_activations_rank*.json"))]
     assert len(ranks) == 2
@@ -338,7 +338,7 @@ def test_sp_activation_estimate_against_cuda_peak(tmp_path):
 
 @pytest.mark.skipif(GPUS < 2, reason=f"the ZB-H1 memory check runs pp2: need 2 GPUs, see {GPUS}")
 def test_zb_h1_peak_against_the_estimate_on_cuda(tmp_path):
-    """A whole bf16 train step (pp 2, gas 4) under 1F1B and under ZB-H1 (tests/memory_zb_worker.py
+    """A whole bf16 train step (pp 2, gas 4) under 1F1B and under ZB-H1 (tests/ranks/memory_zb_worker.py
     --schedule-peaks): torch.cuda.max_memory_allocated above the step's start against threed.memory's activation
     phase with CUDA kernels, per stage, and what ZB-H1 adds (the last stage's micro-batch awaiting W) against the
     deferred-bytes count. 10% as test_sp_activation_estimate_against_cuda_peak (the caching allocator's rounding);
@@ -346,7 +346,7 @@ def test_zb_h1_peak_against_the_estimate_on_cuda(tmp_path):
     import json
 
     run_ranks(
-        2, str(TESTS / "memory_zb_worker.py"), ["--out", str(tmp_path), "--schedule-peaks"], env=CUDA_ENV, timeout=1800
+        2, str(RANKS / "memory_zb_worker.py"), ["--out", str(tmp_path), "--schedule-peaks"], env=CUDA_ENV, timeout=1800
     )
     ranks = {
         r["1f1b"]["stage"]: r

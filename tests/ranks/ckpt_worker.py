@@ -1,9 +1,10 @@
-"""Multi-rank checkpoint scenarios for tests/test_checkpoint*.py, run under torchrun. The loop is threed.train's
+"""Multi-rank checkpoint scenarios for tests/ranks/test_checkpoint*.py, run under torchrun. The loop is threed.train's
 (build_engine, RunGuard.after_step, threed.checkpoint.save.save with a consumed-sample count), fed fixed synthetic
 batches whose global order does not depend on dp: global batch k is samples [k*G, (k+1)*G), sample i drawn from
 a generator seeded with i, and each dp rank takes its contiguous slice (Megatron's order).
 
-    torchrun --nproc-per-node 4 tests/ckpt_worker.py --out OUT --save SAVE --tp 1 --pp 2 --steps 6 --save-interval 2
+    torchrun --nproc-per-node 4 tests/ranks/ckpt_worker.py --out OUT --save SAVE --tp 1 --pp 2 --steps 6 \
+        --save-interval 2
 
 Rank 0 appends `{"step", "loss", "norm"}` lines to OUT/losses.jsonl as it goes (a killed run leaves the steps it
 finished), every rank writes its local weights to OUT/weights_rank<R>.pt at the end, and OUT/result.json holds

@@ -1,6 +1,6 @@
-"""8-rank runs of `threed.train.loop.train` on megatron-core datasets, for tests/test_data_dist.py.
+"""8-rank runs of `threed.train.loop.train` on megatron-core datasets, for tests/ranks/test_data_dist.py.
 
-python -m torch.distributed.run --nproc-per-node 8 tests/data_worker.py --out DIR --a PREFIX_A --b PREFIX_B
+python -m torch.distributed.run --nproc-per-node 8 tests/ranks/data_worker.py --out DIR --a PREFIX_A --b PREFIX_B
 """
 
 from __future__ import annotations
@@ -8,11 +8,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+# worker_setup first: it puts tests/ on sys.path (helpers, reference)
+from worker_setup import rank_json, run_worker, stopped_then_resumed
 from helpers import model_config
 from threed.config import CheckpointConfig, DataConfig, ParallelConfig, RunConfig, TrainConfig
 from threed.parallel.distributed import Runtime
 from threed.train.loop import train
-from worker_setup import rank_json, run_worker, stopped_then_resumed
 
 
 def base_config(a: str, b: str) -> RunConfig:

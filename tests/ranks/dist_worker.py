@@ -2,8 +2,8 @@
 costs ~15 s of start-up on 2 cores). Each writes its results under --out; the pytest side compares them with
 HuggingFace references computed in its own process.
 
-    python -m torch.distributed.run --nproc-per-node 4 tests/dist_worker.py parity --out /tmp/x
-    python -m torch.distributed.run --nproc-per-node 8 tests/dist_worker.py train --out /tmp/x --data tokens.bin
+    python -m torch.distributed.run --nproc-per-node 4 tests/ranks/dist_worker.py parity --out /tmp/x
+    python -m torch.distributed.run --nproc-per-node 8 tests/ranks/dist_worker.py train --out /tmp/x --data tokens.bin
 """
 
 from __future__ import annotations
@@ -14,7 +14,10 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+# worker_setup first: it puts tests/ on sys.path (helpers, reference)
+from worker_setup import keeps_logits, load_hf_weights, local_weights, rank_json, reads_data, run_worker
 from helpers import hf_model, model_config
+from reference import PARITY
 from threed.config import CheckpointConfig, DataConfig, ParallelConfig, RunConfig, TrainConfig
 from threed.data.datasets import build_datasets
 from threed.data.loader import micro_batches
@@ -22,7 +25,6 @@ from threed.data.splits import read_data_flags
 from threed.parallel.distributed import GroupMismatch, Runtime, check_groups_agree
 from threed.train.engine import build_engine
 from threed.verify.logits import pipeline_logits
-from worker_setup import keeps_logits, load_hf_weights, local_weights, rank_json, reads_data, run_worker
 
 PARITY_TOKENS = dict(batch=2, seq=32, seed=1)
 
@@ -80,15 +82,11 @@ def train(args: argparse.Namespace, rt: Runtime) -> None:
         model=mc,
         parallel=ParallelConfig(tp=2, pp=2),
         train=TrainConfig(
-            dtype="fp32",
+            **PARITY,
             micro_batch_size=2,
             grad_accum_steps=2,
             seq_length=32,
             steps=5,
-            lr=1e-3,
-            min_lr=1e-4,
-            warmup_steps=2,
-            grad_clip=0.5,
         ),
         data=DataConfig(data_path=(args.data,)),
     )

@@ -1,6 +1,6 @@
-"""4-rank scenarios for tests/test_init.py: random init at several layouts, and the bf16 gradient reduction.
+"""4-rank scenarios for tests/ranks/test_init.py: random init at several layouts, and the bf16 gradient reduction.
 
-python -m torch.distributed.run --nproc-per-node 4 tests/init_worker.py --out /tmp/x
+python -m torch.distributed.run --nproc-per-node 4 tests/ranks/init_worker.py --out /tmp/x
 """
 
 from __future__ import annotations
@@ -12,11 +12,13 @@ import torch
 import torch.distributed as dist
 
 import threed.train.engine
+
+# worker_setup first: it puts tests/ on sys.path (helpers, reference)
+from worker_setup import local_layers, run_worker, write_json
 from helpers import model_config
 from threed.config import ParallelConfig, RunConfig, TrainConfig
 from threed.parallel.distributed import Runtime
 from threed.train.engine import build_engine, deepspeed_config
-from worker_setup import local_layers, run_worker, write_json
 
 LAYOUTS = ((1, 1), (2, 1), (1, 2), (1, 4), (2, 2))
 

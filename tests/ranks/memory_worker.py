@@ -1,8 +1,8 @@
-"""What a rank really allocates, for tests/test_memory.py: run under torchrun (or as one plain process).
+"""What a rank really allocates, for tests/ranks/test_memory.py: run under torchrun (or as one plain process).
 
-    python -m torch.distributed.run --nproc-per-node 8 tests/memory_worker.py --out /tmp/m --layouts 2x2
-    python tests/memory_worker.py --out /tmp/m --layouts 1x1 --activations
-    python -m torch.distributed.run --nproc-per-node 4 tests/memory_worker.py --out /tmp/t --layouts 1x2 \
+    python -m torch.distributed.run --nproc-per-node 8 tests/ranks/memory_worker.py --out /tmp/m --layouts 2x2
+    python tests/ranks/memory_worker.py --out /tmp/m --layouts 1x1 --activations
+    python -m torch.distributed.run --nproc-per-node 4 tests/ranks/memory_worker.py --out /tmp/t --layouts 1x2 \
         --model tiny-tied
 
 --layouts: for each TPxPP layout (dp = world / (tp pp)) build the engine, run one bf16 train step on synthetic
@@ -15,12 +15,12 @@ nothing else (e.g. the fp32 parameters DeepSpeed cast to bf16) stays alive. One 
 a whole one-stage model (the profiler's memory events), with and without activation checkpointing, next to
 `threed.memory`'s estimate with CPU kernels.
 
---stage-activations (tests/test_memory_sp.py; tp = the world, one stage): the same peak on every TP rank for each
+--stage-activations (tests/ranks/test_memory_sp.py; tp = the world, one stage): the same peak on every TP rank for each
 of SP_CASES (sequence parallelism on/off, recompute none / first N blocks / all), next to the estimate.
 --sequence-parallel: the --layouts engines run with Megatron's sequence parallelism. --pipeline-schedule: the
---layouts engines run that schedule (tests/test_memory_zb.py: zb-h1, whose static terms are 1F1B's).
+--layouts engines run that schedule (tests/ranks/test_memory_zb.py: zb-h1, whose static terms are 1F1B's).
 
-    python -m torch.distributed.run --nproc-per-node 2 tests/memory_worker.py --out /tmp/sp --stage-activations
+    python -m torch.distributed.run --nproc-per-node 2 tests/ranks/memory_worker.py --out /tmp/sp --stage-activations
 """
 
 from __future__ import annotations
@@ -278,7 +278,7 @@ def stage_activation_cases(args: argparse.Namespace, rt: Runtime) -> None:
     """Each SP_CASES case on one stage of tp = world ranks: the CPU peak of one micro-batch's forward and backward
     on this rank (after a first step, so that grads and megatron's all-gather buffer exist), and the estimate."""
     tp, (micro, seq) = rt.world_size, (ACT["micro"], ACT["seq"])
-    cuda = rt.device.type == "cuda"  # tests/test_gpu.py: torch.cuda's peak, CUDA kernels, fp32 model moved over
+    cuda = rt.device.type == "cuda"  # tests/gpu/test_gpu.py: torch.cuda's peak, CUDA kernels, fp32 model moved over
     init_megatron_parallel_state(tp, 1)
     results = {}
     for case, (sp, rc) in SP_CASES.items():
@@ -321,7 +321,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default=STATIC["model"],
-        help="preset of the --layouts engines (tests/test_memory_tied.py: tiny-tied)",
+        help="preset of the --layouts engines (tests/ranks/test_memory_tied.py: tiny-tied)",
     )
 
 

@@ -1,9 +1,9 @@
-"""What ZB-H1 (`--pipeline-schedule zb-h1`) makes a rank hold, for tests/test_memory_zb.py: run under torchrun.
+"""What ZB-H1 (`--pipeline-schedule zb-h1`) makes a rank hold, for tests/ranks/test_memory_zb.py: run under torchrun.
 
-    python -m torch.distributed.run --nproc-per-node 2 tests/memory_zb_worker.py --out /tmp/zb --layouts 1x2 \
+    python -m torch.distributed.run --nproc-per-node 2 tests/ranks/memory_zb_worker.py --out /tmp/zb --layouts 1x2 \
         --pipeline-schedule zb-h1 --deferred --schedule-peaks
 
---layouts, --pipeline-schedule: tests/memory_worker.py's static terms of those engines.
+--layouts, --pipeline-schedule: tests/ranks/memory_worker.py's static terms of those engines.
 --deferred (tp = the world, one stage): for sequence parallelism off and on, the bytes one micro-batch's queued
 weight-gradient passes hold after its input-gradient backward (`threed.model.wgrad`'s queue: each linear's saved
 input and output gradient), next to `threed.memory.deferred`'s count.
@@ -18,6 +18,8 @@ import gc
 
 import torch.distributed as dist
 
+# worker_setup first: it puts tests/ on sys.path (helpers, reference)
+from worker_setup import rank_json, reads_data, run_worker, synthetic_batches
 from memory_worker import ACT, SP_MODEL, StorageCounter, add_arguments as memory_arguments, cpu_peak, cuda_peak, static
 from threed.config import ParallelConfig, RunConfig, TrainConfig
 from threed.parallel.distributed import Runtime, init_megatron_parallel_state
@@ -26,7 +28,6 @@ from threed.memory.deferred import awaiting_w_bytes
 from threed.memory.model import Stage, stage_kinds, stage_memory, stages
 from threed.model.wgrad import DEFERRED
 from threed.parallel.pipeline import build_pipeline_module
-from worker_setup import rank_json, reads_data, run_worker, synthetic_batches
 
 
 def deferred_cases(args: argparse.Namespace, rt: Runtime) -> None:
@@ -90,7 +91,7 @@ def schedule_peaks(args: argparse.Namespace, rt: Runtime) -> None:
         step()  # grads, optimizer state and pipe buffers exist from here on
         gc.collect()
         dist.barrier()
-        # tests/test_gpu.py runs this on CUDA: torch.cuda's peak and the estimate with CUDA kernels
+        # tests/gpu/test_gpu.py runs this on CUDA: torch.cuda's peak and the estimate with CUDA kernels
         measured = cuda_peak(step) if rt.device.type == "cuda" else cpu_peak(step)
         stage = stages(SP_MODEL, pp, 1, seq)[engine.stage_id]
         mem = stage_memory(SP_MODEL, 1, pp, 1, micro, gas, seq, False, stage, rt.device.type, schedule=schedule)

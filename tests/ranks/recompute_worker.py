@@ -1,10 +1,10 @@
-"""8-rank recompute scenarios for tests/test_recompute.py (one launch, tp2 pp2 dp2, fp32, the gqa31 HF weights):
+"""8-rank recompute scenarios for tests/ranks/test_recompute.py (one launch, tp2 pp2 dp2, fp32, the gqa31 HF weights):
 3 steps each without recompute, with full recompute (uniform / block, Megatron's flags) and with selective
 recompute, with and without sequence parallelism, and packed rows (non-reentrant checkpointing); every run records
 its losses, gradient norms, how often each of its stage's blocks and core attentions ran forward, and the runs of
 layers the stage recomputes together (`StagedPipelineModule.recompute_runs`).
 
-    python -m torch.distributed.run --nproc-per-node 8 tests/recompute_worker.py --out /tmp/x --data PREFIX
+    python -m torch.distributed.run --nproc-per-node 8 tests/ranks/recompute_worker.py --out /tmp/x --data PREFIX
 """
 
 from __future__ import annotations
@@ -15,12 +15,14 @@ from typing import Any, Iterator
 
 import torch
 
+# worker_setup first: it puts tests/ on sys.path (helpers, reference)
+from worker_setup import load_hf_weights, rank_json, reads_data, run_worker
 from dist_worker import run_steps, train_dataset
 from helpers import hf_model, model_config
+from reference import PARITY
 from threed.config import DataConfig, ParallelConfig, RunConfig, TrainConfig
 from threed.parallel.distributed import Runtime
 from threed.train.engine import build_engine
-from worker_setup import load_hf_weights, rank_json, reads_data, run_worker
 
 STEPS = 3
 FULL = {"uniform1": ("uniform", 1), "block1": ("block", 1), "uniform2": ("uniform", 2)}
@@ -49,15 +51,11 @@ def base_config(data: str, pack: bool = False, sequence_parallel: bool = False, 
         model=model_config("gqa31"),
         parallel=ParallelConfig(tp=2, pp=2, partition_method="layers:2,2", sequence_parallel=sequence_parallel),
         train=TrainConfig(
-            dtype="fp32",
+            **PARITY,
             micro_batch_size=2,
             grad_accum_steps=2,
             seq_length=32,
             steps=STEPS,
-            lr=1e-3,
-            min_lr=1e-4,
-            warmup_steps=2,
-            grad_clip=0.5,
             **recompute,
         ),
         data=DataConfig(data_path=(data,), pack=pack),

@@ -1,10 +1,10 @@
-"""Pipeline-schedule scenarios for tests/test_pipeline_schedule.py: the same run under 1f1b and zb-h1 (fp32, HF's
+"""Pipeline-schedule scenarios for tests/ranks/test_pipeline_schedule.py: the same run under 1f1b and zb-h1 (fp32, HF's
 gqa31 weights, 6 steps, several gas), its final weights, a checkpoint written under one schedule resumed under
 the other, evaluation, and zb-h1 with bf16, sequence parallelism, recompute, packed rows and a tied model.
 
-    python -m torch.distributed.run --nproc-per-node 8 tests/schedule_worker.py --out /tmp/x --data PREFIX \
+    python -m torch.distributed.run --nproc-per-node 8 tests/ranks/schedule_worker.py --out /tmp/x --data PREFIX \
         --tp 2 --pp 2 --gas 4,8
-    python -m torch.distributed.run --nproc-per-node 4 tests/schedule_worker.py --out /tmp/y --data PREFIX \
+    python -m torch.distributed.run --nproc-per-node 4 tests/ranks/schedule_worker.py --out /tmp/y --data PREFIX \
         --tp 1 --pp 4 --gas 8,3 --variants ""
 """
 
@@ -16,15 +16,17 @@ from typing import Any
 
 import torch
 
+# worker_setup first: it puts tests/ on sys.path (helpers, reference)
+from worker_setup import load_hf_weights, rank_json, reads_data, run_worker
 from dist_worker import run_steps, train_dataset
 from helpers import hf_model, model_config
+from reference import PARITY
 from recompute_worker import packed_batches
 from tied_worker import tied_hf_model, tied_model_config
 from threed.config import CheckpointConfig, DataConfig, ParallelConfig, RunConfig, TrainConfig
 from threed.parallel.distributed import Runtime
 from threed.train.engine import build_engine
 from threed.model.wgrad import DEFERRED
-from worker_setup import load_hf_weights, rank_json, reads_data, run_worker
 
 STEPS = 6
 # zb-h1 variants checked against 1f1b with the same switches (tp2 pp2 launch): name -> (config changes, model)
@@ -66,20 +68,7 @@ def config(
             pipeline_schedule=schedule,
         ),
         train=TrainConfig(
-            **{
-                **dict(
-                    dtype="fp32",
-                    micro_batch_size=1,
-                    grad_accum_steps=gas,
-                    seq_length=32,
-                    steps=STEPS,
-                    lr=1e-3,
-                    min_lr=1e-4,
-                    warmup_steps=2,
-                    grad_clip=0.5,
-                ),
-                **train,
-            }
+            **{**PARITY, **dict(micro_batch_size=1, grad_accum_steps=gas, seq_length=32, steps=STEPS), **train}
         ),
         data=DataConfig(data_path=(args.data,), pack=pack),
     )

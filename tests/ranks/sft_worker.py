@@ -1,7 +1,8 @@
-"""Multi-rank SFT scenarios (issue 11), run under torchrun by tests/test_sft_train.py; results go to --out as JSON
-and `.pt`, and the pytest side compares them with HuggingFace references computed in its own process.
+"""Multi-rank SFT scenarios (issue 11), run under torchrun by tests/ranks/test_sft_train.py; results go to --out as
+JSON and `.pt`, and the pytest side compares them with HuggingFace references computed in its own process.
 
-    python -m torch.distributed.run --nproc-per-node 8 tests/sft_worker.py --out /tmp/x --data PREFIX_text_document
+    python -m torch.distributed.run --nproc-per-node 8 tests/ranks/sft_worker.py --out /tmp/x \
+        --data PREFIX_text_document
 """
 
 from __future__ import annotations
@@ -12,13 +13,15 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+# worker_setup first: it puts tests/ on sys.path (helpers, reference)
+from worker_setup import keeps_logits, load_hf_weights, rank_json, run_worker, stopped_then_resumed
 from helpers import hf_model, model_config
+from reference import PARITY
 from threed.config import CheckpointConfig, DataConfig, ParallelConfig, RunConfig, TrainConfig
 from threed.parallel.distributed import Runtime
 from threed.train.engine import build_engine
 from threed.verify.logits import pipeline_logits
 from threed.train.loop import train
-from worker_setup import keeps_logits, load_hf_weights, rank_json, run_worker, stopped_then_resumed
 
 MODEL = "gqa31"
 SEQ = 64
@@ -32,15 +35,11 @@ def sft_config(data: str, pack: bool, steps: int, **train_kw) -> RunConfig:
         model=model_config(MODEL),
         parallel=ParallelConfig(tp=2, pp=2),
         train=TrainConfig(
-            dtype="fp32",
+            **PARITY,
             micro_batch_size=2,
             grad_accum_steps=2,
             seq_length=SEQ,
             steps=steps,
-            lr=1e-3,
-            min_lr=1e-4,
-            warmup_steps=2,
-            grad_clip=0.5,
             eval_interval=steps,
             eval_iters=1,
             **train_kw,

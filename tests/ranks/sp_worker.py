@@ -1,10 +1,10 @@
-"""Multi-rank scenarios for tests/test_sequence_parallel.py (8 ranks, tp2 pp2 dp2, fp32, the `gqa31` HF test model):
-the same run with and without `--sequence-parallel`, the replicated norm weights compared over each TP group after
-every step, what crosses a stage boundary counted on DeepSpeed's send and gather paths, packed SFT through
+"""Multi-rank scenarios for tests/ranks/test_sequence_parallel.py (8 ranks, tp2 pp2 dp2, fp32, the `gqa31` HF test
+model): the same run with and without `--sequence-parallel`, the replicated norm weights compared over each TP group
+after every step, what crosses a stage boundary counted on DeepSpeed's send and gather paths, packed SFT through
 threed.train, and resumes that switch sequence parallelism on or off (natively and through the universal
 checkpoint).
 
-    python -m torch.distributed.run --nproc-per-node 8 tests/sp_worker.py --out /tmp/sp --data PREFIX \\
+    python -m torch.distributed.run --nproc-per-node 8 tests/ranks/sp_worker.py --out /tmp/sp --data PREFIX \\
         --sft-data CHAT_text_document
 
 Rank 0 writes OUT/sp.json; OUT/final_<run>_stage<S>.pt hold the HF-named weights of each stage after the last step.
@@ -22,35 +22,34 @@ import torch
 import torch.distributed as dist
 
 import threed.checkpoint.save as ckpt
+
+# worker_setup first: it puts tests/ on sys.path (helpers, reference)
+from worker_setup import load_hf_weights, run_worker
 from dist_worker import run_steps, train_dataset
 from helpers import hf_model, model_config
+from reference import PARITY
 from sft_worker import sft_config
 from threed.config import CheckpointConfig, DataConfig, ParallelConfig, RunConfig, TrainConfig
 from threed.parallel.distributed import Runtime
 from threed.train.engine import build_engine
 from threed.train.loop import train
 from tied_worker import save_final
-from worker_setup import load_hf_weights, run_worker
 
 STEPS, SAVED_AT, SFT_STEPS = 10, 5, 3
 SEQ, MICRO = 32, 2
 
 
 def base_config(data: str, sp: bool, save: str | None = None, tp: int = 2, pp: int = 2) -> RunConfig:
-    """test_training.reference_run's model, batch (8 sequences of 32) and optimizer, over STEPS steps."""
+    """reference.gqa31_reference's model, batch (8 sequences of 32) and optimizer, over STEPS steps."""
     return RunConfig(
         model=model_config("gqa31"),
         parallel=ParallelConfig(tp=tp, pp=pp, sequence_parallel=sp),
         train=TrainConfig(
-            dtype="fp32",
+            **PARITY,
             micro_batch_size=MICRO,
             global_batch_size=8,
             seq_length=SEQ,
             steps=STEPS,
-            lr=1e-3,
-            min_lr=1e-4,
-            warmup_steps=2,
-            grad_clip=0.5,
         ),
         data=DataConfig(data_path=(data,)),
         checkpoint=CheckpointConfig(save=save, auto_resume=save is not None),

@@ -1,10 +1,10 @@
-"""Faults on 2 gloo ranks (tp1 pp2, fp32; tests/ckpt_worker.py): kill -9 of one rank or of every rank at points of
+"""Faults on 2 gloo ranks (tp1 pp2, fp32; tests/ranks/ckpt_worker.py): kill -9 of one rank or of every rank at points of
 a save, then the same command resumes, and the losses and final weights are bit-identical to an uninterrupted
 run; a diverging run stops with exit 3 naming the step and the last good checkpoint and saves nothing after it;
 --skip-nonfinite skips the batch; the watchdog prints every rank's stacks and exits 4.
 
 `make test` runs the reference, one kill point, divergence and the watchdog (5 launches, ~1 min on 2 idle cores);
-the other kill points and --skip-nonfinite are marked slow (`make test-slow`); tests/test_checkpoint_guard.py
+the other kill points and --skip-nonfinite are marked slow (`make test-slow`); tests/unit/test_checkpoint_guard.py
 checks the guard's skip / stop / time-budget logic without ranks."""
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import TESTS
+from helpers import RANKS
 from threed.parallel.launch import torchrun_command
 
-WORKER = str(TESTS / "ckpt_worker.py")
+WORKER = str(RANKS / "ckpt_worker.py")
 RUN = ["--pp", "2", "--steps", "6", "--save-interval", "2"]
 
 

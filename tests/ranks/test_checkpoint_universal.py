@@ -2,7 +2,7 @@
 checkpoint: an uninterrupted fp32 run at tp2 pp2 dp2 (8 ranks) saves at step 2 and goes on to step 4; a copy of
 its save directory holding only step 2 (a job requeued on another node count) resumes at another layout and must
 continue the loss curve within 1e-5. Batches are fixed synthetic samples in a dp-independent global order
-(tests/ckpt_worker.py), and the global batch (8) is the same at every layout: gas = 8 / dp.
+(tests/ranks/ckpt_worker.py), and the global batch (8) is the same at every layout: gas = 8 / dp.
 
 `make test` runs (tp1 pp1 dp1), which changes all three; (tp1 pp2 dp4) and (tp2 pp1 dp2) are slow."""
 

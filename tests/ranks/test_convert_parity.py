@@ -1,7 +1,7 @@
 """DeepSpeed's own load_checkpoint of converter output gives HF's logits (multi-rank), and a model trained from
 a converted checkpoint exports to an HF folder whose logits equal our engine's. Four torchrun launches.
 
-    .venv/bin/python -m pytest -q tests/test_convert_parity.py
+    .venv/bin/python -m pytest -q tests/ranks/test_convert_parity.py
 """
 
 from __future__ import annotations

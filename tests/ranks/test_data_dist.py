@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from data_worker import base_config
-from helpers import TESTS, gpt_dataset, learnable_tokens, write_dataset
+from helpers import RANKS, gpt_dataset, learnable_tokens, write_dataset
 from threed.cli.main import main as cli
 from threed.parallel.launch import run_ranks
 
@@ -25,7 +25,7 @@ def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("data_dist")
     a = write_dataset(out / "a", learnable_tokens(12_000, seed=1), 200, seed=1)
     b = write_dataset(out / "b", np.random.default_rng(2).integers(0, 200, 12_000), 200, seed=2)
-    run_ranks(8, str(TESTS / "data_worker.py"), ["--out", str(out), "--a", a, "--b", b], timeout=1500)
+    run_ranks(8, str(RANKS / "data_worker.py"), ["--out", str(out), "--a", a, "--b", b], timeout=1500)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(8)]
     return {"ranks": ranks, "out": out, "a": a, "b": b}
 

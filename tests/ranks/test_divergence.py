@@ -4,7 +4,7 @@ that refuses non-finite or absurd weights. Each stops with exit 3 and one line n
 the last good checkpoint, before anything of the distrusted step is written.
 
 Unit tests replay the guard in one process (the demo's recorded loss curve must not trip it); the fault test runs
-2 gloo ranks at pp2 (tests/ckpt_worker.py) with a far too high --lr, which reproduces the issue's run: step 1
+2 gloo ranks at pp2 (tests/ranks/ckpt_worker.py) with a far too high --lr, which reproduces the issue's run: step 1
 sends the weights to ~1e8, step 2's loss is 5e6, then the loss sits at ln(vocab) with a gradient norm of 0; a second
 run trains sanely, saves, then blows up. What the per-step weight-norm pass costs: benchmarks/bench_guard.py."""
 

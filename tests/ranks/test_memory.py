@@ -1,6 +1,6 @@
 """threed.memory against the tensors real engines allocate, its terms at real Llama shapes, and `threed plan`.
 
-Three launches (1, 4 and 8 CPU ranks: tp x pp x dp = 1x1x1, 1x4x1, 2x2x2) run tests/memory_worker.py; the one-rank
+Three launches (1, 4 and 8 CPU ranks: tp x pp x dp = 1x1x1, 1x4x1, 2x2x2) run tests/ranks/memory_worker.py; the one-rank
 launch also measures the CPU activation peak of one micro-batch.
 """
 
@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from helpers import TESTS
+from helpers import RANKS
 from threed.config import ConfigError
 from threed.parallel.launch import run_ranks
 from threed.memory.model import (
@@ -35,7 +35,7 @@ def measured(tmp_path_factory):
     out = tmp_path_factory.mktemp("memory")
     for name, (ranks, layout) in LAYOUTS.items():
         extra = ["--activations"] if ranks == 1 else []
-        run_ranks(ranks, str(TESTS / "memory_worker.py"), ["--out", str(out), "--layouts", layout, *extra], timeout=900)
+        run_ranks(ranks, str(RANKS / "memory_worker.py"), ["--out", str(out), "--layouts", layout, *extra], timeout=900)
     results = {
         name: [json.loads(p.read_text()) for p in sorted(out.glob(f"static_{name}_rank*.json"))] for name in LAYOUTS
     }
@@ -150,7 +150,8 @@ def test_plan_picks_tp8_pp4_or_better_for_70b() -> None:
     assert tp8pp4, "the 70B recipe's layout must fit"
     assert best.step_s <= min(la.step_s for la in tp8pp4)
     assert best.tp * best.pp * best.dp == 32 and 512 == best.micro * best.gas * best.dp
-    # Without sequence parallelism nothing fits unrecomputed (the issue's ~104 GB); tests/test_planner_sp.py has SP.
+    # Without sequence parallelism nothing fits unrecomputed (the issue's ~104 GB); tests/unit/test_planner_sp.py has
+    # SP.
     assert not any(la.fits for la in every if not la.sp and not la.recomputed), "70B at 8k needs SP or recompute"
 
 

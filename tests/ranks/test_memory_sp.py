@@ -1,6 +1,6 @@
 """threed.memory with sequence parallelism and partial recompute (issue 18) against what real CPU ranks hold.
 
-Two launches of tests/memory_worker.py: 2 ranks (tp 2, one stage of four blocks) measure the activation peak of
+Two launches of tests/ranks/memory_worker.py: 2 ranks (tp 2, one stage of four blocks) measure the activation peak of
 one micro-batch for each of its SP_CASES (the least of three peaks per rank, averaged over the TP ranks: a gloo
 collective's temporaries move single peaks by a few percent, differently on each rank); 4 ranks build a tp 2 pp 2
 engine with sequence parallelism and compare its tensors with the static terms (megatron's all-gather buffer, the
@@ -13,22 +13,22 @@ import json
 
 import pytest
 
-from helpers import TESTS
+from helpers import RANKS
 from threed.model.resolve import model_config
 from threed.parallel.launch import run_ranks
 from threed.memory.model import Stage, block_bytes_per_token, stage_activations
 from threed.memory.recompute import Recompute
 
 FACTOR_TOL = 0.05  # the brief's: a predicted factor within 5% of the measured one
-STATIC_TOL = 0.02  # as tests/test_memory.py
+STATIC_TOL = 0.02  # as tests/ranks/test_memory.py
 
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
     out = tmp_path_factory.mktemp("memory_sp")
-    run_ranks(2, str(TESTS / "memory_worker.py"), ["--out", str(out), "--stage-activations"], timeout=900)
+    run_ranks(2, str(RANKS / "memory_worker.py"), ["--out", str(out), "--stage-activations"], timeout=900)
     run_ranks(
-        4, str(TESTS / "memory_worker.py"), ["--out", str(out), "--layouts", "2x2", "--sequence-parallel"], timeout=900
+        4, str(RANKS / "memory_worker.py"), ["--out", str(out), "--layouts", "2x2", "--sequence-parallel"], timeout=900
     )
     ranks = [json.loads(p.read_text()) for p in sorted(out.glob("stage_activations_rank*.json"))]
     cases = {
@@ -70,7 +70,7 @@ def test_full_recompute_factor(measured) -> None:
 def test_sp_with_full_recompute_is_reported(measured) -> None:
     """Sequence parallelism and every block recomputed: usually within 3%, but single runs have measured up to ~20%
     above the estimate on one rank (the least of three peaks does not always hide a collective's temporaries at
-    this small size), so it is bounded like tests/test_memory.py's activation check, not by 5%."""
+    this small size), so it is bounded like tests/ranks/test_memory.py's activation check, not by 5%."""
     c = measured["cases"]["sp_full"]
     assert 0.75 <= c["estimate"] / c["measured"] <= 1.25
 

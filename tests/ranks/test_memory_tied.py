@@ -4,7 +4,7 @@ engines hold, and its parameter accounting at the real Llama 3.2 shapes.
 A tied weight is one parameter of the model but two tensors at pp > 1: DeepSpeed's TiedLayerSpec puts a copy of
 the embedding on the first and on the last stage, each with its own bf16 weight, fp32 gradient buffer, fp32 master
 and AdamW state (ZeRO-1 partitions each over dp like any parameter); at pp = 1 one module serves both. One launch
-of 4 CPU ranks per layout (tests/memory_worker.py --model tiny-tied) builds tp x pp x dp = 1x2x2, 1x1x4, 2x2x1.
+of 4 CPU ranks per layout (tests/ranks/memory_worker.py --model tiny-tied) builds tp x pp x dp = 1x2x2, 1x1x4, 2x2x1.
 """
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ import json
 
 import pytest
 
-from helpers import TESTS
+from helpers import RANKS
 from threed.model.resolve import model_config
 from threed.parallel.launch import run_ranks
 from threed.memory.model import estimate, stage_params, stages
 from threed.model.spec import parameter_count
 
-RANKS = 4
+NPROC = 4
 LAYOUTS = {"1x2x2": "1x2", "1x1x4": "1x1", "2x2x1": "2x2"}
-SEQ = 32  # tests/memory_worker.py's STATIC
+SEQ = 32  # tests/ranks/memory_worker.py's STATIC
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +32,8 @@ def measured(tmp_path_factory):
     # gc cross-check would count against the next one.
     for layout in LAYOUTS.values():
         run_ranks(
-            RANKS,
-            str(TESTS / "memory_worker.py"),
+            NPROC,
+            str(RANKS / "memory_worker.py"),
             ["--out", str(out), "--model", "tiny-tied", "--layouts", layout],
             timeout=900,
         )
@@ -45,7 +45,7 @@ def measured(tmp_path_factory):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_tied_static_bytes_match_engine_tensors(measured, layout: str) -> None:
     ranks = measured[layout]
-    assert len(ranks) == RANKS
+    assert len(ranks) == NPROC
     for r in ranks:
         m, p = r["measured"], r["predicted"]
         assert r["model"] == "tiny-tied" and r["optimizer"] == "BF16_Optimizer"

@@ -1,14 +1,14 @@
 """threed.memory under `--pipeline-schedule zb-h1` against what real CPU ranks hold (the engine: threed.model.wgrad,
 threed.parallel.zero_bubble).
 
-One launch of tests/memory_zb_worker.py on 2 ranks: a tp1 pp2 ZB-H1 engine's static terms after a step (the same as
-1F1B's: no W pass may be left queued, nothing kept beside the model states and buffers), and, on one stage of tp 2,
-the bytes one micro-batch's queued weight-gradient passes hold after its input-gradient backward, SP off and on,
-next to `threed.memory.deferred`'s count from the linears' widths; and the CPU peak of a whole train step (pp 2,
-gas 4) under 1F1B and under ZB-H1 on each stage, next to the activation estimate: the last stage's extra micro-batch
-awaiting W and the two gradients it sent without waiting are what ZB-H1 adds (measured: 19660800 B more, predicted
-19660800 B); stage 0 (W right after its B) only the copy of the gradient it received (predicted 524288 B; measured
-3014656 B more, 4.7% of its peak: the rest is not explained).
+One launch of tests/ranks/memory_zb_worker.py on 2 ranks: a tp1 pp2 ZB-H1 engine's static terms after a step (the same
+as 1F1B's: no W pass may be left queued, nothing kept beside the model states and buffers), and, on one stage of tp 2,
+the bytes one micro-batch's queued weight-gradient passes hold after its input-gradient backward, SP off and on, next to
+`threed.memory.deferred`'s count from the linears' widths; and the CPU peak of a whole train step (pp 2, gas 4) under
+1F1B and under ZB-H1 on each stage, next to the activation estimate: the last stage's extra micro-batch awaiting W and
+the two gradients it sent without waiting are what ZB-H1 adds (measured: 19660800 B more, predicted 19660800 B); stage 0
+(W right after its B) only the copy of the gradient it received (predicted 524288 B; measured 3014656 B more, 4.7% of
+its peak: the rest is not explained).
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import json
 
 import pytest
 
-from helpers import TESTS
+from helpers import RANKS
 from memory_worker import SP_MODEL
 from memory_zb_worker import PEAKS
 from threed.parallel.launch import run_ranks
 
-STATIC_TOL = 0.02  # as tests/test_memory.py
+STATIC_TOL = 0.02  # as tests/ranks/test_memory.py
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def measured(tmp_path_factory):
     out = tmp_path_factory.mktemp("memory_zb")
     run_ranks(
         2,
-        str(TESTS / "memory_zb_worker.py"),
+        str(RANKS / "memory_zb_worker.py"),
         ["--out", str(out), "--layouts", "1x2", "--pipeline-schedule", "zb-h1", "--deferred", "--schedule-peaks"],
         timeout=900,
     )
@@ -72,7 +72,7 @@ def test_deferred_bytes_match_the_queue(measured, case: str) -> None:
 
 def test_schedule_peaks_per_stage(measured) -> None:
     """What ZB-H1 adds to each stage's peak, measured against predicted; and each estimate against its peak (a
-    reported comparison with CPU kernels, as tests/test_memory.py's)."""
+    reported comparison with CPU kernels, as tests/ranks/test_memory.py's)."""
     ranks = {r["1f1b"]["stage"]: r for r in measured["peaks"]}
     assert sorted(ranks) == [0, 1]
     for stage, r in sorted(ranks.items()):

@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
-from helpers import TESTS
+from helpers import BENCH, RANKS
 from threed.cli.main import main as cli_main
 from threed.config import ConfigError, MetricsConfig, ModelConfig, RunConfig
 from threed.parallel.launch import run_ranks
@@ -37,7 +37,7 @@ GLOBAL_BATCH, SEQ = 8, 32  # metrics_worker.train: micro 2 x gas 2 x dp 2, seq 3
 @pytest.fixture(scope="module")
 def train_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("metrics")
-    run_ranks(8, str(TESTS / "metrics_worker.py"), ["train", "--out", str(out)], timeout=900)
+    run_ranks(8, str(RANKS / "metrics_worker.py"), ["train", "--out", str(out)], timeout=900)
     ranks = [json.loads((out / f"train_rank{r}.json").read_text()) for r in range(8)]
     records = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     return {"dir": out / "run", "ranks": ranks, "records": records}
@@ -46,7 +46,7 @@ def train_run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def bubble_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bubble")
-    run_ranks(2, str(TESTS / "metrics_worker.py"), ["bubble", "--out", str(out)], timeout=900)
+    run_ranks(2, str(RANKS / "metrics_worker.py"), ["bubble", "--out", str(out)], timeout=900)
     return [json.loads((out / f"bubble_rank{r}.json").read_text()) for r in range(2)]
 
 
@@ -174,18 +174,6 @@ def test_wandb_asked_for_but_missing_is_a_config_error():
     cfg = RunConfig(model=model_config("tiny"), metrics=MetricsConfig(wandb_project="p"))
     with pytest.raises(ConfigError, match="pip install wandb"):
         check_metrics_config(cfg)
-
-
-BENCH = ModelConfig(
-    name="bench",
-    vocab_size=4096,
-    hidden_size=256,
-    num_layers=8,
-    num_heads=8,
-    num_kv_heads=4,
-    ffn_hidden_size=704,
-    max_position_embeddings=256,
-)
 
 
 def test_partition_methods():

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import TESTS, hf_model
+from helpers import RANKS, hf_model
 from threed.parallel.launch import run_ranks
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
@@ -20,7 +20,7 @@ REL_TOL = 1e-5
 @pytest.fixture(scope="module")
 def parity_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("parity")
-    run_ranks(4, str(TESTS / "dist_worker.py"), ["parity", "--out", str(out)], timeout=900)
+    run_ranks(4, str(RANKS / "dist_worker.py"), ["parity", "--out", str(out)], timeout=900)
     return out
 
 

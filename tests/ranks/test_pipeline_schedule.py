@@ -13,7 +13,7 @@ import json
 import numpy as np
 import pytest
 
-from helpers import TESTS, model_config, write_dataset
+from helpers import RANKS, model_config, write_dataset
 from threed.config import ConfigError, ParallelConfig, RunConfig, TrainConfig
 from threed.parallel.launch import run_ranks
 from threed.parallel import zero_bubble
@@ -105,7 +105,7 @@ def data(tmp_path_factory) -> str:
 
 def launch(tmp_path_factory, data: str, world: int, args: list[str]) -> list[dict]:
     out = tmp_path_factory.mktemp("schedule")
-    run_ranks(world, str(TESTS / "schedule_worker.py"), ["--out", str(out), "--data", data, *args], timeout=1200)
+    run_ranks(world, str(RANKS / "schedule_worker.py"), ["--out", str(out), "--data", data, *args], timeout=1200)
     return [json.loads((out / f"schedule_rank{r}.json").read_text()) for r in range(world)]
 
 

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import TESTS, model_config, write_dataset
+from helpers import RANKS, model_config, write_dataset
 from threed.config import ConfigError, ParallelConfig, RunConfig, TrainConfig
 from threed.parallel.launch import run_ranks
 from threed.parallel.partition import recompute_chunks, recompute_summary
@@ -27,7 +27,7 @@ BLOCK1 = dict(recompute_granularity="full", recompute_method="block", recompute_
 def ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("recompute")
     data = write_dataset(out / "random", np.random.default_rng(0).integers(0, 200, 5000), 200)
-    run_ranks(8, str(TESTS / "recompute_worker.py"), ["--out", str(out), "--data", data], timeout=900)
+    run_ranks(8, str(RANKS / "recompute_worker.py"), ["--out", str(out), "--data", data], timeout=900)
     return [json.loads((out / f"recompute_rank{r}.json").read_text()) for r in range(8)]
 
 

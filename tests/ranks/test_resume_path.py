@@ -3,7 +3,7 @@ other ranks wait on the store with their own timeout), with several workers, and
 optimizer state lands on its parameters' device after a load; --dist-timeout-minutes reaches every process group;
 DeepSpeed's accelerator follows the device policy; a run's log starts with our lines, not the libraries'.
 
-The 2-rank runs (tests/ckpt_worker.py, fp32) take about a minute each on 2 cores."""
+The 2-rank runs (tests/ranks/ckpt_worker.py, fp32) take about a minute each on 2 cores."""
 
 from __future__ import annotations
 
@@ -14,14 +14,12 @@ import sys
 import threading
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
 
+from helpers import SRC, START_UP_NOISE
 from test_checkpoint_faults import losses, worker
-
-SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
 # ----------------------------------------------------------------------------------------- no ranks: fast
@@ -177,7 +175,7 @@ print(json.dumps({"timeouts": timeouts, "accelerator": get_accelerator().device_
         for k, v in os.environ.items()
         if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "DS_ACCELERATOR")
     }
-    env.update(PYTHONPATH=SRC, OMP_NUM_THREADS="1", THREED_DEVICE="cpu")
+    env.update(PYTHONPATH=str(SRC), OMP_NUM_THREADS="1", THREED_DEVICE="cpu")
     p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     got = json.loads(p.stdout.strip().splitlines()[-1])
@@ -193,17 +191,6 @@ print(json.dumps({"timeouts": timeouts, "accelerator": get_accelerator().device_
 
 
 # ---------------------------------------------------------------------------------------------- 2 ranks
-
-NOISE = (
-    "real_accelerator",
-    "Setting accelerator",
-    "Transformer Engine and Apex are not installed",
-    "full scope is deprecated",
-    "SEED_LAYERS=",
-    "Using topology",
-    "tied_comms",
-    "built successfully",
-)
 
 
 @pytest.fixture(scope="module")
@@ -231,7 +218,7 @@ def saved_at_pp2(tmp_path_factory):
 
 def test_a_two_rank_run_prints_no_library_start_up_noise(saved_at_pp2):
     out = saved_at_pp2["stdout"]
-    noise = [line for line in out.splitlines() if any(n in line for n in NOISE)]
+    noise = [line for line in out.splitlines() if any(n in line for n in START_UP_NOISE)]
     assert not noise, "\n".join(noise)
     assert "Traceback" not in out
 

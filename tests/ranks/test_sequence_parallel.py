@@ -3,7 +3,7 @@ without it and against single-process HF training: losses, gradient norms and fi
 replicated norm weights bit-identical on every TP rank after every step; each rank sends its own [s/tp, b, h] to the
 next stage with no TP all-gather after the receive (counted on DeepSpeed's send and gather paths); packed SFT rows
 through threed.train; checkpoints resume with sequence parallelism switched on or off, natively and through the
-universal checkpoint. One launch of 8 gloo ranks (tests/sp_worker.py) runs them all."""
+universal checkpoint. One launch of 8 gloo ranks (tests/ranks/sp_worker.py) runs them all."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import TESTS, model_config, sft_examples, write_dataset, write_sft_dataset
+from helpers import RANKS, hf_model, model_config, sft_examples, write_dataset, write_sft_dataset
+from reference import gqa31_reference, sft_reference
+from sft_worker import sft_config
 from sp_worker import MICRO, SAVED_AT, SEQ, SFT_STEPS, STEPS
-from test_training import reference_run
 from threed.parallel.launch import run_ranks
 
 TOL = 1e-5
@@ -27,7 +28,7 @@ def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("sp")
     data = write_dataset(out / "random", np.random.default_rng(0).integers(0, 200, 8000), 200)
     chat = write_sft_dataset(out / "chat", sft_examples(400, 200), 200)
-    run_ranks(8, str(TESTS / "sp_worker.py"), ["--out", str(out), "--data", data, "--sft-data", chat], timeout=1500)
+    run_ranks(8, str(RANKS / "sp_worker.py"), ["--out", str(out), "--data", data, "--sft-data", chat], timeout=1500)
     final = {
         name: {k: v for s in (0, 1) for k, v in torch.load(out / f"final_{name}_stage{s}.pt").items()}
         for name in ("plain", "sp")
@@ -37,7 +38,7 @@ def run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ref(run):
-    losses, norms = reference_run(run["data"], steps=STEPS)
+    losses, norms = gqa31_reference(run["data"], steps=STEPS)
     return losses, norms
 
 
@@ -66,8 +67,6 @@ def test_final_weights_equal(run):
         err = (sp[name] - want).abs().max().item()
         assert err <= TOL * max(want.abs().max().item(), 1.0), f"{name}: max abs diff {err}"
     # The norms moved: their gradients (partial sums per TP rank under SP) were summed and applied.
-    from helpers import hf_model
-
     start = hf_model("gqa31").state_dict()
     assert not torch.equal(sp["model.layers.0.input_layernorm.weight"], start["model.layers.0.input_layernorm.weight"])
 
@@ -105,9 +104,7 @@ def test_resume_switching_sequence_parallelism_continues_the_loss_curve(run, nam
 
 
 def test_packed_sft_with_sequence_parallelism_equals_single_process_hf(run):
-    from test_sft_train import reference_run as sft_reference
-
-    losses, norms, valid, _ = sft_reference(run["chat"], True, SFT_STEPS)
+    losses, norms, valid, _ = sft_reference(hf_model("gqa31"), sft_config(run["chat"], True, SFT_STEPS))
     got = run["result"]["sft_sp"]
     print("sp sft", got["losses"], "\nhf", losses)
     close(got["losses"], losses, "packed SFT loss")

@@ -4,81 +4,40 @@
   (fp32, relative 1e-5);
 - `threed.train` on packed SFT data, 5 fp32 steps from random init, equals one process training HF's model (holding
   the same init) on each example alone with the loss sum(response-token losses) / (response tokens of the global
-  batch): losses and gradient norms within 1e-5, validation (the same masked loss) too;
+  batch; tests/reference.py's sft_reference): losses and gradient norms within 1e-5, validation (the same masked
+  loss) too;
 - the same unpacked (one example per padded row), and packed with activation checkpointing (non-reentrant);
 - a packed run preempted after step 1 and resumed at another layout (tp1 pp2 dp4) continues with the same losses.
-One launch of 8 gloo ranks runs them all (tests/sft_worker.py).
+One launch of 8 gloo ranks runs them all (tests/ranks/sft_worker.py).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Optional
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import TESTS, gpt_dataset, hf_model, model_config, plain_adamw, plain_step, sft_examples, write_sft_dataset
-from threed.convert.in_memory import random_hf_state
+from helpers import RANKS, hf_model, model_config, sft_examples, write_sft_dataset
+from reference import sft_reference
+from sft_worker import sft_config
 from threed.parallel.launch import run_ranks
 
 FP32_TOL = 1e-5
-GLOBAL_BATCH = 8
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("sft")
     data = write_sft_dataset(out / "chat", sft_examples(400, model_config("gqa31").vocab_size), 200)
-    run_ranks(8, str(TESTS / "sft_worker.py"), ["--out", str(out), "--data", data], timeout=1200)
+    run_ranks(8, str(RANKS / "sft_worker.py"), ["--out", str(out), "--data", data], timeout=1200)
     ranks = [json.loads((out / f"sft_rank{r}.json").read_text()) for r in range(8)]
     return {"ranks": ranks, "data": data, "out": out}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
-
-
-def example_loss_sum(model, tokens: np.ndarray, mask: np.ndarray) -> tuple[torch.Tensor, float]:
-    """HF on one example alone: summed next-token loss over its response tokens, and their count."""
-    x = torch.as_tensor(tokens, dtype=torch.long)
-    m = torch.as_tensor(mask[1:], dtype=torch.float32)
-    logits = model(x[None, :-1]).logits[0]
-    return (F.cross_entropy(logits, x[1:], reduction="none") * m).sum(), m.sum().item()
-
-
-def masked_loss(model, dataset, rows: range, counts: Optional[list] = None):
-    """sum of response-token losses / their count over `rows`, each example run alone (the count appended to
-    `counts`)."""
-    total, count = 0.0, 0.0
-    for row in rows:
-        for example in dataset.examples(row).tolist():
-            s, c = example_loss_sum(model, dataset.dataset.tokens[example], dataset.dataset.mask[example])
-            total, count = total + s, count + c
-    if counts is not None:
-        counts.append(int(count))
-    return total / count
-
-
-def reference_run(data: str, pack: bool, steps: int):
-    """One process, plain torch on HF's model holding the 8-rank run's random init (seed 1234)."""
-    from sft_worker import sft_config
-
-    cfg = sft_config(data, pack, steps)
-    model = hf_model("gqa31").train()
-    model.load_state_dict(random_hf_state(model_config("gqa31"), cfg.train.seed))
-    opt, sched = plain_adamw(model, cfg.train)
-    datasets = gpt_dataset(cfg, GLOBAL_BATCH)  # the rows threed train reads, built in this process
-    losses, norms, counts = [], [], []
-    for step in range(steps):
-        loss = masked_loss(model, datasets.train, range(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH), counts)
-        norms.append(plain_step(model, opt, sched, loss, cfg.train.grad_clip))
-        losses.append(loss.item())
-    with torch.no_grad():
-        valid = masked_loss(model.eval(), datasets.valid, range(GLOBAL_BATCH)).item()
-    return losses, norms, valid, counts
 
 
 def test_packed_logits_at_tp2_pp2_match_hf_per_example(run):
@@ -104,7 +63,9 @@ def test_packed_logits_at_tp2_pp2_match_hf_per_example(run):
 
 @pytest.mark.parametrize("name,pack,steps", [("packed", True, 5), ("unpacked", False, 3)])
 def test_sft_training_matches_single_process_hf(run, name, pack, steps):
-    ref_losses, ref_norms, ref_valid, ref_counts = reference_run(run["data"], pack, steps)
+    ref_losses, ref_norms, ref_valid, ref_counts = sft_reference(
+        hf_model("gqa31"), sft_config(run["data"], pack, steps)
+    )
     got = run["ranks"][0][name]
     print(name, "3D losses", got["losses"], "\nref losses", ref_losses)
     print(name, "3D norms ", got["grad_norms"], "\nref norms ", ref_norms)

@@ -3,7 +3,7 @@ to a checkpoint of its stored layers only (no LM head file) at any tp / pp, give
 load, at an even and an uneven pipeline), exports back tied and bit-identical, reshards; a trained tied run
 exports tied too; and every disagreement about the tie is one line before anything is written or built.
 
-    PYTHONPATH=$PWD/src .venv/bin/python -m pytest -q tests/test_tied_convert.py
+    PYTHONPATH=$PWD/src .venv/bin/python -m pytest -q tests/ranks/test_tied_convert.py
 """
 
 from __future__ import annotations
@@ -210,22 +210,6 @@ def untied(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("untied")
     src = save_hf(root / "hf", UNTIED)
     return src, convert(src, root / "ck", 2, 2)
-
-
-@pytest.fixture
-def own_process_group():
-    """`threed train` in process makes a world of one (and sets torchrun's variables): undo both afterwards."""
-    saved = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    yield
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
 
 
 def test_init_from_across_the_tie_refused(tied_hf, tied_ckpt, untied, tmp_path, capsys, own_process_group):

@@ -2,7 +2,7 @@
 equals single-process training of the same HF model (same AdamW, same batches) in losses, gradient norms and final
 weights; the first and the last stage's copies of the tied weight are bit-identical after every step (fp32, and
 bf16 with fp32 masters); the run resumed at tp1 pp2 dp4 through the universal checkpoint continues the loss curve.
-One launch of 8 gloo ranks (tests/tied_worker.py) runs them all."""
+One launch of 8 gloo ranks (tests/ranks/tied_worker.py) runs them all."""
 
 from __future__ import annotations
 
@@ -11,14 +11,12 @@ import json
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
-from helpers import TESTS, gpt_dataset, plain_adamw, plain_step, sft_examples, write_dataset, write_sft_dataset
-from threed.config import DataConfig, RunConfig, TrainConfig
+from helpers import RANKS, sft_examples, write_dataset, write_sft_dataset
+from reference import PARITY, gpt_reference, sft_reference
+from threed.config import RunConfig, TrainConfig
 from threed.convert.in_memory import random_hf_state
-from threed.data.loader import micro_batches
 from threed.parallel.launch import run_ranks
-from test_sft_train import GLOBAL_BATCH, masked_loss
 from tied_worker import BF16_STEPS, SAVED_AT, SFT_STEPS, STEPS, tied_hf_model, tied_model_config
 
 TOL = 1e-5
@@ -29,7 +27,7 @@ def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("tied")
     data = write_dataset(out / "random", np.random.default_rng(0).integers(0, 200, 8000), 200)
     chat = write_sft_dataset(out / "chat", sft_examples(400, 200), 200)
-    run_ranks(8, str(TESTS / "tied_worker.py"), ["--out", str(out), "--data", data, "--sft-data", chat], timeout=1200)
+    run_ranks(8, str(RANKS / "tied_worker.py"), ["--out", str(out), "--data", data, "--sft-data", chat], timeout=1200)
     final = {}
     for stage in (0, 1):
         final.update(torch.load(out / f"final_stage{stage}.pt"))
@@ -44,30 +42,9 @@ def run(tmp_path_factory):
 
 def reference(data: str):
     """Single-process training of the tied HF model: the same global batches (8 sequences), optimizer, schedule."""
-    model = tied_hf_model().train()
-    mc = tied_model_config()
-    train = TrainConfig(
-        dtype="fp32",
-        micro_batch_size=2,
-        global_batch_size=8,
-        seq_length=32,
-        steps=STEPS,
-        lr=1e-3,
-        min_lr=1e-4,
-        warmup_steps=2,
-        grad_clip=0.5,
-    )
-    opt, sched = plain_adamw(model, train)
-    assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == sum(p.numel() for p in model.parameters())
-    ds = gpt_dataset(RunConfig(model=mc, train=train, data=DataConfig(data_path=(data,))), 8).train
-    batches = micro_batches(ds, 8, 8, 1, 0, 0, mc.vocab_size)
-    losses, norms = [], []
-    for _ in range(STEPS):
-        inputs, (labels, _) = next(batches)
-        logits = model(inputs).logits
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-        norms.append(plain_step(model, opt, sched, loss, train.grad_clip))
-        losses.append(loss.item())
+    model = tied_hf_model()
+    train = TrainConfig(**PARITY, micro_batch_size=2, global_batch_size=8, seq_length=32, steps=STEPS)
+    losses, norms = gpt_reference(model, tied_model_config(), train, data)
     assert model.lm_head.weight is model.model.embed_tokens.weight  # still one tensor after training
     return losses, norms, {k: v.detach() for k, v in model.state_dict().items()}
 
@@ -140,24 +117,14 @@ def test_activation_checkpointing_gives_the_same_numbers(run):
 
 def test_packed_sft_through_threed_train_equals_single_process_hf(run):
     """threed.train on packed chat data from its random init (seed 1234: `random_hf_state`, the tied weight drawn
-    once) against HF's tied model trained on each example alone (tests/test_sft_train.py's reference loss)."""
+    once) against HF's tied model trained on each example alone (tests/reference.py's sft_reference)."""
     from sft_worker import sft_config
 
     cfg = sft_config(run["chat"], pack=True, steps=SFT_STEPS)
     cfg = RunConfig(model=tied_model_config(), parallel=cfg.parallel, train=cfg.train, data=cfg.data)
-    model = tied_hf_model().train()
     state = random_hf_state(cfg.model, cfg.train.seed)
     assert torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])
-    model.load_state_dict(state)
-    opt, sched = plain_adamw(model, cfg.train)
-    datasets = gpt_dataset(cfg, GLOBAL_BATCH)
-    losses, norms = [], []
-    for step in range(SFT_STEPS):
-        loss = masked_loss(model, datasets.train, range(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH))
-        norms.append(plain_step(model, opt, sched, loss, cfg.train.grad_clip))
-        losses.append(loss.item())
-    with torch.no_grad():
-        valid = masked_loss(model.eval(), datasets.valid, range(GLOBAL_BATCH)).item()
+    losses, norms, valid, _ = sft_reference(tied_hf_model(), cfg)
     got = run["result"]["sft"]
     print("3D", got["losses"], got["grad_norms"], got["evals"], "\nref", losses, norms, valid)
     close(got["losses"], losses, "SFT loss")

@@ -1,19 +1,16 @@
-"""8-rank (tp=2, pp=2, dp=2) training against a single-process HuggingFace reference, bf16 against fp32,
-checkpoint save/resume, and the start-up group check. One launch of 8 gloo ranks runs them all."""
+"""8-rank (tp=2, pp=2, dp=2) training against a single-process HuggingFace reference (tests/reference.py), bf16
+against fp32, checkpoint save/resume, and the start-up group check. One launch of 8 gloo ranks runs them all."""
 
 from __future__ import annotations
 
 import json
-from typing import Optional
 
 import numpy as np
 import pytest
-import torch.nn.functional as F
 
-from helpers import TESTS, gpt_dataset, hf_model, learnable_tokens, model_config, plain_adamw, plain_step, write_dataset
-from threed.config import DataConfig, RunConfig, TrainConfig
+from helpers import RANKS, learnable_tokens, model_config, write_dataset
+from reference import gqa31_reference
 from threed.convert.in_memory import random_hf_state
-from threed.data.loader import micro_batches
 from threed.parallel.launch import run_ranks
 
 FP32_TOL = 1e-5
@@ -29,7 +26,7 @@ def run(tmp_path_factory):
     learn = write_dataset(out / "learn", learnable_tokens(40000), 200, doc_len=(400, 2000))
     run_ranks(
         8,
-        str(TESTS / "dist_worker.py"),
+        str(RANKS / "dist_worker.py"),
         ["train", "--out", str(out), "--data", data, "--learnable", learn, "--bf16-steps", str(BF16_STEPS)],
         timeout=1200,
     )
@@ -37,39 +34,8 @@ def run(tmp_path_factory):
     return {"ranks": ranks, "data": data}
 
 
-def reference_run(data: str, steps: int = 5, state: Optional[dict] = None):
-    """The same model and global batch (8 sequences) trained in one process with plain torch."""
-    model = hf_model("gqa31").train()
-    if state is not None:
-        model.load_state_dict(state)
-    mc = model_config("gqa31")
-    train = TrainConfig(
-        dtype="fp32",
-        micro_batch_size=2,
-        grad_accum_steps=2,
-        seq_length=32,
-        steps=steps,
-        lr=1e-3,
-        min_lr=1e-4,
-        warmup_steps=2,
-        grad_clip=0.5,
-    )
-    opt, sched = plain_adamw(model, train)
-    # Global batch k is samples [8k, 8k + 8) whatever the layout: read them as one batch.
-    ds = gpt_dataset(RunConfig(model=mc, train=train, data=DataConfig(data_path=(data,))), 8).train
-    batches = micro_batches(ds, 8, 8, 1, 0, 0, mc.vocab_size)
-    losses, norms = [], []
-    for _ in range(steps):
-        inputs, (labels, _) = next(batches)
-        logits = model(inputs).logits
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-        norms.append(plain_step(model, opt, sched, loss, train.grad_clip))
-        losses.append(loss.item())
-    return losses, norms
-
-
 def test_fp32_3d_training_matches_single_process_hf(run):
-    ref_losses, ref_norms = reference_run(run["data"])
+    ref_losses, ref_norms = gqa31_reference(run["data"])
     got = run["ranks"][0]["fp32"]
     print("3D losses", got["losses"], "\nref losses", ref_losses)
     print("3D norms ", got["grad_norms"], "\nref norms ", ref_norms)
@@ -82,7 +48,7 @@ def test_fp32_3d_training_matches_single_process_hf(run):
 
 def test_fp32_3d_training_from_random_init_matches_single_process(run):
     """No HF weights: the 8-rank run's own random init (seed 1234) is `random_hf_state(model, 1234)`."""
-    ref_losses, ref_norms = reference_run(run["data"], state=random_hf_state(model_config("gqa31"), 1234))
+    ref_losses, ref_norms = gqa31_reference(run["data"], state=random_hf_state(model_config("gqa31"), 1234))
     got = run["ranks"][0]["fp32_random"]
     print("3D losses", got["losses"], "\nref losses", ref_losses)
     for step, (a, b) in enumerate(zip(got["losses"], ref_losses)):

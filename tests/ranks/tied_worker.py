@@ -1,9 +1,9 @@
-"""Multi-rank scenario for tests/test_tied_training.py: a tied-embedding Llama (Llama 3.2's layout) trained at tp2
+"""Multi-rank scenario for tests/ranks/test_tied_training.py: a tied-embedding Llama (Llama 3.2's layout) trained at tp2
 pp2 dp2 from HF weights, its two copies of the tied weight compared after every step, then resumed at tp1 pp2 dp4
 through DeepSpeed's universal checkpoint; bf16, activation checkpointing, and packed SFT through threed.train.
 Runs under torchrun (8 ranks):
 
-    python -m torch.distributed.run --nproc-per-node 8 tests/tied_worker.py --out /tmp/t --data PREFIX \
+    python -m torch.distributed.run --nproc-per-node 8 tests/ranks/tied_worker.py --out /tmp/t --data PREFIX \
         --sft-data CHAT_text_document
 
 Rank 0 writes OUT/tied.json (losses, grad norms, per-step copy checks); TP rank 0 of data-parallel replica 0 of each
@@ -21,7 +21,11 @@ import torch
 import torch.distributed as dist
 
 import threed.checkpoint.save as ckpt
+
+# worker_setup first: it puts tests/ on sys.path (helpers, reference)
+from worker_setup import load_hf_weights, run_worker
 from dist_worker import run_steps, train_dataset
+from reference import PARITY
 from sft_worker import sft_config
 from threed.config import CheckpointConfig, DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from threed.convert.mapping import layer_to_hf
@@ -30,7 +34,6 @@ from threed.train.engine import build_engine
 from threed.hf.config import from_hf_config
 from threed.parallel.pipeline import local_modules
 from threed.train.loop import train
-from worker_setup import load_hf_weights, run_worker
 
 STEPS, SAVED_AT, BF16_STEPS, SFT_STEPS = 10, 5, 4, 3
 
@@ -109,15 +112,11 @@ def main(args: argparse.Namespace, rt: Runtime) -> None:
         model=tied_model_config(),
         parallel=ParallelConfig(tp=2, pp=2),
         train=TrainConfig(
-            dtype="fp32",
+            **PARITY,
             micro_batch_size=2,
             global_batch_size=8,
             seq_length=32,
             steps=STEPS,
-            lr=1e-3,
-            min_lr=1e-4,
-            warmup_steps=2,
-            grad_clip=0.5,
         ),
         data=DataConfig(data_path=(args.data,)),
     )

@@ -1,10 +1,12 @@
-"""What every tests/*_worker.py shares: the start (`[SCENARIO] --out DIR [flags]`, the results directory, the
+"""What every tests/ranks/*_worker.py shares: the start (`[SCENARIO] --out DIR [flags]`, the results directory, the
 process group), the result files the pytest side reads back, and the small facts about a rank's engine the
 scenarios ask (its layers and weights, whether it reads data, whether it keeps the pipeline's logits).
 
-A worker runs as a script under torchrun (tests/ is on sys.path, so it imports this module as `worker_setup`):
+A worker runs as a script under torchrun, so its own folder, tests/ranks/, is on sys.path and it imports this module
+as `worker_setup`; importing it puts tests/ there too, for helpers.py and reference.py. A worker therefore imports
+worker_setup before any of those (or before another worker that does):
 
-    python -m torch.distributed.run --nproc-per-node 8 tests/metrics_worker.py train --out /tmp/m
+    python -m torch.distributed.run --nproc-per-node 8 tests/ranks/metrics_worker.py train --out /tmp/m
 
 and ends with `raise SystemExit(run_worker({"train": train, "bubble": bubble}))`; each scenario is called with the
 parsed arguments (`args.out` is a Path that exists) and the rank's threed.parallel.distributed.Runtime.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -24,6 +27,10 @@ import threed.checkpoint.start as start_module
 from threed.config import RunConfig, RunControlConfig
 from threed.convert.in_memory import load_hf_state
 from threed.parallel.distributed import Runtime, init_distributed
+
+TESTS = str(Path(__file__).resolve().parents[1])
+if TESTS not in sys.path:
+    sys.path.insert(1, TESTS)  # after the worker's own folder
 
 Scenario = Callable[[argparse.Namespace, Runtime], Optional[int]]
 AddArguments = Callable[[argparse.ArgumentParser], None]

@@ -11,63 +11,18 @@ from pathlib import Path
 
 import pytest
 
+from helpers import checkpoint_config, fake_checkpoint
 from threed import atomic
 from threed.checkpoint import manifest
 from threed.model.spec import parameter_count
 from threed.checkpoint.format import MANIFEST_NAME, read_latest
-from threed.checkpoint.manifest import find_resumable, prune, write_manifest
+from threed.checkpoint.manifest import find_resumable, prune
 from threed.checkpoint.format import checkpoint_bytes
 from threed.checkpoint.start import check_save_dir, decide_start
-from threed.config import CheckpointConfig, ConfigError, ParallelConfig, RunConfig, TrainConfig
+from threed.config import ConfigError
 from threed.model.presets import PRESETS
 
 TINY = PRESETS["tiny"]
-
-
-def fake_checkpoint(
-    root: Path,
-    step: int,
-    tp: int = 1,
-    pp: int = 2,
-    dp: int = 1,
-    complete: bool = True,
-    latest: bool = True,
-    dtype: str = "fp32",
-) -> Path:
-    """A checkpoint directory shaped like DeepSpeed's (tiny: 7 pipeline layers), with our manifest."""
-    d = root / f"global_step{step}"
-    d.mkdir(parents=True)
-    files = {}
-    names = [f"layer_{i:02d}-model_{t:02d}-model_states.pt" for i in range(TINY.num_layers + 3) for t in range(tp)]
-    names += [f"mp_rank_{r:02d}_model_states.pt" for r in range(tp * pp)]
-    prefix = "bf16_" if dtype == "bf16" else ""
-    names += [f"{prefix}zero_pp_rank_{d_}_mp_rank_{r:02d}_optim_states.pt" for d_ in range(dp) for r in range(tp * pp)]
-    for i, name in enumerate(names):
-        (d / name).write_bytes(b"x" * (100 + i))
-        files[name] = 100 + i
-    if complete:
-        write_manifest(
-            d,
-            files,
-            {
-                "step": step,
-                "dtype": dtype,
-                "model": RunConfig(model=TINY).to_dict()["model"],
-                "layout": {"tp": tp, "pp": pp, "dp": dp},
-            },
-        )
-        if latest:
-            (root / "latest").write_text(d.name)
-    return d
-
-
-def cfg(save=None, tp=1, pp=2, dtype="fp32", **ck) -> RunConfig:
-    return RunConfig(
-        model=TINY,
-        parallel=ParallelConfig(tp=tp, pp=pp),
-        train=TrainConfig(dtype=dtype, seq_length=32, steps=10),
-        checkpoint=CheckpointConfig(save=str(save) if save else None, **ck),
-    )
 
 
 def test_newest_complete_checkpoint_is_found(tmp_path):
@@ -150,7 +105,7 @@ def test_write_atomic_leaves_no_temporary_file(tmp_path):
 
 def test_existing_run_is_resumed_and_other_sources_are_noted(tmp_path):
     fake_checkpoint(tmp_path / "run", 4)
-    plan = decide_start(cfg(tmp_path / "run", init_from=str(tmp_path / "elsewhere")), world_size=2)
+    plan = decide_start(checkpoint_config(tmp_path / "run", init_from=str(tmp_path / "elsewhere")), world_size=2)
     assert (plan.mode, plan.tag, plan.universal) == ("resume", "global_step4", False)
     assert any("--init-from" in n and "resumes from it" in n for n in plan.notes)
 
@@ -158,8 +113,8 @@ def test_existing_run_is_resumed_and_other_sources_are_noted(tmp_path):
 def test_auto_resume_false_on_a_run_is_refused_naming_overwrite(tmp_path):
     fake_checkpoint(tmp_path / "run", 4)
     with pytest.raises(ConfigError, match="already holds a checkpoint.*--overwrite true"):
-        decide_start(cfg(tmp_path / "run", auto_resume=False), world_size=2)
-    plan = decide_start(cfg(tmp_path / "run", auto_resume=False, overwrite=True), world_size=2)
+        decide_start(checkpoint_config(tmp_path / "run", auto_resume=False), world_size=2)
+    plan = decide_start(checkpoint_config(tmp_path / "run", auto_resume=False, overwrite=True), world_size=2)
     assert plan.mode == "fresh" and plan.clear_save
     assert manifest.clear_run(tmp_path / "run") == ["global_step4"]
     assert not list((tmp_path / "run").iterdir())
@@ -169,47 +124,47 @@ def test_run_with_only_broken_checkpoints_is_refused_not_restarted(tmp_path):
     d = fake_checkpoint(tmp_path / "run", 4)
     (d / "mp_rank_00_model_states.pt").unlink()
     with pytest.raises(ConfigError, match="holds no complete checkpoint.*mp_rank_00_model_states.pt is missing"):
-        decide_start(cfg(tmp_path / "run"), world_size=2)
+        decide_start(checkpoint_config(tmp_path / "run"), world_size=2)
 
 
 def test_first_save_cut_short_starts_fresh(tmp_path):
     fake_checkpoint(tmp_path / "run", 2, complete=False)
-    plan = decide_start(cfg(tmp_path / "run"), world_size=2)
+    plan = decide_start(checkpoint_config(tmp_path / "run"), world_size=2)
     assert plan.mode == "fresh" and "never finished" in plan.notes[0]
 
 
 def test_other_layout_or_dtype_resumes_through_a_universal_checkpoint(tmp_path):
     fake_checkpoint(tmp_path / "run", 4, tp=1, pp=2, dp=2)
-    assert not decide_start(cfg(tmp_path / "run"), world_size=4).universal  # tp1 pp2 dp2: native
-    assert decide_start(cfg(tmp_path / "run"), world_size=2).universal  # dp 1
-    assert decide_start(cfg(tmp_path / "run", tp=2, pp=1), world_size=4).universal  # tp 2 pp 1 dp 2
-    assert decide_start(cfg(tmp_path / "run", dtype="bf16"), world_size=4).universal  # dtype
+    assert not decide_start(checkpoint_config(tmp_path / "run"), world_size=4).universal  # tp1 pp2 dp2: native
+    assert decide_start(checkpoint_config(tmp_path / "run"), world_size=2).universal  # dp 1
+    assert decide_start(checkpoint_config(tmp_path / "run", tp=2, pp=1), world_size=4).universal  # tp 2 pp 1 dp 2
+    assert decide_start(checkpoint_config(tmp_path / "run", dtype="bf16"), world_size=4).universal  # dtype
 
 
 def test_another_model_is_refused(tmp_path):
     fake_checkpoint(tmp_path / "run", 4)
-    other = dataclasses.replace(cfg(tmp_path / "run"), model=dataclasses.replace(TINY, num_layers=2))
+    other = dataclasses.replace(checkpoint_config(tmp_path / "run"), model=dataclasses.replace(TINY, num_layers=2))
     with pytest.raises(ConfigError, match="holds another model.*num_layers 4 != 2"):
         decide_start(other, world_size=2)
 
 
 def test_load_without_checkpoint_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="load=.* holds no DeepSpeed checkpoint"):
-        decide_start(cfg(load=str(tmp_path / "nothing")), world_size=2)
+        decide_start(checkpoint_config(load=str(tmp_path / "nothing")), world_size=2)
 
 
 # ------------------------------------------------------------------------------------------ the save directory
 
 
 def test_save_dir_is_created_and_probed(tmp_path):
-    check_save_dir(cfg(tmp_path / "a" / "b"), decide_start(cfg(tmp_path / "a" / "b"), 2))
+    check_save_dir(checkpoint_config(tmp_path / "a" / "b"), decide_start(checkpoint_config(tmp_path / "a" / "b"), 2))
     assert (tmp_path / "a" / "b").is_dir() and not list((tmp_path / "a" / "b").iterdir())
 
 
 def test_save_dir_that_is_a_file_is_refused(tmp_path):
     (tmp_path / "f").write_text("")
     with pytest.raises(ConfigError, match="is a file, not a directory"):
-        check_save_dir(cfg(tmp_path / "f"), decide_start(cfg(), 2))
+        check_save_dir(checkpoint_config(tmp_path / "f"), decide_start(checkpoint_config(), 2))
 
 
 def test_read_only_save_dir_is_refused(tmp_path, monkeypatch):
@@ -218,19 +173,19 @@ def test_read_only_save_dir_is_refused(tmp_path, monkeypatch):
 
     monkeypatch.setattr(Path, "mkdir", refuse)
     with pytest.raises(ConfigError, match=r"--save .*ck is not writable \(Permission denied\); choose a directory"):
-        check_save_dir(cfg(tmp_path / "ck"), decide_start(cfg(), 2))
+        check_save_dir(checkpoint_config(tmp_path / "ck"), decide_start(checkpoint_config(), 2))
 
 
 def test_too_little_free_space_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**12, 10**12 - 1000, 1000))
     with pytest.raises(ConfigError, match=r"has 1000\.0 B free; one checkpoint of tiny needs about"):
-        check_save_dir(cfg(tmp_path / "ck"), decide_start(cfg(), 2))
+        check_save_dir(checkpoint_config(tmp_path / "ck"), decide_start(checkpoint_config(), 2))
     assert not (tmp_path / "ck").exists()
 
 
 def test_checkpoint_size_estimate_matches_a_real_checkpoint_roughly():
     # tiny: 0.33M params (vocab 512 padded to 512): fp32 weights 4 B + optimizer 12 B per param.
-    c = cfg(tp=2)
+    c = checkpoint_config(tp=2)
     n = parameter_count(TINY, 2)
     assert checkpoint_bytes(c) == n * 16
     assert checkpoint_bytes(dataclasses.replace(c, train=dataclasses.replace(c.train, dtype="bf16"))) == n * 14

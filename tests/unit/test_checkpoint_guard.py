@@ -1,6 +1,6 @@
 """threed.train.guard's decisions in one process (no ranks): non-finite steps skipped up to --skip-nonfinite then a stop
 with exit 3 naming the step and the last good checkpoint; the time budget raising the stop request; the watchdog
-limit. tests/test_checkpoint_faults.py runs the same guard inside real multi-rank runs."""
+limit. tests/ranks/test_checkpoint_faults.py runs the same guard inside real multi-rank runs."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Bad inputs fail with a message that names the problem, exit status 2, and leave no output behind.
 
-.venv/bin/python -m pytest -q tests/test_convert_errors.py
+.venv/bin/python -m pytest -q tests/unit/test_convert_errors.py
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Conversion at real 70B / 405B shapes on the meta device: every output file's name, every tensor's name and
 shape, and no memory used (the same `convert_stream` the converter writes from, fed meta tensors).
 
-    .venv/bin/python -m pytest -q tests/test_convert_meta.py
+    .venv/bin/python -m pytest -q tests/unit/test_convert_meta.py
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """HF -> threed -> HF is bit-identical for tp in {1,2,4,8} x pp in {1,2,4} (GQA, padded vocab, every source
 format), resharding keeps every tensor, and the checkpoint layout is what DeepSpeed loads.
 
-    .venv/bin/python -m pytest -q tests/test_convert_roundtrip.py
+    .venv/bin/python -m pytest -q tests/unit/test_convert_roundtrip.py
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The converter's streaming per-rank path (threed.convert.slices) equals the reference mapping
 `layer_from_hf` bit for bit, for every layer kind, tp, dtype and source reader.
 
-    .venv/bin/python -m pytest -q tests/test_convert_slices.py
+    .venv/bin/python -m pytest -q tests/unit/test_convert_slices.py
 """
 
 from __future__ import annotations

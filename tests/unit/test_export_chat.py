@@ -3,7 +3,7 @@ chat_template.jinja travel with tokenizer.json, so the exported folder renders c
 The tokenizer comes from --tokenizer, else the run's own data tokenizer (an HF directory or a tokenizer.json),
 else the HF files `threed convert` carried into the checkpoint's hf/.
 
-    .venv/bin/python -m pytest -q tests/test_export_chat.py
+    .venv/bin/python -m pytest -q tests/unit/test_export_chat.py
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from convert_fixtures import GQA8, save_hf
-from test_sft import CONVERSATIONS, _llama2_tokenizer, _llama3_tokenizer
+from chat_fixtures import CONVERSATIONS, llama2_tokenizer, llama3_tokenizer
 from threed.cli.main import main
 
 MESSAGES = CONVERSATIONS[2]["messages"]  # system, then two user / assistant turns
@@ -27,8 +27,8 @@ def converted(tmp_path_factory):
     chat tokenizer directory (another vocabulary and template) that is not part of that checkpoint."""
     root = tmp_path_factory.mktemp("export_chat")
     hf = save_hf(root / "hf", dict(GQA8, vocab_size=400))
-    _llama3_tokenizer().save_pretrained(hf)
-    _llama2_tokenizer().save_pretrained(root / "llama2_tok")
+    llama3_tokenizer().save_pretrained(hf)
+    llama2_tokenizer().save_pretrained(root / "llama2_tok")
     ckpt = root / "ckpt"
     assert main(["convert", "--hf", str(hf), "--tp", "2", "--pp", "2", "--out", str(ckpt), "--quiet"]) == 0
     return {"hf": hf, "ckpt": ckpt, "llama2_tok": root / "llama2_tok"}

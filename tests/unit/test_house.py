@@ -3,7 +3,7 @@ every module of src/threed, no import circle exists (not even through an import 
 imported behind importlib, and an import inside a function is only for a heavy or optional dependency, with a
 comment saying which.
 
-    .venv/bin/python -m pytest -q tests/test_house.py      (or: .venv/bin/lint-imports)
+    .venv/bin/python -m pytest -q tests/unit/test_house.py      (or: .venv/bin/lint-imports)
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from pathlib import Path
 import grimp
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers import REPO
+
 SRC = REPO / "src" / "threed"
 # Third-party packages that may be imported inside a function: heavy to import (seconds) or optional extras.
 HEAVY = {

@@ -2,7 +2,7 @@
 count derives from it, and all of it agrees with HF transformers' own `LlamaForCausalLM` — small models with GQA
 and a vocabulary that needs padding, and the real 70B / 405B shapes on the meta device.
 
-    .venv/bin/python -m pytest -q tests/test_model_spec.py
+    .venv/bin/python -m pytest -q tests/unit/test_model_spec.py
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -52,7 +53,7 @@ def test_packed_logits_match_hf_per_document(model):
         os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
     )
     proc = subprocess.run(
-        [sys.executable, str(TESTS / "test_packing.py"), model], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, str(Path(__file__).resolve()), model], env=env, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -3,7 +3,7 @@
 costs, the profiler on the tiny preset (positive costs, a method string that parses back), and check-config
 accepting a costs: method. No timings are asserted.
 
-    .venv/bin/python -m pytest -q tests/test_partition_costs.py
+    .venv/bin/python -m pytest -q tests/unit/test_partition_costs.py
 """
 
 from __future__ import annotations
@@ -13,21 +13,10 @@ import sys
 
 import pytest
 
-from threed.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, TrainConfig
+from helpers import BENCH
+from threed.config import ConfigError, ParallelConfig, RunConfig, TrainConfig
 from threed.parallel.layer_costs import format_costs, parse_costs
 from threed.parallel.partition import resolve_partition
-
-# benchmarks/bench_pipeline.py's model: 8 blocks; pipeline layers 0 embedding, 1-8 blocks, 9 final_norm, 10 lm_head.
-BENCH = ModelConfig(
-    name="bench",
-    vocab_size=4096,
-    hidden_size=256,
-    num_layers=8,
-    num_heads=8,
-    num_kv_heads=4,
-    ffn_hidden_size=704,
-    max_position_embeddings=256,
-)
 
 
 def test_parse_fills_missing_kinds_with_zero() -> None:

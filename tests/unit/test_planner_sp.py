@@ -27,7 +27,7 @@ def test_sp_layouts_fit_without_full_recompute(flagship) -> None:
     sp_light = [la for la in every if la.fits and la.sp and not la.act_ckpt]
     assert sp_light, "SP must bring 70B at 8k under 75 GB without recomputing every block"
     assert best.sp and not best.act_ckpt
-    # 1F1B's (ZB-H1's, faster, come first and do not fit: tests/test_planner_schedule.py)
+    # 1F1B's (ZB-H1's, faster, come first and do not fit: tests/unit/test_planner_schedule.py)
     tp8pp4 = [la for la in every if (la.tp, la.pp, la.micro, la.schedule) == (8, 4, 1, "1f1b")]
     plain = next(la for la in tp8pp4 if not la.sp and not la.recomputed)
     sp = next(la for la in tp8pp4 if la.sp and not la.recomputed)

@@ -4,7 +4,6 @@ BOS / EOD placement; dtype choice; one-line refusals (exit 2, nothing written); 
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import os
@@ -15,49 +14,11 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import pytest
 
+from helpers import preprocess_cli
 from threed.data.chunks import PreprocessError
-from threed.cli.preprocess import register
 from threed.data.prefixes import dataset_prefix
 from threed.data.preprocess import preprocess
-from threed.data.tokenizer import Tokenizer, train_tokenizer
-from threed.data.demo_text import write_demo_text
-
-
-def _paragraphs(text: str) -> list[str]:
-    """The demo corpus as documents: paragraphs with their blank (whitespace-only) lines dropped."""
-    docs = []
-    for para in text.split("\n\n"):
-        lines = [line for line in para.split("\n") if line.strip()]
-        if lines:
-            docs.append("\n".join(lines))
-    return docs
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> dict[str, Any]:
-    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
-
-    d = tmp_path_factory.mktemp("preprocess")
-    text = write_demo_text(str(d / "demo.txt"))
-    sp_model = train_tokenizer([text], 512, str(d / "sp"))
-    # Llama 3 style: a byte-level BPE tokenizer.json alone, its BOS/EOS named like Llama 3's special tokens.
-    hf = HFTokenizer(models.BPE())
-    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    hf.decoder = decoders.ByteLevel()
-    hf.train(
-        [text],
-        trainers.BpeTrainer(
-            vocab_size=700,
-            special_tokens=["<|begin_of_text|>", "<|end_of_text|>"],
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
-        ),
-    )
-    (d / "hf").mkdir()
-    hf.save(str(d / "hf" / "tokenizer.json"))
-    docs = _paragraphs(Path(text).read_text(encoding="utf-8"))[:700]
-    docs[5:5] = ["héllo wörld ✓ 日本語 \t tabs", "", "   "]  # non-ASCII, and two that tokenize to nothing
-    return {"dir": d, "sp": sp_model, "hf": str(d / "hf" / "tokenizer.json"), "docs": docs}
+from threed.data.tokenizer import Tokenizer
 
 
 def _expected(tok: Tokenizer, docs: Sequence[str], bos: bool = True, eod: bool = False) -> list[list[int]]:
@@ -222,13 +183,6 @@ def test_dtype_is_megatrons_optimal_dtype(tmp_path, vocab, dtype):
     assert _read(out.outputs["text"]) == _expected(tok, docs, eod=True)  # type: ignore[arg-type]
 
 
-def _cli(args: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(prog="threed")
-    register(p.add_subparsers(dest="command", required=True))
-    ns = p.parse_args(["preprocess", *args])
-    return ns.run(ns)
-
-
 REFUSALS = {
     "missing input": (lambda d, c: ["--input", str(d / "nope.jsonl")], "input not found: "),
     "malformed json": (lambda d, c: ["--input", c["bad_json"]], "bad.jsonl line 600: not valid JSON"),
@@ -288,7 +242,7 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(corpus, tmp_path, caps
         argv += ["--tokenizer", corpus["sp"]]
     if "--output-prefix" not in argv:
         argv += ["--output-prefix", str(tmp_path / "new" / "sub" / "out")]  # directories it would create
-    assert _cli(argv + ["--workers", "2", "--quiet"]) == 2
+    assert preprocess_cli(argv + ["--workers", "2", "--quiet"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and err.startswith("threed preprocess: error: "), err
     assert message in err and "Traceback" not in err
@@ -338,7 +292,7 @@ def test_tokenizer_pickles_by_path_and_batch_encoding_matches(corpus):
 def test_cli_prints_progress_with_rates_and_a_summary(corpus, tmp_path, capsys):
     src = _write_jsonl(tmp_path / "c.jsonl", [d for d in corpus["docs"] if d.strip()][:100])
     assert (
-        _cli(
+        preprocess_cli(
             [
                 "--input",
                 src,

@@ -5,95 +5,19 @@ boundaries, and bad inputs are refused with one line, exit 2, nothing written.""
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import os
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import pytest
 
-from threed.data.chat import LLAMA2_CHAT_TEMPLATE, ChatRenderer, to_messages
-from threed.cli.preprocess import register
+from chat_fixtures import CONVERSATIONS, CORPUS, llama2_tokenizer, llama3_tokenizer
+from helpers import preprocess_cli
+from threed.data.chat import ChatRenderer, to_messages
 
-# Meta-Llama-3-8B-Instruct's chat template.
-LLAMA3_CHAT_TEMPLATE = (
-    "{% set loop_messages = messages %}{% for message in loop_messages %}"
-    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim"
-    " + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
-)
-CORPUS = [
-    "You are a helpful assistant.",
-    "What is the capital of France?",
-    "The capital of France is Paris.",
-    "Tell me a joke about pipelines.",
-    "Why did the stage wait? It had a bubble.",
-    "hello world 123 !?",
-    "Explain tensor parallelism briefly.",
-    "Split each matrix across GPUs and all-reduce the results.",
-] * 20
-
-CONVERSATIONS = [
-    {"prompt": "What is the capital of France?", "response": "The capital of France is Paris."},
-    {"prompt": "  hello world  ", "response": " Paris! ", "system": "You are a helpful assistant."},
-    {
-        "messages": [
-            {"role": "system", "content": "You are a helpful assistant."},
-            {"role": "user", "content": "Tell me a joke about pipelines."},
-            {"role": "assistant", "content": "Why did the stage wait? It had a bubble."},
-            {"role": "user", "content": "Explain tensor parallelism briefly."},
-            {"role": "assistant", "content": "Split each matrix across GPUs and all-reduce the results."},
-        ]
-    },
-]
-
-
-def _llama3_tokenizer(template: bool = True):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(
-        CORPUS,
-        trainers.BpeTrainer(
-            vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-        ),
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<|begin_of_text|>",
-        eos_token="<|eot_id|>",
-        chat_template=LLAMA3_CHAT_TEMPLATE if template else None,
-    )
-
-
-def _llama2_tokenizer(template: bool = True):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
-    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
-    tok.train_from_iterator(
-        CORPUS + ["[INST] [/INST] <<SYS>> <</SYS>>"] * 5,
-        trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"]),
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        chat_template=LLAMA2_CHAT_TEMPLATE if template else None,
-    )
-
-
-TOKENIZERS = {"llama3": _llama3_tokenizer, "llama2": _llama2_tokenizer}
+TOKENIZERS = {"llama3": llama3_tokenizer, "llama2": llama2_tokenizer}
 
 
 def _ids(encoded) -> list[int]:
@@ -134,7 +58,7 @@ def test_rendering_equals_apply_chat_template_and_mask_is_the_responses(kind):
 
 
 def test_chat_format_llama2_without_template_equals_llama2_template():
-    plain, templated = ChatRenderer(_llama2_tokenizer(template=False), "llama2"), ChatRenderer(_llama2_tokenizer())
+    plain, templated = ChatRenderer(llama2_tokenizer(template=False), "llama2"), ChatRenderer(llama2_tokenizer())
     for record in CONVERSATIONS:
         messages = to_messages(record, "t")
         assert plain(messages, "t") == templated(messages, "t")
@@ -143,31 +67,10 @@ def test_chat_format_llama2_without_template_equals_llama2_template():
 # ------------------------------------------------------------------------------------------------- CLI
 
 
-def _cli(args: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(prog="threed")
-    register(p.add_subparsers(dest="command", required=True))
-    ns = p.parse_args(["preprocess", *args])
-    return ns.run(ns)
-
-
 def _write_jsonl(path: Path, records) -> str:
     data = "".join(json.dumps(r) + "\n" for r in records).encode()
     path.write_bytes(gzip.compress(data) if path.name.endswith(".gz") else data)
     return str(path)
-
-
-@pytest.fixture(scope="module")
-def tok_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tok")
-    out = {}
-    for name, make in [
-        ("llama3", lambda: _llama3_tokenizer()),
-        ("llama2", lambda: _llama2_tokenizer()),
-        ("plain", lambda: _llama2_tokenizer(template=False)),
-    ]:
-        make().save_pretrained(root / name)
-        out[name] = str(root / name)
-    return out
 
 
 def _read(prefix: str) -> list[list[int]]:
@@ -184,7 +87,7 @@ def test_cli_writes_tokens_and_mask_with_same_documents(tmp_path, tok_dirs, caps
     b = _write_jsonl(tmp_path / "b.jsonl.gz", CONVERSATIONS[2:])
     out = tmp_path / "out" / "sft"
     assert (
-        _cli(
+        preprocess_cli(
             [
                 "--sft",
                 "--input",
@@ -215,14 +118,14 @@ def test_cli_writes_tokens_and_mask_with_same_documents(tmp_path, tok_dirs, caps
 
 
 def test_long_examples_dropped_or_truncated_and_counted(tmp_path, tok_dirs, capsys):
-    tok = ChatRenderer(_llama3_tokenizer())
+    tok = ChatRenderer(llama3_tokenizer())
     lengths = [len(tok(to_messages(r, "t"), "t")[0]) for r in CONVERSATIONS]
     limit = sorted(lengths)[1]  # one example fits... at least one is longer
     longer = sum(n > limit for n in lengths)
     assert longer >= 1
     src = _write_jsonl(tmp_path / "a.jsonl", CONVERSATIONS)
     base = ["--sft", "--input", src, "--tokenizer", tok_dirs["llama3"], "--seq-length", str(limit)]
-    assert _cli([*base, "--output-prefix", str(tmp_path / "d"), "--drop-long"]) == 0
+    assert preprocess_cli([*base, "--output-prefix", str(tmp_path / "d"), "--drop-long"]) == 0
     assert f"{longer:,} dropped" in capsys.readouterr().out
     assert len(_read(str(tmp_path / "d_text_document"))[0]) == len(CONVERSATIONS) - longer
     # Truncation keeps the first --seq-length tokens; an example left without any response token is dropped.
@@ -231,7 +134,7 @@ def test_long_examples_dropped_or_truncated_and_counted(tmp_path, tok_dirs, caps
     no_answer_left = {"prompt": " ".join(CORPUS[:12]), "response": "Paris."}
     src = _write_jsonl(tmp_path / "b.jsonl", [CONVERSATIONS[2], no_answer_left])
     assert (
-        _cli(
+        preprocess_cli(
             [
                 "--sft",
                 "--input",
@@ -278,7 +181,7 @@ def test_bad_inputs_refused(case, tmp_path, tok_dirs, capsys):
     src = _write_jsonl(tmp_path / "in.jsonl", records)
     (tmp_path / "out").mkdir()
     args = ["--sft", "--input", src, "--tokenizer", tok_dirs[tok], "--output-prefix", str(tmp_path / "out" / "x")]
-    assert _cli([*args, *(extra or ["--seq-length", "4096"])]) == 2
+    assert preprocess_cli([*args, *(extra or ["--seq-length", "4096"])]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err
     assert os.listdir(tmp_path / "out") == []
@@ -288,7 +191,7 @@ def test_chat_format_llama2_through_cli(tmp_path, tok_dirs):
     src = _write_jsonl(tmp_path / "a.jsonl", CONVERSATIONS)
     for name, extra in (("plain", ["--chat-format", "llama2"]), ("llama2", [])):
         assert (
-            _cli(
+            preprocess_cli(
                 [
                     "--sft",
                     "--quiet",
