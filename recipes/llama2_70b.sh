@@ -5,7 +5,7 @@
 #          train_batch_size = MICRO x GAS x DP = 1 x 1024 x 1 = 1024 sequences x 4096 = 4.19M tokens per step.
 #          At 8 nodes DP = 2 and GAS = 512: the same batch. GLOBAL must stay a multiple of MICRO x DP.
 # Memory   per GPU at 4 nodes (DP=1), heaviest pipeline stage, activation checkpointing on,
-#          from `threed memory` (its docstring lists every term; tests/test_memory.py checks them):
+#          from `threed memory` (its docstring lists every term; tests/ranks/test_memory.py checks them):
 #          ~45 GB/GPU = weights 4.3 + grads 8.7 + optimizer 26.1 + buffers 0.1 + activations 6.1
 #          (stage 0 of 4, 2.17B params; plus CUDA/NCCL overhead)
 #          At DP=2 the ZeRO-1 optimizer shard halves: ~32 GB/GPU. Other layouts, ranked by predicted step time:

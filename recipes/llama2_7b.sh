@@ -5,7 +5,7 @@
 #          train_batch_size = MICRO x GAS x DP = 1 x 512 x 2 = 1024 sequences x 4096 = 4.19M tokens per step.
 #          At 2 nodes DP = 4 and GAS = 256: the same batch. GLOBAL must stay a multiple of MICRO x DP.
 # Memory   per GPU at 1 node (DP=2), heaviest pipeline stage, activation checkpointing off,
-#          from `threed memory` (its docstring lists every term; tests/test_memory.py checks them):
+#          from `threed memory` (its docstring lists every term; tests/ranks/test_memory.py checks them):
 #          ~33 GB/GPU = weights 3.4 + grads 6.7 + optimizer 10.1 + buffers 0.1 + activations 12.3
 #          (stage 0 of 2, 1.68B params; plus CUDA/NCCL overhead)
 #          At DP=4 the ZeRO-1 optimizer shard halves: ~28 GB/GPU. Other layouts, ranked by predicted step time:

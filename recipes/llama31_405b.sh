@@ -7,7 +7,7 @@
 # Memory   per GPU at 32 nodes (DP=2), heaviest pipeline stage, Megatron's sequence parallelism and the first block
 #          of each stage recomputed, from `threed memory --model llama3.1-405b --tp 8 --pp 16 --dp 2
 #          --micro-batch-size 1 --grad-accum-steps 512 --seq-length 4096 --sequence-parallel --recompute-granularity full --recompute-method block
-#          --recompute-num-layers 1` (its docstring lists every term; tests/test_memory*.py check them):
+#          --recompute-num-layers 1` (its docstring lists every term; tests/ranks/test_memory*.py check them):
 #          ~70 GB/GPU = weights 6.4 + grads 12.8 + optimizer 19.1 + buffers 0.2 + activations 31.8
 #          (stage 1 of 16, 3.19B params; plus CUDA/NCCL overhead)
 #          SP without recompute needs ~74 GB, over the 72 GB this recipe allows itself; recomputing every block

@@ -6,7 +6,7 @@
 #          At 8 nodes DP = 2 and GAS = 256: the same batch. GLOBAL must stay a multiple of MICRO x DP.
 # Memory   per GPU at 4 nodes (DP=1), heaviest pipeline stage, Megatron's sequence parallelism, no recompute,
 #          from `threed memory --model llama3.1-70b --tp 8 --pp 4 --dp 1 --micro-batch-size 1 --grad-accum-steps 512 --seq-length 8192
-#          --sequence-parallel` (its docstring lists every term; tests/test_memory*.py check them):
+#          --sequence-parallel` (its docstring lists every term; tests/ranks/test_memory*.py check them):
 #          ~66 GB/GPU = weights 4.5 + grads 9.1 + optimizer 27.3 + buffers 0.2 + activations 25.3
 #          (stage 0 of 4, 2.27B params; plus CUDA/NCCL overhead)
 #          Without SP (no recompute) stage 0 needs ~104 GB (activations 62.9): it would have to recompute 12 of its

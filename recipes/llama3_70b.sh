@@ -5,7 +5,7 @@
 #          train_batch_size = MICRO x GAS x DP = 1 x 512 x 1 = 512 sequences x 8192 = 4.19M tokens per step.
 #          At 8 nodes DP = 2 and GAS = 256: the same batch. GLOBAL must stay a multiple of MICRO x DP.
 # Memory   per GPU at 4 nodes (DP=1), heaviest pipeline stage, activation checkpointing on,
-#          from `threed memory` (its docstring lists every term; tests/test_memory.py checks them):
+#          from `threed memory` (its docstring lists every term; tests/ranks/test_memory.py checks them):
 #          ~53 GB/GPU = weights 4.5 + grads 9.1 + optimizer 27.3 + buffers 0.1 + activations 12.2
 #          (stage 0 of 4, 2.27B params; plus CUDA/NCCL overhead)
 #          At DP=2 the ZeRO-1 optimizer shard halves: ~40 GB/GPU. Other layouts, ranked by predicted step time:

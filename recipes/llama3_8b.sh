@@ -5,7 +5,7 @@
 #          train_batch_size = MICRO x GAS x DP = 1 x 256 x 2 = 512 sequences x 8192 = 4.19M tokens per step.
 #          At 2 nodes DP = 4 and GAS = 128: the same batch. GLOBAL must stay a multiple of MICRO x DP.
 # Memory   per GPU at 1 node (DP=2), heaviest pipeline stage, activation checkpointing off,
-#          from `threed memory` (its docstring lists every term; tests/test_memory.py checks them):
+#          from `threed memory` (its docstring lists every term; tests/ranks/test_memory.py checks them):
 #          ~52 GB/GPU = weights 4.2 + grads 8.5 + optimizer 12.7 + buffers 0.1 + activations 26.7
 #          (stage 0 of 2, 2.12B params; plus CUDA/NCCL overhead)
 #          At DP=4 the ZeRO-1 optimizer shard halves: ~46 GB/GPU. Other layouts, ranked by predicted step time:

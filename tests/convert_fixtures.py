@@ -1,7 +1,7 @@
 """Fixtures for the converter tests: tiny random HF Llamas saved locally in every source format the converter
 reads, and helpers to read HF directories back.
 
-    from convert_fixtures import save_hf, hf_tensors, TINY
+    from convert_fixtures import save_hf, hf_tensors, GQA8
 """
 
 from __future__ import annotations
@@ -10,17 +10,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-
-LLAMA31_SCALING = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 16,
-}
+from helpers import LLAMA31_SCALING, learnable_tokens, write_dataset
 
 # GQA (16 query heads / 8 KV heads, 2 per group) so tp 1..8 all hold whole KV groups and tp=8 holds exactly
 # one KV head per rank; vocab 200 needs padding at every tp (multiple 16*tp); Llama 3.1 rope scaling.
@@ -118,14 +110,7 @@ def assert_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> 
 
 def write_tokens(prefix: Path, n: int, vocab: int, seed: int = 0) -> str:
     """A learnable token stream (next = 7*prev + 3 mod V, 10% noise) as a megatron `.bin/.idx` dataset."""
-    from helpers import write_dataset
-
-    rng = np.random.default_rng(seed)
-    tokens = np.empty(n, dtype=np.int64)
-    tokens[0] = 1
-    for i in range(1, n):
-        tokens[i] = rng.integers(vocab) if rng.random() < 0.1 else (tokens[i - 1] * 7 + 3) % vocab
-    return write_dataset(prefix, tokens, vocab, seed=seed)
+    return write_dataset(prefix, learnable_tokens(n, vocab, seed), vocab, seed=seed)
 
 
 # Llama 3.2's layout at test size: the LM head tied to the embedding (transformers saves no lm_head.weight), GQA

@@ -1,18 +1,32 @@
-"""Shared test helpers: tiny random HF Llamas built locally, synthetic token files, rank launching."""
+"""What tests of every kind share (tests/ is on sys.path: pyproject.toml's pytest `pythonpath`, and
+tests/ranks/worker_setup.py for the workers): where things are, tiny random HF Llamas built locally, synthetic token
+files, `threed` command lines run in a world of their own, and fake checkpoint directories."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import os
+import subprocess
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 
-from threed.config import ModelConfig
+from threed.checkpoint.manifest import write_manifest
+from threed.config import CheckpointConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from threed.hf.config import from_hf_config
+from threed.model.presets import PRESETS
 
 TESTS = Path(__file__).resolve().parent
+RANKS = TESTS / "ranks"  # the multi-rank tests and the *_worker.py scripts torchrun runs for them
+REPO = TESTS.parent
+SRC = REPO / "src"
+# For a child process that must import this checkout's threed whatever the venv's editable install points at.
+SRC_ENV = {"PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
 LLAMA31_SCALING = {
     "rope_type": "llama3",
     "factor": 8.0,
@@ -49,6 +63,19 @@ HF_CONFIGS: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-6,
     ),
 }
+
+# benchmarks/bench_pipeline.py's model, for partition checks: 8 blocks; pipeline layers 0 embedding, 1-8 blocks,
+# 9 final_norm, 10 lm_head.
+BENCH = ModelConfig(
+    name="bench",
+    vocab_size=4096,
+    hidden_size=256,
+    num_layers=8,
+    num_heads=8,
+    num_kv_heads=4,
+    ffn_hidden_size=704,
+    max_position_embeddings=256,
+)
 
 
 def hf_model(name: str, seed: int = 0):
@@ -138,28 +165,111 @@ def write_sft_dataset(base: Path | str, examples: list[tuple], vocab_size: int) 
     return base + "_text_document"
 
 
-def plain_adamw(model, train) -> tuple:
-    """The single-process reference's optimizer: torch AdamW (no decay on 1-D weights, as Megatron) and threed's
-    warmup + cosine multiplier, for a TrainConfig `train`."""
-    from threed.config import RunConfig
-    from threed.train.engine import lr_lambda
+def preprocess_cli(args: Sequence[str]) -> int:
+    """`threed preprocess ARGS` in this process (its parser as `threed` registers it); the exit status."""
+    from threed.cli.preprocess import register
 
-    decay = [p for p in model.parameters() if p.ndim > 1]
-    no_decay = [p for p in model.parameters() if p.ndim <= 1]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=train.lr,
-        betas=(train.beta1, train.beta2),
-        eps=train.adam_eps,
+    p = argparse.ArgumentParser(prog="threed")
+    register(p.add_subparsers(dest="command", required=True))
+    ns = p.parse_args(["preprocess", *args])
+    return ns.run(ns)
+
+
+# torchrun's variables: a process started without them is a world of its own (threed makes a world of one).
+TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def own_world_env(*more: str) -> dict[str, str]:
+    """This process's environment without torchrun's variables (and `more`), one OpenMP thread: for a `threed`
+    command that must not join the pytest process's world of one."""
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV + more}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def tiny_train_argv(data: str, save: Path | str, *flags: str) -> list[str]:
+    """`threed train` of the tiny preset on `data` (all of it for training), fp32 at sequence length 32, saving to
+    `save`; `flags` follow."""
+    return [
+        "train",
+        "--model",
+        "tiny",
+        "--data-path",
+        data,
+        "--split",
+        "100,0,0",
+        "--seq-length",
+        "32",
+        "--dtype",
+        "fp32",
+        "--save",
+        str(save),
+        *flags,
+    ]
+
+
+def tiny_train(data: str, save: Path | str, *flags: str) -> subprocess.CompletedProcess[str]:
+    """`python -m threed.cli` + `tiny_train_argv` in a world of its own, its output captured."""
+    cmd = [sys.executable, "-m", "threed.cli", *tiny_train_argv(data, save, *flags)]
+    return subprocess.run(cmd, env=own_world_env(), capture_output=True, text=True, timeout=300)
+
+
+# Start-up lines of the libraries that a run's log must not show (threed.parallel.distributed quiets them).
+START_UP_NOISE = (
+    "real_accelerator",
+    "Setting accelerator",
+    "Transformer Engine and Apex are not installed",
+    "full scope is deprecated",
+    "SEED_LAYERS=",
+    "Using topology",
+    "tied_comms",
+    "built successfully",
+)
+
+
+def fake_checkpoint(
+    root: Path,
+    step: int,
+    tp: int = 1,
+    pp: int = 2,
+    dp: int = 1,
+    complete: bool = True,
+    latest: bool = True,
+    dtype: str = "fp32",
+) -> Path:
+    """A checkpoint directory shaped like DeepSpeed's (tiny: 7 pipeline layers), with our manifest."""
+    tiny = PRESETS["tiny"]
+    d = root / f"global_step{step}"
+    d.mkdir(parents=True)
+    files = {}
+    names = [f"layer_{i:02d}-model_{t:02d}-model_states.pt" for i in range(tiny.num_layers + 3) for t in range(tp)]
+    names += [f"mp_rank_{r:02d}_model_states.pt" for r in range(tp * pp)]
+    prefix = "bf16_" if dtype == "bf16" else ""
+    names += [f"{prefix}zero_pp_rank_{d_}_mp_rank_{r:02d}_optim_states.pt" for d_ in range(dp) for r in range(tp * pp)]
+    for i, name in enumerate(names):
+        (d / name).write_bytes(b"x" * (100 + i))
+        files[name] = 100 + i
+    if complete:
+        write_manifest(
+            d,
+            files,
+            {
+                "step": step,
+                "dtype": dtype,
+                "model": RunConfig(model=tiny).to_dict()["model"],
+                "layout": {"tp": tp, "pp": pp, "dp": dp},
+            },
+        )
+        if latest:
+            (root / "latest").write_text(d.name)
+    return d
+
+
+def checkpoint_config(save=None, tp=1, pp=2, dtype="fp32", **ck) -> RunConfig:
+    """The tiny preset's RunConfig at (tp, pp), 10 steps, saving to `save`: what `fake_checkpoint`'s runs were."""
+    return RunConfig(
+        model=PRESETS["tiny"],
+        parallel=ParallelConfig(tp=tp, pp=pp),
+        train=TrainConfig(dtype=dtype, seq_length=32, steps=10),
+        checkpoint=CheckpointConfig(save=str(save) if save else None, **ck),
     )
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(RunConfig(model=None, train=train)))
-
-
-def plain_step(model, opt, sched, loss, grad_clip: float) -> float:
-    """backward, clip, step: one reference step; returns the gradient norm before clipping."""
-    opt.zero_grad()
-    loss.backward()
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip).item()
-    opt.step()
-    sched.step()
-    return norm

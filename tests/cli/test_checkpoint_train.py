@@ -1,0 +1,54 @@
+"""The guard and the checkpoint module inside `threed train` itself (one process, fp32, the tiny preset): a run that
+diverges stops with exit 3 naming the step and the last good checkpoint and saves nothing more; a run that reaches
+--exit-duration-in-mins saves and exits 0, and the same command then resumes from that checkpoint."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+
+from helpers import tiny_train
+
+
+def test_divergence_exits_3_and_keeps_the_last_good_checkpoint(tiny_corpus, tmp_path):
+    save = tmp_path / "save"
+    p = tiny_train(tiny_corpus, save, "--steps", "4", "--save-interval", "1", "--lr", "1e30", "--min-lr", "1e29")
+    assert p.returncode == 3, p.stdout[-2000:] + p.stderr[-2000:]
+    errors = [line for line in p.stderr.splitlines() if "threed: error" in line]
+    assert len(errors) == 1 and "Traceback" not in p.stderr
+    # Step 1 at lr ~1e30 already makes the weights non-finite (issue 19: that step used to be saved and named
+    # "last good"): the guard stops at once, before the save, and names no checkpoint.
+    assert "the run diverged at step 1: the step made the weights non-finite; stopping without saving" in errors[0]
+    assert f"Last good checkpoint: none yet in {save}. Start again with a lower --lr" in errors[0]
+    assert not (save / "latest").exists() and not list(save.glob("global_step*"))
+
+
+def test_exit_duration_saves_exits_0_and_the_same_command_resumes(tiny_corpus, tmp_path):
+    save = tmp_path / "save"
+    # A budget of 0.0001 min is spent at once: the first step's end saves and exits.
+    p = tiny_train(tiny_corpus, save, "--steps", "3", "--exit-duration-in-mins", "0.0001")
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "--exit-duration-in-mins 0.0001 is near" in p.stderr and "saving and exiting" in p.stderr
+    assert (save / "latest").read_text() == "global_step1"
+    p = tiny_train(tiny_corpus, save, "--steps", "3")
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert f"resumed from {save} at step 1" in p.stdout
+    assert (save / "latest").read_text() == "global_step3"
+
+
+def test_config_error_under_torchrun_is_one_line_from_rank_0(tiny_corpus, tmp_path):
+    """torchrun (the README's own command) prints its own summary of the failed ranks; ours is one line."""
+    from threed.parallel.launch import torchrun_command
+
+    cmd = torchrun_command(
+        2,
+        "threed.train",
+        ["--model", "tiny", "--data-path", tiny_corpus, "--steps", "-1", "--save", str(tmp_path / "save")],
+    )
+    p = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0
+    assert out.count("threed: configuration error: --steps must be >= 0, got -1") == 1, out[-3000:]
+    assert "exitcode  : 2" in out and "src/threed/" not in out  # torchrun's traceback only, none of ours
+    assert not (tmp_path / "save").exists()

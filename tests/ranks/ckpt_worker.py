@@ -1,0 +1,211 @@
+"""Multi-rank checkpoint scenarios for tests/ranks/test_checkpoint*.py, run under torchrun. The loop is threed.train's
+(build_engine, RunGuard.after_step, threed.checkpoint.save.save with a consumed-sample count), fed fixed synthetic
+batches whose global order does not depend on dp: global batch k is samples [k*G, (k+1)*G), sample i drawn from
+a generator seeded with i, and each dp rank takes its contiguous slice (Megatron's order).
+
+    torchrun --nproc-per-node 4 tests/ranks/ckpt_worker.py --out OUT --save SAVE --tp 1 --pp 2 --steps 6 \
+        --save-interval 2
+
+Rank 0 appends `{"step", "loss", "norm"}` lines to OUT/losses.jsonl as it goes (a killed run leaves the steps it
+finished), every rank writes its local weights to OUT/weights_rank<R>.pt at the end, and OUT/result.json holds
+the start step and the client state a resume received. --lr-jump-step N sets the optimizer's lr to --lr-jump
+from step N on (a finite blow-up after sane, saved steps). Fault injection (--kill WHERE:STEP[:RANK]) makes the
+chosen rank (or every rank: RANK=all) SIGKILL itself at a point of the save of step STEP:
+  file1   after its first file of DeepSpeed's save      ds      after DeepSpeed's save, before the manifest
+  latest  rank 0, after the manifest, before `latest`   prune   rank 0, after `latest`, before pruning
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+
+import torch
+
+import threed.checkpoint.save as ckpt
+from threed.config import CheckpointConfig, ModelConfig, ParallelConfig, RunConfig, RunControlConfig, TrainConfig
+from threed.parallel.distributed import Runtime
+from threed.train.engine import build_engine
+from threed.train.guard import RunGuard
+from worker_setup import local_weights, reads_data, run_worker, write_json
+
+MODEL = ModelConfig(
+    name="ckpt-test",
+    vocab_size=200,
+    hidden_size=64,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    ffn_hidden_size=176,
+    max_position_embeddings=64,
+    make_vocab_size_divisible_by=16,
+)
+SEQ = 16
+
+
+def sample(i: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + i)
+    return torch.randint(0, MODEL.vocab_size, (SEQ + 1,), generator=g)
+
+
+def batches(step: int, micro: int, gas: int, dp: int, dp_rank: int):
+    """Micro-batches from global step `step` on, for this dp rank: (inputs, labels) pairs, gas per step."""
+    glob = micro * gas * dp
+    while True:
+        first = step * glob + dp_rank * micro * gas
+        for j in range(gas):
+            rows = torch.stack([sample(first + j * micro + b) for b in range(micro)])
+            yield rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+        step += 1
+
+
+def kill_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def install_kill(spec: str, engine, rank: int) -> None:
+    where, step, who = (spec.split(":") + ["all"])[:3]
+    step_n = int(step)
+    mine = who == "all" or int(who) == rank
+
+    def at_save() -> bool:
+        return engine.global_steps == step_n and mine
+
+    if where == "file1":
+        original = engine.checkpoint_engine.save
+
+        def save(state_dict, path, *a, **k):
+            out = original(state_dict, path, *a, **k)
+            if at_save():
+                kill_self()
+            return out
+
+        engine.checkpoint_engine.save = save
+    elif where == "ds":
+        original_manifest = ckpt.write_manifest
+
+        def write_manifest(*a, **k):
+            if at_save():
+                kill_self()
+            return original_manifest(*a, **k)
+
+        ckpt.write_manifest = write_manifest
+    elif where in ("latest", "prune"):
+        original_atomic, original_prune = ckpt.write_atomic, ckpt.prune
+
+        def write_atomic(path, text):
+            if where == "latest" and path.name == "latest" and at_save():
+                kill_self()
+            return original_atomic(path, text)
+
+        def prune(*a, **k):
+            if where == "prune" and at_save():
+                kill_self()
+            return original_prune(*a, **k)
+
+        ckpt.write_atomic, ckpt.prune = write_atomic, prune
+    else:
+        raise SystemExit(f"unknown kill point {where}")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--save")
+    p.add_argument("--load")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--save-interval", type=int, default=2)
+    p.add_argument("--keep-last", type=int, default=0)
+    p.add_argument("--global-batch", type=int, default=8)
+    p.add_argument("--micro", type=int, default=1)
+    p.add_argument("--dtype", default="fp32")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--kill")
+    p.add_argument("--poison-step", type=int, default=0, help="make the loss NaN at this step")
+    p.add_argument("--lr-jump-step", type=int, default=0, help="from this step on, the optimizer's lr is --lr-jump")
+    p.add_argument("--lr-jump", type=float, default=1e3)
+    p.add_argument("--skip-nonfinite", type=int, default=0)
+    p.add_argument("--sleep-step", type=int, default=0, help="rank 0 sleeps 30 s in this step (watchdog)")
+    p.add_argument("--watchdog-min-seconds", type=float, default=600.0)
+    p.add_argument("--exit-duration-in-mins", type=float, default=0.0)
+
+
+def main(a: argparse.Namespace, rt: Runtime) -> None:
+    cfg = RunConfig(
+        model=MODEL,
+        parallel=ParallelConfig(tp=a.tp, pp=a.pp),
+        train=TrainConfig(
+            dtype=a.dtype,
+            micro_batch_size=a.micro,
+            global_batch_size=a.global_batch,
+            seq_length=SEQ,
+            steps=a.steps,
+            lr=a.lr,
+            min_lr=a.lr / 10,
+            warmup_steps=2,
+            grad_clip=1.0,
+        ),
+        checkpoint=CheckpointConfig(save=a.save, load=a.load, save_interval=a.save_interval, keep_last=a.keep_last),
+        control=RunControlConfig(
+            skip_nonfinite=a.skip_nonfinite,
+            watchdog_factor=3.0,
+            watchdog_min_seconds=a.watchdog_min_seconds,
+            exit_duration_in_mins=a.exit_duration_in_mins,
+        ),
+    )
+    built = build_engine(cfg, rt)
+    engine = built.engine
+    out = a.out
+    if a.kill:
+        install_kill(a.kill, engine, rt.rank)
+    if a.poison_step and engine.is_last_stage():
+        head = engine.module.forward_funcs[-1]
+        head.register_forward_hook(lambda m, i, o: o * float("nan") if engine.global_steps + 1 == a.poison_step else o)
+    if a.sleep_step and rt.rank == 0:
+        first = engine.module.forward_funcs[0]
+
+        def slow(m, i, o):
+            if engine.global_steps + 1 == a.sleep_step:
+                import time
+
+                time.sleep(30)
+            return o
+
+        first.register_forward_hook(slow)
+    dp, dp_rank = engine.grid.get_data_parallel_world_size(), engine.grid.get_data_parallel_rank()
+    micro, gas, glob = cfg.train.resolve_batch(dp)
+    start = engine.global_steps
+    if rt.rank == 0:
+        write_json(
+            out / "result.json",
+            {
+                "start": start,
+                "client_state": built.client_state,
+                "resumed_from": built.resumed_from,
+                "universal": bool(built.decision and built.decision.universal),
+            },
+        )
+    it = batches(start, micro, gas, dp, dp_rank) if reads_data(engine) else None
+    guard = RunGuard(cfg, rt.rank, engine, None, rt.device)
+    for step in range(start, cfg.train.steps):
+        if a.lr_jump_step and step + 1 >= a.lr_jump_step:  # a finite blow-up after sane steps (the scheduler sets
+            for group in engine.optimizer.param_groups:  # the lr after the optimizer step: this one is used)
+                group["lr"] = a.lr_jump
+        loss = engine.train_batch(data_iter=it).item()
+        norm = engine.get_global_grad_norm()
+        norm = float(norm) if norm is not None else float("nan")
+        if rt.rank == 0:
+            with open(out / "losses.jsonl", "a") as f:
+                f.write(json.dumps({"step": step + 1, "loss": loss, "norm": norm}) + "\n")
+        late = guard.after_step(step + 1, loss, norm)
+        if a.save and (late or (step + 1) % a.save_interval == 0 or step + 1 == cfg.train.steps):
+            guard.saved(ckpt.save(engine, cfg, rt.rank, {"consumed_samples": (step + 1) * glob}).seconds)
+        if late:
+            break
+    torch.save(local_weights(engine), out / f"weights_rank{rt.rank}.pt")
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_worker({"main": main}, add_arguments))

@@ -1,0 +1,337 @@
+"""What a rank really allocates, for tests/ranks/test_memory.py: run under torchrun (or as one plain process).
+
+    python -m torch.distributed.run --nproc-per-node 8 tests/ranks/memory_worker.py --out /tmp/m --layouts 2x2
+    python tests/ranks/memory_worker.py --out /tmp/m --layouts 1x1 --activations
+    python -m torch.distributed.run --nproc-per-node 4 tests/ranks/memory_worker.py --out /tmp/t --layouts 1x2 \
+        --model tiny-tied
+
+--layouts: for each TPxPP layout (dp = world / (tp pp)) build the engine, run one bf16 train step on synthetic
+tokens, then add up the storages of the module's parameters and grads and of BF16_Optimizer's tensors (flat
+groups, fp32 master partitions, fp32 gradient buffers, AdamW state), and separately the RoPE caches and the
+pipeline's receive/gradient buffers. Also every tensor the garbage collector can see, as a cross-check that
+nothing else (e.g. the fp32 parameters DeepSpeed cast to bf16) stays alive. One JSON per rank and layout.
+
+--activations (one process): the CPU allocator's peak during the forward and backward of one micro-batch through
+a whole one-stage model (the profiler's memory events), with and without activation checkpointing, next to
+`threed.memory`'s estimate with CPU kernels.
+
+--stage-activations (tests/ranks/test_memory_sp.py; tp = the world, one stage): the same peak on every TP rank for each
+of SP_CASES (sequence parallelism on/off, recompute none / first N blocks / all), next to the estimate.
+--sequence-parallel: the --layouts engines run with Megatron's sequence parallelism. --pipeline-schedule: the
+--layouts engines run that schedule (tests/ranks/test_memory_zb.py: zb-h1, whose static terms are 1F1B's).
+
+    python -m torch.distributed.run --nproc-per-node 2 tests/ranks/memory_worker.py --out /tmp/sp --stage-activations
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from threed.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
+from threed.parallel.distributed import Runtime, init_megatron_parallel_state
+from threed.train.engine import build_engine
+from threed.model.resolve import model_config
+from threed.memory.model import Stage, stage_activations, stage_bounds, stage_memory, stages
+from threed.memory.recompute import Recompute
+from threed.parallel.pipeline import build_pipeline_module
+from worker_setup import rank_json, reads_data, run_worker, synthetic_batches, write_json
+
+STATIC = dict(model="tiny", micro=2, gas=2, seq=32)
+# Wide enough that activations dwarf everything else allocated during a step.
+ACT_MODEL = ModelConfig(
+    name="act",
+    vocab_size=1000,
+    hidden_size=256,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    ffn_hidden_size=704,
+    max_position_embeddings=1024,
+    make_vocab_size_divisible_by=32,
+)
+ACT = dict(micro=2, seq=512)
+# --stage-activations: four blocks, so that partial recompute has an N strictly between 0 and all of them.
+SP_MODEL = dataclasses.replace(ACT_MODEL, name="act-sp", num_layers=4)
+SP_CASES = {  # name -> (sequence parallel, recompute)
+    "tp": (False, Recompute()),
+    "sp": (True, Recompute()),
+    "tp_full": (False, Recompute.of(True)),
+    "sp_full": (True, Recompute.of(True)),
+    "sp_block2": (True, Recompute.first_blocks(2)),
+}
+
+
+class StorageCounter:
+    """Bytes per category of distinct storages: a tensor whose storage was already counted adds nothing."""
+
+    def __init__(self) -> None:
+        self.seen: set[int] = set()
+        self.bytes: dict[str, int] = {}
+
+    def add(self, category: str, t) -> None:
+        if not isinstance(t, torch.Tensor):
+            return
+        st = t.untyped_storage()
+        if st.data_ptr() in self.seen or st.nbytes() == 0:
+            return
+        self.seen.add(st.data_ptr())
+        self.bytes[category] = self.bytes.get(category, 0) + st.nbytes()
+
+
+def measure_static(engine) -> dict[str, int]:
+    c = StorageCounter()
+    opt = engine.optimizer
+    for p in engine.module.parameters():
+        c.add("weights", p)
+        c.add("bf16 grads", p.grad)
+    for b in engine.module.buffers():
+        c.add("module buffers", b)
+    for t in opt.bf16_groups_flat:
+        c.add("weights", t)
+    for t in opt.fp32_groups_gradients_flat:
+        c.add("grads", t)
+    for t in opt.fp32_groups_flat_partition:
+        c.add("master", t)
+        c.add("master grad", t.grad)  # a view of the fp32 gradient buffer: adds nothing if so
+    for state in opt.optimizer.state.values():
+        for v in state.values():
+            c.add("adam", v)
+    model_states = sum(c.bytes.values())
+    for layer in engine.module.forward_funcs:
+        for t in getattr(getattr(layer, "rotary", None), "_cache", {}).values():
+            c.add("buffers", t)
+    for t in [engine.pipe_recv_buf, engine.grad_layer, *engine._grad_layer_buf]:
+        c.add("buffers", t)
+    from megatron.core import parallel_state  # heavy: only here (sequence parallelism's all-gather buffer)
+
+    memory_buffer = getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None)
+    for t in memory_buffer.buffer.values() if memory_buffer is not None else []:
+        c.add("buffers", t)
+    for key in ("outputs", "output_tensors"):  # the last stage's logits stay here after backward
+        for t in engine.pipe_buffers[key]:
+            c.add("buffers", t)
+    out: dict = dict(c.bytes, model_states=model_states)
+    # Cross-check: every other tensor the garbage collector knows about (none should be large).
+    counted = sum(c.bytes.values())
+    largest = []
+    with warnings.catch_warnings():  # isinstance() on deprecated torch objects warns
+        warnings.simplefilter("ignore")
+        tensors = [
+            o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.layout == torch.strided and not o.is_meta
+        ]
+    for t in tensors:
+        if t.untyped_storage().data_ptr() not in c.seen:
+            c.add("unaccounted", t)
+            largest.append((t.untyped_storage().nbytes(), list(t.shape), str(t.dtype)))
+    out["unaccounted"] = sum(c.bytes.values()) - counted
+    out["largest_unaccounted"] = sorted(largest, reverse=True)[:4]
+    return out
+
+
+def static(args: argparse.Namespace, rt: Runtime) -> None:
+    mc = model_config(args.model)
+    for layout in args.layouts:
+        tp, pp = (int(x) for x in layout.split("x"))
+        dp = rt.world_size // (tp * pp)
+        cfg = RunConfig(
+            model=mc,
+            parallel=ParallelConfig(
+                tp=tp, pp=pp, sequence_parallel=args.sequence_parallel, pipeline_schedule=args.pipeline_schedule
+            ),
+            train=TrainConfig(
+                dtype="bf16", micro_batch_size=STATIC["micro"], grad_accum_steps=STATIC["gas"], seq_length=STATIC["seq"]
+            ),
+        )
+        engine = build_engine(cfg, rt).engine
+        data = synthetic_batches(
+            mc.vocab_size, STATIC["micro"], STATIC["seq"], seed=engine.grid.get_data_parallel_rank(), n=STATIC["gas"]
+        )
+        loss = engine.train_batch(data_iter=data if reads_data(engine) else None).item()
+        gc.collect()
+        stage = stages(mc, pp, tp, STATIC["seq"])[engine.stage_id]
+        mem = stage_memory(
+            mc,
+            tp,
+            pp,
+            dp,
+            STATIC["micro"],
+            STATIC["gas"],
+            STATIC["seq"],
+            False,
+            stage,
+            "cpu",
+            sequence_parallel=args.sequence_parallel,
+            schedule=args.pipeline_schedule,
+        )
+        result = {
+            "model": mc.name,
+            "layout": [tp, pp, dp],
+            "rank": rt.rank,
+            "stage": engine.stage_id,
+            "loss": loss,
+            "parts": [int(b) for b in engine.module.parts],
+            "predicted_parts": list(stage_bounds(mc, pp, tp, STATIC["seq"])),
+            "optimizer": type(engine.optimizer).__name__,
+            "engine": type(engine).__name__,
+            "measured": measure_static(engine),
+            "predicted": {
+                "weights": mem.weights,
+                "grads": mem.grads,
+                "optimizer": mem.optimizer,
+                "model_states": mem.model_states,
+                "buffers": mem.buffers,
+                "static": mem.static,
+                "params": mem.params,
+            },
+        }
+        rank_json(args.out, f"static_{tp}x{pp}x{dp}", result)
+        del engine
+        gc.collect()
+        dist.barrier()
+
+
+def cpu_peak(fn) -> int:
+    """Peak bytes the CPU allocator holds during `fn()` above what it held before (profiler memory events)."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    # The trace keeps every allocation and free in order (FunctionEvent lists drop many of them).
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(f"{tmp}/trace.json")
+        trace = json.loads(Path(f"{tmp}/trace.json").read_text())["traceEvents"]
+    events = sorted((e for e in trace if e.get("name") == "[memory]"), key=lambda e: float(e["ts"]))
+    current = peak = 0
+    for e in events:
+        current += e["args"]["Bytes"]
+        peak = max(peak, current)
+    return peak
+
+
+def activations(args: argparse.Namespace) -> None:
+    init_megatron_parallel_state(1, 1)
+    micro, seq = ACT["micro"], ACT["seq"]
+    results = {}
+    for ckpt in (False, True):
+        cfg = RunConfig(
+            model=ACT_MODEL, train=TrainConfig(seq_length=seq, micro_batch_size=micro, activation_checkpointing=ckpt)
+        )
+        module = build_pipeline_module(cfg, 1).bfloat16()
+        module._precompute_checkpointable_values()  # what the engine does before the first forward
+        tokens, labels = next(synthetic_batches(ACT_MODEL.vocab_size, micro, seq, n=1))
+        module.loss_fn(module(tokens), labels).backward()  # grads now exist: backward adds into them
+
+        def step() -> None:
+            logits = module(tokens)  # kept until backward ends, as the pipeline engine keeps its outputs
+            module.loss_fn(logits, labels).backward()
+            del logits
+
+        measured = cpu_peak(step)
+        stage = Stage(index=0, blocks=ACT_MODEL.num_layers, first=True, last=True)
+        max_param = max(p.numel() for p in module.parameters())
+        kw = dict(stage=stage, micro=micro, gas=1, seq=seq, act_ckpt=ckpt, max_param=max_param)
+        # The engine keeps the logits in its pipe buffers (threed.memory counts them under `buffers`); here
+        # `step` keeps them alive through backward the same way, so they are added to the estimate.
+        logits = 2 * micro * seq * ACT_MODEL.padded_vocab_size(1)
+        cpu = stage_activations(ACT_MODEL, 1, 1, device="cpu", **kw) + logits
+        cuda = stage_activations(ACT_MODEL, 1, 1, device="cuda", **kw) + logits
+        results["ckpt" if ckpt else "no_ckpt"] = {
+            "measured": measured,
+            "estimate_cpu_kernels": cpu,
+            "estimate_cuda_kernels": cuda,
+        }
+    write_json(args.out / "activations.json", results)
+
+
+def recompute_config(rc: Recompute) -> dict:
+    """TrainConfig's fields for `rc` (Megatron's flags; all blocks is --activation-checkpointing)."""
+    if rc == Recompute.of(True):
+        return {"activation_checkpointing": True}
+    return {
+        "recompute_granularity": rc.granularity,
+        "recompute_method": rc.method,
+        "recompute_num_layers": rc.num_layers or None,
+    }
+
+
+def cuda_peak(fn) -> int:
+    """Peak bytes torch's CUDA allocator holds during `fn()` above what it held before."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def stage_activation_cases(args: argparse.Namespace, rt: Runtime) -> None:
+    """Each SP_CASES case on one stage of tp = world ranks: the CPU peak of one micro-batch's forward and backward
+    on this rank (after a first step, so that grads and megatron's all-gather buffer exist), and the estimate."""
+    tp, (micro, seq) = rt.world_size, (ACT["micro"], ACT["seq"])
+    cuda = rt.device.type == "cuda"  # tests/gpu/test_gpu.py: torch.cuda's peak, CUDA kernels, fp32 model moved over
+    init_megatron_parallel_state(tp, 1)
+    results = {}
+    for case, (sp, rc) in SP_CASES.items():
+        cfg = RunConfig(
+            model=SP_MODEL,
+            parallel=ParallelConfig(tp=tp, sequence_parallel=sp),
+            train=TrainConfig(seq_length=seq, micro_batch_size=micro, **recompute_config(rc)),
+        )
+        module = build_pipeline_module(cfg, tp, fused_swiglu=rt.cuda_only.fused_swiglu).bfloat16().to(rt.device)
+        module._precompute_checkpointable_values()
+        tokens, labels = (t.to(rt.device) for t in next(synthetic_batches(SP_MODEL.vocab_size, micro, seq, n=1)))
+        module.loss_fn(module(tokens), labels).backward()
+
+        def step() -> None:
+            logits = module(tokens)  # kept until backward ends, as the pipeline engine keeps its outputs  # noqa: F821 (bound in the loop; ruff sees its `del` below)
+            module.loss_fn(logits, labels).backward()  # noqa: F821
+            del logits
+
+        # The least of three peaks: a collective's buffers are freed a little earlier or later depending on when
+        # the other rank arrives, which moves single peaks by up to a block's activations (upwards only).
+        measured = min(cuda_peak(step) if cuda else cpu_peak(step) for _ in range(3))
+        stage = Stage(index=0, blocks=SP_MODEL.num_layers, first=True, last=True)
+        max_param = max(p.numel() for p in module.parameters())
+        estimate = stage_activations(SP_MODEL, tp, 1, stage, micro, 1, seq, rc, rt.device.type, max_param, sp)
+        logits = 2 * micro * seq * SP_MODEL.padded_vocab_size(tp) // tp  # kept by `step`, as in `activations`
+        results[case] = {"measured": measured, "estimate_cpu_kernels": estimate + logits}
+        del module
+        gc.collect()
+    rank_json(args.out, "stage_activations", results)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--layouts", nargs="*", default=[], help="TPxPP, e.g. 2x2")
+    p.add_argument("--activations", action="store_true", help="also the CPU activation peak (one process)")
+    p.add_argument(
+        "--stage-activations", action="store_true", help="the CPU activation peak of each SP_CASES case, tp = the world"
+    )
+    p.add_argument("--sequence-parallel", action="store_true", help="the --layouts engines with SP")
+    p.add_argument("--pipeline-schedule", default="1f1b", help="the --layouts engines' schedule")
+    p.add_argument(
+        "--model",
+        default=STATIC["model"],
+        help="preset of the --layouts engines (tests/ranks/test_memory_tied.py: tiny-tied)",
+    )
+
+
+def main(args: argparse.Namespace, rt: Runtime) -> None:
+    static(args, rt)
+    if args.activations:
+        activations(args)
+    if args.stage_activations:
+        stage_activation_cases(args, rt)
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_worker({"main": main}, add_arguments))

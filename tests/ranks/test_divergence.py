@@ -1,0 +1,366 @@
+"""The divergence guard for blow-ups that stay finite (issue 19): a loss spike against the run's recent history, a
+dead model (zero gradient norm on a step with loss tokens), a step that multiplies the weight norm, and a save
+that refuses non-finite or absurd weights. Each stops with exit 3 and one line naming the step, what was seen and
+the last good checkpoint, before anything of the distrusted step is written.
+
+Unit tests replay the guard in one process (the demo's recorded loss curve must not trip it); the fault test runs
+2 gloo ranks at pp2 (tests/ranks/ckpt_worker.py) with a far too high --lr, which reproduces the issue's run: step 1
+sends the weights to ~1e8, step 2's loss is 5e6, then the loss sits at ln(vocab) with a gradient norm of 0; a second
+run trains sanely, saves, then blows up. What the per-step weight-norm pass costs: benchmarks/bench_guard.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_checkpoint_faults import RUN, worker
+from threed.train import guard
+from threed.checkpoint import save as ckpt
+from threed.config import CheckpointConfig, RunConfig, RunControlConfig
+from threed.cli.flags import parse_run_config
+from threed.model.presets import PRESETS
+
+# (lm loss, grad norm) of `make demo`'s 150 steps (runs/demo/ckpt/metrics.jsonl: tiny model, tp2 pp2 dp2, bf16,
+# lr 3e-3), with its own spike at step 16 (loss 7.0 against a median of 5.3, grad norm 97) that it recovered from.
+DEMO = [
+    (6.2572, 0.7596),
+    (6.2039, 0.8191),
+    (6.1128, 0.7876),
+    (6.0296, 0.768),
+    (5.9095, 0.7494),
+    (5.7475, 0.7182),
+    (5.6217, 0.6447),
+    (5.5033, 0.5868),
+    (5.3824, 0.5596),
+    (5.3047, 0.8111),
+    (5.2412, 0.476),
+    (5.1846, 0.4673),
+    (5.1316, 0.3666),
+    (5.0773, 1.1287),
+    (5.0744, 0.4592),
+    (6.9997, 97.3811),
+    (4.9843, 0.5341),
+    (5.0348, 0.5827),
+    (4.9877, 2.8343),
+    (4.9469, 0.6865),
+    (4.9356, 0.6814),
+    (4.8479, 0.5314),
+    (4.8394, 1.4481),
+    (4.7911, 0.5714),
+    (4.7692, 0.5431),
+    (4.7264, 0.5679),
+    (4.6877, 0.4479),
+    (4.6656, 0.712),
+    (4.639, 0.5671),
+    (4.6087, 0.4574),
+    (4.5733, 0.5466),
+    (4.5494, 0.4382),
+    (4.4939, 0.5214),
+    (4.4474, 0.4916),
+    (4.4211, 0.4402),
+    (4.3574, 0.3811),
+    (4.3711, 0.5069),
+    (4.3159, 0.3732),
+    (4.2549, 0.5255),
+    (4.1953, 0.3679),
+    (4.1696, 0.4172),
+    (4.1766, 0.4117),
+    (4.1691, 0.3846),
+    (4.0775, 0.4949),
+    (4.1351, 0.3939),
+    (4.0825, 0.4277),
+    (4.0662, 0.3847),
+    (4.0207, 0.3862),
+    (3.9883, 0.3532),
+    (3.997, 0.3782),
+    (3.9185, 0.3701),
+    (3.9343, 0.3676),
+    (3.8992, 0.3514),
+    (3.8973, 0.3857),
+    (3.9108, 0.4153),
+    (3.7961, 0.3848),
+    (3.8411, 0.3983),
+    (3.7958, 0.3857),
+    (3.7785, 0.4023),
+    (3.811, 0.4014),
+    (3.7513, 0.3727),
+    (3.733, 0.3901),
+    (3.7152, 0.3795),
+    (3.7154, 0.3803),
+    (3.6869, 0.4124),
+    (3.7298, 0.4467),
+    (3.6649, 0.4113),
+    (3.6326, 0.3882),
+    (3.6651, 0.5066),
+    (3.62, 0.4972),
+    (3.6831, 0.479),
+    (3.6011, 0.4358),
+    (3.6025, 0.466),
+    (3.6293, 0.5249),
+    (3.5474, 0.4492),
+    (3.6122, 0.4868),
+    (3.5416, 0.4996),
+    (3.5688, 0.4855),
+    (3.615, 0.4797),
+    (3.5581, 0.4565),
+    (3.4914, 0.4256),
+    (3.5467, 0.4769),
+    (3.5185, 0.4073),
+    (3.4654, 0.4479),
+    (3.5527, 0.4809),
+    (3.4026, 0.5077),
+    (3.5485, 0.4876),
+    (3.5166, 0.5049),
+    (3.4819, 0.5162),
+    (3.4686, 0.4753),
+    (3.4035, 0.4654),
+    (3.5239, 0.5197),
+    (3.4299, 0.5424),
+    (3.4769, 0.4779),
+    (3.4948, 0.5464),
+    (3.4814, 0.4642),
+    (3.4772, 0.4536),
+    (3.4331, 0.5032),
+    (3.4548, 0.4932),
+    (3.4676, 0.5691),
+    (3.4221, 0.5593),
+    (3.3641, 0.5653),
+    (3.2876, 0.6036),
+    (3.4221, 0.4632),
+    (3.4458, 0.5028),
+    (3.2426, 0.6327),
+    (3.3217, 0.5304),
+    (3.3583, 0.5222),
+    (3.4533, 0.5815),
+    (3.3333, 0.5814),
+    (3.3773, 0.5175),
+    (3.2906, 0.5675),
+    (3.3861, 0.5141),
+    (3.3039, 0.5235),
+    (3.3179, 0.4807),
+    (3.3399, 0.5074),
+    (3.3551, 0.5421),
+    (3.2894, 0.6496),
+    (3.3051, 0.4842),
+    (3.3138, 0.5686),
+    (3.3537, 0.5321),
+    (3.2373, 0.4804),
+    (3.2636, 0.5666),
+    (3.3014, 0.5369),
+    (3.2609, 0.48),
+    (3.2311, 0.5186),
+    (3.2515, 0.5966),
+    (3.3927, 0.5767),
+    (3.3158, 0.5367),
+    (3.2812, 0.5515),
+    (3.2505, 0.5405),
+    (3.2534, 0.5507),
+    (3.3016, 0.5877),
+    (3.2672, 0.6137),
+    (3.1847, 0.5737),
+    (3.1972, 0.5773),
+    (3.2662, 0.5788),
+    (3.253, 0.5572),
+    (3.2751, 0.5939),
+    (3.2536, 0.6113),
+    (3.2745, 0.6052),
+    (3.3163, 0.6448),
+    (3.2113, 0.5406),
+    (3.2407, 0.6869),
+    (3.292, 0.5252),
+    (3.2323, 0.5838),
+    (3.2885, 0.5316),
+    (3.2713, 0.5661),
+    (3.1479, 0.563),
+    (3.1954, 0.6342),
+]
+
+
+class Engine:
+    """What the guard and the save's weight check read of a DeepSpeed engine: the step, whether it was applied,
+    and the local module's parameters."""
+
+    def __init__(self, module: torch.nn.Module | None = None) -> None:
+        self.applied, self.global_steps = True, 0
+        if module is not None:
+            self.module = module
+
+    def was_step_applied(self) -> bool:
+        return self.applied
+
+
+def make(tmp_path, engine=None, **control) -> tuple[guard.RunGuard, Engine]:
+    cfg = RunConfig(
+        model=PRESETS["tiny"],
+        checkpoint=CheckpointConfig(save=str(tmp_path)),
+        control=RunControlConfig(watchdog_factor=0, **control),
+    )
+    engine = engine or Engine()
+    return guard.RunGuard(cfg, 0, engine, None), engine
+
+
+def aborted(capsys, call) -> str:
+    """Run `call`, which must stop the run with exit 3 and one line on stderr; return that line."""
+    with pytest.raises(SystemExit) as e:
+        call()
+    assert e.value.code == guard.EXIT_DIVERGED
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+def test_the_demo_loss_curve_never_trips_the_guard(tmp_path, capsys):
+    g, _ = make(tmp_path)
+    for step, (loss, norm) in enumerate(DEMO, start=1):
+        assert g.after_step(step, loss, norm) is False
+    assert capsys.readouterr().err == ""
+
+
+def test_a_loss_spike_stops_with_exit_3_naming_step_and_checkpoint(tmp_path, capsys):
+    (tmp_path / "latest").write_text("global_step10")
+    g, _ = make(tmp_path)
+    for step, (loss, norm) in enumerate(DEMO[:30], start=1):
+        g.after_step(step, loss, norm)
+    line = aborted(capsys, lambda: g.after_step(31, 30.0, 3.0))
+    assert line.startswith("threed: error: the run diverged at step 31: loss 30.0000 is ")
+    assert "x the median 5.0758" in line and "of the last 30 steps (--spike-factor 5)" in line
+    assert f"Last good checkpoint: {tmp_path}/global_step10." in line and "lower --lr" in line
+
+
+def test_no_spike_check_before_the_warm_up_nor_for_a_small_rise_on_a_tiny_loss(tmp_path, capsys):
+    g, _ = make(tmp_path)
+    for step in range(1, guard.SPIKE_WARMUP + 1):  # the first steps have no history to judge against
+        g.after_step(step, 100.0 if step == 2 else 5.0, 1.0)
+    for step in range(20, 40):  # a memorised SFT set: 10x a near-zero loss is still a rise of less than a nat
+        g.after_step(step, 0.01, 0.5)
+    g2, _ = make(tmp_path)
+    for step in range(1, 30):
+        g2.after_step(step, 0.01 if step < 29 else 0.5, 0.5)
+    assert capsys.readouterr().err == ""
+
+
+def test_a_spike_right_after_a_save_says_that_checkpoint_produced_it(tmp_path, capsys):
+    (tmp_path / "latest").write_text("global_step30")
+    g, _ = make(tmp_path)
+    for step, (loss, norm) in enumerate(DEMO[:30], start=1):
+        g.after_step(step, loss, norm)
+    line = aborted(capsys, lambda: g.after_step(31, 40.0, 3.0))
+    assert f"{tmp_path}/global_step30 (saved just before this step: its weights gave this loss" in line
+
+
+def test_a_dead_model_stops_on_a_step_with_loss_tokens_only(tmp_path, capsys):
+    g, _ = make(tmp_path)
+    g.after_step(1, 5.2983, 1.4)
+    assert g.after_step(2, 5.2983, 0.0, has_loss_tokens=False) is False  # an SFT batch without responses
+    line = aborted(capsys, lambda: g.after_step(3, 5.2983, 0.0))
+    assert "diverged at step 3: gradient norm 0 on a step with loss tokens (loss 5.2983): the model is dead" in line
+    assert "(--dead-grad-norm 1e-06)" in line and f"Last good checkpoint: none yet in {tmp_path}. Start again" in line
+
+
+def test_a_weight_jump_stops_before_the_step_is_saved(tmp_path, capsys):
+    torch.manual_seed(0)
+    net = torch.nn.Linear(64, 64, bias=False)
+    g, _ = make(tmp_path, Engine(net))
+    with torch.no_grad():
+        net.weight.mul_(1.5)  # a big but healthy update
+    assert g.after_step(1, 5.0, 1.0) is False
+    with torch.no_grad():
+        net.weight.mul_(1e8)
+    line = aborted(capsys, lambda: g.after_step(2, 5.0, 1.0))
+    assert "diverged at step 2: the step multiplied the weight norm by 1e+08 (--weight-jump-factor 10)" in line
+    with torch.no_grad():
+        net.weight.fill_(float("inf"))
+    line = aborted(capsys, lambda: g.after_step(3, 5.0, 1.0))
+    assert "diverged at step 3: the step made the weights non-finite" in line
+
+
+def test_each_check_is_off_at_0(tmp_path, capsys):
+    net = torch.nn.Linear(8, 8)
+    g, _ = make(tmp_path, Engine(net), spike_factor=0, dead_grad_norm=0, weight_jump_factor=0)
+    for step in range(1, 20):
+        g.after_step(step, 5.0, 1.0)
+    with torch.no_grad():
+        net.weight.mul_(1e8)
+    assert g.after_step(20, 500.0, 0.0) is False
+    assert capsys.readouterr().err == ""
+
+
+def test_the_flags_reach_the_config():
+    cfg = parse_run_config(
+        [
+            "--model",
+            "tiny",
+            "--spike-factor",
+            "3",
+            "--dead-grad-norm",
+            "0",
+            "--weight-jump-factor",
+            "100",
+            "--max-weight",
+            "1e6",
+        ]
+    )
+    c = cfg.control
+    assert (c.spike_factor, c.dead_grad_norm, c.weight_jump_factor, c.max_weight) == (3.0, 0.0, 100.0, 1e6)
+    assert RunControlConfig().spike_factor == 5.0 and RunControlConfig().max_weight == 1e4
+
+
+@pytest.mark.parametrize(
+    "value, said",
+    [
+        (float("nan"), "a non-finite weight (nan)"),
+        (float("inf"), "a non-finite weight (inf)"),
+        (3e5, "a weight of magnitude 3e+05 (--max-weight 10000)"),
+    ],
+)
+def test_a_save_of_diverged_weights_is_refused_and_writes_nothing(tmp_path, capsys, value, said):
+    (tmp_path / "latest").write_text("global_step4")
+    net = torch.nn.Linear(8, 8)
+    with torch.no_grad():
+        net.weight[3, 5] = value
+    engine = Engine(net)
+    engine.global_steps = 6
+    cfg = RunConfig(model=PRESETS["tiny"], checkpoint=CheckpointConfig(save=str(tmp_path)))
+    line = aborted(capsys, lambda: ckpt.save(engine, cfg, 0))  # the fake engine has no save_checkpoint: not reached
+    assert line == (
+        f"threed: error: refusing to save step 6: rank 0 holds {said}: the run diverged; nothing was "
+        f"written. Last good checkpoint: {tmp_path}/global_step4. Resume from it with a lower --lr or "
+        f"more --warmup-steps"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest"]
+    assert (tmp_path / "latest").read_text() == "global_step4"
+
+
+def test_finite_blow_up_at_pp2_exits_3_and_saves_nothing_distrusted(tmp_path):
+    """--lr 1e3 from random init: step 1 multiplies the weights ~1e4x. No checkpoint, none named."""
+    save, out = tmp_path / "save", tmp_path / "out"
+    p = worker(2, out, "--save", str(save), *RUN, "--save-interval", "1", "--lr", "1e3")
+    assert "exitcode  : 3" in p.stdout, p.stdout[-3000:]
+    lines = [line for line in p.stdout.splitlines() if "threed: error" in line]
+    assert len(lines) == 1, p.stdout[-3000:]
+    assert "the run diverged at step 1: the step multiplied the weight norm by" in lines[0]
+    assert f"Last good checkpoint: none yet in {save}. Start again with a lower --lr" in lines[0]
+    assert not (save / "latest").exists() and not list(save.glob("global_step*"))
+
+
+def test_finite_blow_up_at_pp2_after_saves_names_the_last_sane_checkpoint(tmp_path):
+    """Steps 1-4 at --lr 1e-3, saved at 2 and 4; from step 5 the lr is 1e3 and the weights jump. Step 4's
+    checkpoint is named and kept, with sane weights, and nothing of step 5 or later is written."""
+    save, out = tmp_path / "save", tmp_path / "out"
+    p = worker(2, out, "--save", str(save), *RUN, "--lr-jump-step", "5", "--lr-jump", "1e3")
+    assert "exitcode  : 3" in p.stdout, p.stdout[-3000:]
+    lines = [line for line in p.stdout.splitlines() if "threed: error" in line]
+    assert len(lines) == 1, p.stdout[-3000:]
+    assert "the run diverged at step 5: the step multiplied the weight norm by" in lines[0]
+    assert f"Last good checkpoint: {save}/global_step4. Resume from it with a lower --lr" in lines[0]
+    assert (save / "latest").read_text() == "global_step4"
+    assert sorted(d.name for d in save.glob("global_step*")) == ["global_step2", "global_step4"]
+    layers = sorted((save / "global_step4").glob("layer_*-model_states.pt"))
+    assert layers, sorted(f.name for f in (save / "global_step4").iterdir())
+    checked = 0
+    for f in layers:
+        for name, w in torch.load(f, map_location="cpu", weights_only=True).items():
+            if isinstance(w, torch.Tensor) and torch.is_floating_point(w):  # (entries like _extra_state: None)
+                assert torch.isfinite(w).all() and w.abs().max() < 1e3, (f.name, name, w.abs().max())
+                checked += w.numel()
+    assert checked > 100_000  # the model's weights (~180k), not a stray tensor
