@@ -1,5 +1,5 @@
 """The Slurm tests' fixture (only tests/cli/ has Slurm tests; the fixtures shared by every folder are in
-tests/conftest.py): a factory of throw-away local Slurm clusters, slurm_cluster.LocalSlurm."""
+tests/cli/conftest.py): a factory of throw-away local Slurm clusters, slurm_cluster.LocalSlurm."""
 
 from __future__ import annotations
 

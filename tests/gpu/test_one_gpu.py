@@ -58,7 +58,7 @@ LOGITS_TOL = 5e-2
 WORKER = Path(worker.__file__)
 CKPT_WORKER = next(p for p in (worker.TESTS / "ranks", worker.TESTS) if (p / "ckpt_worker.py").is_file())
 CKPT_WORKER = CKPT_WORKER / "ckpt_worker.py"
-# tests/ckpt_worker.py's run: global batch 8 (micro 1), steps 1-4, a checkpoint every 2 steps
+# tests/ranks/ckpt_worker.py's run: global batch 8 (micro 1), steps 1-4, a checkpoint every 2 steps
 CKPT_RUN = ["--steps", "4", "--save-interval", "2", "--global-batch", "8"]
 
 

@@ -112,7 +112,7 @@ def convert_stream(
 ) -> Iterator[tuple[PipelineLayer, int, StateDict]]:
     """Yield (layer, TP rank, state dict) for every output file, one at a time (with a pool, each is only
     valid until the next is made). With device="meta" and a reader over meta tensors this is the whole
-    conversion at real shapes with no memory (tests/test_convert_meta.py)."""
+    conversion at real shapes with no memory (tests/unit/test_convert_meta.py)."""
     for layer in layers if layers is not None else stored_layers(cfg):
         for rank in range(tp):
             yield layer, rank, convert_rank(cfg, layer, reader, tp, rank, dtype, device, pool)

@@ -1,5 +1,5 @@
 """Which bytes of which HF tensors make one TP rank's state dict: the converter's streaming form of
-`mapping.layer_from_hf`, equal to it bit for bit (tests/test_convert_slices.py checks every kind at every tp).
+`mapping.layer_from_hf`, equal to it bit for bit (tests/unit/test_convert_slices.py checks every kind at every tp).
 
     for spec in rank_slices(cfg, layer, tp, rank):          # pure: names, shapes, source slices
         out[spec.name] = materialize(spec, reader, dtype)   # reader: HF files (positioned reads) or a dict

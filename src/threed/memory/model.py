@@ -6,8 +6,8 @@
         --seq-length 8192 --sequence-parallel --recompute-granularity full --recompute-method block \
         --recompute-num-layers 4
 
-Per rank of pipeline stage s. tests/test_memory.py checks the static terms against the tensors of real CPU
-engines (within 2%; they agree to the byte), tests/test_memory_tied.py the same for a tied model, and the
+Per rank of pipeline stage s. tests/ranks/test_memory.py checks the static terms against the tensors of real CPU
+engines (within 2%; they agree to the byte), tests/ranks/test_memory_tied.py the same for a tied model, and the
 activation estimate is reported against a measured CPU peak.
 
   stages       `threed.parallel.partition` (the run's --partition-method) over `threed.model.spec.pipeline_layers`:
@@ -262,7 +262,7 @@ def stage_activations(
     awaiting_w = deferred * awaiting_w_bytes(model, tp, stage_kinds(stage), sp) * tokens
     # ZB-H1 sends without waiting for the receiver (threed.parallel.schedule): the gradients a later stage sent stay
     # alive until the stage before has received them, and are let go at its next send; during a B that is the last two
-    # micro-batches' (1/tp of [s, b, h] each per TP rank; measured: tests/test_memory_zb.py).
+    # micro-batches' (1/tp of [s, b, h] each per TP rank; measured: tests/ranks/test_memory_zb.py).
     in_send = deferred * (stage.index > 0) * min(2, gas - 1) * BF16 * tokens * h // tp
     others = in_send + max(
         (live - 1) * per_micro + waiting * awaiting_w

@@ -136,7 +136,7 @@ def mark_tensor_parallel(module: torch.nn.Module) -> None:
 
     megatron-core 0.16.1 sets the tag only inside its init functions, so with `perform_initialization=False`
     (loading a checkpoint) the tag is missing and DeepSpeed's gradient norm counts TP shards of rank 0 only:
-    wrong clipping after every resume. Found by tests/test_training.py::test_resume_is_bit_exact.
+    wrong clipping after every resume. Found by tests/ranks/test_training.py::test_resume_is_bit_exact.
     """
     for sub in module.modules():
         dim = next(

@@ -13,7 +13,7 @@ re-gathers the input the same way) and hands the result to autograd on the weigh
 (`torch.autograd.backward(weight, grad)`), so it lands exactly where the fused backward would put it, through the
 parameter's AccumulateGrad: DeepSpeed's BF16_Optimizer hooks (fp32 accumulation) and ZeRO's see it as usual.
 
-    python -m pytest tests/test_pipeline_schedule.py
+    python -m pytest tests/ranks/test_pipeline_schedule.py
 """
 
 from __future__ import annotations

@@ -105,7 +105,7 @@ def torchrun_main(argv: Sequence[str]) -> int:
         # already forwarded the signal to the ranks and waited for them (--shutdown-timeout, SHUTDOWN_TIMEOUT_S), and
         # the ranks treat it as a stop request (threed.train.guard.StopRequest: save at the step boundary, exit 0, and
         # say so). Without this, the agent's SignalException ended the launcher with a traceback and exit 1 after a
-        # clean save (issue 19, tests/test_ctrl_c_ranks.py). Any other signal: the shell's 128 + signal.
+        # clean save (issue 19, tests/cli/test_ctrl_c_ranks.py). Any other signal: the shell's 128 + signal.
         return 0 if e.sigval in (signal.SIGINT, signal.SIGTERM) else 128 + int(e.sigval)
     return 0
 

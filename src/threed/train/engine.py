@@ -44,7 +44,7 @@ def deepspeed_config(cfg: RunConfig, world_size: int, load_universal: bool = Fal
         ds["data_types"] = {"grad_accum_dtype": cfg.train.grad_accum_dtype}
     # The data-parallel all-reduce runs on the fp32 accumulated gradients. DeepSpeed's default is the compute
     # dtype (bf16 when bf16 is on), which rounds the fp32 sums to bf16 before reducing and allocates a 2 B/param
-    # temporary every step; fp32 keeps dp2 x gas1 equal to dp1 x gas2 (tests/test_training.py).
+    # temporary every step; fp32 keeps dp2 x gas1 equal to dp1 x gas2 (tests/ranks/test_training.py).
     ds["communication_data_type"] = "fp32"
     if cfg.data.pack:
         # Packed rows send (hidden, doc_ids) between stages: DeepSpeed's reentrant activation checkpointing needs
