@@ -1,5 +1,7 @@
 """How a run is parallelised: everything that knows about ranks, groups, stages and schedules.
 
+    context.py          context parallelism's core: the zigzag split of each row over a CP group, the all-gather-K/V
+                        attention (exact, with packed documents), the exact token mean over CP ranks (not wired yet)
     distributed.py      the device policy (cuda+nccl or cpu+gloo, chosen in one place), megatron-core's parallel
                         state, and the check that megatron's groups are DeepSpeed's
     megatron_device.py  megatron-core's CUDA-only buffers, put on the device policy's device (the one adaptation)
