@@ -22,8 +22,8 @@ from threed.cli.flags import add_run_flags
 from threed.cli.main import main
 
 REPO = Path(__file__).resolve().parents[2]
-LAYOUT = ["--model", "llama3.1-70b", "--tp", "8", "--pp", "4", "--sequence-parallel"]
-PLAN_HW = ["--model", "llama3.1-70b", "--nodes", "4", "--gpu-memory", "80", "--tp", "8", "--pp", "4"]
+LAYOUT = "--model llama3.1-70b --tp 8 --pp 4 --sequence-parallel".split()
+PLAN = "plan --model llama3.1-70b --gpu-memory 80".split()
 
 
 def run(capsys, *argv: str) -> str:
@@ -34,97 +34,32 @@ def run(capsys, *argv: str) -> str:
 
 
 def test_plan_takes_trainings_flags_and_the_old_names_alike(capsys) -> None:
-    new = run(
-        capsys,
-        "plan",
-        *PLAN_HW,
-        "--micro-batch-size",
-        "1",
-        "--seq-length",
-        "8192",
-        "--global-batch-size",
-        "512",
-        "--sequence-parallel",
-        "true",
-    )
-    old = run(
-        capsys,
-        "plan",
-        *PLAN_HW,
-        "--micro",
-        "1",
-        "--seq",
-        "8192",
-        "--global-batch",
-        "512",
-        "--sequence-parallel",
-        "true",
-    )
+    new = run(capsys, *PLAN, *"--nodes 4 --tp 8 --pp 4 --micro-batch-size 1 --seq-length 8192".split(),
+              *"--global-batch-size 512 --sequence-parallel true".split())  # fmt: skip
+    old = run(capsys, *PLAN, *"--nodes 4 --tp 8 --pp 4 --micro 1 --seq 8192 --global-batch 512".split(),
+              *"--sequence-parallel true".split())  # fmt: skip
     assert new == old and "best: tp8 pp4" in new, new
     # Megatron's names too (the config's aliases)
-    megatron = run(
-        capsys,
-        "plan",
-        "--model",
-        "llama3.1-70b",
-        "--nodes",
-        "4",
-        "--gpu-memory",
-        "80",
-        "--tensor-model-parallel-size",
-        "8",
-        "--pipeline-model-parallel-size",
-        "4",
-        "--micro-batch-size",
-        "1",
-        "--seq-length",
-        "8192",
-        "--global-batch-size",
-        "512",
-        "--sequence-parallel",
-        "true",
-    )
+    parallel = "--nodes 4 --tensor-model-parallel-size 8 --pipeline-model-parallel-size 4".split()
+    batch = "--micro-batch-size 1 --seq-length 8192 --global-batch-size 512 --sequence-parallel true".split()
+    megatron = run(capsys, *PLAN, *parallel, *batch)
     assert megatron == new
 
 
 def test_memory_check_config_and_plan_agree_on_one_layout(capsys) -> None:
-    batch = ["--micro-batch-size", "1", "--grad-accum-steps", "256", "--seq-length", "8192"]
+    batch = "--micro-batch-size 1 --grad-accum-steps 256 --seq-length 8192".split()
     mem = run(capsys, "memory", *LAYOUT, "--dp", "2", *batch).strip()
-    old = run(capsys, "memory", *LAYOUT, "--dp", "2", "--micro", "1", "--gas", "256", "--seq", "8192").strip()
+    old = run(capsys, "memory", *LAYOUT, *"--dp 2 --micro 1 --gas 256 --seq 8192".split()).strip()
     assert mem == old and mem.startswith("~"), mem
     check = run(capsys, "check-config", "--world", "64", *LAYOUT, *batch)
     assert re.search(r"^memory: (.*)$", check, re.M)[1] == mem
     assert "world 64 = tp 8 x pp 4 x dp 2, global batch 512 = micro 1 x gas 256 x dp 2" in check
-    plan = run(
-        capsys,
-        "plan",
-        "--model",
-        "llama3.1-70b",
-        "--nodes",
-        "8",
-        "--gpu-memory",
-        "80",
-        "--tp",
-        "8",
-        "--pp",
-        "4",
-        "--micro-batch-size",
-        "1",
-        "--seq-length",
-        "8192",
-        "--global-batch-size",
-        "512",
-        "--sequence-parallel",
-        "true",
-        "--activation-checkpointing",
-        "false",
-        "--pipeline-schedule",
-        "1f1b",
-    )
+    plan = run(capsys, *PLAN, *"--nodes 8 --tp 8 --pp 4 --micro-batch-size 1 --seq-length 8192".split(),
+               *"--global-batch-size 512 --sequence-parallel true --activation-checkpointing false".split(),
+               *"--pipeline-schedule 1f1b".split())  # fmt: skip
     best = re.search(r"^best: (.*)$", plan, re.M)[1]
-    assert best.startswith("tp8 pp4 dp2, micro 1 x gas 256, sequence parallel, without recompute") and best.endswith(
-        mem
-    ), best
+    assert best.startswith("tp8 pp4 dp2, micro 1 x gas 256, sequence parallel, without recompute"), best
+    assert best.endswith(mem), (best, mem)
 
 
 def _options(build) -> dict[str, argparse.Action]:
@@ -148,20 +83,15 @@ def test_shared_flags_are_trainings_own(build) -> None:
 def test_the_entry_points_users_script_against_still_run() -> None:
     """`python -m threed.memory` (old short names included) and `python -m threed.train` survive the move."""
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    mem = subprocess.run(
-        [sys.executable, "-m", "threed.memory", *LAYOUT, "--dp", "2", "--micro", "1", "--gas", "256", "--seq", "8192"],
-        capture_output=True, text=True, env=env, timeout=120,
-    )  # fmt: skip
+
+    def python_m(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, env=env, timeout=120)
+
+    mem = python_m("threed.memory", *LAYOUT, *"--dp 2 --micro 1 --gas 256 --seq 8192".split())
     assert mem.returncode == 0 and mem.stdout.startswith("~") and "GB/GPU" in mem.stdout, mem.stderr
-    train = subprocess.run([sys.executable, "-m", "threed.train", "--help"], capture_output=True, text=True, env=env,
-                           timeout=120)  # fmt: skip
-    assert (
-        train.returncode == 0
-        and "--micro-batch-size" in train.stdout
-        and "--tensor-model-parallel-size" in train.stdout
-    )
-    bad = subprocess.run([sys.executable, "-m", "threed.train", "--model", "tiny", "--tp", "3"], capture_output=True,
-                         text=True, env=env, timeout=120)  # fmt: skip
-    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr, (
-        bad.stderr
-    )
+    train = python_m("threed.train", "--help")
+    assert train.returncode == 0 and "--micro-batch-size" in train.stdout, train.stderr
+    assert "--tensor-model-parallel-size" in train.stdout
+    bad = python_m("threed.train", "--model", "tiny", "--tp", "3")
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    assert "Traceback" not in bad.stderr

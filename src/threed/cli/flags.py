@@ -102,6 +102,31 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
             add_field_flag(group, section, f.name)
 
 
+def add_command(
+    sub: argparse._SubParsersAction, name: str, help: str, description: Optional[str], add_arguments, run
+) -> argparse.ArgumentParser:
+    """A `threed NAME` sub-command whose flags come from `add_arguments` and which `run(ns)` carries out."""
+    p = sub.add_parser(
+        name,
+        help=help,
+        description=description,
+        allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(p)
+    p.set_defaults(run=run)
+    return p
+
+
+def standalone(prog: str, description: Optional[str], add_arguments) -> argparse.ArgumentParser:
+    """The same flags as a parser of its own (`python -m threed.memory`, a command's `main`)."""
+    p = argparse.ArgumentParser(
+        prog=prog, description=description, allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_arguments(p)
+    return p
+
+
 def field_value(ns: argparse.Namespace, section: str, name: str) -> Any:
     return getattr(ns, f"{section}.{name}")
 

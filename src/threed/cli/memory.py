@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from threed.cli.flags import add_field_flag, add_model_flag, field_value
+from threed.cli.flags import add_command, add_field_flag, add_model_flag, field_value, standalone
 from threed.config import ConfigError, TrainConfig
 from threed.errors import guarded
 from threed.memory import model as memory_model
@@ -95,25 +95,13 @@ def run(ns: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "memory",
-        help="the memory model's estimate per GPU for a layout",
-        description=memory_model.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    add_command(
+        sub, "memory", "the memory model's estimate per GPU for a layout", memory_model.__doc__, add_arguments, run
     )
-    add_arguments(p)
-    p.set_defaults(run=run)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="threed memory",
-        description=memory_model.__doc__,
-        allow_abbrev=False,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(p)
-    return run(p.parse_args(argv))
+    return run(standalone("threed memory", memory_model.__doc__, add_arguments).parse_args(argv))
 
 
 if __name__ == "__main__":

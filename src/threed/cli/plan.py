@@ -14,7 +14,7 @@ import argparse
 import sys
 from typing import Optional
 
-from threed.cli.flags import add_field_flag, add_model_flag, field_value
+from threed.cli.flags import add_command, add_field_flag, add_model_flag, field_value, standalone
 from threed.config import ConfigError
 from threed.errors import guarded
 from threed.memory.model import quiet_deepspeed_import
@@ -94,25 +94,18 @@ def run(ns: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+    add_command(
+        sub,
         "plan",
-        help="rank (tp, pp, micro, gas, sequence parallel, schedule, recompute) layouts for a cluster",
-        description=planner.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "rank (tp, pp, micro, gas, sequence parallel, schedule, recompute) layouts for a cluster",
+        planner.__doc__,
+        add_arguments,
+        run,
     )
-    add_arguments(p)
-    p.set_defaults(run=run)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="threed plan",
-        description=planner.__doc__,
-        allow_abbrev=False,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(p)
-    ns = p.parse_args(argv)
+    ns = standalone("threed plan", planner.__doc__, add_arguments).parse_args(argv)
     return guarded("threed plan", lambda: run(ns), prefix="")
 
 
