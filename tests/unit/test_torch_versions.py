@@ -8,6 +8,7 @@ whole run there before it was guarded by capability.
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import pytest
@@ -116,3 +117,45 @@ def test_no_varlen_module_takes_the_mask_path(monkeypatch) -> None:
     assert attention.varlen_kernel() is None
     out, _ = _run(monkeypatch, None)
     torch.testing.assert_close(out, _mask_path()[0])
+
+
+def _torchrun_without_shutdown_timeout(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """torchrun's parser as torch 2.11 has it: the running torch's, less --shutdown-timeout (removed as argparse's own
+    conflict handling removes an option)."""
+    action = parser._option_string_actions["--shutdown-timeout"]
+    for option in action.option_strings:
+        del parser._option_string_actions[option]
+    action.container._remove_action(action)
+    return parser
+
+
+@pytest.mark.parametrize("has_option", [False, True], ids=["torch-2.11-torchrun", "torch-2.13-torchrun"])
+def test_shutdown_timeout_only_where_torchrun_takes_it(monkeypatch, has_option) -> None:
+    """torch 2.11's torchrun exits 2 on --shutdown-timeout before any rank starts (`threed train --nproc-per-node`,
+    recipes/launch.sh): the launcher passes it only where torchrun's parser knows it, and torchrun then parses
+    what it is given."""
+    import torch.distributed.run as torchrun
+
+    from threed.parallel import launch
+
+    if not has_option:
+        older = _torchrun_without_shutdown_timeout(torchrun.get_args_parser())
+        with pytest.raises(SystemExit):  # what torch 2.11's torchrun does with the option
+            _torchrun_without_shutdown_timeout(torchrun.get_args_parser()).parse_args(["--shutdown-timeout=9", "x.py"])
+        monkeypatch.setattr(torchrun, "get_args_parser", lambda: older)
+    monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
+    parsed = []
+    monkeypatch.setattr(torchrun, "parse_args", lambda argv: parsed.append(torchrun.get_args_parser().parse_args(argv)))
+    monkeypatch.setattr(torchrun, "run", lambda args: None)
+    argv = ["--nproc-per-node=2", "--standalone", "-m", "threed.cli", "train"]
+    assert launch.torchrun_takes("--shutdown-timeout") == has_option
+    assert launch.torchrun_main(argv) == 0  # the fake 2.11 parser exits 2 on the option, as the real one did
+    (args,) = parsed
+    if has_option:
+        assert args.shutdown_timeout == launch.SHUTDOWN_TIMEOUT_S
+    else:
+        assert not hasattr(args, "shutdown_timeout")
+    # Said explicitly (or through torch's environment variable), the user's choice is left as it is.
+    assert launch.with_shutdown_timeout(["--shutdown-timeout=5", *argv]) == ["--shutdown-timeout=5", *argv]
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "60")
+    assert launch.with_shutdown_timeout(argv) == argv
