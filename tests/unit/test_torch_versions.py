@@ -159,3 +159,62 @@ def test_shutdown_timeout_only_where_torchrun_takes_it(monkeypatch, has_option) 
     assert launch.with_shutdown_timeout(["--shutdown-timeout=5", *argv]) == ["--shutdown-timeout=5", *argv]
     monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "60")
     assert launch.with_shutdown_timeout(argv) == argv
+
+
+@pytest.mark.parametrize(
+    "version,refused",
+    [
+        ("2.10.1+cu128", True),
+        ("1.13.1", True),
+        ("2.11.0", False),
+        ("2.11.0+cu130", False),
+        ("2.12.0a0+git1234567", False),
+        ("2.13.0+cpu", False),
+        ("3.0.0.dev20270101", False),
+        ("custom", False),
+    ],
+)
+def test_the_floor_is_one_version(version, refused) -> None:
+    from threed.parallel.distributed import MIN_TORCH, torch_too_old
+
+    assert MIN_TORCH == (2, 11)
+    line = torch_too_old(version)
+    assert (line is not None) == refused
+    if refused:
+        assert "\n" not in line and version in line and ">= 2.11" in line and "docs/torch-versions.md" in line
+
+
+def test_a_torch_below_the_floor_is_refused_before_anything_starts(monkeypatch) -> None:
+    """`init_distributed` (every rank of `threed train`, `threed verify`, `threed profile-layers`) refuses it in one
+    line (a ConfigError: exit 2, rank 0 speaks) before DeepSpeed is imported or a process group is made."""
+    from threed.config import ConfigError
+    from threed.parallel import distributed
+
+    monkeypatch.setattr(torch, "__version__", "2.10.0+cu126")
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # importing it would raise ImportError, not ConfigError
+    with pytest.raises(ConfigError, match=r"torch 2\.10\.0\+cu126 is older than threed supports"):
+        distributed.init_distributed()
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("has_single", [False, True], ids=["torch-2.11", "torch-2.13"])
+def test_all_gather_under_the_name_torch_has(monkeypatch, has_single) -> None:
+    """The per-stage metrics gather: all_gather_single where torch has it (2.13, which deprecates the old name),
+    all_gather_into_tensor where it does not (2.11); both fill the same output."""
+    import torch.distributed as dist
+
+    from threed.metrics.stages import all_gather_into
+
+    if not has_single:
+        monkeypatch.delattr(dist, "all_gather_single")
+    fn = all_gather_into()
+    assert fn is (dist.all_gather_single if has_single else dist.all_gather_into_tensor)
+    if dist.is_initialized():
+        return  # another test's process group: not ours to make a world of one in
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        out = torch.empty(3, dtype=torch.float64)
+        fn(out, torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64))
+        assert out.tolist() == [1.0, 2.0, 3.0]
+    finally:
+        dist.destroy_process_group()

@@ -154,10 +154,14 @@ def gather_rows(timer: StageTimer, device: torch.device, group: Optional[dist.Pr
     if world == 1:
         return row.unsqueeze(0).cpu()
     out = torch.empty(world * row.numel(), dtype=torch.float64, device=device)
-    # torch 2.13 renamed all_gather_into_tensor (now deprecated, with a warning per call) to all_gather_single.
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, row, group=group)
+    all_gather_into()(out, row, group=group)
     return out.view(world, -1).cpu()
+
+
+def all_gather_into() -> Callable:
+    """torch's all-gather into one tensor: 2.13 renamed all_gather_into_tensor (deprecated there, with a warning per
+    call) to all_gather_single, which 2.11 does not have. Asked of torch.distributed, not of its version."""
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def per_stage(rows: torch.Tensor, pp: int, timed: bool = True) -> dict[str, float]:

@@ -33,6 +33,26 @@ from threed.parallel import megatron_device
 from threed.config import ConfigError
 
 
+# The oldest torch threed runs on: the lent GPU machine's 2.11.0 passed the CPU suite and a bf16 `threed train`; the pin
+# (pyproject.toml) is 2.13.0. What differs between releases is asked of torch itself where it is used (capabilities,
+# not versions: docs/torch-versions.md); only this floor is a version, checked once as a rank starts.
+MIN_TORCH = (2, 11)
+
+
+def torch_too_old(version: Optional[str] = None) -> Optional[str]:
+    """The one line refusing a torch below MIN_TORCH (`version`: torch.__version__ by default), or None. A version
+    string that names no major.minor (a custom build) is not refused."""
+    version = str(torch.__version__ if version is None else version)
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found is None or (int(found[1]), int(found[2])) >= MIN_TORCH:
+        return None
+    floor = ".".join(map(str, MIN_TORCH))
+    return (
+        f"torch {version} is older than threed supports (torch >= {floor}, docs/torch-versions.md); install torch "
+        f"{floor} or newer in this environment (the tested pin is 2.13.0)"
+    )
+
+
 @dataclass(frozen=True)
 class CudaOnly:
     """Switches that exist only on CUDA. On CPU every one is False, so a CPU run is the GPU code path minus these
@@ -222,12 +242,15 @@ def init_distributed(timeout_minutes: Optional[float] = None) -> Runtime:
     """Initialise torch.distributed through DeepSpeed (env:// from torchrun or our own launcher).
 
     A single process without torchrun's environment becomes a world of one, so `python -m threed.train`
-    runs as is. `timeout_minutes` (--dist-timeout-minutes) bounds every collective: a rank that waits longer
-    for its peers raises instead of hanging until the job's time limit. It reaches every process group: the world
-    group, every group made later without a timeout of its own (DeepSpeed's grid and PipelineModule groups call
-    `torch.distributed.new_group(ranks)`, which takes torch's default, set here) and megatron-core's
-    (`init_megatron_parallel_state` passes `collective_timeout()`).
+    runs as is. A torch below MIN_TORCH is refused first, in one line. `timeout_minutes` (--dist-timeout-minutes)
+    bounds every collective: a rank that waits longer for its peers raises instead of hanging until the job's time
+    limit. It reaches every process group: the world group, every group made later without a timeout of its own
+    (DeepSpeed's grid and PipelineModule groups call `torch.distributed.new_group(ranks)`, which takes torch's
+    default, set here) and megatron-core's (`init_megatron_parallel_state` passes `collective_timeout()`).
     """
+    too_old = torch_too_old()
+    if too_old:  # before DeepSpeed and megatron-core, whose own failures on an old torch say less
+        raise ConfigError(too_old)
     import deepspeed  # heavy: pulled in only where process groups are made (not by `threed plan`)
 
     set_cuda_environment()
