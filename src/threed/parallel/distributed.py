@@ -23,6 +23,7 @@ import sys
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from threed.parallel import megatron_device
+from threed.parallel.build_lock import lock_candidates, stale_lock
 from threed.config import ConfigError
 
 
@@ -265,6 +267,7 @@ def init_distributed(timeout_minutes: Optional[float] = None) -> Runtime:
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
         if timeout_minutes and timeout_minutes > 0:
             set_default_timeout(timedelta(minutes=timeout_minutes))
+        refuse_stale_build_lock()
         with library_prints():
             deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=collective_timeout(backend))
         # Every way out (a finished run, sys.exit(3) on divergence, a ConfigError) tears the groups down first.
@@ -276,6 +279,24 @@ def init_distributed(timeout_minutes: Optional[float] = None) -> Runtime:
         world_size=dist.get_world_size(),
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
     )
+
+
+def refuse_stale_build_lock() -> None:
+    """One line instead of a start-up that never ends: DeepSpeed's `init_distributed` JIT-builds its CPU comm op
+    (ShareMemCommBuilder; no such op on CUDA) and waits for any build lock it finds, also one a killed build left
+    (`threed.parallel.build_lock`). Asked of DeepSpeed's accelerator, as its own `build_shm_op` asks."""
+    # deepspeed, torch's extension builder: heavy, as deepspeed above
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.git_version_info import installed_ops
+    from torch.utils.cpp_extension import get_default_build_root
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None or installed_ops.get(builder.NAME, False):
+        return  # nothing is JIT-built at start-up (CUDA, or the op was built into the install)
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    line = stale_lock(lock_candidates(root, builder.NAME))
+    if line:
+        raise ConfigError(line)
 
 
 def is_multi_rank() -> bool:
