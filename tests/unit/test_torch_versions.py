@@ -119,13 +119,16 @@ def test_no_varlen_module_takes_the_mask_path(monkeypatch) -> None:
     torch.testing.assert_close(out, _mask_path()[0])
 
 
-def _torchrun_without_shutdown_timeout(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """torchrun's parser as torch 2.11 has it: the running torch's, less --shutdown-timeout (removed as argparse's own
-    conflict handling removes an option)."""
-    action = parser._option_string_actions["--shutdown-timeout"]
-    for option in action.option_strings:
-        del parser._option_string_actions[option]
-    action.container._remove_action(action)
+def _torchrun_parser(parser: argparse.ArgumentParser, with_option: bool) -> argparse.ArgumentParser:
+    """torchrun's parser as torch 2.13 (`with_option`) or 2.11 has it, made from the running torch's: the option
+    added as 2.13 declares it, or removed as argparse's own conflict handling removes one."""
+    action = parser._option_string_actions.get("--shutdown-timeout")
+    if with_option and action is None:
+        parser.add_argument("--shutdown-timeout", "--shutdown_timeout", type=int, default=None)
+    elif not with_option and action is not None:
+        for option in action.option_strings:
+            del parser._option_string_actions[option]
+        action.container._remove_action(action)
     return parser
 
 
@@ -139,10 +142,10 @@ def test_shutdown_timeout_only_where_torchrun_takes_it(monkeypatch, has_option) 
     from threed.parallel import launch
 
     if not has_option:
-        older = _torchrun_without_shutdown_timeout(torchrun.get_args_parser())
         with pytest.raises(SystemExit):  # what torch 2.11's torchrun does with the option
-            _torchrun_without_shutdown_timeout(torchrun.get_args_parser()).parse_args(["--shutdown-timeout=9", "x.py"])
-        monkeypatch.setattr(torchrun, "get_args_parser", lambda: older)
+            _torchrun_parser(torchrun.get_args_parser(), False).parse_args(["--shutdown-timeout=9", "x.py"])
+    parser = _torchrun_parser(torchrun.get_args_parser(), has_option)
+    monkeypatch.setattr(torchrun, "get_args_parser", lambda: parser)
     monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
     parsed = []
     monkeypatch.setattr(torchrun, "parse_args", lambda argv: parsed.append(torchrun.get_args_parser().parse_args(argv)))
@@ -206,7 +209,9 @@ def test_all_gather_under_the_name_torch_has(monkeypatch, has_single) -> None:
     from threed.metrics.stages import all_gather_into
 
     if not has_single:
-        monkeypatch.delattr(dist, "all_gather_single")
+        monkeypatch.delattr(dist, "all_gather_single", raising=False)
+    elif not hasattr(dist, "all_gather_single"):  # running on a torch without it: the new name, as 2.13 has it
+        monkeypatch.setattr(dist, "all_gather_single", dist.all_gather_into_tensor, raising=False)
     fn = all_gather_into()
     assert fn is (dist.all_gather_single if has_single else dist.all_gather_into_tensor)
     if dist.is_initialized():
