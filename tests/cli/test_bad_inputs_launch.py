@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -290,3 +291,63 @@ def test_train_nproc_refusal_in_the_ranks_is_one_line(tmp_path: Path) -> None:
     errors = [line for line in both.splitlines() if "threed: configuration error:" in line]
     assert len(errors) == 1 and "nothing" in errors[0], both[-3000:]
     assert "Traceback" not in both and "ChildFailedError" not in both and "exitcode" not in both, both[-3000:]
+
+
+# --- a JIT build lock left by a killed build ----------------------------------------------------------------------
+def _old_lock(root: Path, minutes: float) -> Path:
+    lock = root / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.touch()
+    then = time.time() - minutes * 60
+    os.utime(lock, (then, then))
+    return lock
+
+
+def test_stale_build_lock_is_named_with_its_fix(tmp_path: Path) -> None:
+    """Stale: older than STALE_LOCK_MINUTES and no process here holds it open. A fresh lock (a build going on,
+    maybe on another node) or an old one a process holds open (torch's builder keeps its lock open) is waited for,
+    as torch does; under torch's default root the lock lies one folder deeper (`py311_cpu/<name>/lock`)."""
+    from threed.parallel.build_lock import STALE_LOCK_MINUTES, lock_candidates, stale_lock
+
+    for root in (tmp_path / "set", tmp_path / "default" / "py311_cpu"):
+        lock = _old_lock(root, STALE_LOCK_MINUTES + 5)
+        top = tmp_path / "set" if root.name == "set" else tmp_path / "default"
+        line = stale_lock(lock_candidates(top, "deepspeed_shm_comm"))
+        assert line is not None and "\n" not in line and line.endswith(f"Remove it: rm {lock}"), line
+    lock = _old_lock(tmp_path / "fresh", 1)
+    assert stale_lock(lock_candidates(tmp_path / "fresh", "deepspeed_shm_comm")) is None
+    lock = _old_lock(tmp_path / "held", STALE_LOCK_MINUTES + 5)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import os, sys, time; os.open(sys.argv[1], os.O_RDONLY); print(1, flush=True); "
+         "time.sleep(120)", str(lock)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "1"
+        assert stale_lock(lock_candidates(tmp_path / "held", "deepspeed_shm_comm")) is None
+    finally:
+        holder.kill()
+        holder.wait()
+    assert stale_lock(lock_candidates(tmp_path / "held", "deepspeed_shm_comm")) is not None  # its holder is gone
+
+
+def test_stale_build_lock_stops_the_ranks_in_one_line(tmp_path: Path) -> None:
+    """`threed train --nproc-per-node 2` with a stale lock of DeepSpeed's CPU comm op in TORCH_EXTENSIONS_DIR: one
+    line naming the file and its `rm`, exit 2, instead of ranks that wait at start-up forever."""
+    from threed.parallel.build_lock import STALE_LOCK_MINUTES
+
+    lock = _old_lock(tmp_path / "ext", STALE_LOCK_MINUTES + 60)
+    out = subprocess.run(
+        [sys.executable, "-m", "threed.cli", "train", "--nproc-per-node", "2", "--model", "tiny", "--pp", "2",
+         "--seq-length", "32", "--steps", "1"],
+        env={**os.environ, **SRC_ENV, "THREED_DEVICE": "cpu", "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # fmt: skip
+    both = out.stdout + out.stderr
+    assert out.returncode == 2, both[-3000:]
+    errors = [line for line in both.splitlines() if str(lock) in line]
+    assert len(errors) == 1 and f"rm {lock}" in errors[0], both[-3000:]
+    assert "Traceback" not in both and "ChildFailedError" not in both, both[-3000:]

@@ -51,8 +51,8 @@ def deferred_cases(args: argparse.Namespace, rt: Runtime) -> None:
             loss.backward()
         (group,) = DEFERRED._groups  # one backward: one group of W passes
         held, tensor_bytes = StorageCounter(), 0
-        for fn in group:  # functools.partial(_weight_grad, input_, weight, grad_output, sequence_parallel, group)
-            for t in (fn.args[0], fn.args[2]):
+        for _weight, fn in group:  # fn: functools.partial(_weight_grad, input_, grad_output, ...)
+            for t in (fn.args[0], fn.args[1]):
                 held.add("deferred", t)
                 tensor_bytes += t.numel() * t.element_size()
         DEFERRED.run_oldest()

@@ -50,6 +50,13 @@ def bubble_run(tmp_path_factory):
     return [json.loads((out / f"bubble_rank{r}.json").read_text()) for r in range(2)]
 
 
+@pytest.fixture(scope="module")
+def zb_timing_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("zb_timing")
+    run_ranks(2, str(TESTS / "metrics_worker.py"), ["zb_timing", "--out", str(out)], timeout=900)
+    return [json.loads((out / f"zb_timing_rank{r}.json").read_text()) for r in range(2)]
+
+
 def train_records(run):
     return [r for r in run["records"] if "lm loss" in r]
 
@@ -209,3 +216,33 @@ def test_jsonl_on_resume_drops_the_steps_after_the_checkpoint(tmp_path):
     sink.close()
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert [(r["iteration"], r["lm loss"]) for r in records] == [(1, None), (2, None), (3, 1.0)]
+
+
+def test_stage_timing_makes_no_zb_h1_send_wait(zb_timing_run):
+    """On CUDA the stage timer used to synchronize the whole device around every instruction, which also waits for
+    NCCL's send kernels: ZB-H1's sends, which do not wait for their receiver, blocked again whenever timing was on
+    (the default). Counted on CPU with torch.cuda's timing calls faked (a device-wide synchronize waits for, and
+    counts, the sends in flight): with the timer on, a ZB-H1 step has its timing wrappers wait for no more sends
+    than with it off; the old device-wide synchronize, as a control, waits for some on every rank."""
+    for rank, r in enumerate(zb_timing_run):
+        assert r["class"] == "ZeroBubbleEngine"
+        assert r["stream_clock"]["sends_waited"] <= r["off"]["sends_waited"] == 0, f"rank {rank}"
+        assert r["device_wide"]["sends_waited"] > 0, f"rank {rank}: the counter sees a device-wide synchronize"
+        totals = r["stream_clock"]["totals"]
+        assert totals["compute"] > 0 and totals["iteration"] >= totals["compute"] + totals["p2p"], f"rank {rank}"
+
+
+def test_the_clock_follows_the_device() -> None:
+    """CUDA: events on the compute stream (no device-wide synchronize); CPU: the host clock, as before."""
+    import torch
+
+    from threed.metrics.stages import HostClock, StreamClock, clock_for
+
+    assert isinstance(clock_for(torch.device("cuda", 0)), StreamClock)
+    assert isinstance(clock_for(torch.device("cpu")), HostClock)
+
+
+def test_peak_memory_window_starts_on_every_rank(zb_timing_run):
+    """DeepSpeed's BF16_Optimizer resets the peak-memory counters on rank 0 alone; build_engine resets them on
+    every rank once the engine is built, so every stage's peak covers the same window."""
+    assert [r["peak_resets"] for r in zb_timing_run] == [["cpu"], ["cpu"]]

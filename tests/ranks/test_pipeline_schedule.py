@@ -218,3 +218,48 @@ def test_weight_passes_count_as_compute_in_the_stage_metrics() -> None:
     buckets = _instruction_buckets()
     assert buckets[zero_bubble.WeightPass] == buckets[ds.BackwardPass] == "compute"
     assert set(engine._INSTRUCTION_MAP) <= set(buckets), "every instruction of the zb-h1 engine is timed"
+
+
+def test_weight_pass_is_one_autograd_call_with_one_gradient_alive_at_a_time(monkeypatch) -> None:
+    """A W pass hands the micro-batch's deferred weight gradients to autograd in one call (not one per linear),
+    in the order its B met the linears, and each reaches its weight's AccumulateGrad (DeepSpeed's hook: add to the
+    fp32 accumulator, free the bf16 .grad) before the next one is computed: one gradient alive at a time."""
+    import torch
+
+    from threed.model.wgrad import DeferredWeightGrads
+
+    weights = [torch.nn.Parameter(torch.zeros(3, 2)) for _ in range(4)]
+    fp32 = [torch.zeros(3, 2, dtype=torch.float64) for _ in weights]
+    events: list[tuple[str, int, int]] = []
+
+    def alive() -> int:
+        return sum(w.grad is not None for w in weights)
+
+    def hook(i: int):
+        def accumulate(p: torch.Tensor) -> None:
+            events.append(("acc", i, alive()))
+            fp32[i] += p.grad
+            p.grad = None
+
+        return accumulate
+
+    def compute(i: int) -> torch.Tensor:
+        events.append(("W", i, alive()))
+        return torch.full((3, 2), float(i + 1))
+
+    for i, w in enumerate(weights):
+        w.register_post_accumulate_grad_hook(hook(i))
+    queue = DeferredWeightGrads()
+    for _ in range(2):  # two micro-batches: two groups, first in first out
+        with queue.deferring():
+            for i, w in enumerate(weights):
+                queue.put((w, lambda i=i: compute(i)))
+    calls = []
+    backward = torch.autograd.backward
+    monkeypatch.setattr(torch.autograd, "backward", lambda *a, **k: (calls.append(1), backward(*a, **k))[1])
+    queue.run_oldest()
+    assert len(calls) == 1 and queue.pending() == 1
+    assert events == [e for i in range(4) for e in (("W", i, 0), ("acc", i, 1))]
+    queue.run_oldest()
+    assert len(calls) == 2 and queue.pending() == 0
+    assert [float(f[0, 0]) for f in fp32] == [2.0, 4.0, 6.0, 8.0]

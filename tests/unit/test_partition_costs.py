@@ -103,6 +103,31 @@ def test_profiler_on_tiny_gives_positive_costs_and_a_method_that_resolves() -> N
     assert f"--partition-method {method}" in lines and any("spread (slowest / fastest)" in x for x in lines)
 
 
+def test_profiler_runs_trainings_swiglu_and_fresh_gradients() -> None:
+    """profile-layers builds its layers with the switch training uses (`cuda_only`: megatron's fused SwiGLU on
+    CUDA, the unfused one on CPU), and every repeat's backward starts from no weight gradients, as training's do
+    (DeepSpeed's hooks free each .grad): the gradients left after warm-up + repeats are one backward's, bit for
+    bit, not their sum."""
+    import torch
+
+    from threed.model.resolve import model_config
+    from threed.plan import profile
+
+    cfg = RunConfig(
+        model=model_config("tiny"), parallel=ParallelConfig(pp=2), train=TrainConfig(dtype="bf16", seq_length=32)
+    )
+    assert profile.megatron_config_as_trained(cfg, torch.device("cpu")).bias_activation_fusion is False
+    assert profile.megatron_config_as_trained(cfg, torch.device("cuda", 0)).bias_activation_fusion is True
+    cpu = torch.device("cpu")
+    with profile._world_of_one():
+        modules, steps = profile._layer_steps(cfg, cpu)
+        steps["block"]()
+        once = {n: p.grad.clone() for n, p in modules["block"].named_parameters()}
+        profile._median_times([steps["block"]], cpu, 1, 2, before=lambda: profile._drop_grads(modules.values()))
+        for name, param in modules["block"].named_parameters():
+            assert torch.equal(param.grad, once[name]), f"{name}: accumulated over the repeats"
+
+
 def test_check_config_accepts_a_costs_method_and_refuses_a_bad_one() -> None:
     base = [
         sys.executable,

@@ -48,6 +48,34 @@ def test_zb_h1_faster_at_pp4_gas8(sp: bool) -> None:
     )  # one stage: nothing to fill
 
 
+@pytest.mark.parametrize("sp", [False, True])
+def test_1f1b_hides_backward_tp_collectives_behind_gemms_zb_h1_does_not(sp: bool) -> None:
+    """megatron's 1F1B backward runs each column-parallel linear's input-gradient all-reduce (SP: reduce-scatter)
+    beside its weight-gradient GEMM, and SP's re-gather beside its input-gradient GEMM: B + W is shorter than
+    with every collective alone by exactly `hidden_behind_gemms`. ZB-H1's split backward hides nothing; F is the
+    same under both. With free communication there is nothing to hide."""
+    from threed.memory.model import stages
+    from threed.plan.steptime import hidden_behind_gemms
+
+    tp, pp, seq, tokens = 8, 4, 8192, 8192
+    one = pass_times(M70, HW, tp, pp, 1, 1, seq, False, sp)
+    zb = pass_times(M70, HW, tp, pp, 1, 1, seq, False, sp, "zb-h1")
+    allreduce = 2 * (tp - 1) / tp * 2 * tokens * M70.hidden_size / (HW.nvlink_gbps * 1e9)
+    slowest = max(stages(M70, pp, tp, seq), key=lambda st: (st.blocks, st.last))  # the LM head's stage
+    hidden_b, hidden_w = hidden_behind_gemms(
+        M70, tp, tokens, HW.tflops * 1e12, allreduce, sp, slowest.blocks, slowest.last
+    )
+    assert hidden_b > 0 and (hidden_w > 0) == sp
+    assert one[0] == zb[0]
+    assert one[1] == pytest.approx(zb[1] - hidden_b, rel=1e-12)
+    regather = slowest.blocks * allreduce  # ZB-H1's W also re-gathers the row-parallel output gradients (SP)
+    assert one[2] == pytest.approx(zb[2] - hidden_w - sp * regather, rel=1e-12)
+    free = Hardware(nodes=4, gpus_per_node=8, gpu_memory_gb=80, nvlink_gbps=1e15, network_gbps=1e15)
+    f1, b1, w1 = pass_times(M70, free, tp, pp, 1, 1, seq, False, sp)
+    fz, bz, wz = pass_times(M70, free, tp, pp, 1, 1, seq, False, sp, "zb-h1")
+    assert (f1, b1 + w1) == pytest.approx((fz, bz + wz), rel=1e-6)
+
+
 def _layout(pp: int, gas: int, schedule: str, passes: tuple[float, float, float]) -> Layout:
     return Layout(8, pp, 1, 1, gas, None, None, 0.0, True, schedule=schedule, passes=passes)  # type: ignore[arg-type]
 
@@ -70,7 +98,10 @@ def _plan(capsys, *args: str) -> str:
 
 
 def test_plan_picks_zb_h1_where_it_fits_and_is_faster(capsys) -> None:
-    best, every = plan(M8, Hardware(1, 8, 80), 8192, 64, pp=2)
+    """8B at pp 2 on GPUs with room for tp 1 (96 GB): no TP collectives, so ZB-H1's smaller bubble is all it
+    changes. (On 80 GB only tp >= 2 fits, where 1F1B hides its backward's TP all-reduces behind the weight-gradient
+    GEMMs and ZB-H1 cannot: there its 1.4% smaller bubble saves less than that, and 1F1B is picked.)"""
+    best, every = plan(M8, Hardware(1, 8, 96), 8192, 64, pp=2)
     assert best.schedule == "zb-h1" and best.fits
     twin = next(
         la
@@ -80,7 +111,7 @@ def test_plan_picks_zb_h1_where_it_fits_and_is_faster(capsys) -> None:
     )
     assert twin.fits and best.step_s < twin.step_s and best.bubble < twin.bubble
     assert "PIPELINE_SCHEDULE=${PIPELINE_SCHEDULE-zb-h1}" in recipe_lines("llama3.1-8b", best, 64, 8192)
-    out = _plan(capsys, "--pp", "2")
+    out = _plan(capsys, "--pp", "2", "--gpu-memory", "96")
     said = re.search(r"^pipeline schedule: zb-h1: bubble (\d+\.\d)% -> (\d+\.\d)%$", out, re.M)
     assert said, out
     assert float(said[1]) == round(100 * twin.bubble, 1) and float(said[2]) == round(100 * best.bubble, 1)
@@ -91,36 +122,40 @@ def test_plan_picks_zb_h1_where_it_fits_and_is_faster(capsys) -> None:
 def test_plan_keeps_1f1b_where_zb_h1_does_not_fit(capsys) -> None:
     """70B at tp8 pp4 without SP, 8k tokens, on GPUs with room for 1F1B's heaviest stage (stage 0: 20 blocks, 4 in
     flight) but not for ZB-H1's (stage 2: 21 blocks, 2 in flight and 2 awaiting W): ZB-H1 fits only by recomputing
-    a block, which costs more than its smaller bubble saves; the planner keeps 1F1B and says so."""
+    a block, which costs more than its smaller bubble saves; the planner keeps 1F1B and says so. At gas 18 (bubble
+    14.3%): with 1F1B's backward hiding TP collectives that ZB-H1's cannot, plain ZB-H1 is faster only where the
+    bubble is that large (at gas 512 it is slower, fitting or not)."""
     hw = Hardware(nodes=4, gpus_per_node=8, gpu_memory_gb=109.5)
-    best, every = plan(M70, hw, 8192, 512, tp=8, pp=4, micro=1, sequence_parallel=False)
+    best, every = plan(M70, hw, 8192, 18, tp=8, pp=4, micro=1, sequence_parallel=False)
     assert best.schedule == "1f1b" and best.fits
     plain_zb = [la for la in every if la.schedule == "zb-h1" and not la.recompute.granularity]
     assert plain_zb and not any(la.fits for la in plain_zb)
     assert min(la.step_s for la in plain_zb) < best.step_s
     verdict = schedule_verdict(best, every)
     assert verdict.startswith("1f1b: zb-h1 fits only recomputing"), verdict
-    assert all(not line.startswith("PIPELINE_SCHEDULE") for line in recipe_lines("llama3.1-70b", best, 512, 8192))
+    assert all(not line.startswith("PIPELINE_SCHEDULE") for line in recipe_lines("llama3.1-70b", best, 18, 8192))
 
 
 def test_plan_picks_zb_h1_where_the_bubble_is_large() -> None:
-    """The issue's case: 70B on 64 nodes at the recipe's global batch (tp8 pp4 SP, dp 16, gas 32: a 1F1B bubble of
-    8.6%). Under SP a micro-batch awaiting W keeps 1/tp of its linears' tensors (threed.model.wgrad), so ZB-H1 fits
-    as 1F1B does and its smaller bubble wins. At 4 nodes (gas 512, a 0.6% bubble) its W passes' re-gathers cost
-    more than the bubble it saves: 1F1B, and the verdict says why."""
+    """70B on 64 nodes (tp8 pp4 SP, dp 16) at global batch 128: gas 8, a 1F1B bubble of 27%. Under SP a micro-batch
+    awaiting W keeps 1/tp of its linears' tensors (threed.model.wgrad), so ZB-H1 fits as 1F1B does and its smaller
+    bubble wins. (At the recipe's 512, gas 32 and an 8.6% bubble, it no longer does: 1F1B's backward hides its TP
+    reduce-scatters and re-gathers behind the weight-gradient GEMMs, ZB-H1's B and W run them alone.) At 4 nodes
+    (gas 512, a 0.6% bubble) that and its W passes' re-gathers cost more than the bubble it saves: 1F1B, and the
+    verdict says why."""
     best, every = plan(
         M70,
         Hardware(nodes=64, gpus_per_node=8, gpu_memory_gb=80),
         8192,
-        512,
+        128,
         tp=8,
         pp=4,
         micro=1,
         sequence_parallel=True,
     )
     twin = next(la for la in every if la.schedule == "1f1b" and la.recompute == best.recompute and la.sp)
-    assert (best.schedule, best.dp, best.gas) == ("zb-h1", 16, 32) and best.fits and best.step_s < twin.step_s
-    assert twin.bubble == pytest.approx(3 / 35) and best.bubble < twin.bubble / 2
+    assert (best.schedule, best.dp, best.gas) == ("zb-h1", 16, 8) and best.fits and best.step_s < twin.step_s
+    assert twin.bubble == pytest.approx(3 / 11) and best.bubble < twin.bubble / 2
     assert best.memory.peak <= twin.memory.peak * 1.01
     best4, every4 = plan(M70, HW, 8192, 512, tp=8, pp=4, micro=1, sequence_parallel=True)
     assert best4.schedule == "1f1b"

@@ -9,6 +9,8 @@ Each 1F1B instruction falls in one bucket:
   loss-sync  DeepSpeed's loss averaging over DP and broadcast over the pipe (earlier stages wait there for the last
              stage to finish its optimizer step)
 plus `iteration`, the wall time of the whole `train_batch`; what the buckets leave of it is schedule bookkeeping.
+On CPU the host clock times each instruction; on CUDA events on the compute stream do (`StreamClock`): timing never
+waits for NCCL's streams, so it cannot make ZB-H1's sends wait for their receivers.
 
 The idle fraction of a stage is p2p / (compute + p2p): the share of the pipelined (forward/backward) phase a
 stage spends waiting on its neighbours. With equal stages it is the bubble (pp-1)/(gas+pp-1); more means imbalance
@@ -65,41 +67,94 @@ def memory_bytes(device: torch.device) -> tuple[float, float]:
     return float(now), max(peak, float(now))
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    """Start this rank's peak-memory window (what `memory_bytes` reports as the peak) now. threed.train.engine calls
+    it on every rank once the engine is built: DeepSpeed's BF16_Optimizer resets CUDA's peak counters while it
+    initialises, on rank 0 only (`see_memory_usage(force=True)`), so the ranks' peaks would otherwise cover
+    different windows. CPU: the resident high-water mark, reset through /proc/self/clear_refs (Linux); where that
+    cannot be written the peak stays the process's."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # "reset the peak resident set size to the current one" (proc(5))
+    except OSError:
+        pass
+
+
+class HostClock:
+    """CPU (gloo): an instruction runs on the host, so the host clock times it. A mark is a perf_counter reading."""
+
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def seconds(self, start: float, end: float) -> float:
+        return end - start
+
+    def settle(self, last: float) -> None:
+        """Nothing to wait for: every mark was taken when its work had happened."""
+
+
+class StreamClock:
+    """CUDA: a mark is a CUDA event recorded on the current (compute) stream, so a span is the time the stream took
+    from one mark to the next, kernels and waits included (a receive's wait for NCCL is on that stream).
+
+    Never a device-wide synchronize: that waits for every stream, NCCL's included, so the kernel of a send still in
+    flight (ZB-H1's sends do not wait for their receiver, threed.parallel.zero_bubble) would block the host at every
+    timed instruction, as a blocking send does: a timed run would run another schedule than an untimed one. The host
+    waits once per step, at its end, for the compute stream's last event (`settle`)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def mark(self) -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def seconds(self, start: Any, end: Any) -> float:
+        return start.elapsed_time(end) / 1000.0  # milliseconds; both events have completed (`settle`)
+
+    def settle(self, last: Any) -> None:
+        last.synchronize()  # this event only: the compute stream's work up to it, not the other streams'
+
+
+def clock_for(device: torch.device) -> HostClock | StreamClock:
+    return StreamClock(device) if device.type == "cuda" else HostClock()
+
+
 class StageTimer:
     """Times this rank's pipeline instructions. `install` sets instance attributes that shadow the class's
     `_INSTRUCTION_MAP`, `_aggregate_total_loss` and `train_batch` with timed wrappers (nothing of DeepSpeed is
-    patched, other engines are untouched); `uninstall` deletes them again."""
+    patched, other engines are untouched); `uninstall` deletes them again. Each timed instruction records two marks
+    of `clock` (`clock_for(device)` by default); they become seconds at the end of each `train_batch`, so timing
+    adds no wait inside a step (see StreamClock)."""
 
-    def __init__(self, engine: Any, device: torch.device, instructions: bool = True):
+    def __init__(self, engine: Any, device: torch.device, instructions: bool = True, clock: Any = None):
         self.engine = engine
         self.device = device
         self.stage = int(engine.stage_id)
-        # perf_counter reads the host clock; on CUDA the kernels run later, so each timed region is bracketed by
-        # a synchronize or the time would land on whichever instruction happens to wait next.
-        self.sync = device.type == "cuda"
+        self.clock = clock if clock is not None else clock_for(device)
         self.instructions = instructions
         self.totals = dict.fromkeys(BUCKETS, 0.0)
         self.steps = 0
         self.last_iteration = 0.0  # seconds of the latest train_batch (the step's iteration-time)
+        self._spans: list[tuple[str, Any, Any]] = []  # (bucket, start mark, end mark) of this step
         self._active = False
         self._installed = False
 
-    def _now(self) -> float:
-        if self.sync:
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
     def _timed(self, fn: Callable, bucket: str) -> Callable:
-        totals = self.totals
+        spans, clock = self._spans, self.clock
 
         def run(engine: Any, *args: Any, **kwargs: Any) -> Any:
             if not self._active:
                 return fn(engine, *args, **kwargs)
-            t0 = self._now()
+            start = clock.mark()
             try:
                 return fn(engine, *args, **kwargs)
             finally:
-                totals[bucket] += self._now() - t0
+                spans.append((bucket, start, clock.mark()))
 
         return run
 
@@ -118,18 +173,27 @@ class StageTimer:
         inner = engine.train_batch
 
         def train_batch(*args: Any, **kwargs: Any) -> Any:
-            t0 = self._now()
+            start = self.clock.mark()
             self._active = True
             try:
                 return inner(*args, **kwargs)
             finally:
                 self._active = False
-                self.last_iteration = self._now() - t0
-                self.totals["iteration"] += self.last_iteration
-                self.steps += 1
+                self._end_step(start)
 
         engine.train_batch = train_batch
         self._installed = True
+
+    def _end_step(self, start: Any) -> None:
+        """The step's marks -> seconds per bucket (after the one wait for the step's last mark)."""
+        end = self.clock.mark()
+        self.clock.settle(end)
+        for bucket, a, b in self._spans:
+            self.totals[bucket] += self.clock.seconds(a, b)
+        self._spans.clear()
+        self.last_iteration = self.clock.seconds(start, end)
+        self.totals["iteration"] += self.last_iteration
+        self.steps += 1
 
     def uninstall(self) -> None:
         if self._installed:
@@ -154,10 +218,14 @@ def gather_rows(timer: StageTimer, device: torch.device, group: Optional[dist.Pr
     if world == 1:
         return row.unsqueeze(0).cpu()
     out = torch.empty(world * row.numel(), dtype=torch.float64, device=device)
-    # torch 2.13 renamed all_gather_into_tensor (now deprecated, with a warning per call) to all_gather_single.
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, row, group=group)
+    all_gather_into()(out, row, group=group)
     return out.view(world, -1).cpu()
+
+
+def all_gather_into() -> Callable:
+    """torch's all-gather into one tensor: 2.13 renamed all_gather_into_tensor (deprecated there, with a warning per
+    call) to all_gather_single, which 2.11 does not have. Asked of torch.distributed, not of its version."""
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def per_stage(rows: torch.Tensor, pp: int, timed: bool = True) -> dict[str, float]:

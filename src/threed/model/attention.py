@@ -7,12 +7,15 @@ Packed sequences (several documents in one row): the block passes per-token segm
 `document_segments`) as megatron's `attention_mask`, and attention becomes block-diagonal causal: no token attends
 outside its document. On CUDA in half precision that runs through `torch.nn.attention.varlen.varlen_attn` (flash,
 cumulative lengths, no s x s mask); elsewhere SDPA with a boolean `[b, 1, s, s]` mask (exact; on CPU ~3x the cost
-of `is_causal`, see the stack notes).
+of `is_causal`, see the stack notes). Which varlen_attn keywords a torch release has is asked of the function itself
+(`takes_keyword`): docs/torch-versions.md.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import functools
+import inspect
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -55,21 +58,34 @@ class SDPACoreAttention(torch.nn.Module):
                 f"{segments.dtype} {tuple(segments.shape)}"
             )
         s, b, heads, d = query.shape
-        gqa = key.shape[2] != heads
         if _varlen_usable(query):
-            from torch.nn.attention.varlen import varlen_attn  # CUDA-only kernel module: imported where usable
-
-            # [s, b, h, d] -> [b*s, h, d]: each row's documents become sequences of one flat batch.
-            q, k, v = (t.transpose(0, 1).reshape(b * s, t.shape[2], d) for t in (query, key, value))
-            cu, max_len = reuse_per_tensor(segments, "varlen", cumulative_lengths)  # one host sync per micro-batch
-            out = varlen_attn(
-                q, k, v, cu, cu, max_len, max_len, scale=self.softmax_scale, window_size=(-1, 0), enable_gqa=gqa
-            )
-            return out.reshape(b, s, heads * d).transpose(0, 1).contiguous()
+            return self._varlen(query, key, value, segments)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
         mask = reuse_per_tensor(segments, "mask", block_causal_mask)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=self.softmax_scale, enable_gqa=k.shape[1] != heads
+        )
         return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
+
+    def _varlen(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments: torch.Tensor
+    ) -> torch.Tensor:
+        varlen_attn = varlen_kernel()
+        assert varlen_attn is not None, "only called where _varlen_usable"
+        s, b, heads, d = query.shape
+        # [s, b, h, d] -> [b*s, h, d]: each row's documents become sequences of one flat batch.
+        q, k, v = (t.transpose(0, 1).reshape(b * s, t.shape[2], d) for t in (query, key, value))
+        cu, max_len = reuse_per_tensor(segments, "varlen", cumulative_lengths)  # one host sync per micro-batch
+        gqa: dict[str, bool] = {}
+        if k.shape[1] != heads and takes_keyword(varlen_attn, "enable_gqa"):
+            gqa = {"enable_gqa": True}
+        elif k.shape[1] != heads:
+            # torch 2.11's varlen_attn has no enable_gqa (a TypeError on every packed bf16 forward): each key/value head
+            # serves heads / kv_heads consecutive query heads, as SDPA's enable_gqa does, so the kernel gets them
+            # repeated. Same numbers; the copies cost (heads / kv_heads - 1) x the K/V bytes of the layer.
+            k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
+        out = varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=self.softmax_scale, window_size=(-1, 0), **gqa)
+        return out.reshape(b, s, heads * d).transpose(0, 1).contiguous()
 
 
 # What is derived from a micro-batch's document ids (segments, RoPE angles: threed.model.layers) and from its
@@ -90,13 +106,30 @@ def reuse_per_tensor(key: torch.Tensor, kind, build):
 
 
 def _varlen_usable(query: torch.Tensor) -> bool:
-    if not query.is_cuda or query.dtype not in (torch.float16, torch.bfloat16):
-        return False
+    """Whether this query takes `varlen_attn`: CUDA, half precision, and a torch that has the kernel
+    (`varlen_kernel`). Where any is missing the SDPA mask path runs, which is exact too, only slower."""
+    return query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and varlen_kernel() is not None
+
+
+def varlen_kernel() -> Optional[Callable]:
+    """torch's `varlen_attn` where this torch has one that says causal as `window_size=(-1, 0)` (2.11 does; older
+    releases had `is_causal` instead, or no varlen module), else None. Capabilities, not versions."""
     try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401  (torch >= 2.9, flash only)
+        from torch.nn.attention.varlen import varlen_attn  # CUDA-only kernel module (flash only)
     except ImportError:
+        return None
+    return varlen_attn if takes_keyword(varlen_attn, "window_size") else None
+
+
+@functools.lru_cache(maxsize=None)
+def takes_keyword(fn: Callable, name: str) -> bool:
+    """Whether `fn` accepts the keyword argument `name` (or any keyword): how a call guards an argument that only
+    some torch releases have. Cached per function object, so a replaced function is asked again."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read: the path that needs no such keyword is the safe one
         return False
-    return True
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def document_segments(doc_ids: torch.Tensor) -> torch.Tensor:

@@ -9,9 +9,11 @@ gradient is queued with what it needs: the saved input and the output gradient.
 
 The W pass recomputes nothing: it multiplies the kept output gradient by the kept input (under sequence parallelism
 both are kept as this rank's sequence part, 1/tp of the bytes, and all-gathered again over TP: megatron's backward
-re-gathers the input the same way) and hands the result to autograd on the weight itself
-(`torch.autograd.backward(weight, grad)`), so it lands exactly where the fused backward would put it, through the
-parameter's AccumulateGrad: DeepSpeed's BF16_Optimizer hooks (fp32 accumulation) and ZeRO's see it as usual.
+re-gathers the input the same way) and hands the result to autograd on the weight itself, so it lands exactly where
+the fused backward would put it, through the parameter's AccumulateGrad: DeepSpeed's BF16_Optimizer hooks (fp32
+accumulation) and ZeRO's see it as usual. One `torch.autograd.backward` call per W pass (the micro-batch's linears
+together), each weight gradient computed inside it just before its AccumulateGrad (`_WeightGradient`), so only one
+is alive at a time, as with one call per linear.
 
     python -m pytest tests/ranks/test_pipeline_schedule.py
 """
@@ -29,14 +31,34 @@ from megatron.core.tensor_parallel.layers import LinearWithGradAccumulationAndAs
 from megatron.core.utils import get_tensor_model_parallel_group_if_none, prepare_input_tensors_for_wgrad_compute
 
 
+# One deferred weight gradient: the weight, and what computes its gradient (no graph, as inside a backward).
+Deferred = tuple[torch.Tensor, Callable[[], torch.Tensor]]
+
+
+class _WeightGradient(torch.autograd.Function):
+    """A handle on one deferred weight gradient: its backward computes the gradient, which autograd's engine passes
+    to the weight's AccumulateGrad. AccumulateGrad nodes run first among ready nodes, so each gradient reaches its
+    parameter (and DeepSpeed's hooks free the bf16 copy) before the next handle computes its own."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+        ctx.compute = compute
+        return weight.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _unused: torch.Tensor):  # type: ignore[override]
+        compute, ctx.compute = ctx.compute, None  # the kept input and output gradient go with it
+        return compute(), None
+
+
 class DeferredWeightGrads:
     """The queue of deferred weight gradients: one group per backward (micro-batch), run first in, first out.
     One per process (like megatron's parallel_state): the linears deep inside a block cannot be handed it."""
 
     def __init__(self) -> None:
         self._active = False
-        self._current: list[Callable[[], None]] = []
-        self._groups: deque[list[Callable[[], None]]] = deque()
+        self._current: list[Deferred] = []
+        self._groups: deque[list[Deferred]] = deque()
 
     @contextmanager
     def deferring(self) -> Iterator[None]:
@@ -54,16 +76,21 @@ class DeferredWeightGrads:
     def active(self) -> bool:
         return self._active
 
-    def put(self, fn: Callable[[], None]) -> None:
-        self._current.append(fn)
+    def put(self, item: Deferred) -> None:
+        self._current.append(item)
 
     def pending(self) -> int:
         return len(self._groups)
 
     def run_oldest(self) -> None:
-        """The W pass: the oldest backward's weight gradients, in the order its backward met the linears."""
-        for fn in self._groups.popleft():
-            fn()
+        """The W pass: the oldest backward's weight gradients, in the order its backward met the linears, in one
+        autograd call (one start of autograd's engine per micro-batch, not one per linear). The handles are made
+        newest first: the engine runs the highest sequence number first, so the first handle made runs last."""
+        group = self._groups.popleft()
+        if not group:
+            return
+        handles = [_WeightGradient.apply(weight, compute) for weight, compute in reversed(group)]
+        torch.autograd.backward(tensors=handles, grad_tensors=[torch.empty_like(h) for h in handles])
 
     def clear(self) -> None:
         self._groups.clear()
@@ -83,12 +110,11 @@ def _gather_sequence(part: torch.Tensor, tp_group) -> torch.Tensor:
 
 def _weight_grad(
     input_: torch.Tensor,
-    weight: torch.Tensor,
     grad_output: torch.Tensor,
     input_part: bool,
     grad_output_part: bool,
     tp_group,
-) -> None:
+) -> torch.Tensor:
     # What megatron's backward does for the weight (gradient_accumulation_fusion is off in threed: no main_grad),
     # without recording a graph, as inside a backward.
     with torch.no_grad():
@@ -97,8 +123,7 @@ def _weight_grad(
         if grad_output_part:
             grad_output = _gather_sequence(grad_output, tp_group)
         grad_output, total_input = prepare_input_tensors_for_wgrad_compute(grad_output, input_)
-        grad_weight = grad_output.t().matmul(total_input)
-    torch.autograd.backward(weight, grad_weight)
+        return grad_output.t().matmul(total_input)
 
 
 def _backward(ctx, grad_output: torch.Tensor, keep_sequence_part: bool):
@@ -127,9 +152,8 @@ def _backward(ctx, grad_output: torch.Tensor, keep_sequence_part: bool):
         # column-parallel linears do with their input: 1/tp of the bytes while it waits.
         rank = torch.distributed.get_rank(ctx.tp_group)
         kept = grad_output.chunk(ctx.tp_group.size(), dim=0)[rank].clone()
-    DEFERRED.put(
-        functools.partial(_weight_grad, input_, weight, kept, ctx.sequence_parallel, keep_sequence_part, ctx.tp_group)
-    )
+    compute = functools.partial(_weight_grad, input_, kept, ctx.sequence_parallel, keep_sequence_part, ctx.tp_group)
+    DEFERRED.put((weight, compute))
     return grad_input, None, grad_bias, None, None, None, None, None, None
 
 

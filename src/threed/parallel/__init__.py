@@ -6,6 +6,7 @@
                         state, and the check that megatron's groups are DeepSpeed's
     megatron_device.py  megatron-core's CUDA-only buffers, put on the device policy's device (the one adaptation)
     launch.py           N ranks under torchrun, ending as the ranks do (one line, their exit status)
+    build_lock.py       a JIT build lock a killed build left (DeepSpeed's CPU comm op), named in one line (pure)
     partition.py        which stage holds which layers (--partition-method), full recompute's chunks (pure)
     layer_costs.py      the values of --partition-method costs:... (pure)
     pipeline.py         the model's LayerSpecs -> DeepSpeed's PipelineModule over (pipe, data, model)

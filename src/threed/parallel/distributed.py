@@ -23,6 +23,7 @@ import sys
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
@@ -30,7 +31,28 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from threed.parallel import megatron_device
+from threed.parallel.build_lock import lock_candidates, stale_lock
 from threed.config import ConfigError
+
+
+# The oldest torch threed runs on: the lent GPU machine's 2.11.0 passed the CPU suite and a bf16 `threed train`; the pin
+# (pyproject.toml) is 2.13.0. What differs between releases is asked of torch itself where it is used (capabilities,
+# not versions: docs/torch-versions.md); only this floor is a version, checked once as a rank starts.
+MIN_TORCH = (2, 11)
+
+
+def torch_too_old(version: Optional[str] = None) -> Optional[str]:
+    """The one line refusing a torch below MIN_TORCH (`version`: torch.__version__ by default), or None. A version
+    string that names no major.minor (a custom build) is not refused."""
+    version = str(torch.__version__ if version is None else version)
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found is None or (int(found[1]), int(found[2])) >= MIN_TORCH:
+        return None
+    floor = ".".join(map(str, MIN_TORCH))
+    return (
+        f"torch {version} is older than threed supports (torch >= {floor}, docs/torch-versions.md); install torch "
+        f"{floor} or newer in this environment (the tested pin is 2.13.0)"
+    )
 
 
 @dataclass(frozen=True)
@@ -222,12 +244,15 @@ def init_distributed(timeout_minutes: Optional[float] = None) -> Runtime:
     """Initialise torch.distributed through DeepSpeed (env:// from torchrun or our own launcher).
 
     A single process without torchrun's environment becomes a world of one, so `python -m threed.train`
-    runs as is. `timeout_minutes` (--dist-timeout-minutes) bounds every collective: a rank that waits longer
-    for its peers raises instead of hanging until the job's time limit. It reaches every process group: the world
-    group, every group made later without a timeout of its own (DeepSpeed's grid and PipelineModule groups call
-    `torch.distributed.new_group(ranks)`, which takes torch's default, set here) and megatron-core's
-    (`init_megatron_parallel_state` passes `collective_timeout()`).
+    runs as is. A torch below MIN_TORCH is refused first, in one line. `timeout_minutes` (--dist-timeout-minutes)
+    bounds every collective: a rank that waits longer for its peers raises instead of hanging until the job's time
+    limit. It reaches every process group: the world group, every group made later without a timeout of its own
+    (DeepSpeed's grid and PipelineModule groups call `torch.distributed.new_group(ranks)`, which takes torch's
+    default, set here) and megatron-core's (`init_megatron_parallel_state` passes `collective_timeout()`).
     """
+    too_old = torch_too_old()
+    if too_old:  # before DeepSpeed and megatron-core, whose own failures on an old torch say less
+        raise ConfigError(too_old)
     import deepspeed  # heavy: pulled in only where process groups are made (not by `threed plan`)
 
     set_cuda_environment()
@@ -242,6 +267,7 @@ def init_distributed(timeout_minutes: Optional[float] = None) -> Runtime:
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
         if timeout_minutes and timeout_minutes > 0:
             set_default_timeout(timedelta(minutes=timeout_minutes))
+        refuse_stale_build_lock()
         with library_prints():
             deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=collective_timeout(backend))
         # Every way out (a finished run, sys.exit(3) on divergence, a ConfigError) tears the groups down first.
@@ -253,6 +279,24 @@ def init_distributed(timeout_minutes: Optional[float] = None) -> Runtime:
         world_size=dist.get_world_size(),
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
     )
+
+
+def refuse_stale_build_lock() -> None:
+    """One line instead of a start-up that never ends: DeepSpeed's `init_distributed` JIT-builds its CPU comm op
+    (ShareMemCommBuilder; no such op on CUDA) and waits for any build lock it finds, also one a killed build left
+    (`threed.parallel.build_lock`). Asked of DeepSpeed's accelerator, as its own `build_shm_op` asks."""
+    # deepspeed, torch's extension builder: heavy, as deepspeed above
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.git_version_info import installed_ops
+    from torch.utils.cpp_extension import get_default_build_root
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None or installed_ops.get(builder.NAME, False):
+        return  # nothing is JIT-built at start-up (CUDA, or the op was built into the install)
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    line = stale_lock(lock_candidates(root, builder.NAME))
+    if line:
+        raise ConfigError(line)
 
 
 def is_multi_rank() -> bool:

@@ -68,6 +68,30 @@ def failure_status(exitcode: int) -> int:
     return 128 - exitcode if exitcode < 0 else exitcode
 
 
+def torchrun_takes(option: str) -> bool:
+    """Whether this torch's torchrun has the command-line option `option` (e.g. `--shutdown-timeout`: torch 2.13's
+    has it, 2.11's exits 2 on it before any rank starts). Asked of torchrun's own parser, not of a version."""
+    from torch.distributed.run import get_args_parser  # torch: torchrun's parser; only where ranks are started
+
+    # argparse keeps its option strings in this table; it has no public accessor.
+    return option in get_args_parser()._option_string_actions
+
+
+def with_shutdown_timeout(argv: Sequence[str]) -> list[str]:
+    """torchrun's arguments with `--shutdown-timeout=SHUTDOWN_TIMEOUT_S` first, where this torchrun takes it and
+    neither the arguments nor TORCH_ELASTIC_SHUTDOWN_TIMEOUT say otherwise.
+
+    On Ctrl-C / SIGTERM the agent forwards the signal and gives the ranks --shutdown-timeout (torch's default: 30 s)
+    before it SIGKILLs them; the ranks are then saving a checkpoint (a stop request), which at 70B takes minutes. The
+    time limit that matters is Slurm's (it SIGKILLs the job anyway). A torchrun without the option keeps its 30 s
+    (docs/torch-versions.md): a save cut short leaves the previous checkpoint the newest complete one."""
+    argv = list(argv)
+    given = any(a.split("=")[0] in ("--shutdown-timeout", "--shutdown_timeout") for a in argv)
+    if given or "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" in os.environ or not torchrun_takes("--shutdown-timeout"):
+        return argv
+    return [f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}", *argv]
+
+
 def torchrun_main(argv: Sequence[str]) -> int:
     """torchrun (`python -m torch.distributed.run ARGV`) with our exit policy: when the ranks fail, nothing more is
     printed than what they printed themselves (a refusal: rank 0's one `threed: ...` line), no ChildFailedError
@@ -79,14 +103,7 @@ def torchrun_main(argv: Sequence[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    argv = list(argv)
-    given = any(a.split("=")[0] in ("--shutdown-timeout", "--shutdown_timeout") for a in argv)
-    if not given and "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in os.environ:
-        # On Ctrl-C / SIGTERM the agent forwards the signal and gives the ranks --shutdown-timeout (torch's default:
-        # 30 s) before it SIGKILLs them; the ranks are then saving a checkpoint (a stop request), which at 70B takes
-        # minutes. The time limit that matters is Slurm's (it SIGKILLs the job anyway).
-        argv = [f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}", *argv]
-    args = parse_args(argv)
+    args = parse_args(with_shutdown_timeout(argv))
     _quiet_torchrun_loggers()
     try:
         run(args)

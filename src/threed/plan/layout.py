@@ -100,9 +100,13 @@ def schedule_verdict(best: Layout, every: list[Layout]) -> str:
         )
     fastest = fitting[0]
     if fastest.recompute == best.recompute:  # it fits alike: its smaller bubble costs more than it saves
+        # threed.plan.steptime: 1F1B's backward hides TP collectives behind weight-gradient GEMMs; ZB-H1's cannot
+        why = "its backward runs the TP collectives alone, which 1f1b hides behind weight-gradient GEMMs"
+        if best.sp:
+            why += ", and its weight-gradient passes gather their inputs again"
         return (
             f"1f1b: {fastest.schedule} is slower here, {fastest.step_s:.1f} s/step (bubble {best.bubble:.1%} -> "
-            f"{fastest.bubble:.1%}, but its weight-gradient passes gather their inputs again)"
+            f"{fastest.bubble:.1%}, but {why})"
         )
     return (
         f"1f1b: {fastest.schedule} fits only {fastest.recompute_words()}, {fastest.step_s:.1f} s/step "

@@ -7,9 +7,10 @@ Why: 1F1B runs at the pace of its slowest stage, and `balanced` splits by a FLOP
 not a matmul (the embedding's backward, the loss's softmax, norms; on CPU the formula's 1.3 blocks for the
 benchmark's LM head measured 0.98-1.0 on a quiet machine, `benchmarks/bench_pipeline.py --partition measured`). This
 builds one of each kind (embedding, one transformer block, final norm, LM head + loss) exactly as the pipeline does
-(`threed.parallel.pipeline.layer_spec`, `run_megatron_config`, `threed.model.init`), runs forward + backward on random
-micro-batches of the run's size, sequence length and dtype, interleaving the kinds so background load hits all alike,
-and takes each kind's median after a warm-up. The costs are relative to a block; the split is
+(`threed.parallel.pipeline.layer_spec`, `run_megatron_config` with training's CUDA-only kernels, `threed.model.init`),
+runs forward + backward on random micro-batches of the run's size, sequence length and dtype (each repeat with fresh
+weight gradients, as training's hooks leave them), interleaving the kinds so background load hits all alike, and
+takes each kind's median after a warm-up. The costs are relative to a block; the split is
 `threed.parallel.partition`'s own (`costs:` = `balanced` over these numbers), so the achievable spread printed here is
 what training would get.
 
@@ -27,7 +28,7 @@ import dataclasses
 import os
 import statistics
 import time
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from threed.config import ConfigError, ModelConfig, RunConfig
 from threed.parallel.layer_costs import COSTS_PREFIX, format_costs, parse_costs
@@ -115,18 +116,40 @@ def _device() -> str:
 
 
 def _measure(cfg: RunConfig, warmup: int, repeats: int) -> dict[LayerKind, float]:
+    import torch  # heavy: as above
+
+    device = torch.device(_device())
+    modules, steps = _layer_steps(cfg, device)
+    times = _median_times(
+        [steps[k] for k in LAYER_KINDS], device, warmup, repeats, before=lambda: _drop_grads(modules.values())
+    )
+    return dict(zip(LAYER_KINDS, times))
+
+
+def megatron_config_as_trained(cfg: RunConfig, device) -> Any:
+    """megatron's config for the profiled layers, at tp=1, with the CUDA-only kernels training uses on `device`
+    (`threed.parallel.distributed.cuda_only`: on CUDA the fused SwiGLU, which is not the unfused one's cost)."""
+    # torch, megatron: heavy, only here
+    from threed.parallel.distributed import cuda_only
+    from threed.parallel.pipeline import run_megatron_config
+
+    one = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=1, sequence_parallel=False))
+    return run_megatron_config(one, cuda_only(device).fused_swiglu)
+
+
+def _layer_steps(cfg: RunConfig, device) -> tuple[dict[LayerKind, Any], dict[LayerKind, Callable[[], None]]]:
+    """One module of each layer kind, built and initialised as the pipeline does, and each kind's forward + backward
+    of one micro-batch."""
     # torch and the layers (megatron): heavy, only here
     import torch
 
     from threed.convert.io_utils import DTYPES
     from threed.model.init import init_pipeline_layers_
     from threed.model.layers import causal_lm_loss
-    from threed.parallel.pipeline import layer_spec, run_megatron_config
+    from threed.parallel.pipeline import layer_spec
 
-    device = torch.device(_device())
     dtype = DTYPES[cfg.train.dtype]
-    one = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=1, sequence_parallel=False))
-    mcore = run_megatron_config(one)
+    mcore = megatron_config_as_trained(cfg, device)
     layers = pipeline_layers(cfg.model)
     first: dict[LayerKind, PipelineLayer] = {}
     for layer in layers:
@@ -160,13 +183,23 @@ def _measure(cfg: RunConfig, warmup: int, repeats: int) -> dict[LayerKind, float
         "final_norm": lambda: modules["final_norm"](hidden_in()).backward(grad),
         "lm_head": lambda: causal_lm_loss(run_head(hidden_in()), labels).backward(),
     }
-    return {
-        kind: t for kind, t in zip(LAYER_KINDS, _median_times([steps[k] for k in LAYER_KINDS], device, warmup, repeats))
-    }
+    return modules, steps
 
 
-def _median_times(fns: list[Callable[[], None]], device, warmup: int, repeats: int) -> list[float]:
-    """Median seconds of each fn, the calls interleaved so that load from elsewhere hits every fn alike."""
+def _drop_grads(modules) -> None:
+    """Each repeat's backward writes fresh weight gradients, as in training (DeepSpeed's hooks move each bf16 .grad
+    into the fp32 accumulator and free it), instead of adding into the last repeat's .grad: that add is a kernel
+    training does not run, and in bf16 it rounds."""
+    for m in modules:
+        for p in m.parameters():
+            p.grad = None
+
+
+def _median_times(
+    fns: list[Callable[[], None]], device, warmup: int, repeats: int, before: Callable[[], None] = lambda: None
+) -> list[float]:
+    """Median seconds of each fn, the calls interleaved so that load from elsewhere hits every fn alike; `before`
+    runs ahead of every call, untimed."""
     import torch  # heavy: as above
 
     def sync() -> None:
@@ -176,6 +209,7 @@ def _median_times(fns: list[Callable[[], None]], device, warmup: int, repeats: i
     times: list[list[float]] = [[] for _ in fns]
     for r in range(warmup + repeats):
         for fn, ts in zip(fns, times):
+            before()
             sync()
             t0 = time.perf_counter()
             fn()

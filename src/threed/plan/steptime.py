@@ -1,6 +1,6 @@
 """The planner's step-time model: predicted seconds per optimizer step of a layout on a cluster, so that
-`threed plan` (`threed.plan.planner`) can rank layouts. A ranking, not a promise: bf16, no compute/communication
-overlap.
+`threed plan` (`threed.plan.planner`) can rank layouts. A ranking, not a promise: bf16, and the one
+compute/communication overlap the engine has (below: megatron's linear backward under 1F1B).
 
     step = pipeline(schedule, pp, gas; F, B, W of the slowest stage)  + t_dp + t_tied + t_optimizer
     t_micro(stage) = F + B + W
@@ -25,9 +25,12 @@ overlap.
   all-reduce by an all-gather before and a reduce-scatter after the pair of linears: the same bytes in a ring, so
   the same time; but megatron's backward all-gathers the input of both column-parallel linears once more for their
   weight gradients (it saved only its [s/tp, b, h] part): half an all-reduce each, +1 per block and +1/2 for the LM
-  head. It overlaps that gather with the input-gradient matmul; this model counts no overlap anywhere, so it is
-  counted. What crosses stages: without SP DeepSpeed sends a TP partition and gathers it over TP on arrival;
-  with SP each rank sends its own sequence part, and nothing is gathered.
+  head. Overlap (`hidden_behind_gemms`): under 1F1B megatron's column-parallel backward (qkv, fc1, LM head) runs
+  the input gradient's all-reduce (SP: reduce-scatter) beside the weight-gradient GEMM and SP's re-gather beside
+  the input-gradient GEMM, so each is counted only where it outlasts that GEMM. Under ZB-H1 (pp > 1) B has no
+  weight gradient to hide behind and W gathers before its GEMM (`threed.model.wgrad`): nothing is hidden, which is
+  what it pays for its smaller bubble. What crosses stages: without SP DeepSpeed sends a TP partition and gathers
+  it over TP on arrival; with SP each rank sends its own sequence part, and nothing is gathered.
   t_dp: all-reduce of the fp32 gradients (communication_data_type fp32) and all-gather of the bf16 weights,
   2 (dp - 1) / dp x 4 N + (dp - 1) / dp x 2 N bytes at B_dp. t_optimizer: AdamW on the fp32 shard and the
   norm/clip pass over the fp32 gradients, (36 N / dp + 12 N) bytes at the GPU's memory bandwidth. t_tied (tied
@@ -45,7 +48,16 @@ from typing import Optional
 from threed.config import ModelConfig
 from threed.memory.model import GB, stages
 from threed.memory.recompute import Recompute
-from threed.model.spec import layer_training_flops, matmul_parameters, shard_shape, tie_owners, tied
+from threed.model.spec import (
+    LayerKind,
+    layer_parameters,
+    layer_training_flops,
+    matmul_parameters,
+    shard_shape,
+    split_axis,
+    tie_owners,
+    tied,
+)
 from threed.parallel.schedule import simulate
 
 
@@ -105,6 +117,7 @@ def pass_times(
         return total / 3, total - total / 3 - w, w
 
     block, head = passes("block"), passes("lm_head")
+    deferred = schedule != "1f1b" and pp > 1  # ZB-H1 splits the backward (at pp 1 it is refused: 1F1B's backward)
     slowest = (0.0, 0.0, 0.0)
     for st in stages(model, pp, tp, seq):
         recomputed = rc.recomputed(st.blocks)
@@ -112,12 +125,15 @@ def pass_times(
         b_tp = 2 * st.blocks + 2 * recomputed + st.last  # their inputs' gradients, the recompute's; LM head's
         # megatron's re-gather of the column-parallel inputs; a deferred W (threed.model.wgrad) also re-gathers
         # the row-parallel output gradients it kept as sequence parts (two all-gathers: one all-reduce's worth)
-        w_tp = sp * (st.blocks + st.last / 2 + (schedule != "1f1b" and pp > 1) * st.blocks)
+        w_tp = sp * (st.blocks + st.last / 2 + deferred * st.blocks)
         f, b, w = (
             tokens * (st.blocks * x + st.last * y) / (tp * rate) + n * allreduce
             for x, y, n in zip(block, head, (f_tp, b_tp, w_tp))
         )
         b += tokens * recomputed * block[0] / (tp * rate)  # a recomputed block's forward runs again in B
+        if not deferred and tp > 1:  # ZB-H1's B and W run their collectives alone (threed.model.wgrad)
+            hidden_b, hidden_w = hidden_behind_gemms(model, tp, tokens, rate, allreduce, sp, st.blocks, st.last)
+            b, w = b - hidden_b, w - hidden_w
         if pp > 1:  # activations forward (F), gradients backward (B): 1/tp of them each
             p2p = act_bytes / tp / link_bytes_per_s(hw, tp * dp)
             if not sp:  # DeepSpeed's TP partition, all-gathered over TP on arrival
@@ -126,6 +142,38 @@ def pass_times(
         if f + b + w > sum(slowest):
             slowest = (f, b, w)
     return slowest
+
+
+def column_gemm_seconds(model: ModelConfig, kind: LayerKind, tp: int, tokens: int, rate: float) -> list[float]:
+    """Seconds of one GEMM (dgrad or wgrad: the same FLOPs) of each column-parallel linear of a layer of `kind`
+    (qkv and fc1 of a block, the LM head), per TP rank: the GEMMs megatron's backward hides collectives behind."""
+    out = []
+    for p in layer_parameters(kind):
+        if p.megatron_linear and split_axis(p.split) == 0:
+            rows, cols = shard_shape(model, p, tp)
+            out.append(2 * tokens * rows * cols / rate)
+    return out
+
+
+def hidden_behind_gemms(
+    model: ModelConfig, tp: int, tokens: int, rate: float, allreduce: float, sp: bool, blocks: int, last: int
+) -> tuple[float, float]:
+    """(from B, from W) seconds of a stage's backward TP collectives that megatron's linear backward (1F1B) runs
+    beside a GEMM of the same column-parallel linear (async_op, in order on one queue: CUDA_DEVICE_MAX_CONNECTIONS=1),
+    each hidden up to that GEMM's time. Without SP: the input gradient's all-reduce, beside the weight-gradient GEMM.
+    With SP: the input gradient's reduce-scatter beside the weight-gradient GEMM, and the re-gather of the saved
+    input beside the input-gradient GEMM (half an all-reduce each); the all-gather of the row-parallel linears'
+    output gradient runs alone. Under ZB-H1 none of this: B has no weight gradient to run beside, and W's gathers
+    precede its GEMM (threed.model.wgrad)."""
+    hidden_b = hidden_w = 0.0
+    for kind, count in (("block", blocks), ("lm_head", last)):
+        for gemm in column_gemm_seconds(model, kind, tp, tokens, rate):  # type: ignore[arg-type]
+            if sp:
+                hidden_b += count * min(allreduce / 2, gemm)
+                hidden_w += count * min(allreduce / 2, gemm)
+            else:
+                hidden_b += count * min(allreduce, gemm)
+    return hidden_b, hidden_w
 
 
 def step_time(

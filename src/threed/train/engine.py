@@ -12,6 +12,7 @@ import torch
 
 from threed.checkpoint.start import StartDecision, start
 from threed.config import RunConfig
+from threed.metrics.stages import reset_peak_memory
 from threed.parallel.distributed import Runtime, check_groups_agree, init_megatron_parallel_state, library_prints
 from threed.parallel.pipeline import build_pipeline_module
 from threed.parallel.zero_bubble import use_schedule
@@ -194,5 +195,7 @@ def build_engine(
         # "loss jumps after step 1" bug, DS PR #4141); tests/test_convert checks the loss does not jump.
     # DeepSpeed returns every key of the mp_rank file it does not use itself; the caller's are kept apart.
     client_state = dict((client_state or {}).get("threed_client", {}))
+    # Every rank's peak memory from here on: the training steps' (BF16_Optimizer reset rank 0's alone at its init).
+    reset_peak_memory(rt.device)
     resumed_from = decision.source.path if resume else None  # the tag: decision.source.tag
     return Built(engine=engine, resumed_from=resumed_from, client_state=client_state, decision=decision)
