@@ -1,7 +1,7 @@
 """Multi-rank scenarios for tests/ranks/test_metrics.py, run under torchrun; each rank writes its results as JSON.
 
-    python -m torch.distributed.run --nproc-per-node 8 tests/ranks/metrics_worker.py train --out /tmp/m   # tp2 pp2 dp2
-    python -m torch.distributed.run --nproc-per-node 2 tests/ranks/metrics_worker.py bubble --out /tmp/m  # pp2, gas 2/16
+    python -m torch.distributed.run --nproc-per-node 8 tests/ranks/metrics_worker.py train --out /tmp/m  # tp2 pp2 dp2
+    python -m torch.distributed.run --nproc-per-node 2 tests/ranks/metrics_worker.py bubble --out /tmp/m  # pp2 gas 2/16
     python -m torch.distributed.run --nproc-per-node 2 tests/ranks/metrics_worker.py zb_timing --out /tmp/m  # pp2 zb-h1
 
 Batches are synthetic (random token ids from a generator seeded by the DP rank), so first and last stage of a

@@ -53,7 +53,7 @@ def bubble_run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def zb_timing_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("zb_timing")
-    run_ranks(2, str(TESTS / "metrics_worker.py"), ["zb_timing", "--out", str(out)], timeout=900)
+    run_ranks(2, str(RANKS / "metrics_worker.py"), ["zb_timing", "--out", str(out)], timeout=900)
     return [json.loads((out / f"zb_timing_rank{r}.json").read_text()) for r in range(2)]
 
 
