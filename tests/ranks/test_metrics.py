@@ -120,15 +120,26 @@ def test_logging_on_or_off_gives_bit_identical_losses(train_run):
         assert r["logged"] == r["plain"], f"rank {rank}: {r['logged']} with metrics vs {r['plain']} without"
 
 
+def bubble_idle(run: list[dict], gas: str) -> float:
+    """The pipeline's idle fraction at `gas`, summed over its two stages (rank 1, the last stage, writes them)."""
+    return sum(run[1][gas]["record"][f"stage{s}/idle-fraction"] for s in (0, 1))
+
+
 @pytest.mark.slow
-def test_idle_fraction_falls_with_more_micro_batches(bubble_run):
-    """The pipeline's idle fraction (mean over its stages) falls with more micro-batches. On a shared 2-core machine
-    a stalled process can swamp the difference (seen once in a clean-clone `make test`), so this ordering check
-    runs in `make test-slow`; the agreement with the wall clock below stays in `make test`."""
-    writer = bubble_run[1]  # pp2, tp1, dp1: rank 1 is the last stage
-    idle = {gas: [writer[gas]["record"][f"stage{s}/idle-fraction"] for s in (0, 1)] for gas in ("gas2", "gas16")}
-    print(f"idle per stage: gas2 {idle['gas2']} (ideal 0.333), gas16 {idle['gas16']} (ideal 0.059)")
-    assert sum(idle["gas2"]) > sum(idle["gas16"]), idle
+def test_idle_fraction_falls_with_more_micro_batches(bubble_run, tmp_path_factory):
+    """The pipeline's idle fraction (summed over its stages) falls with more micro-batches. On a shared 2-core
+    machine another process can stall a rank and swamp the difference (seen in clean-clone runs, 2026-11-25 and
+    -26), and such noise only ever adds waiting. So the bubble run is launched three times and each micro-batch
+    count is judged by its least disturbed launch (the minimum, as timeit does); an idle fraction that does not
+    fall still fails every launch. The agreement with the wall clock below stays in `make test`."""
+    runs = [bubble_run]
+    for k in range(2):
+        out = tmp_path_factory.mktemp(f"bubble_again{k}")
+        run_ranks(2, str(RANKS / "metrics_worker.py"), ["bubble", "--out", str(out)], timeout=900)
+        runs.append([json.loads((out / f"bubble_rank{r}.json").read_text()) for r in range(2)])
+    idle = {gas: [round(bubble_idle(run, gas), 3) for run in runs] for gas in ("gas2", "gas16")}
+    print(f"idle summed over both stages, per launch: {idle} (ideal: gas2 0.667, gas16 0.118)")
+    assert min(idle["gas2"]) > min(idle["gas16"]), idle
 
 
 def test_idle_fraction_tracks_the_wall_clock(bubble_run):
