@@ -21,19 +21,18 @@ from threed.memory.model import quiet_deepspeed_import
 from threed.model.resolve import model_config
 from threed.plan.layout import full_recompute_verdict, schedule_verdict, table
 from threed.plan import planner
-from threed.plan.planner import plan, recipe_lines
+from threed.plan.planner import FILTER_FIELDS, plan, recipe_lines
 from threed.plan.steptime import Hardware
 
-# (section, field, earlier names, what the filter keeps) -> the keyword of threed.plan.planner.plan.
-FILTERS = (
-    ("parallel", "tp", (), "this tp"),
-    ("parallel", "pp", (), "this pp"),
-    ("train", "micro_batch_size", ("--micro",), "this micro-batch size"),
-    ("train", "activation_checkpointing", ("--act-ckpt",), "every block recomputed (true) / none (false)"),
-    ("parallel", "sequence_parallel", (), "with (true) / without (false) sequence parallelism"),
-    ("parallel", "pipeline_schedule", (), "this pipeline schedule"),
-)
-FILTER_KEYS = ("tp", "pp", "micro", "act_ckpt", "sequence_parallel", "schedule")
+# The search's filters (threed.plan.planner.FILTER_FIELDS: keyword -> config field): earlier names, what each keeps.
+FILTERS = {
+    "tp": ((), "this tp"),
+    "pp": ((), "this pp"),
+    "micro": (("--micro",), "this micro-batch size"),
+    "act_ckpt": (("--act-ckpt",), "every block recomputed (true) / none (false)"),
+    "sequence_parallel": ((), "with (true) / without (false) sequence parallelism"),
+    "schedule": ((), "this pipeline schedule"),
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,8 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--network-gbps", type=float, default=Hardware.network_gbps, help="inter-node GB/s per GPU")
     p.add_argument("--hbm-gbps", type=float, default=Hardware.hbm_gbps, help="GPU memory bandwidth, GB/s")
     # The search's filters: training's flags, each restricting the search to one value (none given: all searched).
-    for section, name, old, what in FILTERS:
-        add_field_flag(p, section, name, default=None, old=old, help=f"only {what}")
+    for key, (old, what) in FILTERS.items():
+        add_field_flag(p, *FILTER_FIELDS[key], default=None, old=old, help=f"only {what}")
     p.add_argument("--top", type=int, default=15, help="rows to list")
 
 
@@ -65,7 +64,7 @@ def run(ns: argparse.Namespace) -> int:
     if ns.top < 1:
         raise ConfigError(f"--top must be a positive number, got {ns.top}")
     seq, global_batch = field_value(ns, "train", "seq_length"), field_value(ns, "train", "global_batch_size")
-    only = {key: field_value(ns, section, name) for (section, name, _, _), key in zip(FILTERS, FILTER_KEYS)}
+    only = {key: field_value(ns, *FILTER_FIELDS[key]) for key in FILTERS}
     best, every = plan(model, hw, seq, global_batch, **only)
     tokens = seq * global_batch
     fitting = [la for la in every if la.fits]

@@ -18,9 +18,10 @@ Selective recompute is not searched: threed's SDPA keeps no s x s scores, so it 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
-from threed.config import ConfigError, ModelConfig
+from threed.config import SECTIONS, ConfigError, ModelConfig, flag_name
 from threed.memory.model import GB, estimate, heaviest, stages
 from threed.memory.recompute import Recompute
 
@@ -29,14 +30,19 @@ from threed.plan.layout import Layout, full_recompute_verdict, schedule_verdict,
 from threed.parallel.schedule import SCHEDULES
 from threed.plan.steptime import Hardware, pass_times, step_time, tied_allreduce_s  # noqa: F401 (re-exported)
 
-# plan()'s filters, by the training flags that name them (threed.cli.plan takes them under these names).
+# plan()'s filters: keyword -> the config field (section, name) whose training flag names it. threed.cli.plan takes
+# each under that flag; the messages below name it the same way.
+FILTER_FIELDS = {
+    "tp": ("parallel", "tp"),
+    "pp": ("parallel", "pp"),
+    "micro": ("train", "micro_batch_size"),
+    "act_ckpt": ("train", "activation_checkpointing"),
+    "sequence_parallel": ("parallel", "sequence_parallel"),
+    "schedule": ("parallel", "pipeline_schedule"),
+}
 FILTER_FLAGS = {
-    "tp": "--tp",
-    "pp": "--pp",
-    "micro": "--micro-batch-size",
-    "act_ckpt": "--activation-checkpointing",
-    "sequence_parallel": "--sequence-parallel",
-    "schedule": "--pipeline-schedule",
+    key: flag_name(next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == name))
+    for key, (section, name) in FILTER_FIELDS.items()
 }
 
 
