@@ -191,7 +191,10 @@ RANK_SCRIPT = textwrap.dedent("""\
         os.kill(os.getpid(), signal.SIGKILL)
     if how == "kill":
         import time; time.sleep(30)
-    print("rank", os.environ["RANK"], "ok", flush=True)
+    # One write of the whole line: print's separate pieces interleave between the ranks on an unbuffered stdout
+    # (seen: "rankrank 1  ok0").
+    sys.stdout.write("rank " + os.environ["RANK"] + " ok\\n")
+    sys.stdout.flush()
 """)
 
 
