@@ -2,7 +2,9 @@
 torch's fused AdamW. Why: the CPU benchmarks say the code paths run; this says what the single-GPU path costs
 (kernels, memory, step time) before anyone trusts a multi-GPU number built on it.
 
-Both sides in one process, one after the other, on the same random tokens: threed at tp1 pp1 dp1 (bf16, fp32
+Each run in a process of its own, one after the other, on the same random tokens (why: the first GPU call,
+2026-11-26, found 24 GB still allocated after each threed run in a shared process, so HF at seq 8192 ran out of
+memory): threed at tp1 pp1 dp1 (bf16, fp32
 master weights and gradient accumulation, ZeRO-1, fused AdamW; `threed.train.engine.build_engine`, a world of one
 without torchrun) and HF of the same shape (built from the config, random init, fp32 weights under bf16 autocast,
 loss on fp32 logits, gradient clipping, fused AdamW). Llama-3.2-1B's shape (preset `llama3.2-1b`, random init,
@@ -17,7 +19,7 @@ memory model's estimate for the same layout (`threed.memory.model.estimate`, wha
 which kernels ran (the SDPA ops of a profiled step, megatron's fused SwiGLU compiled or not). Ratios come from one
 run; nothing is asserted.
 
-    python benchmarks/bench_gpu.py [--json out.json] [--budget-s 180] [--peak-tflops 989]
+    python benchmarks/bench_gpu.py [--json out.json] [--budget-s 180] [--peak-tflops 989] [--runs hf:8192:off,...]
     python benchmarks/bench_gpu.py --tiny           (CPU, the `tiny` preset at seq 64 / 128; also with DRY=1)
 """
 
@@ -29,6 +31,8 @@ import json
 import os
 import re
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -51,9 +55,18 @@ SDPA_OPS = re.compile(r"scaled_dot_product|flash_attention|efficient_attention|c
 COMPILED = re.compile(r"Torch-Compiled Region|CompiledFunction")
 
 
-def plan(seqs: tuple[int, ...]) -> list[tuple[str, int, bool]]:
-    """(impl, seq, activation checkpointing), the most telling first: a budget cuts the tail."""
-    return [(impl, seq, ac) for ac in (False, True) for seq in seqs for impl in ("threed", "hf")]
+def plan(seqs: tuple[int, ...], only: str = "") -> list[tuple[str, int, bool]]:
+    """(impl, seq, activation checkpointing), the most telling first: a budget cuts the tail. `only` keeps the runs
+    it names, `impl:seq:on|off` comma-separated (a rerun of what a first call missed)."""
+    runs = [(impl, seq, ac) for ac in (False, True) for seq in seqs for impl in ("threed", "hf")]
+    if not only:
+        return runs
+    keep = {run_key(*run) for run in runs} & set(only.split(","))
+    return [run for run in runs if run_key(*run) in keep]
+
+
+def run_key(impl: str, seq: int, ac: bool) -> str:
+    return f"{impl}:{seq}:{'on' if ac else 'off'}"
 
 
 def global_batch(vocab: int, rows: int, seq: int) -> torch.Tensor:
@@ -269,6 +282,8 @@ def arguments(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak (default: threed.metrics.flops)")
     p.add_argument("--micro", type=int, default=1, help="sequences per micro-batch (gas = tokens / (seq x micro))")
     p.add_argument("--seqs", help="comma-separated sequence lengths (default 4096,8192; tiny 64,128)")
+    p.add_argument("--runs", default="", help="only these runs, impl:seq:on|off comma-separated (default all)")
+    p.add_argument("--child", help=argparse.SUPPRESS)  # impl:seq:on|off: one run in this process, its JSON to --json
     a = p.parse_args(argv)
     shape = TINY if a.tiny or os.environ.get("DRY") == "1" else FULL
     a.tiny = shape is TINY
@@ -281,12 +296,46 @@ def arguments(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return a
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    a = arguments(argv)
+def child(a: argparse.Namespace) -> int:
+    """One run in this process (`--child impl:seq:on|off`); its result, or its error, to --json."""
+    impl, seq, ac = a.child.split(":")
+    stub = {"impl": impl, "seq": int(seq), "activation_checkpointing": ac == "on"}
     rt = init_distributed()
     a.peak = a.peak_tflops or peak_tflops_per_device()
+    try:
+        r = one_run(impl, int(seq), ac == "on", a, model_config(a.model), rt)
+    except Exception as e:  # an OOM or a kernel missing on this GPU: say which; the parent goes on with the next run
+        r = {**stub, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
+    a.json.write_text(json.dumps(r) + "\n")
+    return 0
+
+
+def spawn(impl: str, seq: int, ac: bool, a: argparse.Namespace, argv: list[str], limit: Optional[float]) -> dict:
+    """One run in a fresh process: nothing a previous run left allocated (DeepSpeed's engine, compiled graphs)
+    weighs on its memory or speed."""
+    stub = {"impl": impl, "seq": seq, "activation_checkpointing": ac}
+    out = Path(a.json or "bench_gpu.json").with_suffix(f".{impl}-{seq}-{'on' if ac else 'off'}.json")
+    cmd = [sys.executable, __file__, *argv, "--child", run_key(impl, seq, ac), "--json", str(out)]
+    try:
+        proc = subprocess.run(cmd, timeout=limit, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    except subprocess.TimeoutExpired:
+        return {**stub, "error": f"timed out after {limit:.0f} s"}
+    if not out.exists():
+        tail = proc.stdout.strip().splitlines()[-3:]
+        return {**stub, "error": f"the run's process exited {proc.returncode} with no result: {' | '.join(tail)}"}
+    r = json.loads(out.read_text())
+    out.unlink()
+    return r
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = arguments(argv)
+    if a.child:
+        return child(a)
+    a.peak = a.peak_tflops or peak_tflops_per_device()
     m = model_config(a.model)
-    device = torch.cuda.get_device_name() if rt.device.type == "cuda" else "cpu"
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() and not a.tiny else "cpu"
     result: dict[str, Any] = {
         "device": device,
         "torch": torch.__version__,
@@ -295,32 +344,27 @@ def main(argv: Optional[list[str]] = None) -> int:
         "peak_tflops": a.peak,
         "flops_per_token": {str(s): training_flops_per_token(m, s, 1) for s in a.seqs},
         "flops_convention": "threed.model.spec.training_flops_per_token (model FLOPs; recompute not credited)",
+        "isolation": "each run in its own process",
         "runs": [],
     }
     print(f"bench_gpu: {a.model} on {device} (peak {a.peak} TFLOP/s), {a.tokens} tokens per step", flush=True)
     start, took = time.perf_counter(), {}  # impl -> seconds of its last run: what the next one is expected to take
-    for impl, seq, ac in plan(a.seqs):
-        stub = {"impl": impl, "seq": seq, "activation_checkpointing": ac}
+    for impl, seq, ac in plan(a.seqs, a.runs):
         expect = took.get(impl, max(took.values(), default=0.0))
-        if a.budget_s and time.perf_counter() - start + expect > a.budget_s:
-            r = {**stub, "skipped": f"the {a.budget_s:.0f} s budget would run out (a run takes ~{expect:.0f} s)"}
+        left = a.budget_s - (time.perf_counter() - start) if a.budget_s else None
+        if left is not None and left < expect:
+            r = {"impl": impl, "seq": seq, "activation_checkpointing": ac}
+            r["skipped"] = f"the {a.budget_s:.0f} s budget would run out (a run takes ~{expect:.0f} s)"
         else:
             t0 = time.perf_counter()
-            try:
-                r = one_run(impl, seq, ac, a, m, rt)
-            except Exception as e:  # an OOM or a kernel missing on this GPU: say which, go on with the next run
-                r = {**stub, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
-            if "error" in r:  # the traceback (and the engine its frames held) is gone only now
-                gc.collect()
-                if rt.device.type == "cuda":
-                    torch.cuda.empty_cache()
+            r = spawn(impl, seq, ac, a, argv, left)
             took[impl] = r["seconds"] = round(time.perf_counter() - t0, 1)
         result["runs"].append(r)
         result["ratios"] = ratios(result["runs"])
         print(line(r), flush=True)
         if a.json:
             a.json.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result["ratios"], indent=1))
+    print(json.dumps(result.get("ratios", {}), indent=1))
     return 0
 
 

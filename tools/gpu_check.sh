@@ -6,7 +6,8 @@
 #
 #   1. install  gpu-bundle/ (make gpu-bundle, carried with the tree) with pip --no-index --no-deps --target
 #   2. env      python, torch, CUDA, the GPU, every version and where it is imported from, capability probes
-#   3. tests    every GPU test one GPU can run: `pytest -m gpu tests` with THREED_DEVICE=cuda (test_one_gpu.py apart)
+#   3. tests    every GPU test one GPU can run: `pytest -m gpu tests/gpu` with THREED_DEVICE=cuda (test_one_gpu.py
+#               apart; only tests/gpu, whose imports the image has: tests/unit's need the dev extras, e.g. grimp)
 #   4. bench    benchmarks/bench_gpu.py: threed against HF at Llama-3.2-1B's shape, seq 4096 and 8192
 #   5. one_gpu  with the time left: tests/gpu/test_one_gpu.py (training against HF, resume, recompute, ZB-H1, SFT)
 #
@@ -17,6 +18,11 @@
 #   tools/gpu_check.sh "$OUT"            on the device machine: run(command="tools/gpu_check.sh $OUT",
 #                                        carry=["gpu-bundle"])
 #   DRY=1 tools/gpu_check.sh /tmp/dry    here
+#
+# A second call reruns only what the first missed (docs/gpu.md, "A second call"):
+#   GPU_CHECK_PHASES  the phases after env (default "tests bench one_gpu")
+#   BENCH_RUNS        the benchmark's runs, impl:seq:on|off comma-separated (default all); BENCH_CAP_S its cap (200)
+#   ONE_GPU_ONLY      the one-GPU scenarios (tests/gpu/one_gpu_worker.py's names, or "universal"; default all)
 set -uo pipefail
 OUT=${1:?usage: tools/gpu_check.sh OUTDIR (DRY=1 for the CPU dry run)}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -53,9 +59,18 @@ limit_for() { # limit_for CAP: the seconds a phase may take, CAP or what is left
   echo $(($1 < l ? $1 : l))
 }
 
+PICK=" ${GPU_CHECK_PHASES:-tests bench one_gpu} "
+export ONE_GPU_ONLY=${ONE_GPU_ONLY:-}
+BENCH_RUNS=${BENCH_RUNS:-}
+
 phase() { # phase NAME LIMIT LOG CMD...: CMD under timeout, its output appended to LOG, a row in phases.tsv
   local name=$1 limit=$2 log=$3 t0 rc=0
   shift 3
+  if [[ $name =~ ^(tests|bench|one_gpu)$ && $PICK != *" $name "* ]]; then
+    echo "gpu_check: $name skipped: not in GPU_CHECK_PHASES=${PICK# }" | tee -a "$log"
+    printf '%s\tskipped\t0\t%s\t%s\n' "$name" "$limit" "$(basename "$log")" >>"$PHASES"
+    return 0
+  fi
   if ((limit < MIN_PHASE)); then
     echo "gpu_check: $name skipped: $(left) s of the ${BUDGET} s budget left" | tee -a "$log"
     printf '%s\tskipped\t0\t%s\t%s\n' "$name" "$limit" "$(basename "$log")" >>"$PHASES"
@@ -101,12 +116,12 @@ grep -E '"(python|torch|deepspeed|megatron-core|transformers|name|cuda_build|thr
 
 # 3. every GPU test one GPU can run, test_one_gpu.py apart (phase 5)
 phase tests "$(limit_for 150)" "$OUT/tests.log" "$PY" -m pytest -q -s -ra --durations=10 -p no:cacheprovider \
-  -m gpu tests --ignore-glob='*test_one_gpu.py' --junitxml="$TMP/tests.xml"
+  -m gpu tests/gpu --ignore-glob='*test_one_gpu.py' --junitxml="$TMP/tests.xml"
 
 # 4. the benchmark; it starts no run that would end past its own budget
-BENCH_LIMIT=$(limit_for 200)
+BENCH_LIMIT=$(limit_for "${BENCH_CAP_S:-200}")
 phase bench "$BENCH_LIMIT" "$OUT/bench.log" "$PY" benchmarks/bench_gpu.py --json "$TMP/bench.json" \
-  --budget-s $((BENCH_LIMIT - 25)) "${BENCH_ARGS[@]}"
+  --budget-s $((BENCH_LIMIT - 25)) --runs "$BENCH_RUNS" "${BENCH_ARGS[@]}"
 
 # 5. the one-GPU checks, with the time left
 ONE_GPU=$(find tests -name test_one_gpu.py | head -1)

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -197,3 +198,38 @@ def test_the_built_bundle_matches_its_manifest_and_the_spec():
     listed = gpu_bundle.check_bundle(REPO / "gpu-bundle")
     assert {gpu_bundle.normalize(w["package"]): w["version"] for w in listed["wheels"]} == EXPECTED
     assert listed["total_bytes"] <= gpu_bundle.LIMIT_BYTES
+
+
+def top_imports(path: Path) -> set[str]:
+    """The top-level names a Python file imports (any depth in the file: lazy imports count too)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_what_the_gpu_machine_collects_imports_only_what_it_has():
+    """The first GPU call (2026-11-26) lost its tests phase to `pytest -m gpu tests` collecting tests/unit, whose
+    test_house imports grimp (a dev extra the image lacks). The phases collect tests/gpu only; everything those
+    files reach among the test modules imports nothing beyond the standard library, the image and the bundle."""
+    tests = REPO / "tests"
+    local = {p.stem: p for p in tests.rglob("*.py")}
+    allowed = set(sys.stdlib_module_names) | set(gpu_bundle.IMAGE_HAS) | {"threed", "deepspeed", "megatron"}
+    todo, seen, missing = [tests / "conftest.py", *sorted((tests / "gpu").glob("*.py"))], set(), {}
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        for name in top_imports(path):
+            if name in local:
+                todo.append(local[name])
+            elif name not in allowed:
+                missing.setdefault(name, []).append(str(path.relative_to(REPO)))
+    assert not missing, f"the GPU image has none of these (tests/gpu reaches them): {missing}"
+    marked = {p for p in tests.rglob("test_*.py") if re.search(r"pytest\.mark\.gpu\b", p.read_text())}
+    assert marked and all(p.parent == tests / "gpu" for p in marked), "gpu-marked tests must live in tests/gpu"
+    assert "-m gpu tests/gpu " in (REPO / "tools" / "gpu_check.sh").read_text()
