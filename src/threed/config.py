@@ -106,7 +106,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Degrees of parallelism, and which stage holds which layers. dp is derived: dp = world / (tp * pp)."""
+    """Degrees of parallelism, and which stage holds which layers. dp is derived: dp = world / (tp * pp * cp)."""
 
     tp: int = field(
         default=1,
@@ -117,6 +117,15 @@ class ParallelConfig:
     pp: int = field(
         default=1,
         metadata=meta("pipeline-parallel size (stages; <= layers)", at_least=1, alias="--pipeline-model-parallel-size"),
+    )
+    # Megatron-LM's --context-parallel-size: each sequence is split over cp ranks (2*cp chunks, load-balanced for the
+    # causal mask); attention exchanges keys and values (threed.parallel.context). DP excludes CP: the data-parallel
+    # degree is world / (tp * pp * cp), and the batch arithmetic counts only dp.
+    cp: int = field(
+        default=1,
+        metadata=meta(
+            "context-parallel size (splits each sequence over cp ranks)", at_least=1, alias="--context-parallel-size"
+        ),
     )
     # threed.parallel.partition: balanced | layers:N1,N2,... | costs:KIND=X,... | parameters | uniform | type:REGEX
     partition_method: str = field(
@@ -147,16 +156,16 @@ class ParallelConfig:
     )
 
     def dp(self, world_size: int) -> int:
-        return world_size // (self.tp * self.pp)
+        return world_size // (self.tp * self.pp * self.cp)
 
     def validate(self, model: ModelConfig, world_size: int) -> None:
-        tp, pp = self.tp, self.pp
-        if tp < 1 or pp < 1:
-            raise ConfigError(f"tp={tp} and pp={pp} must both be >= 1")
-        if world_size % (tp * pp):
+        tp, pp, cp = self.tp, self.pp, self.cp
+        if tp < 1 or pp < 1 or cp < 1:
+            raise ConfigError(f"tp={tp}, pp={pp} and cp={cp} must all be >= 1")
+        if world_size % (tp * pp * cp):
             raise ConfigError(
-                f"world size {world_size} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}; "
-                f"world = tp x pp x dp, so launch a multiple of {tp * pp} ranks or change tp/pp"
+                f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = {tp * pp * cp}; "
+                f"world = tp x pp x cp x dp, so launch a multiple of {tp * pp * cp} ranks or change tp/pp/cp"
             )
         for what, n in (("num_heads", model.num_heads), ("num_kv_heads", model.num_kv_heads)):
             if n % tp:
@@ -176,6 +185,10 @@ class ParallelConfig:
             raise ConfigError(
                 "--sequence-parallel needs tp > 1 (it splits the sequence over the tensor-parallel "
                 "group); drop it or raise --tp"
+            )
+        if cp > 1:  # the attention core exists (threed.parallel.context); the training path is issue 27's work
+            raise ConfigError(
+                f"--context-parallel-size {cp}: context parallelism is not wired into training yet; use cp 1"
             )
         if pp > model.num_layers:
             raise ConfigError(
@@ -198,7 +211,7 @@ class TrainConfig:
     global_batch_size: Optional[int] = field(
         default=None,
         metadata=meta(  # None: micro * gas * dp
-            "sequences per step = micro x grad-accum x dp, dp = world / (tp x pp)", at_least=1
+            "sequences per step = micro x grad-accum x dp, dp = world / (tp x pp x cp)", at_least=1
         ),
     )
     seq_length: int = field(default=128, metadata=meta("tokens per sequence", at_least=1))
@@ -267,7 +280,7 @@ class TrainConfig:
         if glob is not None and glob != expected:
             raise ConfigError(
                 f"train_batch_size must equal micro x gas x dp = {micro} x {gas} x {dp} = {expected}, got "
-                f"global_batch_size {glob}. dp is world / (tp x pp), not the world size; drop one of "
+                f"global_batch_size {glob}. dp is world / (tp x pp x cp), not the world size; drop one of "
                 f"grad_accum_steps / global_batch_size or make them agree"
             )
         if gas < 1:
@@ -565,6 +578,14 @@ class RunConfig:
         self.model.validate()
         self.parallel.validate(self.model, world_size)
         self.train.validate(self.model)
+        cp = self.parallel.cp
+        if cp > 1 and self.train.seq_length % (2 * cp * (self.parallel.tp if self.parallel.sequence_parallel else 1)):
+            chunks = 2 * cp * (self.parallel.tp if self.parallel.sequence_parallel else 1)
+            raise ConfigError(
+                f"--context-parallel-size {cp} cuts each sequence into 2 x cp chunks"
+                f"{' of whole SP slices (x tp)' if self.parallel.sequence_parallel else ''}: seq_length "
+                f"{self.train.seq_length} is not a multiple of {chunks}; use a multiple of {chunks}"
+            )
         if self.parallel.sequence_parallel and self.train.seq_length % self.parallel.tp:
             raise ConfigError(
                 f"--sequence-parallel splits each sequence over tp={self.parallel.tp} ranks: "

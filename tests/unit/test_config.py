@@ -28,8 +28,8 @@ from threed.model.spec import parameter_count
 LLAMA2_70B = PRESETS["llama2-70b"]
 
 
-def run(tp=1, pp=1, model=LLAMA2_70B, **train) -> RunConfig:
-    return RunConfig(model=model, parallel=ParallelConfig(tp=tp, pp=pp), train=TrainConfig(**train))
+def run(tp=1, pp=1, model=LLAMA2_70B, cp=1, **train) -> RunConfig:
+    return RunConfig(model=model, parallel=ParallelConfig(tp=tp, pp=pp, cp=cp), train=TrainConfig(**train))
 
 
 @pytest.mark.parametrize(
@@ -38,11 +38,11 @@ def run(tp=1, pp=1, model=LLAMA2_70B, **train) -> RunConfig:
         (run(tp=3), 3, r"tp=3 does not divide num_heads=64"),
         (run(tp=16), 16, r"tp=16 does not divide num_kv_heads=8"),
         (run(pp=81), 81, r"pp=81 is larger than num_layers=80"),
-        (run(tp=8, pp=4), 48, r"world size 48 is not divisible by tp\*pp = 8\*4 = 32"),
+        (run(tp=8, pp=4), 48, r"world size 48 is not divisible by tp\*pp\*cp = 8\*4\*1 = 32"),
         (
             run(tp=8, pp=4, micro_batch_size=1, grad_accum_steps=8, global_batch_size=256),
             64,
-            r"micro x gas x dp = 1 x 8 x 2 = 16, got global_batch_size 256\. dp is world / \(tp x pp\)",
+            r"micro x gas x dp = 1 x 8 x 2 = 16, got global_batch_size 256\. dp is world / \(tp x pp x cp\)",
         ),
         (run(micro_batch_size=3, global_batch_size=16), 1, r"global_batch_size 16 is not divisible by .* 3 x 1"),
         (run(seq_length=8192), 1, r"seq_length 8192 exceeds max_position_embeddings 4096"),
@@ -320,3 +320,17 @@ def test_megatron_aliases_and_help_come_from_the_fields():
     assert names["train.grad_clip"] == ["--grad-clip", "--clip-grad"]
     assert names["control.skip_nonfinite"] == ["--skip-nonfinite"]
     assert names["parallel.partition_method"] == ["--partition-method"]
+
+
+@pytest.mark.parametrize(
+    "cfg, world, message",
+    [
+        (run(tp=2, pp=2, cp=2), 12, r"world size 12 is not divisible by tp\*pp\*cp = 2\*2\*2 = 8"),
+        (run(tp=2, pp=1, cp=2), 8, r"context parallelism is not wired into training yet"),
+    ],
+)
+def test_context_parallel_size_is_counted_apart_from_dp(cfg, world, message):
+    """DP excludes CP (Megatron's semantics): dp = world / (tp x pp x cp)."""
+    assert cfg.parallel.dp(16) == 16 // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp)
+    with pytest.raises(ConfigError, match=message):
+        cfg.validate(world)
