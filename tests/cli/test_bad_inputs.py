@@ -125,7 +125,7 @@ CLI = [
     ("train-bool", TRAIN + ["--auto-resume", "maybe"], r"argument --auto-resume: expected true/false"),
     # --- threed train: model, layout, batch arithmetic
     ("train-unknown-model", ["train", "--model", "nosuch"] + TRAIN[3:], r"unknown model 'nosuch': use one of"),
-    ("train-tp-vs-world", TRAIN + ["--tp", "2"], r"world size 1 is not divisible by tp\*pp .* launch a multiple"),
+    ("train-tp-vs-world", TRAIN + ["--tp", "2"], r"world size 1 is not divisible by tp\*pp\*cp .* launch a multiple"),
     ("train-seq-too-long", TRAIN + ["--seq-length", "100000"], r"seq_length 100000 exceeds max_position_embeddings"),
     ("train-zero-stage", TRAIN + ["--zero-stage", "2"], r"zero_stage 2 is not allowed: .* ZeRO 0 or 1"),
     ("train-sequence-parallel-tp1", TRAIN + ["--sequence-parallel"], r"--sequence-parallel needs tp > 1"),
