@@ -1,5 +1,6 @@
 """Context parallelism (CP): the sequence of every row split over a CP group, with Llama 3's all-gather-K/V attention.
-The tested building blocks; the model, the config and the data path do not use them yet.
+Wired in by threed.model.attention (the attention), threed.model.layers (RoPE, the loss's token count),
+threed.parallel.distributed / pipeline (the groups) and threed.train (each CP rank's share of the rows: `share_batches`).
 
 The layout. Each row is cut into 2·cp equal chunks and CP rank i holds chunks i and 2·cp-1-i ("zigzag"). Under a
 causal mask chunk j costs j+1 chunk-pairs of work, so every rank does (i+1) + (2·cp-i) = 2·cp+1: balanced. Tokens,
@@ -174,6 +175,29 @@ def rope_positions(seq: int, cp: int, rank: int, segments: Optional[torch.Tensor
     return split(document_positions(segments), cp, rank)
 
 
+def share_micro_batch(batch: tuple, cp: int, rank: int) -> tuple:
+    """A loader micro-batch of whole rows, `(inputs, targets)` (threed.data.loader.collate), -> this CP rank's share.
+    Tokens, labels (already shifted on the whole row by the dataset) and loss masks are cut with the one index;
+    packed rows' document ids stay whole (segments and positions are counted on the whole row, threed.model.layers),
+    and evaluation's per-sample one-hot sources `[b, D]` are not per token."""
+    if cp == 1:
+        return batch
+    inputs, targets = batch
+    if isinstance(inputs, (tuple, list)):
+        tokens, doc_ids = inputs
+        inputs = (split(tokens, cp, rank), doc_ids)
+    else:
+        inputs = split(inputs, cp, rank)
+    if isinstance(targets, torch.Tensor):
+        return inputs, split(targets, cp, rank)
+    return inputs, (split(targets[0], cp, rank), split(targets[1], cp, rank), *targets[2:])
+
+
+def share_batches(batches: Iterable[tuple], cp: int, rank: int) -> Iterable[tuple]:
+    """`share_micro_batch` of every micro-batch, lazily (the loader's iterator is endless)."""
+    return batches if cp == 1 else (share_micro_batch(b, cp, rank) for b in batches)
+
+
 def token_weighted_loss_sum(
     token_losses: torch.Tensor, loss_mask: Optional[torch.Tensor] = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -315,6 +339,19 @@ def varlen_offsets(segments: torch.Tensor, start: int) -> tuple[torch.Tensor, to
     within = torch.arange(total, device=segments.device) - cu_k[:-1].repeat_interleave(k_len, output_size=total)
     index = (row * L + d0).repeat_interleave(k_len, output_size=total) + within
     return index, cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k
+
+
+def preflight(cp: int, device: torch.device, dtype: str) -> None:
+    """Before a CP run builds anything (threed.train, after the config checks): the kernel its attention will take on
+    `device` in `dtype` ("bf16" / "fp32") must align the causal mask bottom-right, or the run is refused in one line
+    (`KernelRefused`). Only flash varlen can get it wrong; the masked SDPA path builds its mask from global positions."""
+    if cp == 1:
+        return
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    if _varlen_usable(torch.empty(0, device=device, dtype=torch_dtype)):
+        from torch.nn.attention.varlen import varlen_attn  # torch: CUDA-only kernel module
+
+        check_bottom_right(varlen_attn, device, torch_dtype)
 
 
 _BOTTOM_RIGHT: dict = {}  # (kernel, device, dtype) -> True once checked
