@@ -32,9 +32,10 @@ from dist_worker import run_steps, train_dataset
 from helpers import hf_model, model_config
 from reference import PARITY
 from sft_worker import sft_config
+from sp_worker import StageTraffic
 from threed.config import CheckpointConfig, DataConfig, ParallelConfig, RunConfig, TrainConfig
 from threed.data.loader import token_weighted
-from threed.parallel.distributed import Runtime
+from threed.parallel.distributed import Runtime, loss_rank
 from threed.train.engine import build_engine
 from threed.train.loop import train
 from tied_worker import save_final
@@ -68,6 +69,7 @@ def trained(cfg: RunConfig, rt: Runtime, hf_state: dict, out, name: str, save_at
     ds = train_dataset(cfg, rt.world_size)
     engine = build_engine(cfg, rt).engine
     load_hf_weights(engine, cfg, hf_state)
+    traffic = StageTraffic()  # what crosses a stage boundary: this rank's [s/cp, b, h] (1/tp of it)
     losses, norms = [], []
     for step in range(STEPS):
         loss, norm = run_steps(engine, cfg, ds, step, step + 1)
@@ -75,9 +77,11 @@ def trained(cfg: RunConfig, rt: Runtime, hf_state: dict, out, name: str, save_at
         norms += norm
         if step + 1 == save_at:
             ckpt.save(engine, cfg, rt.rank, {"consumed_samples": save_at * GLOBAL})
+    sent: list = [None] * rt.world_size
+    dist.all_gather_object(sent, traffic.close()["sent"])
     save_final(engine, cfg, out, prefix=f"final_{name}_")
     dist.barrier()
-    return {"losses": losses, "grad_norms": norms}
+    return {"losses": losses, "grad_norms": norms, "sent": sent}
 
 
 def resumed(cfg: RunConfig, rt: Runtime) -> dict:
@@ -105,7 +109,10 @@ def sft_runs(chat: str) -> dict:
         if cp == 2:  # dp 1: the same 8 rows per step as micro 2 x gas 4
             cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_accum_steps=4))
         r = train(cfg)
-        out[name] = {"losses": r.losses, "grad_norms": r.grad_norms, "evals": r.evals, "loss_tokens": r.loss_tokens}
+        counted: list = [None] * dist.get_world_size()  # the loss rank's (last stage) loss-token counts
+        dist.all_gather_object(counted, r.loss_tokens)
+        tokens = counted[loss_rank(2, 2, dist.get_world_size() // (4 * cp), cp=cp)]
+        out[name] = {"losses": r.losses, "grad_norms": r.grad_norms, "evals": r.evals, "loss_tokens": tokens}
     cfg = sft_config(chat, pack=True, steps=1)
     cfg = dataclasses.replace(
         cfg, parallel=ParallelConfig(tp=2, pp=2, cp=2), train=dataclasses.replace(cfg.train, grad_accum_steps=4)

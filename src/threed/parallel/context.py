@@ -1,6 +1,7 @@
 """Context parallelism (CP): the sequence of every row split over a CP group, with Llama 3's all-gather-K/V attention.
 Wired in by threed.model.attention (the attention), threed.model.layers (RoPE, the loss's token count),
-threed.parallel.distributed / pipeline (the groups) and threed.train (each CP rank's share of the rows: `share_batches`).
+threed.parallel.distributed / pipeline (the groups) and threed.train (each CP rank's share of the rows:
+`share_batches`).
 
 The layout. Each row is cut into 2·cp equal chunks and CP rank i holds chunks i and 2·cp-1-i ("zigzag"). Under a
 causal mask chunk j costs j+1 chunk-pairs of work, so every rank does (i+1) + (2·cp-i) = 2·cp+1: balanced. Tokens,
@@ -341,17 +342,20 @@ def varlen_offsets(segments: torch.Tensor, start: int) -> tuple[torch.Tensor, to
     return index, cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k
 
 
-def preflight(cp: int, device: torch.device, dtype: str) -> None:
+def preflight(cp: int, device: torch.device, dtype: str, kernel: Optional[Callable] = None) -> None:
     """Before a CP run builds anything (threed.train, after the config checks): the kernel its attention will take on
     `device` in `dtype` ("bf16" / "fp32") must align the causal mask bottom-right, or the run is refused in one line
-    (`KernelRefused`). Only flash varlen can get it wrong; the masked SDPA path builds its mask from global positions."""
+    (`KernelRefused`). Only flash varlen can get it wrong; the masked SDPA path builds its mask from global
+    positions. `kernel`: varlen_attn's signature (the tests pass CPU stand-ins); None: torch's, where it is used."""
     if cp == 1:
         return
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
-    if _varlen_usable(torch.empty(0, device=device, dtype=torch_dtype)):
-        from torch.nn.attention.varlen import varlen_attn  # torch: CUDA-only kernel module
+    if kernel is None:
+        if not _varlen_usable(torch.empty(0, device=device, dtype=torch_dtype)):
+            return
+        from torch.nn.attention.varlen import varlen_attn as kernel  # torch: CUDA-only kernel module
 
-        check_bottom_right(varlen_attn, device, torch_dtype)
+    check_bottom_right(kernel, device, torch_dtype)
 
 
 _BOTTOM_RIGHT: dict = {}  # (kernel, device, dtype) -> True once checked

@@ -162,9 +162,7 @@ def build_engine(
     resume = decision.mode == "resume"
 
     torch.manual_seed(cfg.train.seed)
-    init_megatron_parallel_state(
-        cfg.parallel.tp, cfg.parallel.pp, rt.cuda_only.gloo_process_groups, cp=cfg.parallel.cp
-    )
+    init_megatron_parallel_state(cfg.parallel.tp, cfg.parallel.pp, rt.cuda_only.gloo_process_groups, cp=cfg.parallel.cp)
     with library_prints():  # DeepSpeed's PipelineModule and engine print() their start-up lines on rank 0
         module = build_pipeline_module(
             cfg,

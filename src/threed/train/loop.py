@@ -135,9 +135,7 @@ def _train(cfg: RunConfig, rt: Runtime, splits: DataSplits, start_decision: Star
     result = TrainResult(start_step=start, end_step=start)
     log(
         logger,
-        f"threed: world {rt.world_size} = tp {tp} x pp {pp} x "
-        + (f"cp {cp} x " if cp > 1 else "")
-        + f"dp {dp} on "
+        f"threed: world {rt.world_size} = tp {tp} x pp {pp} x " + (f"cp {cp} x " if cp > 1 else "") + f"dp {dp} on "
         f"{rt.device.type}/{rt.backend}; global batch {glob} = micro {micro} x gas {gas} x dp {dp}; "
         f"{cfg.model.name} {parameter_count(cfg.model) / 1e6:.1f}M params; dtype {cfg.train.dtype}; "
         + (f"pipeline schedule {cfg.parallel.pipeline_schedule}; " if pp > 1 else "")
