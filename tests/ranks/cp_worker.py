@@ -3,13 +3,15 @@ context parallelism wired into training. One launch runs them all, since a launc
 
 - the same 10 steps from HF's weights at tp2 pp2 dp2 (cp1), tp2 pp2 cp2 under 1F1B and under ZB-H1, and tp2 cp2
   dp2 with --sequence-parallel (pp1): losses, gradient norms and final weights;
+- a converted HF checkpoint (tp2 pp2) starts a cp2 run through threed.train;
+- a 2-source blend validated at cp1 and cp2 (validation loss and per-source losses);
 - resumes across cp: the cp2 run's step-5 checkpoint at cp1 tp2 pp1 dp4 (the ZeRO shards go from 2 to 4: universal),
   the cp1 run's at cp2 tp2 pp2 dp1 (2 shards both: native);
 - packed SFT rows through threed.train at tp2 pp2 cp2 and at cp1 (loss masks differ chunk by chunk), and one step of
   the cp2 run with the per-rank-mean mistake put in (each CP rank normalising by its own loss tokens).
 
     python -m torch.distributed.run --nproc-per-node 8 tests/ranks/cp_worker.py --out /tmp/cp --data PREFIX \\
-        --sft-data CHAT_text_document
+        --sft-data CHAT_text_document --converted CONVERTED_DIR --data-b PREFIX_B
 
 Rank 0 writes OUT/cp.json; OUT/final_<run>_stage<S>.pt hold the HF-named weights of each stage after the last step.
 """
@@ -40,7 +42,7 @@ from threed.train.engine import build_engine
 from threed.train.loop import train
 from tied_worker import save_final
 
-STEPS, SAVED_AT, SFT_STEPS = 10, 5, 3
+STEPS, SAVED_AT, SFT_STEPS, INIT_STEPS, BLEND_STEPS = 10, 5, 3, 2, 2
 SEQ, MICRO, GLOBAL = 32, 2, 8
 
 # name -> (tp, pp, cp, sequence parallel, pipeline schedule); 8 ranks each, dp = 8 / (tp pp cp)
@@ -125,6 +127,30 @@ def sft_runs(chat: str) -> dict:
     return out
 
 
+def blend_runs(a: str, b: str) -> dict:
+    """A 2-source blend through threed.train at cp1 and cp2 (random init), validated after BLEND_STEPS steps: the
+    validation loss and the per-source losses, each CP rank summing its share of the tokens."""
+    out = {}
+    for name, cp, gas in (("blend_cp1", 1, 2), ("blend_cp2", 2, 4)):
+        cfg = RunConfig(
+            model=model_config("gqa31"),
+            parallel=ParallelConfig(tp=2, pp=2, cp=cp),
+            train=TrainConfig(
+                **PARITY,
+                micro_batch_size=MICRO,
+                grad_accum_steps=gas,
+                seq_length=SEQ,
+                steps=BLEND_STEPS,
+                eval_interval=BLEND_STEPS,
+                eval_iters=2,
+            ),
+            data=DataConfig(data_path=("0.4", a, "0.6", b), split="90,10,0"),
+        )
+        r = train(cfg)
+        out[name] = {"losses": r.losses, "evals": r.evals}
+    return out
+
+
 def main(args: argparse.Namespace, rt: Runtime) -> None:
     hf_state = hf_model("gqa31").state_dict()
     out = args.out
@@ -142,6 +168,16 @@ def main(args: argparse.Namespace, rt: Runtime) -> None:
         dist.barrier()
         results[name] = resumed(base_config(args.data, tp, pp, cp, save=save), rt)
 
+    # A converted HF checkpoint (written at tp2 pp2 by `threed convert`, which knows no cp) through threed.train at cp2.
+    cfg = base_config(args.data, 2, 2, 2)
+    cfg = dataclasses.replace(
+        cfg,
+        train=dataclasses.replace(cfg.train, steps=INIT_STEPS),
+        checkpoint=CheckpointConfig(init_from=args.converted),
+    )
+    results["converted_cp2"] = {"losses": train(cfg).losses}
+
+    results.update(blend_runs(args.data, args.data_b))
     results.update(sft_runs(args.sft_data))
     if rt.rank == 0:
         (out / "cp.json").write_text(json.dumps(results))
@@ -150,6 +186,8 @@ def main(args: argparse.Namespace, rt: Runtime) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", required=True)
     p.add_argument("--sft-data", required=True)
+    p.add_argument("--converted", required=True)
+    p.add_argument("--data-b", required=True)
 
 
 if __name__ == "__main__":
