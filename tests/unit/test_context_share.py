@@ -70,3 +70,18 @@ def test_the_mean_of_per_rank_means_is_not_the_token_mean_when_masks_differ_betw
     per_rank = sum(s / c for s, c in parts) / cp
     assert abs(ours - exact) <= 1e-12 * exact
     assert abs(per_rank - exact) > 1e-3 * exact
+
+
+def cpu_varlen_without_gqa(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+    """torch 2.11's varlen_attn signature: no enable_gqa keyword."""
+    assert k.shape[1] == q.shape[1], "K/V heads must arrive repeated"
+    return cpu_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size)
+
+
+def test_a_varlen_kernel_without_enable_gqa_gets_repeated_kv_heads():
+    from test_context_layout import qkv, rel
+
+    q, k, v = qkv(24, 2, 4, 2)
+    want = cpx._attend_varlen(q[12:], k, v, None, 0.3, kernel=cpu_varlen)
+    got = cpx._attend_varlen(q[12:], k, v, None, 0.3, kernel=cpu_varlen_without_gqa)
+    assert rel(got, want) <= 1e-12

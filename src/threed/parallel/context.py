@@ -39,6 +39,7 @@ Why not the others:
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable, Iterable, Optional, Sequence
 
 import torch
@@ -315,8 +316,24 @@ def _attend_varlen(query, key, value, segments, scale, kernel: Optional[Callable
     index, cu_q, cu_k, max_q, max_k = varlen_offsets(segments, L - c)
     q = query.transpose(0, 1).reshape(b * c, heads, d)
     k, v = (t.transpose(0, 1).reshape(b * L, kv_heads, d)[index] for t in (key, value))
-    out = kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0), enable_gqa=kv_heads != heads)
+    gqa = {}
+    if kv_heads != heads and _takes_enable_gqa(kernel):
+        gqa = {"enable_gqa": True}
+    elif kv_heads != heads:
+        # torch 2.11's varlen_attn has no enable_gqa: each K/V head serves heads / kv_heads consecutive query heads
+        # (as SDPA's enable_gqa does), so the kernel gets them repeated. Same numbers, more K/V bytes.
+        k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
+    out = kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0), **gqa)
     return out.reshape(b, c, heads, d).transpose(0, 1)
+
+
+def _takes_enable_gqa(kernel: Callable) -> bool:
+    """Whether `kernel` accepts `enable_gqa` (torch 2.13's varlen_attn does, 2.11's not): asked of the function."""
+    try:
+        params = inspect.signature(kernel).parameters
+    except (TypeError, ValueError):  # no signature to read: repeating K/V works either way
+        return False
+    return "enable_gqa" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def varlen_offsets(segments: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
