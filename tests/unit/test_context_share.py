@@ -85,3 +85,19 @@ def test_a_varlen_kernel_without_enable_gqa_gets_repeated_kv_heads():
     want = cpx._attend_varlen(q[12:], k, v, None, 0.3, kernel=cpu_varlen)
     got = cpx._attend_varlen(q[12:], k, v, None, 0.3, kernel=cpu_varlen_without_gqa)
     assert rel(got, want) <= 1e-12
+
+
+def test_rank_coordinates_follow_megatrons_tp_cp_dp_pp_order():
+    """tp fastest, then cp, dp, pp (megatron-core's default order; the multi-rank runs check it against both
+    libraries' groups with check_groups_agree): every (stage, dp, cp, tp) once, and the loss rank is the last
+    stage's tp 0, cp 0 rank of its replica."""
+    from threed.parallel.distributed import context_rank, grid_coordinates, loss_rank
+
+    tp, pp, cp, dp = 2, 2, 2, 2
+    seen = {}
+    for rank in range(tp * pp * cp * dp):
+        stage, dp_rank, tp_rank = grid_coordinates(rank, tp, dp, cp)
+        seen[(stage, dp_rank, context_rank(rank, tp, cp), tp_rank)] = rank
+    assert len(seen) == 16 and seen[(0, 0, 1, 0)] == 2 and seen[(0, 1, 0, 0)] == 4 and seen[(1, 0, 0, 0)] == 8
+    assert [loss_rank(tp, pp, dp, r, cp=cp) for r in range(dp)] == [seen[(1, r, 0, 0)] for r in range(dp)] == [8, 12]
+    assert grid_coordinates(5, 2, 2) == (1, 0, 1) and loss_rank(2, 2, 2, 1) == 6  # cp 1: as before
