@@ -186,10 +186,6 @@ class ParallelConfig:
                 "--sequence-parallel needs tp > 1 (it splits the sequence over the tensor-parallel "
                 "group); drop it or raise --tp"
             )
-        if cp > 1:  # the attention core exists (threed.parallel.context); the training path is issue 27's work
-            raise ConfigError(
-                f"--context-parallel-size {cp}: context parallelism is not wired into training yet; use cp 1"
-            )
         if pp > model.num_layers:
             raise ConfigError(
                 f"pp={pp} is larger than num_layers={model.num_layers}: a pipeline stage would hold no "

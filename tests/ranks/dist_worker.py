@@ -18,10 +18,12 @@ import torch.distributed as dist
 from worker_setup import keeps_logits, load_hf_weights, local_weights, rank_json, reads_data, run_worker
 from helpers import hf_model, model_config
 from reference import PARITY
+from megatron.core import parallel_state as ps
 from threed.config import CheckpointConfig, DataConfig, ParallelConfig, RunConfig, TrainConfig
 from threed.data.datasets import build_datasets
 from threed.data.loader import micro_batches
 from threed.data.splits import read_data_flags
+from threed.parallel.context import share_batches
 from threed.parallel.distributed import GroupMismatch, Runtime, check_groups_agree
 from threed.train.engine import build_engine
 from threed.verify.logits import pipeline_logits
@@ -64,9 +66,14 @@ def train_dataset(cfg: RunConfig, world_size: int):
 
 
 def run_steps(engine, cfg: RunConfig, ds, start: int, stop: int) -> tuple[list[float], list[float]]:
-    dp, dp_rank = engine.grid.get_data_parallel_world_size(), engine.grid.get_data_parallel_rank()
+    """Train steps [start, stop) reading what threed.train reads: rows dealt over dp (megatron's data-parallel group
+    without CP; DeepSpeed's data axis holds dp x cp), each CP rank keeping its share of them."""
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     micro, gas, glob = cfg.train.resolve_batch(dp)
-    it = micro_batches(ds, glob, micro, dp, dp_rank, start * glob, cfg.model.vocab_size) if reads_data(engine) else None
+    it = None
+    if reads_data(engine):
+        rows = micro_batches(ds, glob, micro, dp, dp_rank, start * glob, cfg.model.vocab_size)
+        it = share_batches(rows, ps.get_context_parallel_world_size(), ps.get_context_parallel_rank())
     losses, norms = [], []
     for _ in range(start, stop):
         losses.append(engine.train_batch(data_iter=it).item())

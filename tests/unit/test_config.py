@@ -326,11 +326,27 @@ def test_megatron_aliases_and_help_come_from_the_fields():
     "cfg, world, message",
     [
         (run(tp=2, pp=2, cp=2), 12, r"world size 12 is not divisible by tp\*pp\*cp = 2\*2\*2 = 8"),
-        (run(tp=2, pp=1, cp=2), 8, r"context parallelism is not wired into training yet"),
+        (run(tp=2, pp=1, cp=2, seq_length=102), 8, r"seq_length 102 is not a multiple of 4; use a multiple of 4"),
+        (
+            RunConfig(
+                model=LLAMA2_70B,
+                parallel=ParallelConfig(tp=2, cp=2, sequence_parallel=True),
+                train=TrainConfig(seq_length=132),
+            ),
+            8,
+            r"of whole SP slices \(x tp\): seq_length 132 is not a multiple of 8",
+        ),
     ],
 )
 def test_context_parallel_size_is_counted_apart_from_dp(cfg, world, message):
-    """DP excludes CP (Megatron's semantics): dp = world / (tp x pp x cp)."""
+    """DP excludes CP (Megatron's semantics): dp = world / (tp x pp x cp). A world CP does not divide and a sequence
+    2·cp (·tp under SP) does not divide are refused in one line, before anything is built."""
     assert cfg.parallel.dp(16) == 16 // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp)
     with pytest.raises(ConfigError, match=message):
         cfg.validate(world)
+
+
+def test_context_parallel_run_validates_and_its_batch_counts_dp_only():
+    cfg = run(tp=2, pp=2, cp=2, seq_length=64, micro_batch_size=2, global_batch_size=8)
+    cfg.validate(16)  # dp 2: 8 = micro 2 x gas 2 x dp 2 (CP ranks read the same rows)
+    assert cfg.parallel.dp(16) == 2 and cfg.train.resolve_batch(2) == (2, 2, 8)

@@ -152,7 +152,7 @@ class CheckpointLayout:
     tag: str
     tp: int  # files per pipeline layer
     model_parallel_files: int  # mp_rank_XX files = pp x tp
-    optimizer_files: int  # ZeRO optimizer shards = dp x pp x tp (0 for converted, weights-only checkpoints)
+    optimizer_files: int  # ZeRO optimizer shards = dp x cp x pp x tp (0 for converted, weights-only checkpoints)
     layers: int = 0  # distinct layer indices with files
 
     @property
@@ -371,7 +371,8 @@ def check_layout(path: str, cfg: RunConfig, world_size: int, full_resume: bool, 
     """Refuse a checkpoint DeepSpeed cannot load natively at this run's layout, naming both layouts and the fix.
     (A full resume at another layout goes through a universal checkpoint instead: threed.checkpoint.start.)"""
     lay = checkpoint_layout(path, tag)
-    tp, pp, dp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp(world_size)
+    # dp: ZeRO shards, over DeepSpeed's data axis of dp x cp ranks (threed.parallel.pipeline.make_topology)
+    tp, pp, dp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp(world_size) * cfg.parallel.cp
     if lay.tp != tp or lay.model_parallel_files != tp * pp:
         written_pp = lay.model_parallel_files // max(lay.tp, 1)
         raise CheckpointError(

@@ -180,9 +180,10 @@ def decide_start(cfg: RunConfig, world_size: int) -> StartDecision:
             f"If that was not meant, resume with the recorded values"
         )
     lay = found.layout
-    same = (lay.tp, lay.pp, lay.dp) == (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp(world_size)) and dtype_of(
-        found
-    ) == cfg.train.dtype
+    # ZeRO-1 shards the optimizer over DeepSpeed's data axis, dp x cp (threed.parallel.pipeline.make_topology): a run
+    # whose dp x cp is the checkpoint's loads it natively whatever its cp; another count goes through universal.
+    shards = cfg.parallel.dp(world_size) * cfg.parallel.cp
+    same = (lay.tp, lay.pp, lay.dp) == (cfg.parallel.tp, cfg.parallel.pp, shards) and dtype_of(found) == cfg.train.dtype
     decision.universal = not same
     return decision
 
@@ -197,8 +198,10 @@ def changed_shape(cfg: RunConfig, found: Found, world_size: int) -> str:
     if not run or "train" not in run:
         return ""  # a converter's manifest records no training shape
     try:
-        was = RunConfig.from_dict(run).train
-        _, _, was_glob = was.resolve_batch(found.layout.dp)
+        recorded = RunConfig.from_dict(run)
+        was = recorded.train
+        # The layout's dp counts ZeRO shards, dp x cp: the recorded run's batch counts its dp alone.
+        _, _, was_glob = was.resolve_batch(found.layout.dp // recorded.parallel.cp)
         _, _, now_glob = cfg.train.resolve_batch(cfg.parallel.dp(world_size))
     except (ConfigError, KeyError, TypeError, ValueError):
         return ""
@@ -335,7 +338,7 @@ def start(
             src = decision.source
             log(
                 f"threed: {src.path}/{src.tag} was written at {src.layout.describe()} {dtype_of(src)}; this run "
-                f"has tp={cfg.parallel.tp}, pp={cfg.parallel.pp}, dp={cfg.parallel.dp(world_size)} "
+                f"has tp={cfg.parallel.tp}, pp={cfg.parallel.pp}, dp={cfg.parallel.dp(world_size) * cfg.parallel.cp} "
                 f"{cfg.train.dtype}: resuming through a universal checkpoint (optimizer state kept)"
             )
             decision.load_dir, decision.tag = universal.target(src, _universal_root(cfg, src), dtype_of(src))

@@ -99,17 +99,19 @@ def run_summary(cfg: RunConfig, world_size: int, start_iteration: int) -> dict[s
 class RunMetrics:
     def __init__(self, cfg: RunConfig, engine: Any, rt: Any, start_iteration: Optional[int] = None):
         check_metrics_config(cfg)
-        grid = engine.grid
         self.device = rt.device
         self.world = rt.world_size
         self.pp = cfg.parallel.pp
-        _, self.gas, self.batch = cfg.train.resolve_batch(grid.get_data_parallel_world_size())
+        # dp excludes cp: DeepSpeed's data axis (grid) holds dp x cp ranks, whose CP ranks read the same rows.
+        _, self.gas, self.batch = cfg.train.resolve_batch(cfg.parallel.dp(rt.world_size))
         self.seq = cfg.train.seq_length
         self.total_steps = cfg.train.steps
         self.log_interval = max(1, cfg.train.log_interval)
         self.start = engine.global_steps if start_iteration is None else start_iteration
         self.engine = engine
-        self.is_writer = rt.rank == loss_rank(cfg.parallel.tp, self.pp, grid.get_data_parallel_world_size())
+        self.is_writer = rt.rank == loss_rank(
+            cfg.parallel.tp, self.pp, cfg.parallel.dp(rt.world_size), cp=cfg.parallel.cp
+        )
         self.flops_per_token = flops_per_token(cfg.model, self.seq, cfg.parallel.tp)
         self.peak_tflops = peak_tflops_per_device()
         self.timer = StageTimer(engine, rt.device, instructions=cfg.metrics.stage_timing)

@@ -9,6 +9,11 @@ outside its document. On CUDA in half precision that runs through `torch.nn.atte
 cumulative lengths, no s x s mask); elsewhere SDPA with a boolean `[b, 1, s, s]` mask (exact; on CPU ~3x the cost
 of `is_causal`, see the stack notes). Which varlen_attn keywords a torch release has is asked of the function itself
 (`takes_keyword`): docs/torch-versions.md.
+
+Context parallelism (`--context-parallel-size` > 1): each rank holds 2 of each row's 2·cp chunks of queries, keys and
+values, and the attention is `threed.parallel.context.context_parallel_attention` (K/V all-gathered over the CP group
+megatron's SelfAttention hands over in its `pg_collection`, the causal mask built from global positions, so aligned
+bottom-right; packed rows pass the full row's segment ids).
 """
 
 from __future__ import annotations
@@ -20,12 +25,25 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from threed.parallel.context import context_parallel_attention
+
 
 class SDPACoreAttention(torch.nn.Module):
-    def __init__(self, config: Any, layer_number: int, softmax_scale: Optional[float] = None, **_: Any):
+    def __init__(
+        self,
+        config: Any,
+        layer_number: int,
+        softmax_scale: Optional[float] = None,
+        pg_collection: Any = None,
+        **_: Any,
+    ):
         super().__init__()
         self.softmax_scale = softmax_scale  # None: 1/sqrt(head_dim), as in Llama
         self.layer_number = layer_number
+        # megatron-core's SelfAttention passes its process groups; its CP group is the one this layer's queries,
+        # keys and values are split over (None: the whole row is here).
+        cp_group = getattr(pg_collection, "cp", None)
+        self.cp_group = cp_group if cp_group is not None and cp_group.size() > 1 else None
 
     def forward(
         self,
@@ -41,6 +59,10 @@ class SDPACoreAttention(torch.nn.Module):
         `[b, s]` (packed documents) and attention is block-diagonal causal.
         """
         s, b, heads, d = query.shape
+        if self.cp_group is not None:
+            return context_parallel_attention(
+                query, key, value, self.cp_group, segments=attention_mask, scale=self.softmax_scale
+            )
         if attention_mask is not None:
             return self._packed(query, key, value, attention_mask)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]

@@ -7,6 +7,11 @@ Column/RowParallelLinear whose weight gradient can be deferred for a zero-bubble
 Between pipeline stages one tensor travels: hidden states `[s, b, h]`. Positions (RoPE) are rebuilt on each stage from
 the sequence length; the causal mask is implicit. Packed SFT rows add a second, `doc_ids [b, s]` int32, from which each
 stage rebuilds the block-diagonal mask and the per-document positions.
+
+Context parallelism (threed.parallel.context): hidden states are this CP rank's share `[s/cp, b, h]` (its 2 of 2·cp
+chunks; `[s/(cp·tp), b, h]` under sequence parallelism), while `doc_ids` stay the whole row's: positions and segments
+are counted on the whole row (a document may start on another rank), then the positions are cut with the same index.
+The loss of a micro-batch is this rank's token-loss sum over the whole row's token count (`causal_lm_loss`).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from threed.config import ModelConfig
 from threed.model.attention import SDPACoreAttention, document_segments, reuse_per_tensor
 from threed.model.rope import RotaryAngles, document_positions
+from threed.parallel.context import rope_positions, split
 from threed.model.wgrad import SplitColumnParallelLinear, SplitRowParallelLinear
 
 
@@ -193,32 +199,40 @@ class LlamaBlock(TransformerLayer):
         self.rotary = RotaryAngles(model)
         # Under sequence parallelism a block's input is [s/tp, b, h]; attention (after the QKV all-gather) sees s.
         self.sequence_shards = mcore.tensor_model_parallel_size if mcore.sequence_parallel else 1
+        # Context parallelism: (cp, this rank's place in the CP group) from the group megatron gave the attention.
+        group = self.self_attention.core_attention.cp_group
+        self.context = (1, 0) if group is None else (group.size(), group.rank())
 
     def forward(self, hidden):  # type: ignore[override]
-        """`hidden [s, b, h]` -> `[s, b, h]` (`[s/tp, b, h]` under sequence parallelism); or, packed sequences,
-        `(hidden, doc_ids [b, s] int)` -> the same tuple: attention stays inside each document and RoPE positions
-        restart at each (float first: see the stack notes on DeepSpeed's pipeline buffers)."""
+        """`hidden [s, b, h]` -> `[s, b, h]` (`[s/tp, b, h]` under sequence parallelism, `[s/cp, b, h]` under
+        context parallelism); or, packed sequences, `(hidden, doc_ids [b, s] int)` -> the same tuple: attention
+        stays inside each document and RoPE positions restart at each (float first: see the stack notes on
+        DeepSpeed's pipeline buffers)."""
         if not isinstance(hidden, torch.Tensor):
             return self._forward_packed(*hidden)
-        angles = self.rotary(hidden.shape[0] * self.sequence_shards, hidden.device)
+        cp, rank = self.context
+        # The whole row's angles cut like the hidden states: the very numbers a cp 1 run uses at those positions.
+        angles = split(self.rotary(hidden.shape[0] * self.sequence_shards * cp, hidden.device), cp, rank, dim=0)
         out, _ = super().forward(hidden, attention_mask=None, rotary_pos_emb=angles)
         return out
 
     def _forward_packed(self, hidden: torch.Tensor, doc_ids: torch.Tensor):
-        segments, angles = _packed_geometry(doc_ids, self.rotary, hidden.device)
+        segments, angles = _packed_geometry(doc_ids, self.rotary, hidden.device, self.context)
         out, _ = super().forward(hidden, attention_mask=segments, rotary_pos_emb=angles)
         return out, doc_ids
 
 
-def _packed_geometry(doc_ids: torch.Tensor, rotary: RotaryAngles, device: torch.device):
-    """Segments and RoPE angles of a micro-batch, built once per stage (not per block); the same segments object
-    then lets the core attention reuse its mask / varlen lengths too."""
+def _packed_geometry(doc_ids: torch.Tensor, rotary: RotaryAngles, device: torch.device, context=(1, 0)):
+    """Segments (of the whole row) and RoPE angles (of this CP rank's tokens) of a micro-batch, built once per stage
+    (not per block); the same segments object then lets the core attention reuse its mask / varlen lengths too."""
+    cp, rank = context
 
     def build(ids: torch.Tensor):
         segments = document_segments(ids.to(device))
-        return segments, rotary.at_positions(document_positions(segments))
+        positions = document_positions(segments) if cp == 1 else rope_positions(ids.shape[1], cp, rank, segments)
+        return segments, rotary.at_positions(positions)
 
-    return reuse_per_tensor(doc_ids, ("rope", rotary.key, str(device)), build)
+    return reuse_per_tensor(doc_ids, ("rope", rotary.key, str(device), cp, rank), build)
 
 
 class FinalNormPipe(torch.nn.Module):
@@ -315,6 +329,20 @@ def token_weighted_loss(logits: torch.Tensor, targets) -> torch.Tensor:
     return causal_lm_loss(logits, targets)
 
 
+def context_token_count(mask: torch.Tensor) -> torch.Tensor:
+    """The loss tokens of this micro-batch's whole rows, divided by cp (at least 1/cp): the divisor that makes each CP
+    rank's sum of token losses, averaged over the CP ranks (DeepSpeed averages over its data axis, which holds them),
+    the micro-batch's exact masked mean. Per-rank means averaged would weigh a token of a rank holding few loss tokens
+    (SFT masks differ chunk by chunk) more. One scalar all-reduce over the CP group; no gradient flows through it."""
+    count = mask.sum().detach().clamp(min=1.0)
+    group = parallel_state.get_context_parallel_group(check_initialized=False)
+    if group is None or group.size() == 1:
+        return count
+    count = mask.sum(dtype=torch.float64).detach()
+    torch.distributed.all_reduce(count, group=group)
+    return (count.clamp(min=1.0) / group.size()).to(mask.dtype)
+
+
 def causal_lm_loss(logits: torch.Tensor, targets) -> torch.Tensor:
     """The pipeline's loss_fn. `targets` is what the data loader put second in each micro-batch:
 
@@ -325,11 +353,11 @@ def causal_lm_loss(logits: torch.Tensor, targets) -> torch.Tensor:
       per-dataset token counts (D)]` (threed.train.evaluate).
     """
     if isinstance(targets, torch.Tensor):
-        return token_losses(logits, targets).mean()
+        return token_losses(logits, targets).mean()  # under CP every rank holds as many tokens: DeepSpeed's mean
     labels, mask = targets[0], targets[1].float()
     losses = token_losses(logits, labels) * mask
     if len(targets) == 2:
-        return losses.sum() / mask.sum().clamp(min=1.0)
+        return losses.sum() / context_token_count(mask)
     onehot = targets[2].float()
     per_sample_loss, per_sample_count = losses.sum(dim=1), mask.sum(dim=1)
     return torch.cat(

@@ -1,15 +1,15 @@
 """How a run is parallelised: everything that knows about ranks, groups, stages and schedules.
 
     context.py          context parallelism's core: the zigzag split of each row over a CP group, the all-gather-K/V
-                        attention (exact, with packed documents), the exact token mean over CP ranks (not wired yet)
+                        attention (exact, with packed documents), each CP rank's share of a micro-batch
     distributed.py      the device policy (cuda+nccl or cpu+gloo, chosen in one place), megatron-core's parallel
-                        state, and the check that megatron's groups are DeepSpeed's
+                        state (tp-cp-dp-pp), and the check that megatron's groups are DeepSpeed's
     megatron_device.py  megatron-core's CUDA-only buffers, put on the device policy's device (the one adaptation)
     launch.py           N ranks under torchrun, ending as the ranks do (one line, their exit status)
     build_lock.py       a JIT build lock a killed build left (DeepSpeed's CPU comm op), named in one line (pure)
     partition.py        which stage holds which layers (--partition-method), full recompute's chunks (pure)
     layer_costs.py      the values of --partition-method costs:... (pure)
-    pipeline.py         the model's LayerSpecs -> DeepSpeed's PipelineModule over (pipe, data, model)
+    pipeline.py         the model's LayerSpecs -> DeepSpeed's PipelineModule over (pipe, data = dp x cp, model)
     staged.py           StagedPipelineModule: DeepSpeed's PipelineModule with explicit stage boundaries, Megatron's
                         recompute chunks, and sequence parallelism's norm-gradient sum
     schedule.py         --pipeline-schedule: each stage's F/B/W order, what it holds, its idle time (pure)

@@ -1,5 +1,7 @@
 """Context parallelism (CP): the sequence of every row split over a CP group, with Llama 3's all-gather-K/V attention.
-The tested building blocks; the model, the config and the data path do not use them yet.
+Wired in by threed.model.attention (the attention), threed.model.layers (RoPE, the loss's token count),
+threed.parallel.distributed / pipeline (the groups) and threed.train (each CP rank's share of the rows:
+`share_batches`).
 
 The layout. Each row is cut into 2·cp equal chunks and CP rank i holds chunks i and 2·cp-1-i ("zigzag"). Under a
 causal mask chunk j costs j+1 chunk-pairs of work, so every rank does (i+1) + (2·cp-i) = 2·cp+1: balanced. Tokens,
@@ -37,6 +39,7 @@ Why not the others:
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable, Iterable, Optional, Sequence
 
 import torch
@@ -174,6 +177,29 @@ def rope_positions(seq: int, cp: int, rank: int, segments: Optional[torch.Tensor
     return split(document_positions(segments), cp, rank)
 
 
+def share_micro_batch(batch: tuple, cp: int, rank: int) -> tuple:
+    """A loader micro-batch of whole rows, `(inputs, targets)` (threed.data.loader.collate), -> this CP rank's share.
+    Tokens, labels (already shifted on the whole row by the dataset) and loss masks are cut with the one index;
+    packed rows' document ids stay whole (segments and positions are counted on the whole row, threed.model.layers),
+    and evaluation's per-sample one-hot sources `[b, D]` are not per token."""
+    if cp == 1:
+        return batch
+    inputs, targets = batch
+    if isinstance(inputs, (tuple, list)):
+        tokens, doc_ids = inputs
+        inputs = (split(tokens, cp, rank), doc_ids)
+    else:
+        inputs = split(inputs, cp, rank)
+    if isinstance(targets, torch.Tensor):
+        return inputs, split(targets, cp, rank)
+    return inputs, (split(targets[0], cp, rank), split(targets[1], cp, rank), *targets[2:])
+
+
+def share_batches(batches: Iterable[tuple], cp: int, rank: int) -> Iterable[tuple]:
+    """`share_micro_batch` of every micro-batch, lazily (the loader's iterator is endless)."""
+    return batches if cp == 1 else (share_micro_batch(b, cp, rank) for b in batches)
+
+
 def token_weighted_loss_sum(
     token_losses: torch.Tensor, loss_mask: Optional[torch.Tensor] = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -290,8 +316,24 @@ def _attend_varlen(query, key, value, segments, scale, kernel: Optional[Callable
     index, cu_q, cu_k, max_q, max_k = varlen_offsets(segments, L - c)
     q = query.transpose(0, 1).reshape(b * c, heads, d)
     k, v = (t.transpose(0, 1).reshape(b * L, kv_heads, d)[index] for t in (key, value))
-    out = kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0), enable_gqa=kv_heads != heads)
+    gqa = {}
+    if kv_heads != heads and _takes_enable_gqa(kernel):
+        gqa = {"enable_gqa": True}
+    elif kv_heads != heads:
+        # torch 2.11's varlen_attn has no enable_gqa: each K/V head serves heads / kv_heads consecutive query heads
+        # (as SDPA's enable_gqa does), so the kernel gets them repeated. Same numbers, more K/V bytes.
+        k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
+    out = kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0), **gqa)
     return out.reshape(b, c, heads, d).transpose(0, 1)
+
+
+def _takes_enable_gqa(kernel: Callable) -> bool:
+    """Whether `kernel` accepts `enable_gqa` (torch 2.13's varlen_attn does, 2.11's not): asked of the function."""
+    try:
+        params = inspect.signature(kernel).parameters
+    except (TypeError, ValueError):  # no signature to read: repeating K/V works either way
+        return False
+    return "enable_gqa" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def varlen_offsets(segments: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
@@ -315,6 +357,22 @@ def varlen_offsets(segments: torch.Tensor, start: int) -> tuple[torch.Tensor, to
     within = torch.arange(total, device=segments.device) - cu_k[:-1].repeat_interleave(k_len, output_size=total)
     index = (row * L + d0).repeat_interleave(k_len, output_size=total) + within
     return index, cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k
+
+
+def preflight(cp: int, device: torch.device, dtype: str, kernel: Optional[Callable] = None) -> None:
+    """Before a CP run builds anything (threed.train, after the config checks): the kernel its attention will take on
+    `device` in `dtype` ("bf16" / "fp32") must align the causal mask bottom-right, or the run is refused in one line
+    (`KernelRefused`). Only flash varlen can get it wrong; the masked SDPA path builds its mask from global
+    positions. `kernel`: varlen_attn's signature (the tests pass CPU stand-ins); None: torch's, where it is used."""
+    if cp == 1:
+        return
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    if kernel is None:
+        if not _varlen_usable(torch.empty(0, device=device, dtype=torch_dtype)):
+            return
+        from torch.nn.attention.varlen import varlen_attn as kernel  # torch: CUDA-only kernel module
+
+    check_bottom_right(kernel, device, torch_dtype)
 
 
 _BOTTOM_RIGHT: dict = {}  # (kernel, device, dtype) -> True once checked

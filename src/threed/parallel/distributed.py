@@ -352,10 +352,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_megatron_parallel_state(tp: int, pp: int, gloo_process_groups: bool = True) -> None:
-    """megatron-core's groups, in its default order tp-cp-ep-dp-pp: tp fastest, then dp, then pp, which is
-    the rank order of DeepSpeed's PipeModelDataParallelTopology (axes pipe, data, model). Their collective timeout
-    is the world's (--dist-timeout-minutes, `collective_timeout`), not megatron's own default of 30 minutes."""
+def init_megatron_parallel_state(tp: int, pp: int, gloo_process_groups: bool = True, cp: int = 1) -> None:
+    """megatron-core's groups, in its default order tp-cp-ep-dp-pp: tp fastest, then cp, then dp, then pp, which is
+    the rank order of DeepSpeed's PipeModelDataParallelTopology (axes pipe, data, model) when its data axis holds
+    dp x cp ranks (`threed.parallel.pipeline.make_topology`): CP ranks hold the same weights, so DeepSpeed reduces
+    gradients and shards ZeRO-1 state over dp x cp, megatron's data-parallel group "with context parallel". Their
+    collective timeout is the world's (--dist-timeout-minutes, `collective_timeout`), not megatron's 30 minutes."""
     from megatron.core import parallel_state  # heavy: as deepspeed above
 
     if parallel_state.model_parallel_is_initialized():
@@ -363,27 +365,35 @@ def init_megatron_parallel_state(tp: int, pp: int, gloo_process_groups: bool = T
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
         create_gloo_process_groups=gloo_process_groups,
         # megatron makes timedelta(minutes=this): a float keeps a fractional --dist-timeout-minutes
         distributed_timeout_minutes=collective_timeout().total_seconds() / 60,
     )
 
 
-def grid_coordinates(rank: int, tp: int, dp: int) -> tuple[int, int, int]:
+def grid_coordinates(rank: int, tp: int, dp: int, cp: int = 1) -> tuple[int, int, int]:
     """(pipeline stage, data-parallel rank, tensor-parallel rank) of a global rank, in the order both libraries use
-    (tp fastest, then dp, then pp; `check_groups_agree` asserts it at start-up). Lets a rank know its role before
-    any engine exists, e.g. whether it reads data."""
-    return rank // (tp * dp), rank // tp % dp, rank % tp
+    (tp fastest, then cp, then dp, then pp; `check_groups_agree` asserts it at start-up). Lets a rank know its role
+    before any engine exists, e.g. whether it reads data and which rows (the CP ranks of one data-parallel rank read
+    the same rows: `context_rank` says which share of them)."""
+    return rank // (tp * cp * dp), rank // (tp * cp) % dp, rank % tp
 
 
-def loss_rank(tp: int, pp: int, dp: int, dp_rank: int = 0) -> int:
+def context_rank(rank: int, tp: int, cp: int) -> int:
+    """The context-parallel rank of a global rank (`grid_coordinates`' order): which 2 of each row's 2·cp chunks it
+    holds (threed.parallel.context.chunk_index)."""
+    return rank // tp % cp
+
+
+def loss_rank(tp: int, pp: int, dp: int, dp_rank: int = 0, cp: int = 1) -> int:
     """The global rank that holds data-parallel replica `dp_rank`'s loss: the last pipeline stage computes it and
-    every TP rank of that stage holds the same value, so TP rank 0 of the last stage counts it. Replica 0's (the
+    every TP rank of that stage holds the same value, so TP rank 0 of the last stage counts it (under CP, CP rank 0:
+    DeepSpeed has averaged the CP ranks' shares of the loss over its data axis, which holds them). Replica 0's (the
     default) is the one rank that speaks for the run: it prints the log lines and writes the metrics (threed.train,
     threed.metrics.writer; DeepSpeed has already averaged the loss over DP there), so on a multi-node job every
-    line of a run is in one node's log; threed.train.evaluate sums each replica's validation loss once, from its loss
-    rank. Rank order as in `grid_coordinates` (tp fastest, then dp, then pp)."""
-    return ((pp - 1) * dp + dp_rank) * tp
+    line of a run is in one node's log. Rank order as in `grid_coordinates` (tp fastest, then cp, dp, pp)."""
+    return (((pp - 1) * dp + dp_rank) * cp) * tp
 
 
 class GroupMismatch(RuntimeError):
@@ -391,14 +401,17 @@ class GroupMismatch(RuntimeError):
 
 
 def check_groups_agree(grid) -> dict[str, list[int]]:
-    """Assert megatron-core's TP/DP/PP groups equal DeepSpeed's grid groups on this rank. Returns the groups."""
+    """Assert megatron-core's TP/DP/PP groups equal DeepSpeed's grid groups on this rank. Returns the groups.
+    DeepSpeed's data axis is megatron's data-parallel group with context parallel (dp x cp: gradients and ZeRO
+    shards span both); megatron's CP group must sit inside it, next to the TP ranks (tp-cp-dp-pp)."""
     from megatron.core import parallel_state as ps  # heavy: as deepspeed above
 
     ours = {
         "tp": dist.get_process_group_ranks(ps.get_tensor_model_parallel_group()),
-        "dp": dist.get_process_group_ranks(ps.get_data_parallel_group()),
+        "dp": dist.get_process_group_ranks(ps.get_data_parallel_group(with_context_parallel=True)),
         "pp": dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group()),
     }
+    cp_ranks = dist.get_process_group_ranks(ps.get_context_parallel_group())
     topo = grid._topo
     rank = dist.get_rank()
     theirs = {
@@ -406,16 +419,19 @@ def check_groups_agree(grid) -> dict[str, list[int]]:
         "dp": _axis_group(topo, "data", rank),
         "pp": _axis_group(topo, "pipe", rank),
     }
+    tp, cp = ps.get_tensor_model_parallel_world_size(), ps.get_context_parallel_world_size()
     ranks_ok = (
         ps.get_tensor_model_parallel_rank() == grid.get_slice_parallel_rank()
         and ps.get_pipeline_model_parallel_rank() == grid.get_stage_id()
-        and ps.get_data_parallel_rank() == grid.get_data_parallel_rank()
+        and ps.get_data_parallel_rank(with_context_parallel=True) == grid.get_data_parallel_rank()
+        and ps.get_context_parallel_rank() == context_rank(rank, tp, cp)
+        and sorted(cp_ranks) == [rank - context_rank(rank, tp, cp) * tp + i * tp for i in range(cp)]
     )
     if {k: sorted(v) for k, v in ours.items()} != {k: sorted(v) for k, v in theirs.items()} or not ranks_ok:
         raise GroupMismatch(
-            f"rank {rank}: megatron-core groups {ours} differ from DeepSpeed's grid {theirs}. Both must order "
-            f"ranks tp fastest, then dp, then pp (megatron order 'tp-cp-ep-dp-pp', DeepSpeed "
-            f"PipeModelDataParallelTopology)"
+            f"rank {rank}: megatron-core groups {ours} (cp {cp_ranks}) differ from DeepSpeed's grid {theirs}. Both "
+            f"must order ranks tp fastest, then cp, dp, pp (megatron order 'tp-cp-ep-dp-pp', DeepSpeed "
+            f"PipeModelDataParallelTopology with a data axis of dp x cp)"
         )
     return ours
 

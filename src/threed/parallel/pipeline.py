@@ -30,9 +30,11 @@ from threed.parallel.partition import full_recompute, recompute_summary, stage_b
 from threed.parallel.staged import StagedPipelineModule
 
 
-def make_topology(tp: int, pp: int, dp: int) -> PipeModelDataParallelTopology:
-    # Axes (pipe, data, model): model (tp) varies fastest, then data, then pipe == megatron-core's order.
-    return PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
+def make_topology(tp: int, pp: int, dp: int, cp: int = 1) -> PipeModelDataParallelTopology:
+    # Axes (pipe, data, model): model (tp) varies fastest, then data, then pipe == megatron-core's order. The data
+    # axis holds dp x cp ranks, CP ranks next to each other (megatron's tp-cp-dp-pp): CP ranks hold the same
+    # weights, so DeepSpeed reduces their gradients and shards ZeRO-1 over them as over data-parallel ranks.
+    return PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp * cp)
 
 
 def build_pipeline_module(
@@ -45,7 +47,7 @@ def build_pipeline_module(
     specs = [layer_spec(layer, cfg.model, mcore) for layer in pipeline_layers(cfg.model)]
     recompute = full_recompute(cfg.train)
     recompute_summary(cfg)  # --recompute-num-layers against the stages (threed.train checked it already)
-    topology = make_topology(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp(world_size))
+    topology = make_topology(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp(world_size), cfg.parallel.cp)
     # Stage boundaries resolved by threed.parallel.partition (--partition-method; DeepSpeed's PipelineModule
     # underneath).
     module = StagedPipelineModule(

@@ -23,7 +23,10 @@ def deepspeed_config(cfg: RunConfig, world_size: int, load_universal: bool = Fal
     (`make_optimizer` below), so they are not in here."""
     micro, gas, glob = cfg.train.resolve_batch(cfg.parallel.dp(world_size))
     ds: dict[str, Any] = {
-        "train_batch_size": glob,
+        # DeepSpeed's data axis holds dp x cp ranks (threed.parallel.pipeline.make_topology) and it checks
+        # train_batch_size = micro x gas x its data size; the CP ranks of a data-parallel rank read the same rows,
+        # so the rows per step stay micro x gas x dp (`glob`).
+        "train_batch_size": glob * cfg.parallel.cp,
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": gas,
         "gradient_clipping": cfg.train.grad_clip,
@@ -159,7 +162,7 @@ def build_engine(
     resume = decision.mode == "resume"
 
     torch.manual_seed(cfg.train.seed)
-    init_megatron_parallel_state(cfg.parallel.tp, cfg.parallel.pp, rt.cuda_only.gloo_process_groups)
+    init_megatron_parallel_state(cfg.parallel.tp, cfg.parallel.pp, rt.cuda_only.gloo_process_groups, cp=cfg.parallel.cp)
     with library_prints():  # DeepSpeed's PipelineModule and engine print() their start-up lines on rank 0
         module = build_pipeline_module(
             cfg,

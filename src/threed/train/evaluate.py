@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from threed.data.loader import SampleCounter, micro_batches
-from threed.parallel.distributed import loss_rank
+from threed.parallel.context import share_batches
 
 
 @dataclass
@@ -44,22 +44,31 @@ def evaluate(
     device: torch.device,
     counter: Optional[SampleCounter] = None,
 ) -> EvalResult:
-    """Every rank calls this (DeepSpeed's eval_batch is collective). Returns the same result on every rank."""
-    dp, dp_rank = engine.grid.get_data_parallel_world_size(), engine.grid.get_data_parallel_rank()
+    """Every rank calls this (DeepSpeed's eval_batch is collective). Returns the same result on every rank. Under
+    context parallelism DeepSpeed's data axis holds dp x cp ranks: the rows are dealt over dp (megatron's
+    data-parallel group without CP), and the CP ranks of a data-parallel rank each take their share of them."""
+    from megatron.core import parallel_state as ps  # megatron: heavy, as wherever an engine exists
+
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
     global_batch = micro * gas * dp
     n = max(1, len(dataset_names))
     reads = engine.is_first_stage() or engine.is_last_stage()
     batches = (
-        micro_batches(
-            valid_dataset,
-            global_batch,
-            micro,
-            dp,
-            dp_rank,
-            eval_index * eval_iters * global_batch,
-            vocab_size,
-            num_datasets=n,
-            counter=counter,
+        share_batches(
+            micro_batches(
+                valid_dataset,
+                global_batch,
+                micro,
+                dp,
+                dp_rank,
+                eval_index * eval_iters * global_batch,
+                vocab_size,
+                num_datasets=n,
+                counter=counter,
+            ),
+            cp,
+            cp_rank,
         )
         if reads
         else None
@@ -75,9 +84,9 @@ def evaluate(
         if engine.is_last_stage():
             totals += torch.stack([o.detach().to(device, torch.float64) for o in outputs]).sum(dim=0)
     engine.total_loss = None
-    # Every TP rank of the last stage holds the same sums: count them once per data-parallel replica.
-    tp, pp = engine.grid.get_slice_parallel_world_size(), engine.grid.get_pipe_parallel_world_size()
-    if dist.get_rank() != loss_rank(tp, pp, dp, dp_rank):
+    # Every TP rank of the last stage holds the same sums: count them once per data-parallel replica and CP rank
+    # (each CP rank's sums are over its own share of the rows' tokens).
+    if not (engine.is_last_stage() and engine.grid.get_slice_parallel_rank() == 0):
         totals.zero_()
     # float64 so that a token count stays exact and the sum of losses loses nothing in the reduction.
     dist.all_reduce(totals)

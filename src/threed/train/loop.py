@@ -33,7 +33,8 @@ from threed.data.checks import check_cache_visible, check_data
 from threed.data.datasets import build_datasets
 from threed.data.loader import SampleCounter, micro_batches, token_weighted
 from threed.data.splits import DataSplits, read_data_flags
-from threed.parallel.distributed import Runtime, grid_coordinates, init_distributed, loss_rank
+from threed.parallel.context import preflight, share_batches
+from threed.parallel.distributed import Runtime, context_rank, grid_coordinates, init_distributed, loss_rank
 from threed.train.engine import build_engine
 from threed.train.guard import RunGuard, StopRequest
 from threed.train.evaluate import evaluate
@@ -98,6 +99,7 @@ def train(cfg: RunConfig) -> TrainResult:
         )
     rt = init_distributed(cfg.control.dist_timeout_minutes)
     cfg.validate(rt.world_size)
+    preflight(cfg.parallel.cp, rt.device, cfg.train.dtype)  # a CP attention kernel that would mask top-left
     recompute_summary(cfg)  # --recompute-num-layers against the stages' blocks, before anything is built
     splits = checked_data_splits(cfg, rt.rank)  # every data problem, before datasets or the model are built
     # Rank 0 holds --save's lock from checkpoint_start on; it is released on every way out of this block (the
@@ -112,12 +114,13 @@ def train(cfg: RunConfig) -> TrainResult:
 
 def _train(cfg: RunConfig, rt: Runtime, splits: DataSplits, start_decision: StartDecision) -> TrainResult:
     """The run, from the start rank 0 decided and prepared."""
-    tp, pp, dp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp(rt.world_size)
+    tp, pp, cp, dp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp, cfg.parallel.dp(rt.world_size)
     micro, gas, glob = cfg.train.resolve_batch(dp)
-    stage, dp_rank, _ = grid_coordinates(rt.rank, tp, dp)
-    # One rank speaks: the one that holds the loss and writes the metrics (last stage, tp 0, dp 0), so on a
+    # The CP ranks of a data-parallel rank read the same rows (the sampler sees dp only), each keeping its share.
+    stage, dp_rank, _ = grid_coordinates(rt.rank, tp, dp, cp)
+    # One rank speaks: the one that holds the loss and writes the metrics (last stage, tp 0, cp 0, dp 0), so on a
     # multi-node job every line of a run is in one node's log.
-    logger = rt.rank == loss_rank(tp, pp, dp)
+    logger = rt.rank == loss_rank(tp, pp, dp, cp=cp)
     reads_data = stage in (0, pp - 1)  # the first stage embeds tokens, the last computes the loss
     if cfg.data.data_cache_path:
         check_cache_visible(cfg.data.data_cache_path, rt.rank)
@@ -132,7 +135,7 @@ def _train(cfg: RunConfig, rt: Runtime, splits: DataSplits, start_decision: Star
     result = TrainResult(start_step=start, end_step=start)
     log(
         logger,
-        f"threed: world {rt.world_size} = tp {tp} x pp {pp} x dp {dp} on "
+        f"threed: world {rt.world_size} = tp {tp} x pp {pp} x " + (f"cp {cp} x " if cp > 1 else "") + f"dp {dp} on "
         f"{rt.device.type}/{rt.backend}; global batch {glob} = micro {micro} x gas {gas} x dp {dp}; "
         f"{cfg.model.name} {parameter_count(cfg.model) / 1e6:.1f}M params; dtype {cfg.train.dtype}; "
         + (f"pipeline schedule {cfg.parallel.pipeline_schedule}; " if pp > 1 else "")
@@ -157,7 +160,11 @@ def _train(cfg: RunConfig, rt: Runtime, splits: DataSplits, start_decision: Star
     )
     counter = SampleCounter()
     batches = (
-        micro_batches(data.train, glob, micro, dp, dp_rank, consumed, cfg.model.vocab_size, counter=counter)
+        share_batches(
+            micro_batches(data.train, glob, micro, dp, dp_rank, consumed, cfg.model.vocab_size, counter=counter),
+            cp,
+            context_rank(rt.rank, tp, cp),
+        )
         if reads_data
         else None
     )
