@@ -277,11 +277,11 @@ def recipe_lines(model: str, best: Layout, global_batch: int, seq: int) -> list[
         "MODEL": model,
         "TP": best.tp,
         "PP": best.pp,
+        "CP": best.cp,
         "MICRO": best.micro,
         "GAS": "",
         "GLOBAL": global_batch,
         "SEQ": seq,
-        "CP": best.cp,
         "SEQUENCE_PARALLEL": str(best.sp).lower(),
         "ACT_CKPT": str(best.act_ckpt).lower(),
     }
