@@ -58,6 +58,13 @@ activation estimate is reported against a measured CPU peak.
                grad groups into one copy when they share a 5e8-element bucket; torch's AdamW: none when fused
                (CUDA), two fp32 partitions in the CPU single-tensor path (`exp_avg_sq.sqrt() / c`).
 
+Context parallelism (cp > 1, `threed.parallel.context`): a rank holds s / cp tokens of every row, so every per-token
+term above counts s b / cp tokens (the p2p buffer, the logits, RoPE's angles and cos/sin, megatron's SP buffer too).
+The attention keeps q, each query chunk's SDPA output and their concatenation; the K/V all-gather keeps nothing of
+its input, so the QKV output and the local k are freed. Per block the gathered K/V (`context_parallel_bytes`), and
+in backward the gathered row's gradient before its reduce-scatter. ZeRO-1's shard and AdamW's temporaries divide by
+dp x cp (CP ranks reduce gradients with the DP ranks); weights and fp32 grads stay whole.
+
 Not included: CUDA context, NCCL/gloo buffers, allocator fragmentation (budget several GB). fp32 runs use
 DeepSpeed's ZeRO optimizer instead of BF16_Optimizer and are not modelled.
 """
