@@ -15,6 +15,7 @@ from threed.cli.plan import main as plan_main
 from threed.config import ConfigError
 from threed.memory.model import (
     BF16,
+    activation_ratio,
     block_bytes_per_token,
     context_parallel_bytes,
     estimate,
@@ -88,6 +89,15 @@ def test_activations_scale_with_one_over_cp_plus_the_gathered_kv() -> None:
     half = stage_activations(M8, tp, 1, st, 1, 4, seq // 2, False, sequence_parallel=True)
     two = stage_activations(M8, tp, 1, st, 1, 4, seq, False, sequence_parallel=True, cp=2)
     assert two > half * 0.9 and two < half * 1.5
+
+
+def test_activation_ratio_is_the_models_factor() -> None:
+    """The factor a CP engine's measured CPU peaks will be checked against: one stage's activations at cp over
+    cp 1, as `stage_activations` counts them on CPU (the mask included)."""
+    seq, st = 8192, stages(M8, 2, 1, 8192)[0]
+    at = [stage_activations(M8, 1, 2, st, 1, 4, seq, False, "cpu", cp=c) for c in (2, 1)]
+    assert activation_ratio(M8, 1, 2, 0, 1, 4, seq, 2) == at[0] / at[1]
+    assert 0.5 < at[0] / at[1] < 0.75  # half the tokens, plus the gathered K/V and the chunk x prefix masks
 
 
 def test_zero1_shards_over_dp_times_cp() -> None:
@@ -183,6 +193,11 @@ def test_short_sequences_search_no_cp_unless_named() -> None:
     assert {la.cp for la in every} == {1}
     _, named = plan(M8, NODE, 8192, 64, pp=2, cp=2)
     assert {la.cp for la in named} == {2} and 8192 // 2 < MIN_CP_TOKENS
+
+
+def test_plan_refuses_a_cp_the_world_cannot_take() -> None:
+    with pytest.raises(ConfigError, match=r"^--cp 3 does not divide the world of 8 GPUs .*divides 8$"):
+        plan(M8, NODE, 131064, 16, cp=3)
 
 
 def test_plan_refuses_a_cp_the_sequence_cannot_take() -> None:

@@ -238,8 +238,14 @@ def plan(model: ModelConfig, hw: Hardware, seq: int, global_batch: int, **only) 
             f"--seq-length {seq} exceeds {model.name}'s max_position_embeddings "
             f"{model.max_position_embeddings}; use --seq-length <= {model.max_position_embeddings}"
         )
-    if restricted.get("cp", 1) > 1:  # a degree the sequence cannot take: its one-line reason, before the search
-        check_cp(seq, restricted["cp"], restricted.get("tp", 1), bool(restricted.get("sequence_parallel")))
+    if restricted.get("cp", 1) > 1:  # a degree the world or the sequence cannot take: one line, before the search
+        cp = restricted["cp"]
+        if hw.world % cp:
+            raise ConfigError(
+                f"{FILTER_FLAGS['cp']} {cp} does not divide the world of {hw.world} GPUs ({hw.nodes} node(s) x "
+                f"{hw.gpus_per_node}; world = tp x pp x cp x dp): use a cp that divides {hw.world}"
+            )
+        check_cp(seq, cp, restricted.get("tp", 1), bool(restricted.get("sequence_parallel")))
     every = candidates(model, hw, seq, global_batch, **only)
     where = f"{hw.nodes} node(s) x {hw.gpus_per_node} GPUs"
     given = "".join(f" {FILTER_FLAGS[k]} {str(v).lower()}" for k, v in restricted.items())
