@@ -6,14 +6,14 @@ then the recipe lines of the best one.
         --global-batch-size 512
 
 Candidates: tp divides the heads and the KV heads and at most fills a node (TP collectives stay on NVLink);
-pp <= layers; context parallelism cp (`threed.parallel.context`) divides world / tp, is at most MAX_CP and cuts the
-sequence into 2 cp chunks (2 cp tp under sequence parallelism), each rank keeping at least MIN_CP_TOKENS of a row
-(unless --cp names the degree); dp = world / (tp cp pp); micro x dp divides the
-global batch and gas = global / (micro dp); Megatron's
-sequence parallelism on and off (tp > 1); the pipeline schedule (`threed.parallel.schedule.SCHEDULES`, pp > 1: ZB-H1
-idles less and holds more); and recompute: none, every block, and the fewest recomputed blocks per
-stage that fit (Megatron's full recompute, method block: the first N blocks of every stage), found by bisection
-over N = 0..the largest stage's blocks (memory falls and step time grows with N, so no other N can win).
+context parallelism cp (`threed.parallel.context`) divides world / tp, is at most MAX_CP (so tp x cp is at most
+16 nodes) and cuts the sequence into 2 cp chunks (2 cp tp under sequence parallelism), each rank keeping at least
+MIN_CP_TOKENS of a row unless --cp names the degree; pp <= layers; dp = world / (tp cp pp); micro x dp divides the
+global batch and gas = global / (micro dp); Megatron's sequence parallelism on and off (tp > 1); the pipeline
+schedule (`threed.parallel.schedule.SCHEDULES`, pp > 1: ZB-H1 idles less and holds more); and recompute: none,
+every block, and the fewest recomputed blocks per stage that fit (Megatron's full recompute, method block: the
+first N blocks of every stage), found by bisection over N = 0..the largest stage's blocks (memory falls and step
+time grows with N, so no other N can win).
 Selective recompute is not searched: threed's SDPA keeps no s x s scores, so it saves next to nothing
 (`threed.memory.recompute`). A layout fits when its heaviest stage's peak (threed.memory, CUDA kernels) is at most
 --gpu-memory - --reserve.
