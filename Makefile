@@ -58,6 +58,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_schedule.py
 	$(PY) benchmarks/bench_packing.py
 	$(PY) benchmarks/bench_sp.py
+	$(PY) benchmarks/bench_cp.py
 	$(PY) benchmarks/bench_guard.py
 
 # make convert / make export without one of their variables: one line naming it and the usage, exit 2, before

@@ -9,8 +9,9 @@
 #
 # Arguments after the recipe (and the words of $THREED_ARGS) are passed on to `threed train` as extra flags.
 #
-# The world:  WORLD = NNODES x GPUS_PER_NODE ranks;  DP = WORLD / (TP x PP);
-#             train_batch_size = MICRO x GAS x DP  (DP, never WORLD: TP and PP ranks share a sample).
+# The world:  WORLD = NNODES x GPUS_PER_NODE ranks;  DP = WORLD / (TP x PP x CP);
+#             train_batch_size = MICRO x GAS x DP  (DP, never WORLD: TP, PP and CP ranks share a sample; CP, the
+#             context-parallel size, splits each sequence over CP ranks).
 #             A recipe sets GAS, or GLOBAL (then GAS = GLOBAL / (MICRO x DP)), or both when they agree.
 # Environment (all optional):
 #   NNODES         nodes (default: $SLURM_NNODES, else 1)
@@ -132,6 +133,7 @@ source "$RECIPE"
 
 # DEFAULTS: what every recipe gets unless it (or the environment) says otherwise. MODEL TP PP SEQ have none (the
 # recipe gives them); the other variables default to empty: no flag, training's own default.
+CP=${CP-1}
 MICRO=${MICRO-1}
 WARMUP=${WARMUP-200}
 STEPS=${STEPS-5000}
@@ -172,7 +174,7 @@ decimal() {  # decimal NAME MIN: NAME must hold a whole number >= MIN (MIN '-': 
     fi
     die "$1 must be a whole number, got '$v': set it in decimal digits (e.g. $1=10), or empty for no flag"
 }
-for var in NNODES GPUS_PER_NODE TP PP MICRO SEQ STEPS; do decimal "$var" 1; done
+for var in NNODES GPUS_PER_NODE TP PP CP MICRO SEQ STEPS; do decimal "$var" 1; done
 for var in GAS GLOBAL; do [ -z "${!var:-}" ] || decimal "$var" 1; done
 decimal NODE_RANK 0
 for var in MASTER_PORT; do [ -z "${!var:-}" ] || decimal "$var" 0; done
@@ -181,24 +183,25 @@ for var in WARMUP EVAL_INTERVAL EVAL_ITERS SAVE_INTERVAL LOG_INTERVAL KEEP_LAST;
 done
 
 WORLD=$((NNODES * GPUS_PER_NODE))
-MP=$((TP * PP))
+MP=$((TP * PP * CP))  # the ranks that share one sample: one model replica, times CP
+if ((CP == 1)); then SHAPE="TP x PP = $TP x $PP"; else SHAPE="TP x PP x CP = $TP x $PP x $CP"; fi
 if ((WORLD % MP)); then
     die "WORLD = NNODES x GPUS_PER_NODE = $NNODES x $GPUS_PER_NODE = $WORLD ranks is not divisible by" \
-        "TP x PP = $TP x $PP = $MP. One model replica needs $MP GPUs: use a multiple of $MP GPUs" \
-        "(nodes x GPUs per node), or change TP/PP."
+        "$SHAPE = $MP. One model replica (times CP) needs $MP GPUs: use a multiple of $MP GPUs" \
+        "(nodes x GPUs per node), or change TP/PP/CP."
 fi
 DP=$((WORLD / MP))
 
 if [ -n "${GLOBAL:-}" ]; then
     if ((GLOBAL % (MICRO * DP))); then
         die "GLOBAL=$GLOBAL is not divisible by MICRO x DP = $MICRO x $DP = $((MICRO * DP))" \
-            "(train_batch_size = MICRO x GAS x DP, DP = $WORLD / ($TP x $PP) = $DP). Use a GLOBAL that is a" \
+            "(train_batch_size = MICRO x GAS x DP, DP = $WORLD / (${SHAPE#* = }) = $DP). Use a GLOBAL that is a" \
             "multiple of $((MICRO * DP)), or change MICRO or the number of nodes."
     fi
     DERIVED=$((GLOBAL / (MICRO * DP)))
     if [ -n "${GAS:-}" ] && [ "$GAS" != "$DERIVED" ]; then
         die "GAS=$GAS and GLOBAL=$GLOBAL disagree: train_batch_size = MICRO x GAS x DP =" \
-            "$MICRO x $GAS x $DP = $((MICRO * GAS * DP)), not $GLOBAL (DP = $WORLD / ($TP x $PP) = $DP)." \
+            "$MICRO x $GAS x $DP = $((MICRO * GAS * DP)), not $GLOBAL (DP = $WORLD / (${SHAPE#* = }) = $DP)." \
             "Set only one of them (e.g. GAS= GLOBAL=$GLOBAL, which gives GAS=$DERIVED), or make them agree."
     fi
     GAS=$DERIVED
@@ -263,7 +266,7 @@ summary=$(grep -v '^memory: ' <<<"$summary")
 where=""
 [ "${THREED_DRY_RUN:-0}" != 0 ] || where=" on node $NODE_RANK of $NNODES"
 echo "threed launch: $RECIPE$where: world $WORLD = $NNODES x $GPUS_PER_NODE (nodes x ranks);" \
-     "tp $TP x pp $PP x dp $DP; train_batch_size $TRAIN_BATCH = micro $MICRO x gas $GAS x dp $DP"
+     "tp $TP x pp $PP$( ((CP == 1)) || echo " x cp $CP") x dp $DP; train_batch_size $TRAIN_BATCH = micro $MICRO x gas $GAS x dp $DP"
 echo "threed check-config: $summary"  # ... start: random init | resume ...; checkpoints ~N GiB each, ...
 [ -z "$memory" ] || echo "$memory"
 

@@ -3,7 +3,7 @@
 #
 #   sbatch --nodes=2 slurm/train.sh recipes/my_llama.sh [extra threed train flags]
 #
-# DP grows with --nodes: DP = nodes x GPUS_PER_NODE / (TP x PP). The recipe's variables, GPUS_PER_NODE
+# DP grows with --nodes: DP = nodes x GPUS_PER_NODE / (TP x PP x CP). The recipe's variables, GPUS_PER_NODE
 # (default 8) and DEVICE can be overridden from the environment (sbatch passes it on). Submit from the
 # repository root (or set THREED_ROOT). What the job does: slurm/common.sh.
 #SBATCH --job-name=threed

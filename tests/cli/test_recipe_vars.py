@@ -33,6 +33,9 @@ COMMON = {
     "SPLIT": "90,5,5", "DATA_CACHE_PATH": "/data/cache", "PACK": "false", "EVAL_INTERVAL": "5", "EVAL_ITERS": "2",
     "TOKENIZER": "/data/tok.model", "SAVE": "/ckpt/save", "SAVE_INTERVAL": "5", "LOG_INTERVAL": "2",
     "KEEP_LAST": "2", "SKIP_NONFINITE": "3", "EXIT_DURATION": "30",
+    # CP: the launcher's default, as training refuses cp > 1 until issue 27's training path lands (then "2" here,
+    # with GAS 4: DP = 8 / (2 x 2 x 2) = 1); a layout variable, so --cp arrives all the same.
+    "CP": "1",
 }  # fmt: skip
 GROUPS = [
     {**COMMON, "ACT_CKPT": "true", "INIT_FROM": "/ckpt/init"},

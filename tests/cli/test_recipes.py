@@ -1,4 +1,4 @@
-"""Recipes and the shared launcher: the shell's batch arithmetic (DP = WORLD / (TP x PP), train_batch_size =
+"""Recipes and the shared launcher: the shell's batch arithmetic (DP = WORLD / (TP x PP x CP), train_batch_size =
 MICRO x GAS x DP), its error messages, the numbers in each recipe's header, and that the Python config accepts
 the command the launcher builds. Dry runs only (THREED_DRY_RUN=1): nothing is started."""
 
@@ -35,12 +35,24 @@ LAUNCH_TEXT = LAUNCH.read_text()
 RECIPE_VARS = [v.name for v in RECIPE_TABLE if v.form != "env"]
 DEFAULTS = {m[1]: m[3] for m in re.finditer(r"^([A-Z_]+)=\$\{(\w+)-([^}]*)\}$", LAUNCH_TEXT, re.M)}
 SFT_RECIPES = ["llama31_8b_sft", "llama31_70b_sft", "llama32_3b_sft"]
+# Long context with context parallelism (CP > 1; issue 27).
+CP_RECIPES = ["llama31_8b_128k", "llama31_70b_64k"]
 SLURM_SCRIPTS = {
     "llama70b_tp8_pp4.sh": ("llama31_70b", 4),
     "llama8b_tp2_pp2.sh": ("llama31_8b", 1),
     "llama70b_sft_tp8_pp4.sh": ("llama31_70b_sft", 4),
     "llama405b_tp8_pp16.sh": ("llama31_405b", 32),
+    "llama8b_128k_tp4_cp2.sh": ("llama31_8b_128k", 1),
+    "llama70b_64k_tp8_pp2_cp4.sh": ("llama31_70b_64k", 8),
 }
+# RunConfig's refusal of cp > 1 while the training path is not wired (issue 27): a CP recipe's dry run stops at
+# `threed check-config` with it. Its tests are expected to fail for that reason only, and run in full once it goes.
+CP_REFUSED = "context parallelism is not wired into training yet"
+
+
+def expect_cp_refusal_until_wired(out: subprocess.CompletedProcess[str]) -> None:
+    if out.returncode != 0 and CP_REFUSED in out.stderr:
+        pytest.xfail(f"training refuses cp > 1 until issue 27's training path lands: {out.stderr.strip()}")
 
 
 def launch(recipe: str, env: dict[str, str], *args: str, dry: bool = True) -> subprocess.CompletedProcess[str]:
@@ -85,6 +97,7 @@ GOOD = [
     ((2, 8, 4, 2, 2, "8", "32"), (2, 8, 32)),  # GAS and GLOBAL both given and consistent
     ((1, 8, 2, 1, 1, "", ""), (4, 1, 4)),  # neither: GAS = 1
     ((3, 8, 8, 1, 2, "", "24"), (3, 4, 24)),  # 3 nodes
+    ((8, 8, 8, 2, 1, "", "4", "2"), (2, 2, 4)),  # CP 2: DP = 64 / (8 x 2 x 2), not 64 / (8 x 2)
 ]
 BAD = [
     (
@@ -104,12 +117,20 @@ BAD = [
     ),
     ((1, 8, 0, 2, 4, "4", ""), ["TP must be a positive integer, got '0'"]),
     ((1, 8, 2, 2, "x", "4", ""), ["MICRO must be a positive integer, got 'x'"]),
+    # CP: one sample takes TP x PP x CP ranks, DP excludes CP
+    ((1, 8, 2, 2, 1, "1", "", "3"), ["= 1 x 8 = 8 ranks is not divisible by", "TP x PP x CP = 2 x 2 x 3 = 12"]),
+    (
+        (8, 8, 8, 2, 1, "", "3", "2"),
+        ["GLOBAL=3 is not divisible by MICRO x DP = 1 x 2 = 2", "DP = 64 / (8 x 2 x 2) = 2"],
+    ),
+    ((1, 8, 2, 1, 1, "", "", "0"), ["CP must be a positive integer, got '0'"]),
 ]
 
 
-def _env(nodes, gpus, tp, pp, micro, gas, glob) -> dict[str, str]:
+def _env(nodes, gpus, tp, pp, micro, gas, glob, cp="1") -> dict[str, str]:
     # llama3.1-70b has 64 heads / 8 KV heads, so the Python side accepts every TP in the table.
     return {
+        "CP": cp,
         "NNODES": str(nodes),
         "GPUS_PER_NODE": str(gpus),
         "TP": str(tp),
@@ -125,11 +146,15 @@ def _env(nodes, gpus, tp, pp, micro, gas, glob) -> dict[str, str]:
 @pytest.mark.parametrize("layout,expected", GOOD, ids=[str(g[0]) for g in GOOD])
 def test_launcher_batch_arithmetic(layout, expected) -> None:
     out = launch("tiny", _env(*layout))
+    expect_cp_refusal_until_wired(out)
     assert out.returncode == 0, out.stderr
     dp, gas, batch = expected
     assert dry_numbers(out.stdout) == {"DP": dp, "GAS": gas, "TRAIN_BATCH_SIZE": batch}, out.stdout
     nodes, gpus, tp, pp, micro = layout[:5]
-    assert f"tp {tp} x pp {pp} x dp {dp}; train_batch_size {batch} = micro {micro} x gas {gas} x dp {dp}" in out.stdout
+    cp = f" x cp {layout[7]}" if len(layout) > 7 else ""
+    assert (
+        f"tp {tp} x pp {pp}{cp} x dp {dp}; train_batch_size {batch} = micro {micro} x gas {gas} x dp {dp}" in out.stdout
+    )
     argv = train_argv(out.stdout)
     assert argv[argv.index("--grad-accum-steps") + 1] == str(gas)
     assert argv[argv.index("--global-batch-size") + 1] == str(batch)
@@ -195,7 +220,7 @@ def test_launcher_defaults_are_recipe_variables() -> None:
     assert not {"MODEL", "TP", "PP", "SEQ"} & set(DEFAULTS), "a recipe gives the model and its layout"
 
 
-@pytest.mark.parametrize("name", MODEL_RECIPES + SFT_RECIPES + ["tiny"])
+@pytest.mark.parametrize("name", MODEL_RECIPES + SFT_RECIPES + CP_RECIPES + ["tiny"])
 def test_recipe_is_only_overridable_variables(name: str) -> None:
     """A recipe states only what differs from the launcher's defaults, each line overridable from the
     environment, in the launcher's order."""
@@ -234,7 +259,7 @@ def test_launcher_defaults_fill_in_and_clear() -> None:
 
 def _header_layout(text: str) -> tuple[int, int, int, int, int]:
     m = re.search(
-        r"at (\d+) nodes? x 8 GPUs: DP = (\d+) / \(\d+ x \d+\) = (\d+), GAS = .* = (\d+),\n"
+        r"at (\d+) nodes? x 8 GPUs: DP = (\d+) / \(\d+ x \d+(?: x \d+)?\) = (\d+), GAS = .* = (\d+),\n"
         r"#\s+train_batch_size = MICRO x GAS x DP = \d+ x \d+ x \d+ = (\d+) sequences",
         text,
     )
@@ -242,12 +267,13 @@ def _header_layout(text: str) -> tuple[int, int, int, int, int]:
     return tuple(int(g) for g in m.groups())  # type: ignore[return-value]
 
 
-@pytest.mark.parametrize("name", MODEL_RECIPES + SFT_RECIPES)
+@pytest.mark.parametrize("name", MODEL_RECIPES + SFT_RECIPES + CP_RECIPES)
 def test_recipe_header_matches_launcher_and_python(name: str) -> None:
     text = (REPO / "recipes" / f"{name}.sh").read_text()
     nodes, world, dp, gas, batch = _header_layout(text)
     assert world == nodes * 8
     out = launch(name, {"NNODES": str(nodes), "GPUS_PER_NODE": "8"})
+    expect_cp_refusal_until_wired(out)
     assert out.returncode == 0, out.stderr
     assert dry_numbers(out.stdout) == {"DP": dp, "GAS": gas, "TRAIN_BATCH_SIZE": batch}
     assert python_train_batch(out.stdout, world) == batch  # heads divide TP, seq fits, batch agrees
@@ -318,7 +344,7 @@ def test_shell_syntax() -> None:
 def test_every_recipe_is_checked() -> None:
     """A recipe added to recipes/ without a place in the lists above would escape every header check."""
     on_disk = {p.stem for p in (REPO / "recipes").glob("*.sh")} - {"launch"}
-    assert on_disk == set(MODEL_RECIPES + SFT_RECIPES + ["tiny"])
+    assert on_disk == set(MODEL_RECIPES + SFT_RECIPES + CP_RECIPES + ["tiny"])
 
 
 def test_sequence_parallel_and_recompute_reach_the_command_line() -> None:

@@ -116,7 +116,7 @@ def test_plan_picks_zb_h1_where_it_fits_and_is_faster(capsys) -> None:
     assert said, out
     assert float(said[1]) == round(100 * twin.bubble, 1) and float(said[2]) == round(100 * best.bubble, 1)
     assert "PIPELINE_SCHEDULE=${PIPELINE_SCHEDULE-zb-h1}" in out.splitlines()
-    assert re.search(r"^ +1 +\d+ +2 .* zb-h1 ", out, re.M), out  # the table's first row names it
+    assert re.search(r"^ +1 +\d+ +1 +2 .* zb-h1 ", out, re.M), out  # the table's first row names it (cp 1)
 
 
 def test_plan_keeps_1f1b_where_zb_h1_does_not_fit(capsys) -> None:

@@ -69,6 +69,7 @@ def memory(cfg: RunConfig, dp: int, micro: int, gas: int) -> str:
         partition_method=p.partition_method,
         sequence_parallel=p.sequence_parallel,
         schedule=p.pipeline_schedule,
+        cp=p.cp,
     )
     line = heaviest(mems).line(p.pp)
     return line if t.dtype == "bf16" else f"{line} (the model is of a bf16 run; this one is {t.dtype})"

@@ -2,7 +2,7 @@
 docstring lists every term), one line for the heaviest stage or one per stage.
 
     threed memory --model llama3.1-70b --tp 8 --pp 4 --dp 16 --micro-batch-size 1 --grad-accum-steps 32 \
-        --seq-length 8192 --sequence-parallel [--pipeline-schedule zb-h1] [--all-stages]
+        --seq-length 8192 --sequence-parallel [--pipeline-schedule zb-h1] [--cp 2] [--all-stages]
 
 The flags are training's (`threed.cli.flags`: the same names, Megatron aliases and checks as `threed train`); the
 earlier short names (--micro, --gas, --seq, --act-ckpt) stay as aliases. `--dp` is the one flag training does not
@@ -21,6 +21,7 @@ from threed.memory import model as memory_model
 from threed.memory.model import estimate, heaviest, quiet_deepspeed_import
 from threed.memory.recompute import Recompute
 from threed.model.resolve import model_config
+from threed.plan.planner import check_cp
 
 # (section, field, earlier names): the training fields the memory model reads.
 REQUIRED = (
@@ -37,6 +38,7 @@ OPTIONAL = (
     ("train", "recompute_method", ()),
     ("train", "recompute_num_layers", ()),
     ("parallel", "pipeline_schedule", ()),
+    ("parallel", "cp", ()),
 )
 
 
@@ -45,7 +47,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     for section, name, old in REQUIRED:
         add_field_flag(p, section, name, required=True, old=old)
     p.add_argument(
-        "--dp", type=int, required=True, metavar="N", help="data-parallel size (training derives it: world / (tp x pp))"
+        "--dp",
+        type=int,
+        required=True,
+        metavar="N",
+        help="data-parallel size, excluding cp (training derives it: world / (tp x pp x cp))",
     )
     for section, name, old in OPTIONAL:
         add_field_flag(p, section, name, old=old)
@@ -55,9 +61,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def lines(ns: argparse.Namespace) -> list[str]:
     """The estimate's line(s); ConfigError on a bad layout, before anything is computed."""
     tp, pp, micro, gas, seq = (field_value(ns, s, n) for s, n, _ in REQUIRED)
-    if min(tp, pp, ns.dp, micro, gas, seq) < 1:
+    if min(tp, pp, ns.dp, micro, gas, seq, field_value(ns, "parallel", "cp")) < 1:
         raise ConfigError(
-            "--tp, --pp, --dp, --micro-batch-size, --grad-accum-steps and --seq-length must all be positive integers"
+            "--tp, --pp, --dp, --cp, --micro-batch-size, --grad-accum-steps and --seq-length must all be positive "
+            "integers"
         )
     sp = field_value(ns, "parallel", "sequence_parallel")
     if sp and tp == 1:
@@ -65,6 +72,9 @@ def lines(ns: argparse.Namespace) -> list[str]:
             "--sequence-parallel needs tp > 1 (it splits the sequence over the tensor-parallel "
             "group); drop it or raise --tp"
         )
+    cp = field_value(ns, "parallel", "cp")
+    if cp > 1:  # the CP layout's own rule and message (2 x cp chunks, x tp under sequence parallelism)
+        check_cp(seq, cp, tp, sp)
     model = model_config(ns.model)
     train = TrainConfig(
         seq_length=1,
@@ -85,6 +95,7 @@ def lines(ns: argparse.Namespace) -> list[str]:
         Recompute.from_train(train),
         sequence_parallel=sp,
         schedule=field_value(ns, "parallel", "pipeline_schedule"),
+        cp=cp,
     )
     return [m.line(pp) for m in (mems if ns.all_stages else [heaviest(mems)])]
 

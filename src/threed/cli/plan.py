@@ -2,7 +2,7 @@
 what it searches and how).
 
     threed plan --model llama3.1-70b --nodes 4 --gpus-per-node 8 --gpu-memory 80 --seq-length 8192 \
-        --global-batch-size 512 [--tp 8] [--pp 4] [--micro-batch-size 1] [--sequence-parallel true]
+        --global-batch-size 512 [--tp 8] [--pp 4] [--cp 2] [--micro-batch-size 1] [--sequence-parallel true]
 
 Training's flag names (`threed.cli.flags`), with the earlier short ones (--seq, --global-batch, --micro,
 --act-ckpt) kept as aliases; the hardware flags (--nodes, --gpu-memory, ...) are the planner's own.
@@ -19,7 +19,7 @@ from threed.config import ConfigError
 from threed.errors import guarded
 from threed.memory.model import quiet_deepspeed_import
 from threed.model.resolve import model_config
-from threed.plan.layout import full_recompute_verdict, schedule_verdict, table
+from threed.plan.layout import context_parallel_verdict, full_recompute_verdict, schedule_verdict, table
 from threed.plan import planner
 from threed.plan.planner import FILTER_FIELDS, plan, recipe_lines
 from threed.plan.steptime import Hardware
@@ -32,6 +32,7 @@ FILTERS = {
     "act_ckpt": (("--act-ckpt",), "every block recomputed (true) / none (false)"),
     "sequence_parallel": ((), "with (true) / without (false) sequence parallelism"),
     "schedule": ((), "this pipeline schedule"),
+    "cp": ((), "this context-parallel size"),
 }
 
 
@@ -79,6 +80,7 @@ def run(ns: argparse.Namespace) -> int:
         print(f"({len(fitting) - ns.top} slower layouts that fit not shown; --top N lists more)")
     print(full_recompute_verdict(every))
     print(f"pipeline schedule: {schedule_verdict(best, every)}")
+    print(context_parallel_verdict(best, every))
     print(
         f"\nbest: {best.name()}: {best.step_s:.1f} s/step predicted ({tokens / best.step_s:,.0f} tokens/s), "
         f"bubble {best.bubble:.1%}, {best.memory.line(best.pp)}"
@@ -96,7 +98,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_command(
         sub,
         "plan",
-        "rank (tp, pp, micro, gas, sequence parallel, schedule, recompute) layouts for a cluster",
+        "rank (tp, cp, pp, micro, gas, sequence parallel, schedule, recompute) layouts for a cluster",
         planner.__doc__,
         add_arguments,
         run,

@@ -9,7 +9,7 @@ differently. The launcher runs `python -m threed.cli.recipe` once and reads its 
 
 FORM says how the launcher passes it:
     layout    always passed; the launcher checks it and does the batch arithmetic with it first
-              (DP = WORLD / (TP x PP), GAS from GLOBAL: train_batch_size = MICRO x GAS x DP)
+              (DP = WORLD / (TP x PP x CP), GAS from GLOBAL: train_batch_size = MICRO x GAS x DP)
     value     `FLAG VALUE` when set and not empty; empty: no flag, training's default
     bare      Megatron's store_true flags: the bare flag when true, nothing when false
     words     `FLAG W1 W2 ...`: the value split into words (DATA: a prefix, or a blend "WEIGHT PREFIX ...")
@@ -46,6 +46,7 @@ RECIPE_VARS: tuple[RecipeVar, ...] = (
     RecipeVar("MODEL", "model", "layout"),
     RecipeVar("TP", "parallel.tp", "layout"),
     RecipeVar("PP", "parallel.pp", "layout"),
+    RecipeVar("CP", "parallel.cp", "layout"),
     RecipeVar("PIPELINE_SCHEDULE", "parallel.pipeline_schedule"),
     RecipeVar("MICRO", "train.micro_batch_size", "layout"),
     RecipeVar("GAS", "train.grad_accum_steps", "layout"),

@@ -58,6 +58,13 @@ activation estimate is reported against a measured CPU peak.
                grad groups into one copy when they share a 5e8-element bucket; torch's AdamW: none when fused
                (CUDA), two fp32 partitions in the CPU single-tensor path (`exp_avg_sq.sqrt() / c`).
 
+Context parallelism (cp > 1, `threed.parallel.context`): a rank holds s / cp tokens of every row, so every per-token
+term above counts s b / cp tokens (the p2p buffer, the logits, RoPE's angles and cos/sin, megatron's SP buffer too).
+The attention keeps q, each query chunk's SDPA output and their concatenation; the K/V all-gather keeps nothing of
+its input, so the QKV output and the local k are freed. Per block the gathered K/V (`context_parallel_bytes`), and
+in backward the gathered row's gradient before its reduce-scatter. ZeRO-1's shard and AdamW's temporaries divide by
+dp x cp (CP ranks reduce gradients with the DP ranks); weights and fp32 grads stay whole.
+
 Not included: CUDA context, NCCL/gloo buffers, allocator fragmentation (budget several GB). fp32 runs use
 DeepSpeed's ZeRO optimizer instead of BF16_Optimizer and are not modelled.
 """
@@ -205,17 +212,53 @@ def _norm_bytes(h: int, device: Device) -> int:
 
 
 def block_bytes_per_token(
-    model: ModelConfig, tp: int, device: Device = "cuda", sequence_parallel: bool = False, selective: bool = False
+    model: ModelConfig,
+    tp: int,
+    device: Device = "cuda",
+    sequence_parallel: bool = False,
+    selective: bool = False,
+    cp: int = 1,
 ) -> int:
     """Activation bytes one Llama block keeps for backward per token (RoPE's cos/sin apart); per token of the
-    whole sequence, so under sequence parallelism the norms' share is / tp like the rest."""
+    whole sequence, so under sequence parallelism the norms' share is / tp like the rest. Under context
+    parallelism per token of the rank's share; the gathered K/V are `context_parallel_bytes`."""
     h, f, heads = model.hidden_size, model.ffn_hidden_size, model.num_heads
     kv = model.num_kv_heads * model.head_dim
     lse = 0 if selective else 4 * heads  # selective recompute: the core attention keeps only its inputs
-    attention = BF16 * (h + 2 * kv) + BF16 * h + BF16 * kv + BF16 * h + lse  # qkv, q, k, out, lse
+    if cp > 1:
+        # threed.parallel.context: the local k and v go into the all-gather, which keeps nothing of its input, so
+        # the QKV output and the local k are freed; kept are q (after RoPE), each query chunk's SDPA output and
+        # their concatenation (linear_proj's input), and the logsumexp.
+        attention = BF16 * h + BF16 * h + BF16 * h + lse
+    else:
+        attention = BF16 * (h + 2 * kv) + BF16 * h + BF16 * kv + BF16 * h + lse  # qkv, q, k, out, lse
     swiglu = 3 if _switches(device).fused_swiglu else 5
     norms = 2 * _norm_bytes(h, device) // (tp if sequence_parallel else 1)
     return norms + attention // tp + swiglu * f * BF16 // tp
+
+
+def kv_row_bytes(model: ModelConfig, tp: int, seq: int, micro: int) -> int:
+    """K and V of whole rows, bf16, per TP rank: what context parallelism all-gathers per block (and
+    reduce-scatters as dK, dV); `threed.plan.steptime` and benchmarks/bench_cp.py count the same bytes."""
+    return 2 * BF16 * micro * seq * model.num_kv_heads * model.head_dim // tp
+
+
+def context_parallel_bytes(model: ModelConfig, tp: int, cp: int, seq: int, micro: int, device: Device = "cuda") -> int:
+    """Bytes one block keeps for backward beyond its per-token terms under context parallelism (0 at cp 1), as
+    `threed.parallel.context.context_parallel_attention` allocates them (bf16), per TP rank. Each query chunk
+    attends to its key prefix, so the whole row's K and V [s, b, kv_heads / tp, d] are gathered:
+      cuda  flash varlen (`_attend_varlen`) indexes each chunk's prefix into a copy and keeps it: chunks i and
+            2cp-1-i have prefixes (i+1) and (2cp-i) chunks long, (2cp+1) of the 2cp chunks of a row for K and V
+            each; the gathered row itself is then freed
+      cpu   SDPA keeps views of the gathered K and V (the whole row) and its mask, which a boolean mask becomes
+            in the query's dtype: chunk x prefix per query chunk, c x (2cp+1) c with c = s / 2cp (measured)."""
+    if cp == 1:
+        return 0
+    row = kv_row_bytes(model, tp, seq, micro)
+    if device == "cuda":
+        return row * (2 * cp + 1) // (2 * cp)
+    c = seq // (2 * cp)
+    return row + BF16 * c * (2 * cp + 1) * c
 
 
 def stage_activations(
@@ -231,14 +274,20 @@ def stage_activations(
     max_param: int = 0,
     sequence_parallel: bool = False,
     schedule: str = "1f1b",
+    cp: int = 1,
 ) -> float:
     """Peak bytes of the forward/backward phase on one rank of `stage`, beyond the static terms. `act_ckpt`: True
-    (every block recomputed), False, or a `Recompute` (Megatron's flags); `schedule`: `threed.parallel.schedule`'s."""
+    (every block recomputed), False, or a `Recompute` (Megatron's flags); `schedule`: `threed.parallel.schedule`'s;
+    `cp`: context parallelism, each rank holding seq / cp tokens of every row."""
     rc = Recompute.of(act_ckpt)
     sp = sequence_parallel and tp > 1
     h, f, v = model.hidden_size, model.ffn_hidden_size, model.padded_vocab_size(tp) // tp
-    tokens = seq * micro
-    full_block = block_bytes_per_token(model, tp, device, sp, rc.selective) * tokens + 4 * BF16 * seq * model.head_dim
+    tokens = seq * micro // cp  # this rank's tokens: everything per token below is per local token
+    full_block = (
+        block_bytes_per_token(model, tp, device, sp, rc.selective, cp) * tokens
+        + 4 * BF16 * seq // cp * model.head_dim  # RoPE cos/sin of the rank's positions
+        + context_parallel_bytes(model, tp, cp, seq, micro, device)
+    )
     # DeepSpeed partitions p2p activations over TP (pipe_partitioned); sequence parallelism splits them instead.
     part = h // tp if tp > 1 else h
     recomputed = rc.recomputed(stage.blocks)
@@ -277,7 +326,9 @@ def stage_activations(
     # (ZB-H1: B runs on its own copy of the received output gradient, one [s/tp, b, h], threed.parallel.schedule.)
     this = max(per_micro - head + head_w, awaiting_w) + deferred * (not stage.last) * BF16 * tokens * h // tp
     recreated = max(0, rc.live_blocks(stage.blocks) - (stage.blocks - recomputed)) * full_block
-    blocks_phase = others + this + recreated + BF16 * (3 * f // tp + h) * tokens + grad
+    # Context parallelism: the gathered K/V's gradient, [s, b, kv_heads / tp, d] each, before its reduce-scatter.
+    cp_grad = kv_row_bytes(model, tp, seq, micro) if cp > 1 else 0
+    blocks_phase = others + this + recreated + BF16 * (3 * f // tp + h) * tokens + grad + cp_grad
     # The loss backward: the logits' bf16 gradient (ZB-H1: the LM head's output gradient, kept for W).
     head_phase = others + per_micro + BF16 * v * tokens + grad if stage.last else 0.0
     return max(blocks_phase, head_phase)
@@ -309,14 +360,17 @@ def stage_memory(
     device: Device = "cuda",
     sequence_parallel: bool = False,
     schedule: str = "1f1b",
+    cp: int = 1,
 ) -> Memory:
     h, d = model.hidden_size, model.head_dim
-    tokens, v = seq * micro, model.padded_vocab_size(tp) // tp
+    tokens, v = seq * micro // cp, model.padded_vocab_size(tp) // tp  # this rank's tokens (seq / cp of each row)
     sp = sequence_parallel and tp > 1
     groups = [n for n in stage_params(model, tp, stage) if n]  # make_optimizer drops empty groups
-    align = 2 * dp  # BF16_Optimizer aligns each flat group to nccl_start_alignment_factor (2) x dp
+    # CP ranks hold the same weights and reduce gradients with the DP ranks: ZeRO-1 shards over dp x cp.
+    shards = dp * cp
+    align = 2 * shards  # BF16_Optimizer aligns each flat group to nccl_start_alignment_factor (2) x dp
     padded = [math.ceil(n / align) * align for n in groups]
-    buffers = 4 * seq * d * stage.blocks  # RoPE angles cached per block (fp32)
+    buffers = 4 * seq // cp * d * stage.blocks  # RoPE angles cached per block (fp32), the rank's positions
     if not (stage.first and stage.last):  # p2p buffer: a TP partition of [s, b, h] and its meta tensor
         buffers += BF16 * tokens * h if tp == 1 else BF16 * tokens * (h // tp) + (0 if sp else 72)
     if stage.last:  # stale logits + input (and its gradient)
@@ -330,11 +384,13 @@ def stage_memory(
         params=sum(groups),
         weights=float(BF16 * sum(padded)),
         grads=float(4 * sum(padded)),
-        optimizer=float(12 * sum(padded) // dp + 4 * len(groups)),  # + AdamW's fp32 `step` per group
+        optimizer=float(12 * sum(padded) // shards + 4 * len(groups)),  # + AdamW's fp32 `step` per group
         buffers=float(buffers),
-        activations=stage_activations(model, tp, pp, stage, micro, gas, seq, act_ckpt, device, max_param, sp, schedule),
+        activations=stage_activations(
+            model, tp, pp, stage, micro, gas, seq, act_ckpt, device, max_param, sp, schedule, cp
+        ),
         reduce_temp=float(reduce_copy_bytes(padded)),
-        step_temp=float(4 * max(p // dp for p in padded) * adamw_temps),
+        step_temp=float(4 * max(p // shards for p in padded) * adamw_temps),
     )
 
 
@@ -351,14 +407,26 @@ def estimate(
     partition_method: str | None = None,
     sequence_parallel: bool = False,
     schedule: str = "1f1b",
+    cp: int = 1,
 ) -> list[Memory]:
-    """Memory of every stage (one rank each; the TP ranks of a stage hold equal shards) under `schedule`."""
+    """Memory of every stage (one rank each; the TP and CP ranks of a stage hold equal shards) under `schedule`;
+    `dp` excludes `cp` (world = tp x pp x cp x dp)."""
     if isinstance(model, str):
         model = model_config(model)
     return [
-        stage_memory(model, tp, pp, dp, micro, gas, seq, act_ckpt, s, device, sequence_parallel, schedule)
+        stage_memory(model, tp, pp, dp, micro, gas, seq, act_ckpt, s, device, sequence_parallel, schedule, cp)
         for s in stages(model, pp, tp, seq, partition_method)
     ]
+
+
+def activation_ratio(
+    model: ModelConfig, tp: int, pp: int, stage: int, micro: int, gas: int, seq: int, cp: int, device: Device = "cpu"
+) -> float:
+    """One stage's activation peak at `cp` over the same at cp 1 (same sequence, no recompute, 1F1B): the factor the
+    CP memory check against a real engine (tests/ranks) compares its measured peaks with."""
+    st = stages(model, pp, tp, seq)[stage]
+    at = [stage_activations(model, tp, pp, st, micro, gas, seq, False, device, cp=c) for c in (cp, 1)]
+    return at[0] / at[1]
 
 
 def heaviest(mems: list[Memory]) -> Memory:

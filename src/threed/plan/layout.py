@@ -1,5 +1,6 @@
 """A layout `threed plan` (`threed.plan.planner`) weighs, and what it says about layouts: the table, and one phrase each
-for recomputing every block and for the pipeline schedule. Apart from the search so that each stays readable."""
+for recomputing every block, for the pipeline schedule and for the context-parallel degree. Apart from the search so
+that each stays readable."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ class Layout:
     blocks: int = 0  # the largest stage's blocks
     schedule: str = "1f1b"  # threed.parallel.schedule's
     passes: tuple[float, float, float] = (1.0, 1.0, 1.0)  # the slowest stage's F, B, W seconds (threed.plan.steptime)
+    cp: int = 1  # context parallelism (dp excludes it)
 
     @property
     def act_ckpt(self) -> bool:
@@ -54,8 +56,9 @@ class Layout:
     def name(self) -> str:
         sp = ", sequence parallel" if self.sp else ""
         schedule = f", {self.schedule}" if self.schedule != "1f1b" else ""
+        cp = f" cp{self.cp}" if self.cp > 1 else ""
         return (
-            f"tp{self.tp} pp{self.pp} dp{self.dp}, micro {self.micro} x gas {self.gas}{sp}{schedule}, "
+            f"tp{self.tp}{cp} pp{self.pp} dp{self.dp}, micro {self.micro} x gas {self.gas}{sp}{schedule}, "
             f"{self.recompute_words()}"
         )
 
@@ -87,8 +90,10 @@ def schedule_verdict(best: Layout, every: list[Layout]) -> str:
         return f"{best.schedule}: bubble {best.bubble_under('1f1b'):.1%} -> {best.bubble:.1%}"
     if best.pp == 1:
         return "1f1b: one stage, no bubble"
-    shape = (best.tp, best.pp, best.dp, best.micro, best.gas, best.sp)
-    others = [la for la in every if (la.tp, la.pp, la.dp, la.micro, la.gas, la.sp) == shape and la.schedule != "1f1b"]
+    shape = (best.tp, best.cp, best.pp, best.dp, best.micro, best.gas, best.sp)
+    others = [
+        la for la in every if (la.tp, la.cp, la.pp, la.dp, la.micro, la.gas, la.sp) == shape and la.schedule != "1f1b"
+    ]
     if not others:
         return "1f1b: the only schedule searched"
     fitting = [la for la in others if la.fits]
@@ -114,11 +119,47 @@ def schedule_verdict(best: Layout, every: list[Layout]) -> str:
     )
 
 
+def context_parallel_verdict(best: Layout, every: list[Layout]) -> str:
+    """One line: which CP degree the best layout has and why, against the best layout without CP (fastest first)."""
+    fitting = [la for la in every if la.fits]
+    plain = next((la for la in fitting if la.cp == 1), None)
+    searched = sorted({la.cp for la in every})
+    if searched == [best.cp]:
+        return f"context parallelism: cp{best.cp}: the only degree searched"
+    if best.cp == 1:
+        rival = next((la for la in fitting if la.cp > 1), None)
+        if rival is None:
+            return "context parallelism: cp1: no layout with cp > 1 fits"
+        return (
+            f"context parallelism: cp1: the fastest with CP, {rival.name()}, is slower at {rival.step_s:.1f} s/step "
+            f"against {best.step_s:.1f}"
+        )
+    why = f"context parallelism: cp{best.cp}: {best.step_s:.1f} s/step"
+    if plain is None:
+        leanest = min((la for la in every if la.cp == 1), key=lambda la: la.memory.peak, default=None)
+        need = f"; the leanest, {leanest.name()}, needs {leanest.memory.peak / GB:.0f} GB/GPU" if leanest else ""
+        return f"{why}, and no layout without CP fits{need}"
+    gain = []
+    if best.recomputed * plain.blocks < plain.recomputed * best.blocks:  # a smaller share of the blocks
+        gain.append(
+            f"recompute {best.recomputed}/{best.blocks} blocks per stage, not {plain.recomputed}/{plain.blocks}"
+        )
+    if best.tp < plain.tp:
+        gain.append(f"tp{best.tp}, not tp{plain.tp}")
+    if best.bubble < plain.bubble:
+        gain.append(f"a bubble of {best.bubble:.1%}, not {plain.bubble:.1%} (gas {best.gas}, pp{best.pp})")
+    because = f"; each rank holds 1/{best.cp} of every sequence: {', '.join(gain)}" if gain else ""
+    return (
+        f"{why} against {plain.step_s:.1f} s/step for the best layout without CP ({plain.name()}), "
+        f"{plain.step_s / best.step_s:.2f}x faster{because}"
+    )
+
+
 def table(rows: list[Layout], budget: float) -> list[str]:
     """Fitting layouts are numbered in rank order; the ones that do not fit are marked, not numbered. recompute:
     recomputed blocks per stage / the largest stage's blocks."""
     out = [
-        f"{'rank':>4} {'tp':>3} {'pp':>3} {'dp':>4} {'micro':>5} {'gas':>5} {'sp':>3} {'sched':>5} "
+        f"{'rank':>4} {'tp':>3} {'cp':>3} {'pp':>3} {'dp':>4} {'micro':>5} {'gas':>5} {'sp':>3} {'sched':>5} "
         f"{'recompute':>9} {'GB/GPU':>7} {'bubble':>7} {'step s':>8}  fits"
     ]
     rank = 0
@@ -127,7 +168,7 @@ def table(rows: list[Layout], budget: float) -> list[str]:
         fits = "yes" if la.fits else f"NO: {la.memory.peak / GB:.0f} > {budget / GB:.0f} GB"
         recompute = f"{la.recomputed}/{la.blocks}"
         out.append(
-            f"{rank if la.fits else '-':>4} {la.tp:>3} {la.pp:>3} {la.dp:>4} {la.micro:>5} {la.gas:>5} "
+            f"{rank if la.fits else '-':>4} {la.tp:>3} {la.cp:>3} {la.pp:>3} {la.dp:>4} {la.micro:>5} {la.gas:>5} "
             f"{'yes' if la.sp else 'no':>3} {la.schedule:>5} {recompute:>9} {la.memory.peak / GB:>7.1f} "
             f"{la.bubble:>7.1%} {la.step_s:>8.2f}  {fits}"
         )

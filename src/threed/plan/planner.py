@@ -1,16 +1,19 @@
-"""`threed plan`: the (tp, pp, micro, gas, sequence parallelism, schedule, recompute) layouts of a model on a cluster,
-whether each fits in GPU memory (`threed.memory`), ranked by a predicted step time (`threed.plan.steptime`); then the
-recipe lines of the best one.
+"""`threed plan`: the (tp, cp, pp, micro, gas, sequence parallelism, schedule, recompute) layouts of a model on a
+cluster, whether each fits in GPU memory (`threed.memory`), ranked by a predicted step time (`threed.plan.steptime`);
+then the recipe lines of the best one.
 
     threed plan --model llama3.1-70b --nodes 4 --gpus-per-node 8 --gpu-memory 80 --seq-length 8192 \
         --global-batch-size 512
 
 Candidates: tp divides the heads and the KV heads and at most fills a node (TP collectives stay on NVLink);
-pp <= layers; dp = world / (tp pp); micro x dp divides the global batch and gas = global / (micro dp); Megatron's
-sequence parallelism on and off (tp > 1); the pipeline schedule (`threed.parallel.schedule.SCHEDULES`, pp > 1: ZB-H1
-idles less and holds more); and recompute: none, every block, and the fewest recomputed blocks per
-stage that fit (Megatron's full recompute, method block: the first N blocks of every stage), found by bisection
-over N = 0..the largest stage's blocks (memory falls and step time grows with N, so no other N can win).
+context parallelism cp (`threed.parallel.context`) divides world / tp, is at most MAX_CP (so tp x cp is at most
+16 nodes) and cuts the sequence into 2 cp chunks (2 cp tp under sequence parallelism), each rank keeping at least
+MIN_CP_TOKENS of a row unless --cp names the degree; pp <= layers; dp = world / (tp cp pp); micro x dp divides the
+global batch and gas = global / (micro dp); Megatron's sequence parallelism on and off (tp > 1); the pipeline
+schedule (`threed.parallel.schedule.SCHEDULES`, pp > 1: ZB-H1 idles less and holds more); and recompute: none,
+every block, and the fewest recomputed blocks per stage that fit (Megatron's full recompute, method block: the
+first N blocks of every stage), found by bisection over N = 0..the largest stage's blocks (memory falls and step
+time grows with N, so no other N can win).
 Selective recompute is not searched: threed's SDPA keeps no s x s scores, so it saves next to nothing
 (`threed.memory.recompute`). A layout fits when its heaviest stage's peak (threed.memory, CUDA kernels) is at most
 --gpu-memory - --reserve.
@@ -39,7 +42,16 @@ FILTER_FIELDS = {
     "act_ckpt": ("train", "activation_checkpointing"),
     "sequence_parallel": ("parallel", "sequence_parallel"),
     "schedule": ("parallel", "pipeline_schedule"),
+    "cp": ("parallel", "cp"),
 }
+# The largest CP degree searched: Meta trained Llama 3 405B at 131K tokens with cp 16 (beside tp 8); past that the
+# K/V all-gather of every block crosses too many ranks to pay.
+MAX_CP = 16
+# The fewest tokens of a row a CP rank keeps in the search (unless --cp names the degree): the step-time model's
+# constant TFLOP/s holds for large GEMMs only, and below this it would credit CP with the smaller bubble of ever
+# thinner micro-batches (at 8K it ranked cp 8 first). NeMo's Llama 3 recipes keep 8K-16K per rank (8B 16K cp 2 ...
+# 128K cp 8).
+MIN_CP_TOKENS = 8192
 FILTER_FLAGS = {
     key: flag_name(next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == name))
     for key, (section, name) in FILTER_FIELDS.items()
@@ -61,36 +73,78 @@ def candidates(
     act_ckpt: Optional[bool] = None,
     sequence_parallel: Optional[bool] = None,
     schedule: Optional[str] = None,
+    cp: Optional[int] = None,
 ) -> list[Layout]:
     """Every valid layout (optionally restricted), fitting or not, fastest first. `act_ckpt`: only every block
     recomputed (True) or none (False); None: none, every block and the fewest that fit. Each schedule is searched
     on its own (ZB-H1 may need more recompute to fit); at pp 1 they are one."""
-    out = []
+    out: list[Layout] = []
+    only = dict(micro=micro, act_ckpt=act_ckpt, sequence_parallel=sequence_parallel, schedule=schedule)
     for t in _divisors(hw.gpus_per_node):
         if model.num_heads % t or model.num_kv_heads % t or (tp and t != tp):
             continue
-        for p in _divisors(hw.world // t):
-            if p > model.num_layers or (pp and p != pp):
+        for c in _divisors(hw.world // t):
+            if c > MAX_CP or (cp and c != cp) or (not cp and c > 1 and seq // c < MIN_CP_TOKENS):
                 continue
-            dp = hw.world // (t * p)
-            most = max(st.blocks for st in stages(model, p, t, seq))
-            for m in [micro] if micro else [1, 2, 4, 8, 16]:
-                if global_batch % (m * dp):
+            for p in _divisors(hw.world // (t * c)):
+                if p > model.num_layers or (pp and p != pp):
                     continue
-                gas = global_batch // (m * dp)
-                for sp in (False, True):  # Megatron's SP splits the sequence over TP: tp > 1, seq a multiple
-                    if (sp and (t == 1 or seq % t)) or sequence_parallel not in (None, sp):
-                        continue
-                    for sched in SCHEDULES:
-                        if (p == 1 and sched != "1f1b") or schedule not in (None, sched):
-                            continue
-                        layout = _layouts(model, hw, seq, t, p, dp, m, gas, sp, most, sched)
-                        none, every = layout(0), layout(most)
-                        out += {False: [none], True: [every]}.get(act_ckpt, [none, every])  # type: ignore[arg-type]
-                        if act_ckpt is None and every.fits and not none.fits and most > 1:
-                            fewest = _fewest_fitting(layout, most)
-                            out += [fewest] if fewest.recomputed < most else []
+                out += _shapes(model, hw, seq, global_batch, t, p, c, **only)
     return sorted(out, key=lambda la: la.step_s)
+
+
+def _shapes(
+    model: ModelConfig,
+    hw: Hardware,
+    seq: int,
+    global_batch: int,
+    t: int,
+    p: int,
+    c: int,
+    micro: Optional[int],
+    act_ckpt: Optional[bool],
+    sequence_parallel: Optional[bool],
+    schedule: Optional[str],
+) -> list[Layout]:
+    """The layouts of one (tp, pp, cp): every micro-batch size, sequence parallelism, schedule and recompute."""
+    out = []
+    dp = hw.world // (t * p * c)
+    most = max(st.blocks for st in stages(model, p, t, seq))
+    for m in [micro] if micro else [1, 2, 4, 8, 16]:
+        if global_batch % (m * dp):
+            continue
+        gas = global_batch // (m * dp)
+        for sp in (False, True):  # Megatron's SP splits the sequence over TP: tp > 1, seq a multiple
+            if (sp and (t == 1 or seq % t)) or sequence_parallel not in (None, sp) or not cp_divides(seq, c, t, sp):
+                continue
+            for sched in SCHEDULES:
+                if (p == 1 and sched != "1f1b") or schedule not in (None, sched):
+                    continue
+                layout = _layouts(model, hw, seq, t, p, dp, m, gas, sp, most, sched, c)
+                none, every = layout(0), layout(most)
+                out += {False: [none], True: [every]}.get(act_ckpt, [none, every])  # type: ignore[arg-type]
+                if act_ckpt is None and every.fits and not none.fits and most > 1:
+                    fewest = _fewest_fitting(layout, most)
+                    out += [fewest] if fewest.recomputed < most else []
+    return out
+
+
+def cp_divides(seq: int, cp: int, tp: int, sp: bool) -> bool:
+    """Whether context parallelism can cut `seq` (2 cp chunks, each split over tp under SP): the rule and its
+    message live in `threed.parallel.context.check_divisible`."""
+    try:
+        check_cp(seq, cp, tp, sp)
+    except ConfigError:
+        return False
+    return True
+
+
+def check_cp(seq: int, cp: int, tp: int, sp: bool) -> None:
+    """`threed.parallel.context.check_divisible`: ConfigError, one line, when `seq` cannot be cut for `cp`."""
+    # torch, through the CP attention module: the caller has DeepSpeed (threed.parallel.partition) loaded already.
+    from threed.parallel.context import check_divisible
+
+    check_divisible(seq, cp, tp, sp)
 
 
 def _layouts(
@@ -105,15 +159,16 @@ def _layouts(
     sp: bool,
     most: int,
     schedule: str = "1f1b",
+    cp: int = 1,
 ):
     """N -> the layout recomputing the first N blocks of each stage (N = `most`: every block)."""
 
     def layout(n: int) -> Layout:
         rc = Recompute.of(True) if n >= most else Recompute.first_blocks(n)
-        mems = estimate(model, tp, pp, dp, micro, gas, seq, rc, sequence_parallel=sp, schedule=schedule)
-        passes = pass_times(model, hw, tp, pp, dp, micro, seq, rc, sp, schedule)
+        mems = estimate(model, tp, pp, dp, micro, gas, seq, rc, sequence_parallel=sp, schedule=schedule, cp=cp)
+        passes = pass_times(model, hw, tp, pp, dp, micro, seq, rc, sp, schedule, cp)
         seconds = step_time(
-            model, hw, tp, pp, dp, micro, gas, seq, rc, max(x.params for x in mems), sp, schedule, passes
+            model, hw, tp, pp, dp, micro, gas, seq, rc, max(x.params for x in mems), sp, schedule, passes, cp
         )
         return Layout(
             tp,
@@ -129,6 +184,7 @@ def _layouts(
             most,
             schedule,
             passes,
+            cp,
         )
 
     return layout
@@ -182,6 +238,14 @@ def plan(model: ModelConfig, hw: Hardware, seq: int, global_batch: int, **only) 
             f"--seq-length {seq} exceeds {model.name}'s max_position_embeddings "
             f"{model.max_position_embeddings}; use --seq-length <= {model.max_position_embeddings}"
         )
+    if restricted.get("cp", 1) > 1:  # a degree the world or the sequence cannot take: one line, before the search
+        cp = restricted["cp"]
+        if hw.world % cp:
+            raise ConfigError(
+                f"{FILTER_FLAGS['cp']} {cp} does not divide the world of {hw.world} GPUs ({hw.nodes} node(s) x "
+                f"{hw.gpus_per_node}; world = tp x pp x cp x dp): use a cp that divides {hw.world}"
+            )
+        check_cp(seq, cp, restricted.get("tp", 1), bool(restricted.get("sequence_parallel")))
     every = candidates(model, hw, seq, global_batch, **only)
     where = f"{hw.nodes} node(s) x {hw.gpus_per_node} GPUs"
     given = "".join(f" {FILTER_FLAGS[k]} {str(v).lower()}" for k, v in restricted.items())
@@ -189,7 +253,8 @@ def plan(model: ModelConfig, hw: Hardware, seq: int, global_batch: int, **only) 
         raise ConfigError(
             f"no valid layout of {model.name} on {where} with --global-batch-size {global_batch}{given}: "
             f"tp must divide {model.num_heads} heads, {model.num_kv_heads} KV heads and "
-            f"{hw.gpus_per_node} GPUs per node, pp <= {model.num_layers} layers, and micro x dp must "
+            f"{hw.gpus_per_node} GPUs per node, pp <= {model.num_layers} layers, cp <= {MAX_CP} must cut "
+            f"the sequence into 2 x cp chunks (x tp under sequence parallelism), and micro x dp must "
             f"divide the global batch; use a global batch that is a multiple of {hw.world}"
             f"{' or drop' + given if given else ''}"
         )
@@ -218,6 +283,7 @@ def recipe_lines(model: str, best: Layout, global_batch: int, seq: int) -> list[
         "MODEL": model,
         "TP": best.tp,
         "PP": best.pp,
+        "CP": best.cp,
         "MICRO": best.micro,
         "GAS": "",
         "GLOBAL": global_batch,

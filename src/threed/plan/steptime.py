@@ -36,8 +36,15 @@ compute/communication overlap the engine has (below: megatron's linear backward 
   norm/clip pass over the fp32 gradients, (36 N / dp + 12 N) bytes at the GPU's memory bandwidth. t_tied (tied
   embeddings, pp > 1): the first and the last stage each hold a copy of the embedding (N counts it on both) and
   all-reduce its fp32 gradient between them: 4 V h / tp bytes sent per rank (a two-rank ring).
+  Context parallelism (cp > 1; `threed.parallel.context`): each rank holds s / cp tokens of every row, so tokens
+  above are s b / cp and the compute divides by cp (the 2 cp zigzag chunks give every rank the same causal work;
+  FLOPs per token stay the whole row's). Per block the forward all-gathers K and V of the rows, the backward
+  reduce-scatters dK and dV, and a recomputed block's forward all-gathers again: each (cp - 1) / cp x 2 x 2 s b
+  kv_heads d / tp bytes (`cp_collective_s`), in no overlap (the attention waits for its keys). The CP group's
+  ranks are tp apart (megatron-core's order tp-cp-dp-pp): NVLink when tp cp fits in a node, else the network.
+  Gradients reduce and ZeRO-1 shards over dp x cp (t_dp, t_optimizer with dp x cp).
   Bandwidths: NVLink (--nvlink-gbps) inside a node, the per-GPU network share (--network-gbps) across nodes; the
-  DP and PP groups cross nodes when their rank stride (tp, tp dp) reaches a node.
+  DP and PP groups cross nodes when their rank stride (tp, tp cp dp) reaches a node.
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from threed.config import ModelConfig
-from threed.memory.model import GB, stages
+from threed.memory.model import GB, kv_row_bytes, stages
 from threed.memory.recompute import Recompute
 from threed.model.spec import (
     LayerKind,
@@ -99,13 +106,15 @@ def pass_times(
     recompute: bool | Recompute,
     sequence_parallel: bool = False,
     schedule: str = "1f1b",
+    cp: int = 1,
 ) -> tuple[float, float, float]:
     """Seconds of one micro-batch's F, B and W passes on the slowest stage (the model in the module docstring);
-    `recompute`: True (every block), False, or Megatron's flags."""
+    `recompute`: True (every block), False, or Megatron's flags; `cp`: context parallelism (dp excludes it)."""
     rc = Recompute.of(recompute)
     sp = sequence_parallel and tp > 1
     h = model.hidden_size
-    tokens = seq * micro
+    tokens = seq * micro // cp  # this rank's share of each row; FLOPs per token stay those of the whole row
+    kv_exchange = cp_collective_s(model, hw, tp, cp, seq, micro)
     act_bytes = 2 * tokens * h
     rate = hw.tflops * 1e12
     allreduce = 2 * (tp - 1) / tp * act_bytes / (hw.nvlink_gbps * 1e9) if tp > 1 else 0.0
@@ -131,17 +140,35 @@ def pass_times(
             for x, y, n in zip(block, head, (f_tp, b_tp, w_tp))
         )
         b += tokens * recomputed * block[0] / (tp * rate)  # a recomputed block's forward runs again in B
+        # CP: K/V all-gathered in each block's forward (again in a recomputed block's), dK/dV reduce-scattered in B
+        f, b = f + st.blocks * kv_exchange, b + (st.blocks + recomputed) * kv_exchange
         if not deferred and tp > 1:  # ZB-H1's B and W run their collectives alone (threed.model.wgrad)
             hidden_b, hidden_w = hidden_behind_gemms(model, tp, tokens, rate, allreduce, sp, st.blocks, st.last)
             b, w = b - hidden_b, w - hidden_w
         if pp > 1:  # activations forward (F), gradients backward (B): 1/tp of them each
-            p2p = act_bytes / tp / link_bytes_per_s(hw, tp * dp)
+            p2p = act_bytes / tp / link_bytes_per_s(hw, tp * cp * dp)  # stages are tp cp dp ranks apart
             if not sp:  # DeepSpeed's TP partition, all-gathered over TP on arrival
                 p2p += (tp - 1) / tp * act_bytes / (hw.nvlink_gbps * 1e9)
             f, b = f + p2p, b + p2p
         if f + b + w > sum(slowest):
             slowest = (f, b, w)
     return slowest
+
+
+def cp_in_node(hw: Hardware, tp: int, cp: int) -> bool:
+    """Whether a CP group lies inside one node: in megatron-core's rank order (tp-cp-dp-pp) its cp ranks are tp
+    apart, spanning tp x cp consecutive ranks, which share a node when they fit in one (tp divides a node)."""
+    return tp * cp <= hw.gpus_per_node
+
+
+def cp_collective_s(model: ModelConfig, hw: Hardware, tp: int, cp: int, seq: int, micro: int) -> float:
+    """Seconds of one block's K/V all-gather over the CP group (the same for its dK/dV reduce-scatter): each rank
+    receives (cp - 1) / cp of the rows' K and V (`threed.memory.model.kv_row_bytes`, per TP rank), over NVLink when
+    the group is inside a node, else at the network share. 0 at cp 1."""
+    if cp == 1:
+        return 0.0
+    link = hw.nvlink_gbps if cp_in_node(hw, tp, cp) else hw.network_gbps
+    return (cp - 1) / cp * kv_row_bytes(model, tp, seq, micro) / (link * 1e9)
 
 
 def column_gemm_seconds(model: ModelConfig, kind: LayerKind, tp: int, tokens: int, rate: float) -> list[float]:
@@ -190,15 +217,18 @@ def step_time(
     sequence_parallel: bool = False,
     schedule: str = "1f1b",
     passes: Optional[tuple[float, float, float]] = None,
+    cp: int = 1,
 ) -> float:
     """Predicted seconds per optimizer step (the model in the module docstring); `params`: the largest stage's
     parameters per GPU; `recompute`: True (every block), False, or Megatron's flags; `schedule`:
-    `threed.parallel.schedule`'s; `passes`: `pass_times` of the same arguments, when the caller has them already."""
-    passes = passes or pass_times(model, hw, tp, pp, dp, micro, seq, recompute, sequence_parallel, schedule)
+    `threed.parallel.schedule`'s; `passes`: `pass_times` of the same arguments, when the caller has them already;
+    `cp`: context parallelism (gradients reduce and ZeRO-1 shards over dp x cp)."""
+    passes = passes or pass_times(model, hw, tp, pp, dp, micro, seq, recompute, sequence_parallel, schedule, cp)
     pipeline, _ = simulate(schedule, pp, gas, *passes)
-    t_dp = (2 * 4 * params + 2 * params) * (dp - 1) / dp / link_bytes_per_s(hw, tp)  # DP ranks are tp apart
-    t_opt = (36 * params / dp + 12 * params) / (hw.hbm_gbps * 1e9)
-    return pipeline + t_dp + tied_allreduce_s(model, hw, tp, pp, dp) + t_opt
+    shards = dp * cp  # CP ranks hold the same weights: they reduce gradients with the DP ranks
+    t_dp = (2 * 4 * params + 2 * params) * (shards - 1) / shards / link_bytes_per_s(hw, tp)  # ranks tp apart
+    t_opt = (36 * params / shards + 12 * params) / (hw.hbm_gbps * 1e9)
+    return pipeline + t_dp + tied_allreduce_s(model, hw, tp, pp, shards) + t_opt
 
 
 def tied_allreduce_s(model: ModelConfig, hw: Hardware, tp: int, pp: int, dp: int) -> float:
