@@ -33,9 +33,8 @@ COMMON = {
     "SPLIT": "90,5,5", "DATA_CACHE_PATH": "/data/cache", "PACK": "false", "EVAL_INTERVAL": "5", "EVAL_ITERS": "2",
     "TOKENIZER": "/data/tok.model", "SAVE": "/ckpt/save", "SAVE_INTERVAL": "5", "LOG_INTERVAL": "2",
     "KEEP_LAST": "2", "SKIP_NONFINITE": "3", "EXIT_DURATION": "30",
-    # CP: the launcher's default, as training refuses cp > 1 until issue 27's training path lands (then "2" here,
-    # with GAS 4: DP = 8 / (2 x 2 x 2) = 1); a layout variable, so --cp arrives all the same.
-    "CP": "1",
+    # CP 2: DP = 8 / (2 x 2 x 2) = 1, so GLOBAL 8 = MICRO 2 x GAS 4 x DP 1.
+    "CP": "2",
 }  # fmt: skip
 GROUPS = [
     {**COMMON, "ACT_CKPT": "true", "INIT_FROM": "/ckpt/init"},
@@ -84,8 +83,8 @@ def _expected(var: str, value: str):
     """What `threed train` makes of the value: the blend's words, the derived GAS, a bool or a number, else text."""
     if var == "DATA":
         return tuple(value.split())
-    if var == "GAS":  # empty: derived from GLOBAL, 8 = micro 2 x gas 2 x dp 2
-        return 2
+    if var == "GAS":  # empty: derived from GLOBAL, 8 = micro 2 x gas 4 x dp 1 (dp = 8 / (tp 2 x pp 2 x cp 2))
+        return 4
     if value in ("true", "false"):
         return value == "true"
     for cast in (int, float):

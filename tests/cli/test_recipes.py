@@ -45,16 +45,6 @@ SLURM_SCRIPTS = {
     "llama8b_128k_tp4_cp2.sh": ("llama31_8b_128k", 1),
     "llama70b_64k_tp8_pp2_cp4.sh": ("llama31_70b_64k", 8),
 }
-# RunConfig's refusal of cp > 1 while the training path is not wired (issue 27): a CP recipe's dry run stops at
-# `threed check-config` with it. Its tests are expected to fail for that reason only, and run in full once it goes.
-CP_REFUSED = "context parallelism is not wired into training yet"
-
-
-def expect_cp_refusal_until_wired(out: subprocess.CompletedProcess[str]) -> None:
-    if out.returncode != 0 and CP_REFUSED in out.stderr:
-        pytest.xfail(f"training refuses cp > 1 until issue 27's training path lands: {out.stderr.strip()}")
-
-
 def launch(recipe: str, env: dict[str, str], *args: str, dry: bool = True) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     for var in RECIPE_VARS + ["NNODES", "GPUS_PER_NODE", "NODE_RANK", "MASTER_ADDR", "THREED_ARGS"]:
@@ -80,10 +70,14 @@ def train_argv(out: str) -> list[str]:
 
 
 def python_train_batch(out: str, world: int) -> int:
-    """The Python side's own check of the same command: RunConfig.validate and DeepSpeed's train_batch_size."""
+    """The Python side's own check of the same command: RunConfig.validate and DeepSpeed's train_batch_size, which
+    counts the CP ranks of each data-parallel rank as data ranks (CP is folded into DeepSpeed's data axis) while the
+    rows per step, what the launcher prints, count DP only."""
     cfg = parse_run_config(train_argv(out))
     cfg.validate(world)
-    return deepspeed_config(cfg, world)["train_batch_size"]
+    ds = deepspeed_config(cfg, world)["train_batch_size"]
+    assert ds % cfg.parallel.cp == 0
+    return ds // cfg.parallel.cp
 
 
 # (nodes, gpus per node, TP, PP, MICRO, GAS, GLOBAL) -> (DP, GAS, train_batch_size)
@@ -146,7 +140,6 @@ def _env(nodes, gpus, tp, pp, micro, gas, glob, cp="1") -> dict[str, str]:
 @pytest.mark.parametrize("layout,expected", GOOD, ids=[str(g[0]) for g in GOOD])
 def test_launcher_batch_arithmetic(layout, expected) -> None:
     out = launch("tiny", _env(*layout))
-    expect_cp_refusal_until_wired(out)
     assert out.returncode == 0, out.stderr
     dp, gas, batch = expected
     assert dry_numbers(out.stdout) == {"DP": dp, "GAS": gas, "TRAIN_BATCH_SIZE": batch}, out.stdout
@@ -273,7 +266,6 @@ def test_recipe_header_matches_launcher_and_python(name: str) -> None:
     nodes, world, dp, gas, batch = _header_layout(text)
     assert world == nodes * 8
     out = launch(name, {"NNODES": str(nodes), "GPUS_PER_NODE": "8"})
-    expect_cp_refusal_until_wired(out)
     assert out.returncode == 0, out.stderr
     assert dry_numbers(out.stdout) == {"DP": dp, "GAS": gas, "TRAIN_BATCH_SIZE": batch}
     assert python_train_batch(out.stdout, world) == batch  # heads divide TP, seq fits, batch agrees
