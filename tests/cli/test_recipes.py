@@ -45,6 +45,8 @@ SLURM_SCRIPTS = {
     "llama8b_128k_tp4_cp2.sh": ("llama31_8b_128k", 1),
     "llama70b_64k_tp8_pp2_cp4.sh": ("llama31_70b_64k", 8),
 }
+
+
 def launch(recipe: str, env: dict[str, str], *args: str, dry: bool = True) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     for var in RECIPE_VARS + ["NNODES", "GPUS_PER_NODE", "NODE_RANK", "MASTER_ADDR", "THREED_ARGS"]:
