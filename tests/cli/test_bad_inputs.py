@@ -196,9 +196,9 @@ CLI = [
         TRAIN + ["--load", "{w}/ckpt1", "--init-from", "{w}/ckpt1"],
         r"either load \(full resume\) or init_from",
     ),
-    ("train-load-missing", TRAIN + ["--load", "{w}/nothing"], r"load=.*nothing holds no DeepSpeed checkpoint"),
+    ("train-load-missing", TRAIN + ["--load", "{w}/nothing"], r"load=.*nothing does not exist; check the path"),
     ("train-load-is-file", TRAIN + ["--load", "{w}/afile"], r"load=.*afile holds no DeepSpeed checkpoint"),
-    ("train-init-missing", TRAIN + ["--init-from", "{w}/nothing"], r"init_from=.* holds no DeepSpeed checkpoint"),
+    ("train-init-missing", TRAIN + ["--init-from", "{w}/nothing"], r"init_from=.*nothing does not exist"),
     ("train-load-converted", TRAIN + ["--load", "{w}/ckpt1"], r"converted checkpoint .* use it with\s+--init-from"),
     ("train-init-other-tp", TRAIN + ["--init-from", "{w}/ckpt2"], r"written at tp=2, pp=1; .* `threed reshard --ckpt"),
     (
