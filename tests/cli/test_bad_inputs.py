@@ -231,7 +231,8 @@ CLI = [
     ("check-seq", CHECK + ["--world", "1", "--seq-length", "9999"], r"exceeds max_position_embeddings 256"),
     (
         "check-paths-run",
-        CHECK + ["--world", "1", "--paths", "--save", "{w}/run", "--auto-resume", "false"],
+        CHECK
+        + ["--world", "1", "--paths", "--data-path", "{w}/data/corpus", "--save", "{w}/run", "--auto-resume", "false"],
         r"--overwrite true",
     ),
     # --- convert / export / reshard / verify
