@@ -415,6 +415,7 @@ def run_shell(world: Path, spec) -> tuple[int, str]:
         LOG_DIR=str(world / "logs"),
         SAVE=str(world / "save"),
         DATA=str(world / "data" / "corpus"),
+        TOKENIZER="",  # tiny.sh's demo tokenizer is not made here; a real start's checks (--paths) would refuse it
     )
     if kind == "launch":
         extra, dry = rest

@@ -249,6 +249,7 @@ def test_kill_9_of_preprocess_leaves_no_worker_and_the_next_run_cleans_up(corpus
     assert sorted(x.name for x in (tmp_path / "out").iterdir()) == [
         "corpus_text_document.bin",
         "corpus_text_document.idx",
+        "corpus_text_document.threed.json",
     ]
 
 

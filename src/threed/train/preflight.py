@@ -64,6 +64,8 @@ def check_metrics_sinks(cfg: RunConfig) -> None:
     fix = "choose a directory you can write to, or --tensorboard false"
     if where.exists() and not where.is_dir():
         raise ConfigError(f"{name} is a file, not a directory; {fix}")
+    if not cfg.metrics.tensorboard_dir:
+        return  # SAVE/tensorboard: the --save checks (threed.checkpoint.start) say what is wrong with --save
     existing = where
     while not existing.exists():
         existing = existing.parent
