@@ -186,3 +186,38 @@ def test_the_dry_run_says_where_the_weights_come_from(world):
     assert rc == 0, out
     assert f"start: weights from --init-from {world / 'ckpt'} (not read: --paths checks it)" in out
     assert "start: random init" not in out
+
+
+def test_the_verify_ranks_failure_is_their_one_error_line():
+    """When the ranks themselves fail (a file that loads but is not the layer it should be), the refusal is their
+    last exception line (with its detail line), not each rank's traceback and torchrun's report."""
+    from threed.verify.parity import ranks_error
+
+    output = (
+        "Traceback (most recent call last):\n"
+        '[rank0]:   File "worker.py", line 3, in main\n'
+        "[rank0]: RuntimeError: Error(s) in loading state_dict for EmbeddingPipe:\n"
+        '[rank0]: \tMissing key(s) in state_dict: "word_embeddings.weight".\n'
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+        "threed.verify.worker FAILED\n"
+    )
+    assert ranks_error(output) == (
+        'RuntimeError: Error(s) in loading state_dict for EmbeddingPipe: Missing key(s) in state_dict: "word_embeddings'
+        '.weight".'
+    )
+    assert ranks_error("ranks ended\n") == "ranks ended"
+
+
+@pytest.mark.parametrize(
+    "flags,start",
+    [
+        ([], "start: random init;"),
+        (["--load", "/nowhere/ck"], "start: resume from --load /nowhere/ck (not read: --paths checks it)"),
+        (["--save", "/nowhere/ck"], "start: random init, or resume from --save /nowhere/ck if it holds a run"),
+    ],
+)
+def test_check_config_without_paths_says_where_the_run_would_start(flags, start, capsys):
+    from threed.cli.main import main
+
+    assert main(["check-config", "--model", "tiny", "--world", "1", *flags]) == 0
+    assert start in capsys.readouterr().out
