@@ -42,8 +42,11 @@ def world(tmp_path_factory) -> Path:
     assert main(["make-tiny-hf", "--out", str(w / "hf"), "--like", "tiny"]) == 0
     argv = ["convert", "--hf", str(w / "hf"), "--tp", "1", "--pp", "1", "--out", str(w / "ckpt")]
     assert main(argv + ["--make-vocab-size-divisible-by", "32", "--quiet"]) == 0
+    shutil.copytree(w / "ckpt", w / "swapped")
     layer = w / "ckpt" / "global_step0" / "layer_03-model_00-model_states.pt"
     layer.write_bytes(layer.read_bytes()[:100])  # a copy cut short
+    steps = w / "swapped" / "global_step0"  # a block's file where the embedding's should be
+    shutil.copy(steps / "layer_02-model_00-model_states.pt", steps / "layer_00-model_00-model_states.pt")
     bin_ = w / "bin"
     bin_.mkdir()
     stub = (
@@ -68,7 +71,12 @@ ROWS = [
     (
         "verify-damaged",
         ["verify", "--hf", "{w}/hf", "--ckpt", "{w}/ckpt"],
-        r"ckpt/global_step0/layer_03-model_00-model_states\.pt cannot be read .* the checkpoint is damaged",
+        r"cannot read .*ckpt/global_step0/layer_03-model_00-model_states\.pt: RuntimeError: .*\(truncated or corrupt\)",
+    ),
+    (
+        "verify-layer-swapped",
+        ["verify", "--hf", "{w}/hf", "--ckpt", "{w}/swapped"],
+        r"swapped/global_step0/layer_00-model_00-model_states\.pt holds \[.*\], expected \['word_embeddings\.weight'\]",
     ),
     # --tensorboard-dir and --wandb-project: before the engine, nothing left behind (no --save directory made)
     (

@@ -54,9 +54,12 @@ class VerifyResult:
 
 
 def check_readable(ck: Checkpoint) -> None:
-    """Open every file the ranks will load (the layer and mp_rank files of the tag; memory-mapped, so cheap) here,
-    first: a damaged one is named in one line instead of a traceback from every rank."""
-    for f in sorted(ck.step_dir.glob("layer_*-model_states.pt")) + sorted(ck.step_dir.glob("mp_rank_*.pt")):
+    """Open every file the ranks will load here, first (memory-mapped, so cheap): each layer file with its keys and
+    shapes checked against the model (`Checkpoint.load_layer`), and the mp_rank files. A damaged or misplaced one is
+    named in one line instead of a traceback from every rank."""
+    for layer in ck.layers:
+        ck.load_layer(layer)  # CheckpointError naming the file: unreadable, other keys, other shapes
+    for f in sorted(ck.step_dir.glob("mp_rank_*.pt")):
         try:
             torch.load(f, map_location="cpu", mmap=True, weights_only=False)
         except Exception as e:  # a truncated zip, a file of another kind, an unreadable one: all mean "damaged"
