@@ -70,8 +70,12 @@ def run(ns: argparse.Namespace) -> int:
             raise ConfigError(f"{flag} must be a finite number, got {value:g}; e.g. {flag} 80")
     seq, global_batch = field_value(ns, "train", "seq_length"), field_value(ns, "train", "global_batch_size")
     only = {key: field_value(ns, *FILTER_FIELDS[key]) for key in FILTERS}
-    refuse_empty_filters(model, hw, seq, global_batch, only)
-    best, every = plan(model, hw, seq, global_batch, **only)
+    try:
+        best, every = plan(model, hw, seq, global_batch, **only)
+    except ConfigError as e:
+        if str(e).startswith("no valid layout"):  # the planner's numbers checks come first and stand as they are
+            refuse_empty_filters(model, hw, seq, global_batch, only)
+        raise
     tokens = seq * global_batch
     fitting = [la for la in every if la.fits]
     print(
@@ -102,8 +106,8 @@ def refuse_empty_filters(model, hw: Hardware, seq: int, global_batch: int, only:
     """Filters that leave no valid layout, when the search without them finds some: name the filters to drop or
     change (by their flags), not the global batch, which is not the cause."""
     given = {k: v for k, v in only.items() if v is not None}
-    if not given or seq < 1 or global_batch < 1 or min(hw.nodes, hw.gpus_per_node) < 1:
-        return  # nothing filtered, or plan() refuses the numbers themselves
+    if not given:
+        return
     if candidates(model, hw, seq, global_batch, **only) or not candidates(model, hw, seq, global_batch):
         return
     alone = [k for k in given if not candidates(model, hw, seq, global_batch, **{k: given[k]})]
