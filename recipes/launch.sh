@@ -32,7 +32,7 @@
 # overrides a recipe's value and a default alike, and an empty value clears either (e.g. GAS= GLOBAL=256; an empty
 # variable passes no flag). A recipe that sets any other variable is refused (a typo would otherwise be ignored
 # silently); a new variable is a row of that table.
-# Before torchrun starts, `threed check-config --paths` runs training's checks once (config, checkpoint
+# Before torchrun starts, `threed check-config --paths` runs training's checks once (config, data, checkpoint
 # directories), so a bad recipe fails with one line instead of one traceback per rank.
 set -euo pipefail
 
@@ -211,6 +211,12 @@ TRAIN_BATCH=$((MICRO * GAS * DP))
 
 GLOBAL=$TRAIN_BATCH  # what --global-batch-size gets: the one the arithmetic above settled on
 
+# Every value by its flag's type and choices (threed.cli.recipe --check): a bad one is one line naming the variable
+# (PIPELINE_SCHEDULE=zb-h2, RECOMPUTE_NUM_LAYERS=abc), not argparse's usage dump about a flag.
+values=()
+for name in "${ORDER[@]}"; do values+=("$name=${!name:-}"); done
+PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m threed.cli.recipe --check "${values[@]}" || exit 2
+
 # Each variable of the table as its field's flag (threed.cli.recipe: FORM says how).
 args=()
 for name in "${ORDER[@]}"; do
@@ -224,8 +230,11 @@ for name in "${ORDER[@]}"; do
                 false) ;;
                 *) die "$name must be true or false, got '${!name}'" ;;
             esac ;;
-        words) # a prefix, or a blend "WEIGHT PREFIX WEIGHT PREFIX ..." (Megatron's --data-path)
-            if [ -n "${!name:-}" ]; then
+        words) # a prefix, or a blend "WEIGHT PREFIX WEIGHT PREFIX ..." (Megatron's --data-path); a whole value
+            # that names a dataset is one word, so a path with spaces works (threed.cli.recipe.data_words)
+            if [ -f "${!name:-}.bin" ] || [ -f "${!name:-}.idx" ]; then
+                args+=("$flag" "${!name}")
+            elif [ -n "${!name:-}" ]; then
                 read -ra words <<<"${!name}"
                 args+=("$flag" "${words[@]}")
             fi ;;
@@ -254,9 +263,22 @@ else
 fi
 run+=(-m threed.cli train "${args[@]}")
 
+# Before a real start each dataset prefix of DATA must exist, said by the variable's name (the checks below name
+# the flag); the dry run needs no data.
+if [ "${THREED_DRY_RUN:-0}" = 0 ]; then
+    data_words=()
+    if [ -f "${DATA:-}.bin" ] || [ -f "${DATA:-}.idx" ]; then data_words=("$DATA"); else read -ra data_words <<<"${DATA:-}"; fi
+    for word in "${data_words[@]}"; do  # each dataset prefix of DATA (numbers are blend weights) must exist
+        [[ "$word" =~ ^[0-9.eE+-]+$ ]] && continue
+        [ -f "$word" ] || [ -f "$word.bin" ] || die "DATA=$DATA not found ($word: no $word.bin): make it with" \
+            "\`threed preprocess --input ... --tokenizer TOK --output-prefix PREFIX\`, or point DATA at your dataset"
+    done
+fi
+
 # Training's own Python checks, once, in one process (a second, no torch): the model, tp/pp against heads and
 # layers, seq against positions, every numeric range, the batch at this world size; before a real start also
-# the checkpoint directories (resume, refusal to overwrite a run, free space). Exit 2 with one line if not.
+# every check train runs on disk (--paths: the data, its sidecars, --tensorboard-dir, wandb; the checkpoint
+# directories: resume, refusal to overwrite a run, free space). Exit 2 with one line if not.
 check=("$PYTHON" -m threed.cli check-config --world "$WORLD" "${args[@]}")
 [ "${THREED_DRY_RUN:-0}" != 0 ] || check+=(--paths)
 summary=$(PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}" "${check[@]}") || exit 2
@@ -279,12 +301,6 @@ if [ "${THREED_DRY_RUN:-0}" != 0 ]; then
     echo
     exit 0
 fi
-
-for word in ${DATA:-}; do  # each dataset prefix of DATA (numbers are blend weights) must exist
-    [[ "$word" =~ ^[0-9.eE+-]+$ ]] && continue
-    [ -f "$word" ] || [ -f "$word.bin" ] || die "DATA=$DATA not found ($word: no $word.bin): make it with" \
-        "\`threed preprocess --input ... --tokenizer TOK --output-prefix PREFIX\`, or point DATA at your dataset"
-done
 
 case "$DEVICE" in
     auto | cuda) export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1} ;;

@@ -47,8 +47,8 @@ Recipes (`recipes/*.sh`) set them through their variables (`recipes/launch.sh`).
 `--model NAME|DIR` (required): {MODEL_HELP}.
 
 Not config fields, so not in the tables: `threed train --nproc-per-node N` (start N local ranks with torchrun) and
-`threed check-config --world N [--paths]` (the world size to check at; `--paths` also checks the checkpoint
-directories).
+`threed check-config --world N [--paths]` (the world size to check at; `--paths` also runs every check train runs
+on disk before building: the data and its sidecars, `--tensorboard-dir`, wandb, the checkpoint directories).
 """
 
 

@@ -249,7 +249,13 @@ class TrainConfig:
         default=None,
         metadata=meta("full recompute: blocks per chunk (uniform) or recomputed blocks per stage (block)", at_least=1),
     )
-    zero_stage: int = field(default=1, metadata=meta("ZeRO stage (0 or 1; DeepSpeed pipelines allow no more)"))
+    zero_stage: int = field(
+        default=1,
+        metadata=meta(
+            "ZeRO stage: 1 shards the optimizer state over data parallel (bf16 needs it); 0 shards nothing and is "
+            "fp32 only; DeepSpeed pipelines allow no more"
+        ),
+    )
     # Evaluation on the valid split (Megatron's flags). eval_interval None: every 1000 steps (Megatron's default)
     # when there is a valid split, else never; given explicitly without a valid split it is an error.
     eval_interval: Optional[int] = field(
@@ -301,6 +307,13 @@ class TrainConfig:
         if self.zero_stage not in (0, 1):
             raise ConfigError(
                 f"zero_stage {self.zero_stage} is not allowed: DeepSpeed pipelines support ZeRO 0 or 1 only"
+            )
+        if self.zero_stage == 0 and self.dtype == "bf16":
+            # DeepSpeed keeps bf16 weights with fp32 master weights and fp32 gradient accumulation only in its ZeRO-1
+            # BF16_Optimizer; at stage 0 it stops in the engine ("unsupported mix of model_dtype ...").
+            raise ConfigError(
+                "--zero-stage 0 with --dtype bf16 is not supported: DeepSpeed accumulates bf16 gradients in fp32 "
+                "only under ZeRO 1; use --zero-stage 1 (the default), or --dtype fp32 with --zero-stage 0"
             )
 
     def _validate_recompute(self) -> None:

@@ -196,9 +196,9 @@ CLI = [
         TRAIN + ["--load", "{w}/ckpt1", "--init-from", "{w}/ckpt1"],
         r"either load \(full resume\) or init_from",
     ),
-    ("train-load-missing", TRAIN + ["--load", "{w}/nothing"], r"load=.*nothing holds no DeepSpeed checkpoint"),
+    ("train-load-missing", TRAIN + ["--load", "{w}/nothing"], r"load=.*nothing does not exist; check the path"),
     ("train-load-is-file", TRAIN + ["--load", "{w}/afile"], r"load=.*afile holds no DeepSpeed checkpoint"),
-    ("train-init-missing", TRAIN + ["--init-from", "{w}/nothing"], r"init_from=.* holds no DeepSpeed checkpoint"),
+    ("train-init-missing", TRAIN + ["--init-from", "{w}/nothing"], r"init_from=.*nothing does not exist"),
     ("train-load-converted", TRAIN + ["--load", "{w}/ckpt1"], r"converted checkpoint .* use it with\s+--init-from"),
     ("train-init-other-tp", TRAIN + ["--init-from", "{w}/ckpt2"], r"written at tp=2, pp=1; .* `threed reshard --ckpt"),
     (
@@ -231,7 +231,8 @@ CLI = [
     ("check-seq", CHECK + ["--world", "1", "--seq-length", "9999"], r"exceeds max_position_embeddings 256"),
     (
         "check-paths-run",
-        CHECK + ["--world", "1", "--paths", "--save", "{w}/run", "--auto-resume", "false"],
+        CHECK
+        + ["--world", "1", "--paths", "--data-path", "{w}/data/corpus", "--save", "{w}/run", "--auto-resume", "false"],
         r"--overwrite true",
     ),
     # --- convert / export / reshard / verify
@@ -414,6 +415,7 @@ def run_shell(world: Path, spec) -> tuple[int, str]:
         LOG_DIR=str(world / "logs"),
         SAVE=str(world / "save"),
         DATA=str(world / "data" / "corpus"),
+        TOKENIZER="",  # tiny.sh's demo tokenizer is not made here; a real start's checks (--paths) would refuse it
     )
     if kind == "launch":
         extra, dry = rest

@@ -128,9 +128,14 @@ TABLE = [
 ]
 
 
+@pytest.mark.parametrize("via", ["train", "check-config"])
 @pytest.mark.parametrize("case,command,expected", TABLE, ids=[c[0] for c in TABLE])
-def test_data_that_does_not_belong_together_is_refused(world, case, command, expected, capsys, monkeypatch):
+def test_data_that_does_not_belong_together_is_refused(world, case, command, expected, via, capsys, monkeypatch):
+    """Through `threed train`, and through `threed check-config --paths`, which runs the same checks (issue 29:
+    its exit status means "the run would start")."""
     monkeypatch.setenv("RANK", "0")
+    if via == "check-config":
+        command = ["check-config", *command[1:], "--world", "1", "--paths"]
     before = snapshot(world)
     rc, output = run_cli(world, command, capsys)
     assert rc == 2, f"{case}: exit status {rc}\n{output[-3000:]}"
@@ -249,6 +254,7 @@ def test_kill_9_of_preprocess_leaves_no_worker_and_the_next_run_cleans_up(corpus
     assert sorted(x.name for x in (tmp_path / "out").iterdir()) == [
         "corpus_text_document.bin",
         "corpus_text_document.idx",
+        "corpus_text_document.threed.json",
     ]
 
 

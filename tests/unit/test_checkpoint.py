@@ -149,8 +149,13 @@ def test_another_model_is_refused(tmp_path):
 
 
 def test_load_without_checkpoint_is_refused(tmp_path):
-    with pytest.raises(ConfigError, match="load=.* holds no DeepSpeed checkpoint"):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="load=.*empty holds no DeepSpeed checkpoint"):
+        decide_start(checkpoint_config(load=str(tmp_path / "empty")), world_size=2)
+    # A path that does not exist is said so (a typo, an unmounted file system), not called an empty checkpoint.
+    with pytest.raises(ConfigError, match="load=.*nothing does not exist; check the path") as e:
         decide_start(checkpoint_config(load=str(tmp_path / "nothing")), world_size=2)
+    assert "holds no" not in str(e.value)
 
 
 # ------------------------------------------------------------------------------------------ the save directory

@@ -63,14 +63,17 @@ def test_jsonl_matches_the_tokenizer_and_workers_1_and_2_write_identical_files(c
     assert _read(one.outputs["text"]) == expected
     assert (one.documents, one.tokens, one.dtype) == (len(expected), sum(map(len, expected)), "uint16")
     assert one.skipped == len(corpus["docs"]) - len(expected) == 2
-    for suffix in (".bin", ".idx"):
+    # The sidecars too: the number of workers is not recorded (it changes no byte), the fingerprints agree.
+    for suffix in (".bin", ".idx", ".threed.json"):
         assert Path(one.outputs["text"] + suffix).read_bytes() == Path(two.outputs["text"] + suffix).read_bytes()
     assert _files(tmp_path) == {
         "c.jsonl",
         "w1_text_document.bin",
         "w1_text_document.idx",
+        "w1_text_document.threed.json",
         "w2_text_document.bin",
         "w2_text_document.idx",
+        "w2_text_document.threed.json",
     }  # no temporary files left
 
 
@@ -266,10 +269,20 @@ def test_output_is_renamed_into_place_only_when_complete(corpus, tmp_path, capsy
     with pytest.raises(KeyboardInterrupt):
         preprocess([src], prefix, FakeTokenizer(512, hook=_interrupt_at(docs[150])), force=True)
     assert [Path(f).read_bytes() for f in final] == old
-    assert _files(tmp_path) == {"c.jsonl", "o_text_document.bin", "o_text_document.idx"}
-    # --force replaces it once the new one is complete.
+    sidecar = Path(dataset_prefix(prefix) + ".threed.json")
+    old_sidecar = sidecar.read_bytes()  # FakeTokenizer: no path, no vocabulary to hash
+    assert json.loads(old_sidecar)["tokenizer"] == {
+        "name": "FakeTokenizer",
+        "path": None,
+        "vocab_size": 512,
+        "vocab_sha256": None,
+    }
+    assert _files(tmp_path) == {"c.jsonl", "o_text_document.bin", "o_text_document.idx", "o_text_document.threed.json"}
+    assert sidecar.read_bytes() == old_sidecar
+    # --force replaces it once the new one is complete, and its sidecar with it.
     new = preprocess([src], prefix, corpus["sp"], force=True)
     assert _read(new.outputs["text"]) == _expected(Tokenizer(corpus["sp"]), docs) and out.documents == 300
+    assert json.loads(sidecar.read_text())["tokenizer"]["name"] == "sp.model"
 
 
 def _interrupt_at(doc: str) -> Any:

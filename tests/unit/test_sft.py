@@ -113,8 +113,12 @@ def test_cli_writes_tokens_and_mask_with_same_documents(tmp_path, tok_dirs, caps
     for record, t, m in zip(CONVERSATIONS, tokens, mask):
         assert (t, m) == render(to_messages(record, "t"), "t")
     assert sorted(p.name for p in out.parent.iterdir()) == sorted(
-        f"sft_{k}_document.{e}" for k in ("text", "mask") for e in ("bin", "idx")
+        f"sft_{k}_document.{e}" for k in ("text", "mask") for e in ("bin", "idx", "threed.json")
     )  # no temporary left
+    # The sidecar names the HF tokenizer as training loads it (threed's Tokenizer): the same vocabulary hash.
+    from threed.data.sidecar import check_sidecar
+
+    assert check_sidecar(f"{out}_text_document", tok_dirs["llama3"]) is None
 
 
 def test_long_examples_dropped_or_truncated_and_counted(tmp_path, tok_dirs, capsys):

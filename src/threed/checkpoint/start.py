@@ -100,6 +100,11 @@ def _recorded_model(found: Found) -> Optional[ModelConfig]:
 
 
 def _find(path: str, what: str, notes: list[str]) -> Found:
+    if not os.path.lexists(path):  # a typo, or a directory not mounted here: not the same as an empty one
+        raise ConfigError(
+            f"{what}={path} does not exist; check the path (a typo, or a file system not mounted on this "
+            f"node?): pass the directory that `threed train --save` or `threed convert --out` wrote"
+        )
     if not Path(path).is_dir() or (read_latest(path) is None and not list_tags(path)):
         raise ConfigError(
             f"{what}={path} holds no DeepSpeed checkpoint (no 'latest' file); pass the directory "

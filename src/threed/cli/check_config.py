@@ -2,20 +2,25 @@
 numeric ranges, the model, tp / pp against heads and layers, seq against positions, the batch arithmetic at a given
 world size (DP, GAS and train_batch_size = micro x gas x DP), which stage holds which layers (--partition-method;
 DeepSpeed's own methods import DeepSpeed for its split functions), and the memory model's estimate per GPU for the
-heaviest stage (`threed.memory`: the same line as `threed memory` with these flags); with `--paths`, also what the
-run would do with its checkpoint directories (resume, refuse to overwrite a run, room for a checkpoint) without
-creating anything.
+heaviest stage (`threed.memory`: the same line as `threed memory` with these flags); with `--paths`, also every
+check `threed train` runs on what is on disk before it builds (`threed.train.preflight.check_run`, the same
+function: the data paths, duplicate prefixes, validation splits, each dataset's .bin/.idx and sidecar, the
+--tensorboard-dir, wandb for --wandb-project), and what the run would do with its checkpoint directories (resume,
+refuse to overwrite a run, room for a checkpoint), without creating anything. A dataset that cannot be checked
+(no sidecar) is said on stderr.
 
     threed check-config --world 8 --model tiny --tp 2 --pp 2 --micro-batch-size 4 --grad-accum-steps 4 ...
 
 recipes/launch.sh runs it before torchrun (and in its dry run), so a bad recipe fails once, with one line.
-Exit status 0 when the run would start, 2 (and one `threed: configuration error: ...` line) when not. Output: the
+Exit status (with --paths) 0 when the run would start, 2 (and one `threed: configuration error: ...` line) when
+not; without --paths, when its flags would (the dry run: data and checkpoints need not exist yet). Output: the
 summary line, then `memory: ~N GB/GPU = ...`.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 from threed.checkpoint.format import checkpoint_bytes
 from threed.config import ConfigError, RunConfig
@@ -25,6 +30,7 @@ from threed.memory.recompute import Recompute
 from threed.cli.flags import add_run_flags, run_config_from_args
 from threed.model.spec import parameter_count
 from threed.parallel.partition import describe, recompute_summary, resolve_partition
+from threed.train.preflight import check_config, check_run
 from threed.units import human_bytes
 
 
@@ -33,18 +39,19 @@ def check(ns: argparse.Namespace) -> str:
     if ns.world < 1:
         raise ConfigError(f"--world must be >= 1 (the number of ranks), got {ns.world}")
     cfg = run_config_from_args(ns)
-    cfg.validate(ns.world)
+    if ns.paths:  # what train checks before building, the same function (threed.train.preflight)
+        for note in check_run(cfg, ns.world).notes:
+            print(f"threed: {note}", file=sys.stderr, flush=True)
+    else:
+        check_config(cfg, ns.world)
     dp = cfg.parallel.dp(ns.world)
     micro, gas, glob = cfg.train.resolve_batch(dp)
-    recompute = recompute_summary(cfg)  # --recompute-num-layers against the stages' blocks
-    # --partition-method resolved here too, so that a bad one (costs:...) is refused once, before any rank starts.
+    recompute = recompute_summary(cfg)
     bounds = resolve_partition(
         cfg.parallel.partition_method, cfg.model, cfg.parallel.pp, cfg.train.seq_length, cfg.parallel.tp
     )
     stages = f"stages: {describe(bounds, cfg.model)}; " if cfg.parallel.pp > 1 else ""
-    start = "random init"
-    if ns.paths:
-        start = check_paths(cfg, ns.world)
+    start = check_paths(cfg, ns.world) if ns.paths else unchecked_start(cfg)
     summary = (
         f"config ok: {cfg.model.name} ({parameter_count(cfg.model) / 1e6:.1f}M params), world {ns.world} = "
         f"tp {cfg.parallel.tp} x pp {cfg.parallel.pp} x dp {dp}, global batch {glob} = micro {micro} x gas "
@@ -89,6 +96,18 @@ def checkpoints(cfg: RunConfig) -> str:
     return f"checkpoints ~{human_bytes(one)} each, all kept (--keep-last 0)"
 
 
+def unchecked_start(cfg: RunConfig) -> str:
+    """Where the run would start, from the flags alone (the dry run: the directories are not read)."""
+    ck = cfg.checkpoint
+    if ck.load:
+        return f"resume from --load {ck.load} (not read: --paths checks it)"
+    if ck.init_from:
+        return f"weights from --init-from {ck.init_from} (not read: --paths checks it)"
+    if ck.save and ck.auto_resume:
+        return f"random init, or resume from --save {ck.save} if it holds a run (not read: --paths checks it)"
+    return "random init"
+
+
 def check_paths(cfg: RunConfig, world: int) -> str:
     """What `threed.checkpoint.start.start` decides, without its side effects (nothing is created or converted)."""
     # torch: threed.checkpoint.start pulls it in; check-config without --paths runs without it
@@ -100,6 +119,11 @@ def check_paths(cfg: RunConfig, world: int) -> str:
 
 
 def _run(ns: argparse.Namespace) -> int:
+    if ns.paths:
+        # torch: the data checks need it anyway; megatron-core's import-time warnings off, as in `threed train`
+        from threed.parallel.distributed import quiet_libraries
+
+        quiet_libraries()
     quiet_deepspeed_import()  # its import-time lines would otherwise come before ours
     return guarded("threed", lambda: print(check(ns)), prefix="configuration error: ")
 
@@ -111,6 +135,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--paths",
         action="store_true",
-        help="also check the checkpoint directories (--save / --load / --init-from); creates nothing",
+        help="also run train's checks of what is on disk (data and sidecars, checkpoint directories, "
+        "--tensorboard-dir, wandb); creates nothing",
     )
     p.set_defaults(run=_run)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import typing
 from typing import Any, Optional, Sequence
 
@@ -93,6 +94,22 @@ def add_field_flag(
     )
 
 
+def field_value_error(section: str, name: str, text: str) -> Optional[str]:
+    """Why `text` is no value of the flag of config field `section.name` (its type and choices, as argparse reads
+    it), or None when it is one. For callers that name the value otherwise (a launcher's variable)."""
+    kind, choices, several = _field_type(SECTIONS[section], config_field(section, name))
+    words = text.split() if several else [text]
+    for word in words:
+        if choices is not None and word not in choices:
+            return f"is not one of {', '.join(choices)}"
+        try:
+            kind(word)
+        except (ValueError, argparse.ArgumentTypeError):
+            what = {int: "a whole number", float: "a number", _bool: "true or false"}.get(kind, "a value")
+            return f"is not {what}"
+    return None
+
+
 def add_run_flags(p: argparse.ArgumentParser) -> None:
     """`--model` and one flag per field of every RunConfig section (dest `section.field`)."""
     add_model_flag(p)
@@ -131,6 +148,23 @@ def field_value(ns: argparse.Namespace, section: str, name: str) -> Any:
     return getattr(ns, f"{section}.{name}")
 
 
+# A value that starts with "-" and then a digit or a dot: argparse takes `--split -5,105,0` or `--lr -1e-4` for a
+# flag and says "expected one argument" (it only knows plain negative numbers like -5 or -0.1 as values).
+_DASH_VALUE = re.compile(r"^-[\d.]")
+
+
+def dash_values(argv: Sequence[str]) -> list[str]:
+    """`--flag -5,105,0` -> `--flag=-5,105,0`, so a negative or malformed value reaches its flag's own check (one
+    line naming the flag and the range) instead of argparse's usage dump. Only long flags without `=` are joined."""
+    out: list[str] = []
+    for a in argv:
+        if out and _DASH_VALUE.match(a) and out[-1].startswith("--") and "=" not in out[-1] and out[-1] != "--":
+            out[-1] = f"{out[-1]}={a}"
+        else:
+            out.append(a)
+    return out
+
+
 def run_config_from_args(ns: argparse.Namespace) -> RunConfig:
     values: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
     for key, value in vars(ns).items():
@@ -145,4 +179,4 @@ def parse_run_config(argv: Sequence[str]) -> RunConfig:
     # silently mean something else.
     p = argparse.ArgumentParser(prog="threed train", description="3D-parallel Llama training", allow_abbrev=False)
     add_run_flags(p)
-    return run_config_from_args(p.parse_args(list(argv)))
+    return run_config_from_args(p.parse_args(dash_values(argv)))

@@ -24,7 +24,7 @@ from threed.cli.preprocess import register as register_preprocess
 from threed.data.tokenizer import train_tokenizer
 from threed.data.demo_text import write_demo_text
 from threed.errors import guarded
-from threed.cli.flags import add_run_flags, run_config_from_args
+from threed.cli.flags import add_run_flags, dash_values, run_config_from_args
 from threed.parallel.launch import torchrun_main
 from threed.cli.memory import register as register_memory
 from threed.cli.plan import register as register_plan
@@ -127,7 +127,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
+    args = dash_values(sys.argv[1:] if argv is None else argv)
     ns = parser().parse_args(args)
     return guarded("threed", lambda: _command(ns, args), prefix="configuration error: ")
 

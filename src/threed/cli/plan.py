@@ -11,6 +11,7 @@ Training's flag names (`threed.cli.flags`), with the earlier short ones (--seq, 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from typing import Optional
 
@@ -21,7 +22,7 @@ from threed.memory.model import quiet_deepspeed_import
 from threed.model.resolve import model_config
 from threed.plan.layout import context_parallel_verdict, full_recompute_verdict, schedule_verdict, table
 from threed.plan import planner
-from threed.plan.planner import FILTER_FIELDS, plan, recipe_lines
+from threed.plan.planner import FILTER_FIELDS, FILTER_FLAGS, candidates, plan, recipe_lines
 from threed.plan.steptime import Hardware
 
 # The search's filters (threed.plan.planner.FILTER_FIELDS: keyword -> config field): earlier names, what each keeps.
@@ -64,9 +65,18 @@ def run(ns: argparse.Namespace) -> int:
     )
     if ns.top < 1:
         raise ConfigError(f"--top must be a positive number, got {ns.top}")
+    for flag in ("--gpu-memory", "--reserve", "--tflops", "--nvlink-gbps", "--network-gbps", "--hbm-gbps"):
+        value = getattr(ns, flag[2:].replace("-", "_"))
+        if not math.isfinite(value):  # nan passes every comparison, inf every lower bound: neither is a size
+            raise ConfigError(f"{flag} must be a finite number, got {value:g}; e.g. {flag} 80")
     seq, global_batch = field_value(ns, "train", "seq_length"), field_value(ns, "train", "global_batch_size")
     only = {key: field_value(ns, *FILTER_FIELDS[key]) for key in FILTERS}
-    best, every = plan(model, hw, seq, global_batch, **only)
+    try:
+        best, every = plan(model, hw, seq, global_batch, **only)
+    except ConfigError as e:
+        if str(e).startswith("no valid layout"):  # the planner's numbers checks come first and stand as they are
+            refuse_empty_filters(model, hw, seq, global_batch, only)
+        raise
     tokens = seq * global_batch
     fitting = [la for la in every if la.fits]
     print(
@@ -92,6 +102,29 @@ def run(ns: argparse.Namespace) -> int:
         f"(or sbatch --nodes={hw.nodes} slurm/train.sh RECIPE)"
     )
     return 0
+
+
+def refuse_empty_filters(model, hw: Hardware, seq: int, global_batch: int, only: dict) -> None:
+    """Filters that leave no valid layout, when the search without them finds some: name the filters to drop or
+    change (by their flags), not the global batch, which is not the cause."""
+    given = {k: v for k, v in only.items() if v is not None}
+    if not given:
+        return
+    if candidates(model, hw, seq, global_batch, **only) or not candidates(model, hw, seq, global_batch):
+        return
+    alone = [k for k in given if not candidates(model, hw, seq, global_batch, **{k: given[k]})]
+
+    def shown(keys: list[str]) -> str:
+        return " ".join(f"{FILTER_FLAGS[k]} {str(given[k]).lower()}" for k in keys)
+
+    why = f"{shown(alone)} alone leave{'s' if len(alone) == 1 else ''} none" if alone else "none together"
+    raise ConfigError(
+        f"no valid layout of {model.name} on {hw.nodes} node(s) x {hw.gpus_per_node} GPUs with "
+        f"{shown(list(given))} (--global-batch-size {global_batch} is fine without them): {why}. A layout needs "
+        f"tp dividing {model.num_heads} heads, {model.num_kv_heads} KV heads and {hw.gpus_per_node} GPUs per node, "
+        f"pp <= {model.num_layers} layers and dividing the GPUs, micro x dp dividing the global batch, and a "
+        f"zero-bubble schedule pp > 1; drop or change {shown(alone or list(given))}"
+    )
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -14,16 +14,22 @@ FORM says how the launcher passes it:
     bare      Megatron's store_true flags: the bare flag when true, nothing when false
     words     `FLAG W1 W2 ...`: the value split into words (DATA: a prefix, or a blend "WEIGHT PREFIX ...")
     env       not a recipe's: set by the environment (slurm/common.sh), passed as `FLAG VALUE`
+
+`python -m threed.cli.recipe --check NAME=VALUE ...` checks the values the launcher is about to pass, by the
+type and choices of each variable's flag: a bad one is one line naming the VARIABLE (`PIPELINE_SCHEDULE=zb-h2 is
+not one of 1f1b, zb-h1`), exit 2, instead of argparse's usage dump about a flag the user never typed. DATA may be
+a single prefix with spaces in its path (the launcher passes it as one word); a blend cannot hold one.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Optional, Sequence
 
 from threed.config import flag_name
-from threed.cli.flags import config_field
+from threed.cli.flags import config_field, field_value_error
 
 Form = Literal["layout", "value", "bare", "words", "env"]
 
@@ -88,5 +94,53 @@ def table() -> list[str]:
     return [f"{v.name} {v.form} {v.flag}" for v in RECIPE_VARS]
 
 
+def is_dataset(prefix: str) -> bool:
+    return os.path.isfile(prefix + ".bin") or os.path.isfile(prefix + ".idx")
+
+
+def data_words(value: str) -> Optional[list[str]]:
+    """How the launcher passes DATA (recipes/launch.sh does the same in bash): one word when the whole value names
+    a dataset (a path with spaces works), else its words (a prefix, or a blend WEIGHT PREFIX ...); None when a
+    dataset path with spaces is part of a blend (split, it names nothing)."""
+    if value.strip() and is_dataset(value.strip()):
+        return [value.strip()]
+    words = value.split()
+    for i in range(len(words)):
+        for j in range(i + 2, len(words) + 1):
+            if is_dataset(" ".join(words[i:j])):
+                return None
+    return words
+
+
+def value_error(var: RecipeVar, value: str) -> Optional[str]:
+    """One line naming the variable when `value` is not one its flag takes, else None (empty: no flag)."""
+    if not value or var.field == "model" or var.form == "bare":  # bare: the launcher's own true/false check
+        return None
+    if var.form == "words":
+        if data_words(value) is None:
+            return (
+                f"{var.name}={value!r} holds a path with spaces inside a blend: {var.name} is split at spaces into "
+                f"WEIGHT PREFIX words; link the data to a path without spaces (ln -s), or give one prefix alone"
+            )
+        return None
+    why = field_value_error(*var.field.split("."), value)
+    if why is None:
+        return None
+    return f"{var.name}={value} {why} (it becomes {var.flag} {value}); fix {var.name}, or leave it empty for no flag"
+
+
+def check(assignments: Sequence[str]) -> int:
+    """`--check NAME=VALUE ...`: the first bad value as one `threed launch: error:` line and exit 2, else 0."""
+    for a in assignments:
+        name, _, value = a.partition("=")
+        error = value_error(by_name(name), value)
+        if error:
+            print(f"threed launch: error: {error}", file=sys.stderr)
+            return 2
+    return 0
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--check"]:
+        sys.exit(check(sys.argv[2:]))
     sys.stdout.write("\n".join(table()) + "\n")

@@ -2,9 +2,11 @@
 builder (a missing prefix, a token beyond the vocabulary, a split too small for one sample, an SFT mask that does
 not match its tokens, an unwritable or unshared index cache) and the ones it would never notice (an .idx that does
 not describe its .bin, whatever the sizes; a loss mask or other 0/1 data given as tokens) as one ConfigError naming
-the fix. Only the .idx files are read in full; of a .bin, at most a sample (the vocabulary check).
+the fix. Only the .idx files are read in full; of a .bin, at most a sample (the vocabulary check, and the sidecar's
+fingerprint: a .bin or tokenizer that is not the one `threed preprocess` recorded, `threed.data.sidecar`).
 
-    check_data(cfg)                      every bad input, before any process group or model exists (rank 0)
+    check_data(cfg, notes)               every bad input, before any process group or model exists (rank 0); the
+                                         datasets that cannot be fully checked (no sidecar) noted in `notes`
     check_cache_visible(cache, rank)     every rank sees the index cache rank 0 builds (multi-node runs)
 
 Why ours: megatron-core does not check its inputs (they fail with an assert or an IndexError), and on a multi-node
@@ -16,13 +18,14 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch.distributed as dist
 
 from threed.config import DataConfig, RunConfig
 from threed.data.prefixes import MASK_SUFFIX, TEXT_SUFFIX, mask_prefix
+from threed.data.sidecar import check_sidecar
 from threed.data.splits import Blend, DataSplits, read_data_flags
 from threed.errors import ConfigError
 
@@ -34,9 +37,10 @@ _IDX_HEADER_BYTES = 34  # magic (9), version (8), dtype code (1), sequence count
 _IDX_CHUNK = 1 << 24  # index entries compared at a time: bounds the memory of the check on a huge index
 
 
-def check_data(cfg: RunConfig) -> DataSplits:
+def check_data(cfg: RunConfig, notes: Optional[list[str]] = None) -> DataSplits:
     """Every data problem as one ConfigError naming the fix, before any expensive work: the flags, every
-    prefix's .bin/.idx, the token ids against the model's vocabulary, enough tokens for one sample, the cache."""
+    prefix's .bin/.idx, its sidecar (the .bin's fingerprint, the tokenizer), the token ids against the model's
+    vocabulary, enough tokens for one sample, the cache. What could not be checked is appended to `notes`."""
     # megatron: heavy (all of megatron.core), only when the data is checked
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
@@ -50,6 +54,9 @@ def check_data(cfg: RunConfig) -> DataSplits:
                     f"dataset {prefix}: {', '.join(missing)} not found; a dataset is a PREFIX.bin + "
                     f"PREFIX.idx pair made by `threed preprocess` (give the prefix, without the suffix)"
                 )
+            note = check_sidecar(prefix, cfg.data.tokenizer)
+            if note and notes is not None:
+                notes.append(note)
             try:
                 ds = IndexedDataset(prefix, mmap=True)
             except Exception as e:  # megatron asserts on a bad header; name the file instead

@@ -5,14 +5,17 @@ output, published only when complete.
     check_output(prefix, outputs, force)                      # before any work: refuse a directory or old files
     with indexed_output(prefix, outputs, dtypes) as out:      # temp dir + one builder per output
         out.builders["text"].add_document(...)
-    # on success: every .idx finalized, then renamed into place (old .idx first, .bin, new .idx last)
+    # on success: every .idx finalized, then renamed into place (old .idx first, .bin and sidecar, new .idx last)
     # on any exception (Ctrl-C included): the temp dir and any directory created for it removed, old output intact
 
 A `kill -9` runs no cleanup: the temporary directory (`.NAME.HOST.PID.XXXX.preprocess-tmp`) stays, and the next run
 for the same output prefix on the same host removes it once that pid is dead (`remove_stale_tmpdirs`); the worker
 processes die with their parent (`threed.data.encode.die_with_parent`).
 
-A reader finds the old pair, no .idx, or the new pair, never a mixed or partial one. The renames are flushed to
+With `provenance` (the tokenizer's identity and the flags), each output gets its sidecar `PREFIX.threed.json`
+(`threed.data.sidecar`: what `threed train` checks the data against), written in the temporary directory from the
+finished `.bin` and renamed with it. A reader finds the old pair, no .idx, or the new pair (with its sidecar),
+never a mixed or partial one. The renames are flushed to
 disk like every other publish (`threed.atomic`).
 """
 
@@ -28,10 +31,11 @@ import sys
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 from threed.atomic import fsync_dir
 from threed.data.chunks import PreprocessError
+from threed.data.sidecar import SUFFIX as SIDECAR, sidecar_text
 
 
 def indexed_dataset() -> Any:
@@ -68,16 +72,19 @@ class IndexedOutput:
 
 
 @contextlib.contextmanager
-def indexed_output(prefix: str, outputs: dict[str, str], dtypes: dict[str, Any]) -> Iterator[IndexedOutput]:
+def indexed_output(
+    prefix: str, outputs: dict[str, str], dtypes: dict[str, Any], provenance: Optional[dict[str, Any]] = None
+) -> Iterator[IndexedOutput]:
     """Builders for `outputs` (key -> final prefix) with `dtypes` (key -> numpy type), published when the block
-    ends without an exception, and nothing left behind when it raises."""
+    ends without an exception, and nothing left behind when it raises. `provenance`: {"tokenizer": identity,
+    "flags": {...}} for the sidecars (None: no sidecar; an old one is removed, it would describe other data)."""
     idx = indexed_dataset()
     tmpdir, created = _make_tmpdir(prefix)
     try:
         tmp = {k: os.path.join(tmpdir, Path(p).name) for k, p in outputs.items()}
         builders = {k: idx.IndexedDatasetBuilder(tmp[k] + ".bin", dtype=dtypes[k]) for k in outputs}
         yield IndexedOutput(tmpdir, builders)
-        _publish(builders, tmp, outputs)
+        _publish(builders, tmp, outputs, provenance)
     except BaseException:
         shutil.rmtree(tmpdir, ignore_errors=True)
         _remove_dirs(created)
@@ -147,18 +154,29 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _publish(builders: dict[str, Any], tmp: dict[str, str], outputs: dict[str, str]) -> None:
-    """Finalize each builder's temporary .idx, flush the files, and move the datasets into place. Old .idx files go
-    first (--force), then the .bin files, then the new .idx files that make each dataset readable."""
+def _publish(
+    builders: dict[str, Any], tmp: dict[str, str], outputs: dict[str, str], provenance: Optional[dict[str, Any]]
+) -> None:
+    """Finalize each builder's temporary .idx, write the sidecars, flush the files, and move the datasets into
+    place. Old .idx files (and sidecars) go first (--force), then the .bin files and sidecars, then the new .idx
+    files that make each dataset readable."""
     for k, b in builders.items():
         b.finalize(tmp[k] + ".idx")
-    for path in (tmp[k] + suffix for k in outputs for suffix in (".bin", ".idx")):
+    suffixes = (".bin", ".idx")
+    if provenance is not None:
+        suffixes = (".bin", SIDECAR, ".idx")
+        for k in outputs:
+            flags = {**provenance.get("flags", {}), "key": k}
+            with open(tmp[k] + SIDECAR, "w", encoding="utf-8") as f:
+                f.write(sidecar_text(tmp[k] + ".bin", provenance["tokenizer"], flags))
+    for path in (tmp[k] + suffix for k in outputs for suffix in suffixes):
         with open(path, "rb") as f:
             os.fsync(f.fileno())  # the data on disk before the names that make it visible
     for k in outputs:
-        if os.path.lexists(outputs[k] + ".idx"):
-            os.remove(outputs[k] + ".idx")
-    for suffix in (".bin", ".idx"):
+        for old in (outputs[k] + ".idx", outputs[k] + SIDECAR):
+            if os.path.lexists(old):
+                os.remove(old)
+    for suffix in suffixes:
         for k in outputs:
             os.replace(tmp[k] + suffix, outputs[k] + suffix)
     for parent in {str(Path(p).absolute().parent) for p in outputs.values()}:

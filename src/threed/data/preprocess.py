@@ -26,6 +26,7 @@ from threed.data.formats import FORMAT_CHOICES, TEXT_UNITS
 from threed.data.indexed_output import check_output, indexed_dataset, indexed_output
 from threed.data.inputs import check_sources, input_bytes, input_chunks
 from threed.data.prefixes import dataset_prefix
+from threed.data.sidecar import tokenizer_identity
 from threed.data.tokenizer import Tokenizer
 
 
@@ -66,6 +67,25 @@ def _load_tokenizer(spec: Union[str, os.PathLike, TokenizerLike]) -> TokenizerLi
     except Exception as e:  # sentencepiece / transformers raise many kinds for a wrong or corrupt file
         msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise PreprocessError(f"cannot load tokenizer {path} ({msg}); {fix}") from None
+
+
+def _provenance(
+    tok: TokenizerLike, spec: object, inputs: Sequence[str], keys: tuple[str, ...], opts: Options, text_unit: str
+) -> dict:
+    """What the sidecars record (threed.data.sidecar): the tokenizer and the flags that change the bytes (the number
+    of workers does not)."""
+    return {
+        "tokenizer": tokenizer_identity(tok, str(spec) if isinstance(spec, (str, os.PathLike)) else None),
+        "flags": {
+            "kind": "pretraining",
+            "inputs": [str(i) for i in inputs],
+            "json_keys": list(keys),
+            "append_eod": opts.eod is not None,
+            "bos": opts.bos is not None,
+            "text_unit": text_unit,
+            "dtype": opts.dtype.__name__,
+        },
+    }
 
 
 def _check_keys(keys: Sequence[str]) -> tuple[str, ...]:
@@ -145,7 +165,9 @@ def preprocess(
             bar.update(s.weight)
 
     try:
-        with indexed_output(output_prefix, outputs, {k: dtype for k in keys}) as out:
+        with indexed_output(
+            output_prefix, outputs, {k: dtype for k in keys}, _provenance(tok, tokenizer, inputs, keys, opts, text_unit)
+        ) as out:
             chunks = input_chunks(sources, chunk_bytes, text_unit)  # type: ignore[arg-type]
             if workers == 1:  # no pool, no partial files: straight into the output builders
                 for chunk in chunks:

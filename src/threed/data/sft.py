@@ -29,6 +29,7 @@ from threed.data.chunks import PreprocessError
 from threed.data.indexed_output import check_output, indexed_dataset, indexed_output
 from threed.data.inputs import check_jsonl, json_records
 from threed.data.prefixes import MASK_KEY, TEXT_KEY, dataset_prefix
+from threed.data.sidecar import tokenizer_identity
 
 LONG = ("error", "drop", "truncate")  # what to do with an example longer than --seq-length
 
@@ -78,7 +79,17 @@ def preprocess_sft(
     render = ChatRenderer(tok, chat_format)
     dtypes = {TEXT_KEY: indexed_dataset().DType.optimal_dtype(len(tok)), MASK_KEY: np.uint8}
     counts = dict(examples=0, tokens=0, response_tokens=0, truncated=0, dropped=0)
-    with indexed_output(output_prefix, outputs, dtypes) as out:
+    provenance = {  # the sidecars (threed.data.sidecar): the tokenizer and the flags that made the data
+        "tokenizer": tokenizer_identity(tok, str(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else None),
+        "flags": {
+            "kind": "sft",
+            "inputs": [str(i) for i in inputs],
+            "seq_length": seq_length,
+            "chat_format": chat_format,
+            "long": long,
+        },
+    }
+    with indexed_output(output_prefix, outputs, dtypes, provenance) as out:
         text, loss_mask = out.builders[TEXT_KEY], out.builders[MASK_KEY]
         for where, record in json_records(sources):
             ids, mask = render(to_messages(record, where), where)

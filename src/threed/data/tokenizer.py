@@ -70,6 +70,7 @@ class Tokenizer:
         self.path = str(Path(path).resolve())
         self._sp: Any = None  # sentencepiece processor, when that is the kind
         self._fast: Any = None  # the Rust `tokenizers.Tokenizer` behind an HF fast tokenizer, for batch encoding
+        self._hf: Any = None  # the HF tokenizer itself: its vocabulary (pieces)
         if Path(path).is_file() and path.endswith(".model"):
             import sentencepiece as spm  # sentencepiece: native, only for sentencepiece tokenizers
 
@@ -92,6 +93,7 @@ class Tokenizer:
                 self.bos_id = bos if self.bos_id is None else self.bos_id
                 self.eos_id = eos if self.eos_id is None else self.eos_id
             self._fast = getattr(tok, "backend_tokenizer", None)
+            self._hf = tok
             self._encode = lambda text: tok.encode(text, add_special_tokens=False)
         else:
             raise FileNotFoundError(
@@ -103,6 +105,16 @@ class Tokenizer:
 
     def __reduce__(self) -> tuple[type, tuple[str]]:
         return (Tokenizer, (self.path,))
+
+    def pieces(self) -> list[str]:
+        """The vocabulary by id (a dataset's sidecar records its hash: threed.data.sidecar)."""
+        if self._sp is not None:
+            return [self._sp.id_to_piece(i) for i in range(self._sp.get_piece_size())]
+        out = [""] * self.vocab_size
+        for piece, i in self._hf.get_vocab().items():
+            if 0 <= i < len(out):
+                out[i] = piece
+        return out
 
     def encode(self, text: str) -> list[int]:
         return list(self._encode(text))

@@ -29,7 +29,7 @@ from threed.checkpoint.lock import SaveLock
 from threed.checkpoint.save import save
 from threed.checkpoint.start import StartDecision, start as checkpoint_start
 from threed.config import ConfigError, RunConfig
-from threed.data.checks import check_cache_visible, check_data
+from threed.data.checks import check_cache_visible
 from threed.data.datasets import build_datasets
 from threed.data.loader import SampleCounter, micro_batches, token_weighted
 from threed.data.splits import DataSplits, read_data_flags
@@ -37,6 +37,7 @@ from threed.parallel.context import preflight, share_batches
 from threed.parallel.distributed import Runtime, context_rank, grid_coordinates, init_distributed, loss_rank
 from threed.train.engine import build_engine
 from threed.train.guard import RunGuard, StopRequest
+from threed.train.preflight import check_run
 from threed.train.evaluate import evaluate
 from threed.metrics.writer import RunMetrics
 from threed.model.spec import parameter_count
@@ -57,14 +58,17 @@ class TrainResult:
     loss_tokens: list[int] = field(default_factory=list)  # SFT, last stage: the tokens each step's loss counted
 
 
-def checked_data_splits(cfg: RunConfig, rank: int):
-    """Rank 0 runs the data checks (they read every token of small datasets: on a 1,000-rank job every rank doing
-    it would read the corpus 1,000 times from the shared filesystem) and tells everyone the verdict, so all ranks
-    stop together with the same one-line error (printed once) instead of waiting in the builder's barrier."""
+def checked_data_splits(cfg: RunConfig, rank: int, world: int):
+    """Rank 0 runs every check before building (`threed.train.preflight.check_run`, what `threed check-config
+    --paths` runs; the data checks read every token of small datasets: on a 1,000-rank job every rank doing it would
+    read the corpus 1,000 times from the shared filesystem) and tells everyone the verdict, so all ranks stop
+    together with the same one-line error (printed once) instead of waiting in the builder's barrier. What could
+    not be checked (data without a sidecar) is said once, by rank 0."""
     verdict: list = [None]
     if rank == 0:
         try:
-            check_data(cfg)
+            for note in check_run(cfg, world).notes:
+                print(f"threed: {note}", flush=True)
         except ConfigError as e:
             verdict[0] = str(e)
     dist.broadcast_object_list(verdict, src=0)
@@ -101,7 +105,9 @@ def train(cfg: RunConfig) -> TrainResult:
     cfg.validate(rt.world_size)
     preflight(cfg.parallel.cp, rt.device, cfg.train.dtype)  # a CP attention kernel that would mask top-left
     recompute_summary(cfg)  # --recompute-num-layers against the stages' blocks, before anything is built
-    splits = checked_data_splits(cfg, rt.rank)  # every data problem, before datasets or the model are built
+    splits = checked_data_splits(
+        cfg, rt.rank, rt.world_size
+    )  # every data problem, before datasets or the model are built
     # Rank 0 holds --save's lock from checkpoint_start on; it is released on every way out of this block (the
     # end, exit 2/3, an exception, Ctrl-C), and by the kernel when the process is killed.
     with SaveLock(cfg.checkpoint.save) as lock, StopRequest.restoring_handlers():

@@ -13,6 +13,7 @@ It lives above training, not in threed.convert: its ranks (threed.verify.worker)
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from threed.checkpoint.format import open_checkpoint
+from threed.checkpoint.format import Checkpoint, open_checkpoint
 from threed.convert.io_utils import ConvertError
 from threed.hf.config import from_hf_config
 from threed.parallel.launch import run_ranks
@@ -52,6 +53,41 @@ class VerifyResult:
         )
 
 
+def check_readable(ck: Checkpoint) -> None:
+    """Open every file the ranks will load here, first (memory-mapped, so cheap): each layer file with its keys and
+    shapes checked against the model (`Checkpoint.load_layer`), and the mp_rank files. A damaged or misplaced one is
+    named in one line instead of a traceback from every rank."""
+    for layer in ck.layers:
+        ck.load_layer(layer)  # CheckpointError naming the file: unreadable, other keys, other shapes
+    for f in sorted(ck.step_dir.glob("mp_rank_*.pt")):
+        try:
+            torch.load(f, map_location="cpu", mmap=True, weights_only=False)
+        except Exception as e:  # a truncated zip, a file of another kind, an unreadable one: all mean "damaged"
+            why = (str(e).strip().splitlines() or [""])[0].split(". ")[0][:160]
+            raise ConvertError(
+                f"{f} cannot be read ({type(e).__name__}: {why}): the checkpoint is damaged; copy it again, or "
+                f"write it again (`threed convert` / `threed train --save`)"
+            ) from None
+
+
+# The last exception line of the ranks' output ("[rank0]: RuntimeError: ..."): what failed, without the tracebacks.
+_ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[\w.]+\.)?\w*(?:Error|Exception)\b.*)$")
+
+
+def ranks_error(output: str) -> str:
+    """One line for the ranks' failure: their last exception line (and the line after it when it ends in ':', as
+    torch's "Error(s) in loading state_dict for ...:" does), never the tracebacks."""
+    lines = output.splitlines()
+    found = [(i, m.group(1)) for i, m in enumerate(map(_ERROR_LINE.match, lines)) if m]
+    found = [(i, text) for i, text in found if "ChildFailedError" not in text]
+    if not found:
+        return (output.strip().splitlines() or ["no output"])[-1]
+    i, text = found[-1]
+    if text.endswith(":") and i + 1 < len(lines):
+        text += " " + re.sub(r"^\[rank\d+\]:\s*", "", lines[i + 1]).strip()
+    return text[:400]
+
+
 def checkpoint_logits(
     ckpt: str | os.PathLike, tokens: torch.Tensor, timeout: Optional[float] = 900
 ) -> tuple[torch.Tensor, int, int]:
@@ -79,8 +115,10 @@ def checkpoint_logits(
                 env=VERIFY_ENV,
                 timeout=timeout,
             )
-        except Exception as e:  # RanksFailed / CalledProcessError carry the ranks' output tail
-            raise ConvertError(f"the {ck.tp * pp} verify ranks failed: {getattr(e, 'output', None) or e}") from None
+        except Exception as e:  # RanksFailed / CalledProcessError carry the ranks' output tail: its error line
+            raise ConvertError(
+                f"the {ck.tp * pp} verify ranks failed: {ranks_error(str(getattr(e, 'output', None) or e))}"
+            ) from None
         return torch.load(Path(d) / "logits.pt")["logits"], ck.tp, pp
 
 
@@ -124,6 +162,7 @@ def verify(
             f"model; compare against the HF model it was converted from, or export it with "
             f"`threed export --ckpt {ckpt} --out DIR` and pass --hf DIR"
         )
+    check_readable(ck)
     seq = min(seq_length, ck.model.max_position_embeddings)
     tokens = torch.randint(0, ck.model.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
     got, tp, pp = checkpoint_logits(ckpt, tokens)
