@@ -244,7 +244,7 @@ CLI = [
     (
         "convert-tp-zero",
         ["convert", "--hf", "{w}/hf", "--tp", "0", "--pp", "1", "--out", "{w}/o"],
-        r"tp=0 and pp=1 must both be >= 1",
+        r"tp=0, pp=1 and cp=1 must all be >= 1",
     ),
     (
         "convert-tp-heads",
@@ -281,7 +281,7 @@ CLI = [
     (
         "reshard-tp-zero",
         ["reshard", "--ckpt", "{w}/ckpt1", "--tp", "0", "--pp", "1", "--out", "{w}/o"],
-        r"must both be >= 1",
+        r"must all be >= 1",
     ),
     (
         "reshard-ckpt-missing",
