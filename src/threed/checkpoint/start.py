@@ -29,7 +29,6 @@ restart a manual step. A STOP meant for this run is one created after it started
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -47,13 +46,14 @@ from threed.checkpoint.format import (
     check_loadable,
     check_model,
     checkpoint_bytes,
+    free_bytes,
     list_tags,
     read_latest,
     read_model_config,
     read_run_json,
 )
 from threed.checkpoint.lock import SaveLock
-from threed.checkpoint.manifest import Found, clear_run, find_resumable
+from threed.checkpoint.manifest import Found, clear_run, find_resumable, save_dir_contents
 from threed.config import ModelConfig, RunConfig
 from threed.parallel.distributed import is_multi_rank
 from threed.errors import ConfigError
@@ -230,6 +230,37 @@ def remove_stale_stop(save: Optional[str]) -> Optional[str]:
     )
 
 
+def check_save_space(cfg: RunConfig, decision: StartDecision, existing: Path) -> None:
+    """Room on --save's file system for what the run will hold at once. `--keep-last N` writes checkpoint N + 1
+    before pruning the oldest: N + 1 checkpoints at once, of which the complete ones already there need no new
+    space; without it each save needs one more. A universal conversion needs one more. When a torn checkpoint (a
+    save cut short, e.g. by a full disk) holds space, the line says so."""
+    save, keep = Path(cfg.checkpoint.save), cfg.checkpoint.keep_last
+    complete, torn = save_dir_contents(save) if save.is_dir() else (0, [])
+    count = max(1, keep + 1 - complete) if keep else 1
+    one = checkpoint_bytes(cfg)
+    needed = one * (count + (1 if decision.universal else 0))
+    free = free_bytes(existing)
+    if needed <= free:
+        return
+    if keep:
+        what = (
+            f"--keep-last {keep} holds {keep + 1} checkpoints at once (the next is written before the oldest is "
+            f"pruned), {count} more than the {complete} complete one(s) there, of about {human_bytes(one)} each"
+        )
+    else:
+        what = f"one checkpoint of {cfg.model.name} needs about {human_bytes(one)}"
+    held = "".join(
+        f"; {d} is a torn checkpoint (a save cut short, not loadable) holding {human_bytes(n)}: remove it"
+        for d, n in torn
+    )
+    raise ConfigError(
+        f"--save {save} has {human_bytes(free)} free; {what}"
+        f"{' (plus its universal conversion)' if decision.universal else ''}: {human_bytes(needed)} needed{held}. "
+        f"Free space, lower --keep-last, or choose --save on a larger file system"
+    )
+
+
 def check_save_dir(cfg: RunConfig, decision: StartDecision, create: bool = True) -> None:
     """Before the model is built: --save is a directory we can create and write, with room for a checkpoint
     (and for the universal conversion when one is planned). `create=False` (threed check-config) only looks:
@@ -250,14 +281,7 @@ def check_save_dir(cfg: RunConfig, decision: StartDecision, create: bool = True)
             f"--save {save} is not writable ({existing} does not let this user write); choose a "
             f"directory you can write to"
         )
-    needed = checkpoint_bytes(cfg) * (2 if decision.universal else 1)
-    free = shutil.disk_usage(existing).free
-    if needed > free:
-        raise ConfigError(
-            f"--save {save} has {human_bytes(free)} free; one checkpoint of {cfg.model.name} needs about "
-            f"{human_bytes(needed)}{' (plus its universal conversion)' if decision.universal else ''}. Free "
-            f"space or choose --save on a larger file system"
-        )
+    check_save_space(cfg, decision, existing)
     if not create:
         return
     try:

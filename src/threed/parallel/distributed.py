@@ -18,7 +18,6 @@ import io
 import logging
 import os
 import re
-import socket
 import sys
 import warnings
 from dataclasses import dataclass
@@ -264,7 +263,9 @@ def init_distributed(timeout_minutes: Optional[float] = None) -> Runtime:
         os.environ.setdefault("LOCAL_RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        # Port 0: the store binds a free port itself, atomically. Picking one, releasing it and binding it later
+        # lost it to another process under load (EADDRINUSE, issue 29); a world of one tells no peer its port.
+        os.environ.setdefault("MASTER_PORT", "0")
         if timeout_minutes and timeout_minutes > 0:
             set_default_timeout(timedelta(minutes=timeout_minutes))
         refuse_stale_build_lock()
@@ -343,13 +344,6 @@ def shutdown_distributed() -> None:
     had finished, seen under load on 2- and 4-rank runs, turning exit 0 or 3 into -6)."""
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_megatron_parallel_state(tp: int, pp: int, gloo_process_groups: bool = True) -> None:

@@ -18,10 +18,12 @@ the run ends, however it ends (threed.checkpoint.lock; a killed job's lock goes 
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -100,6 +102,17 @@ def batch_sources(dataset, first: int, count: int) -> str:
     return "; batch sources: " + ", ".join(f"{names[k]} {n}" for k, n in sorted(tally.items()))
 
 
+@contextlib.contextmanager
+def recorded_stop(metrics: RunMetrics, step: int, samples: int) -> Iterator[None]:
+    """A guard's stop inside the block (exit 3: diverged) is recorded in the metrics as `exit-status` at `step`,
+    so `threed report` says the run was stopped instead of reading like a healthy short run."""
+    try:
+        yield
+    except SystemExit as e:
+        metrics.log(step, {"exit-status": int(e.code or 0)}, samples=samples, line=False)
+        raise
+
+
 def stopped_line(cfg: RunConfig, step: int, saved_to: Optional[str]) -> str:
     """What a stop request (signal, STOP file, time budget) ends with: where step `step` was saved, or, for a run
     without --save, that nothing could be."""
@@ -122,8 +135,10 @@ def train(cfg: RunConfig) -> TrainResult:
             "--steps 0 trains nothing (it is the total step count to train to); give --steps N >= 1, "
             "or check a configuration without building it with `threed check-config`"
         )
+    # The configuration is checked before any process group exists: torchrun's WORLD_SIZE, else a world of one.
+    cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))
     rt = init_distributed(cfg.control.dist_timeout_minutes)
-    cfg.validate(rt.world_size)
+    cfg.validate(rt.world_size)  # the same world (a launcher of another kind may set it only now)
     recompute_summary(cfg)  # --recompute-num-layers against the stages' blocks, before anything is built
     splits = checked_data_splits(cfg, rt.rank)  # every data problem, before datasets or the model are built
     # Rank 0 holds --save's lock from checkpoint_start on; it is released on every way out of this block (the
@@ -208,13 +223,14 @@ def _train(cfg: RunConfig, rt: Runtime, splits: DataSplits, start_decision: Star
         # The step's one control all-reduce: exit 3 on divergence (before the step can be saved); True: every rank
         # saves and exits after this step. SFT: only the last stage knows whether the step had loss tokens.
         has_loss_tokens = not splits.sft or bool(loss_tokens)
-        stop_now = guard.after_step(
-            step + 1,
-            loss,
-            None if reported is None else norm,
-            has_loss_tokens,
-            sources=lambda: batch_sources(data.train, first_sample, glob),
-        )
+        with recorded_stop(metrics, step + 1, consumed):
+            stop_now = guard.after_step(
+                step + 1,
+                loss,
+                None if reported is None else norm,
+                has_loss_tokens,
+                sources=lambda: batch_sources(data.train, first_sample, glob),
+            )
         last = step + 1 == cfg.train.steps
         if splits.eval_interval and ((step + 1) % splits.eval_interval == 0 or last):
             # Evaluation k reads the k-th block of eval_iters valid batches (the last one may be off-interval).
@@ -256,7 +272,8 @@ def _train(cfg: RunConfig, rt: Runtime, splits: DataSplits, start_decision: Star
         waiting = waiting or bool(interval and (step + 1) % interval == 0)
         due = last or (waiting and not guard.holding())
         if cfg.checkpoint.save and (stop_now or due):
-            saved = save(engine, cfg, rt.rank, {"consumed_samples": consumed, "guard": guard.state()})
+            with recorded_stop(metrics, step + 1, consumed):  # a save of diverged weights is refused: exit 3
+                saved = save(engine, cfg, rt.rank, {"consumed_samples": consumed, "guard": guard.state()})
             guard.saved(saved.seconds)  # the time budget keeps room for one more save
             result.saved_to = saved.path
             waiting = False
