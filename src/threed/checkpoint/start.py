@@ -243,21 +243,21 @@ def check_save_space(cfg: RunConfig, decision: StartDecision, existing: Path) ->
     free = free_bytes(existing)
     if needed <= free:
         return
-    if keep:
-        what = (
-            f"--keep-last {keep} holds {keep + 1} checkpoints at once (the next is written before the oldest is "
-            f"pruned), {count} more than the {complete} complete one(s) there, of about {human_bytes(one)} each"
-        )
-    else:
-        what = f"one checkpoint of {cfg.model.name} needs about {human_bytes(one)}"
+    universal = " (plus its universal conversion)" if decision.universal else ""
     held = "".join(
         f"; {d} is a torn checkpoint (a save cut short, not loadable) holding {human_bytes(n)}: remove it"
         for d, n in torn
     )
+    if keep:
+        raise ConfigError(
+            f"--save {save} has {human_bytes(free)} free; --keep-last {keep} holds {keep + 1} checkpoints at once "
+            f"(the next is written before the oldest is pruned), {count} more than the {complete} complete one(s) "
+            f"there: {human_bytes(needed)} at about {human_bytes(one)} each{universal}{held}. Free space, lower "
+            f"--keep-last, or choose --save on a larger file system"
+        )
     raise ConfigError(
-        f"--save {save} has {human_bytes(free)} free; {what}"
-        f"{' (plus its universal conversion)' if decision.universal else ''}: {human_bytes(needed)} needed{held}. "
-        f"Free space, lower --keep-last, or choose --save on a larger file system"
+        f"--save {save} has {human_bytes(free)} free; one checkpoint of {cfg.model.name} needs about "
+        f"{human_bytes(needed)}{universal}{held}. Free space or choose --save on a larger file system"
     )
 
 
