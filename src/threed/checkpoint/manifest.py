@@ -192,8 +192,12 @@ def save_dir_contents(save_dir: Path) -> tuple[int, list[tuple[Path, int]]]:
     """How many complete checkpoints `save_dir` holds, and its torn ones (a save cut short: by a kill, a full disk)
     with the bytes each holds, for the start's free-space check."""
     complete, torn = 0, []
+    latest = step_of(read_latest(save_dir) or "") or 0
     for tag in list_tags(save_dir):
-        if is_complete(save_dir / tag):
+        # Newer than `latest` without a manifest: a save cut short even when its files are all there (a full disk
+        # leaves the file it was writing, short). `latest` is written only after the manifest.
+        cut_short = (step_of(tag) or 0) > latest and read_manifest(save_dir / tag) is None
+        if not cut_short and is_complete(save_dir / tag):
             complete += 1
         else:
             torn.append((save_dir / tag, directory_bytes(save_dir / tag)))
