@@ -158,7 +158,9 @@ QUIET_PRINTS = re.compile(
     r"^(SEED_LAYERS=\S+ BASE_SEED=|Using topology: |DeepSpeed deepspeed\.ops\.comm\.\S+ built successfully"
     r"|RANK=\d+ .*tied_comms"
     r"|(begin|end) bf16_ ?optimizer$|(before|after) initializing group \d+$|MA [\d.]+ GB +Max_MA "
-    r"|CPU Virtual Memory: +used = )"
+    r"|CPU Virtual Memory: +used = "
+    # BF16_Optimizer's load prints this on every rank at every resume, before threed's own start-up lines
+    r"|_load_legacy_checkpoint current_rank_sd\[BASE_OPTIMIZER_STATE\]$)"
 )
 # What megatron-core logs at WARNING that is expected here, by logger: the blend and dataset indexes are built in
 # memory when no cache path is given (we give none: they take seconds). Other warnings of these loggers still print.
