@@ -123,6 +123,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="fp32")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--zero-stage", type=int, default=1)
+    p.add_argument("--partition-method", default="balanced")
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--kill")
     p.add_argument("--poison-step", type=int, default=0, help="make the loss NaN at this step")
@@ -137,7 +138,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(a: argparse.Namespace, rt: Runtime) -> None:
     cfg = RunConfig(
         model=MODEL,
-        parallel=ParallelConfig(tp=a.tp, pp=a.pp),
+        parallel=ParallelConfig(tp=a.tp, pp=a.pp, partition_method=a.partition_method),
         train=TrainConfig(
             dtype=a.dtype,
             micro_batch_size=a.micro,

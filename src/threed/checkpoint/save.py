@@ -231,6 +231,8 @@ def publish(engine, cfg: RunConfig, step_dir: Path, files: dict, client_state: O
             "dtype": cfg.train.dtype,
             "model": cfg.to_dict()["model"],
             "layout": {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": dp},
+            # which layers each stage held: a resume with another --partition-method goes through universal
+            "stages": stage_bounds(engine),
             "client_state": _jsonable(client_state or {}),
             "save_seconds": round(time.time() - t0, 2),
         },
@@ -261,6 +263,12 @@ def recording_writes(engine) -> Iterator[list[str]]:
             ce.save = original
         else:
             del ce.save
+
+
+def stage_bounds(engine) -> Optional[list[int]]:
+    """The pipeline's stage boundaries over its layer list (DeepSpeed's PipelineModule.parts), if it has them."""
+    parts = getattr(getattr(engine, "module", None), "parts", None)
+    return [int(b) for b in parts] if parts is not None else None
 
 
 def _jsonable(d: dict) -> dict:

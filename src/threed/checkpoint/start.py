@@ -13,7 +13,9 @@ The rules (each refusal names the flag that would make it go ahead):
 - `--save` with checkpoints but none complete while `latest` exists: refused (a short or missing file is more
   likely a file-system problem than a run to throw away); `--overwrite true` starts over.
 - `--load DIR`: resume from its newest complete checkpoint; `--init-from DIR`: its weights, at its tp/pp.
-- A resume at another tp, pp, dp or dtype converts the checkpoint to a universal one once (rank 0) and loads that.
+- A resume at another tp, pp, dp or dtype converts the checkpoint to a universal one once (rank 0) and loads that;
+  so does one at the same tp and pp whose --partition-method puts layers on other stages (DeepSpeed's optimizer
+  shards are per stage: a native load failed on tensor sizes).
 - A resume whose checkpoint is already at --steps or beyond has nothing to train: one line, and the run ends (exit
   0) before anything is converted or built (`StartDecision.finished`).
 - A resume at another --seq-length, --micro-batch-size or global batch than the run recorded in threed_run.json is
@@ -53,8 +55,9 @@ from threed.checkpoint.format import (
     read_run_json,
 )
 from threed.checkpoint.lock import SaveLock
-from threed.checkpoint.manifest import Found, clear_run, find_resumable, save_dir_contents
+from threed.checkpoint.manifest import Found, clear_run, find_resumable, read_manifest, save_dir_contents
 from threed.config import ModelConfig, RunConfig
+from threed.parallel.partition import describe, resolve_partition
 from threed.parallel.distributed import is_multi_rank
 from threed.errors import ConfigError
 from threed.units import human_bytes
@@ -67,6 +70,7 @@ class StartDecision:
     mode: str = "fresh"  # fresh | resume | weights
     source: Optional[Found] = None
     universal: bool = False  # load through a universal checkpoint (set once converted)
+    repartition: str = ""  # same tp/pp, other stages (--partition-method): why `universal` is set, for the log
     load_dir: Optional[str] = None  # what engine.load_checkpoint gets
     tag: Optional[str] = None
     clear_save: bool = False  # --overwrite: delete the run in --save before starting
@@ -183,8 +187,44 @@ def decide_start(cfg: RunConfig, world_size: int) -> StartDecision:
     same = (lay.tp, lay.pp, lay.dp) == (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp(world_size)) and dtype_of(
         found
     ) == cfg.train.dtype
-    decision.universal = not same
+    decision.repartition = moved_layers(cfg, found) if same else ""
+    decision.universal = not same or bool(decision.repartition)
     return decision
+
+
+def recorded_stages(cfg: RunConfig, found: Found) -> Optional[list[int]]:
+    """The stage boundaries the checkpoint was written with: its manifest's (threed saves them), else resolved from
+    the partition method of the run recorded beside it; None when neither says (a converter's checkpoint)."""
+    manifest = read_manifest(Path(found.path) / found.tag) or {}
+    if isinstance(manifest.get("stages"), list):
+        return [int(b) for b in manifest["stages"]]
+    try:
+        run = read_run_json(Path(found.path))
+        if not run or "train" not in run:
+            return None
+        was = RunConfig.from_dict(run)
+        return resolve_partition(
+            was.parallel.partition_method, cfg.model, found.layout.pp, was.train.seq_length, found.layout.tp
+        )
+    except (CheckpointError, ConfigError, KeyError, TypeError, ValueError):
+        return None
+
+
+def moved_layers(cfg: RunConfig, found: Found) -> str:
+    """At the checkpoint's own tp and pp, whether this run's --partition-method puts layers on other stages than the
+    checkpoint's: DeepSpeed's optimizer shards are per stage, so a native load fails on tensor sizes; a universal
+    checkpoint (by parameter name) loads at any partition. '' when the stages are the same or cannot be told."""
+    was = recorded_stages(cfg, found)
+    if was is None:
+        return ""
+    p = cfg.parallel
+    now = resolve_partition(p.partition_method, cfg.model, p.pp, cfg.train.seq_length, p.tp)
+    if was == now:
+        return ""
+    return (
+        f"stages {describe(was, cfg.model)}; this run's --partition-method {p.partition_method} gives "
+        f"{describe(now, cfg.model)}"
+    )
 
 
 def changed_shape(cfg: RunConfig, found: Found, world_size: int) -> str:
@@ -357,10 +397,15 @@ def start(
             log(f"threed: --overwrite true: removed {', '.join(removed) or 'nothing'} from {cfg.checkpoint.save}")
         if decision.universal:
             src = decision.source
+            layout = (
+                f"with {decision.repartition}"
+                if decision.repartition
+                else f"at {src.layout.describe()} {dtype_of(src)}; this run has tp={cfg.parallel.tp}, "
+                f"pp={cfg.parallel.pp}, dp={cfg.parallel.dp(world_size)} {cfg.train.dtype}"
+            )
             log(
-                f"threed: {src.path}/{src.tag} was written at {src.layout.describe()} {dtype_of(src)}; this run "
-                f"has tp={cfg.parallel.tp}, pp={cfg.parallel.pp}, dp={cfg.parallel.dp(world_size)} "
-                f"{cfg.train.dtype}: resuming through a universal checkpoint (optimizer state kept)"
+                f"threed: {src.path}/{src.tag} was written {layout}: resuming through a universal checkpoint "
+                f"(optimizer state kept)"
             )
             decision.load_dir, decision.tag = universal.target(src, _universal_root(cfg, src), dtype_of(src))
         return decision

@@ -99,6 +99,7 @@ def global_grad_norm(engine) -> torch.Tensor:
     once (parameters tied across stages counted on one stage only, TP-replicated ones on TP rank 0 only), the
     squares summed over the model-parallel group (TP x PP). Data-parallel replicas already hold the averaged
     gradients. A rank without gradients adds 0 but still joins the all-reduce."""
+    # deepspeed: heavy; the guard's unit tests run without an engine
     from deepspeed.runtime.utils import is_model_parallel_parameter
     from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank
 
