@@ -1,7 +1,8 @@
 """Faults of a whole single-process `threed train` (issue 29): a disk that fills up during a save (a real tmpfs,
 mounted when the tests run as root), SIGTERM to a run without --save, a configuration refused before any process
 group exists, the rendezvous port left to the store, and `threed report` on a run the guard stopped.
-tests/unit/test_save_faults.py checks the same save and space logic with the disk faked, everywhere."""
+tests/unit/test_save_faults.py checks the same save and space logic with the disk faked, everywhere. The SIGTERM
+run is slow (`make test-slow`); the rest run in `make test`."""
 
 from __future__ import annotations
 
@@ -65,6 +66,7 @@ def test_disk_full_during_a_save_is_one_line_and_latest_is_kept(tiny_corpus, sma
     assert "threed: world" not in again.stdout
 
 
+@pytest.mark.slow
 def test_sigterm_to_a_run_without_save_says_nothing_could_be_saved(tiny_corpus, tmp_path):
     argv = tiny_train_argv(tiny_corpus, tmp_path / "unused", "--steps", "3000", "--log-interval", "1")
     i = argv.index("--save")

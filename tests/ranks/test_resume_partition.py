@@ -1,12 +1,15 @@
 """A resume at the same tp and pp with another --partition-method (issue 29): DeepSpeed's optimizer shards are per
 pipeline stage, so a native load failed with a tensor-size traceback. threed sees the stages moved (the manifest
 records them) and resumes through a universal checkpoint, optimizer state kept: the loss curve continues as if
-the partition had never changed (2 gloo ranks, pp2, fp32; tests/ranks/ckpt_worker.py)."""
+the partition had never changed (2 gloo ranks, pp2, fp32; tests/ranks/ckpt_worker.py). Slow (`make test-slow`):
+tests/unit/test_save_faults.py checks the decision itself without ranks."""
 
 from __future__ import annotations
 
 import json
 import shutil
+
+import pytest
 
 from test_checkpoint_faults import losses, worker
 
@@ -14,6 +17,7 @@ TOL = 1e-5
 RUN = ["--pp", "2", "--steps", "4", "--save-interval", "2"]
 
 
+@pytest.mark.slow  # two launches and a universal conversion: ~100 s on 2 busy cores
 def test_resume_with_another_partition_goes_through_universal_and_continues(tmp_path):
     ref_save, ref_out = tmp_path / "ref", tmp_path / "ref_out"
     p = worker(2, ref_out, "--save", str(ref_save), *RUN, "--partition-method", "layers:1,3")

@@ -6,7 +6,9 @@ a real, small tmpfs: tests/cli/test_run_faults.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
+import json
 import shutil
 from pathlib import Path
 
@@ -15,7 +17,7 @@ import torch
 
 from helpers import checkpoint_config, fake_checkpoint
 from threed.checkpoint import save as ckpt
-from threed.checkpoint.format import checkpoint_bytes
+from threed.checkpoint.format import MANIFEST_NAME, checkpoint_bytes
 from threed.checkpoint.start import check_save_dir, decide_start
 from threed.config import ConfigError
 
@@ -148,3 +150,36 @@ def test_a_failed_manifest_write_keeps_latest(tmp_path, capsys, monkeypatch):
 def test_a_runtime_error_that_is_not_a_write_keeps_its_traceback(tmp_path):
     with pytest.raises(RuntimeError, match="a bug"):
         ckpt.save(Engine(RuntimeError("a bug")), checkpoint_config(tmp_path / "ck"), 0)
+
+
+def with_stages(step_dir: Path, stages: list[int]) -> None:
+    """Record `stages` in a checkpoint's manifest, as a save does (threed.checkpoint.save.stage_bounds)."""
+    m = json.loads((step_dir / MANIFEST_NAME).read_text())
+    (step_dir / MANIFEST_NAME).write_text(json.dumps({**m, "stages": stages}))
+
+
+def partitioned(save: Path, method: str):
+    cfg = checkpoint_config(save)
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, partition_method=method))
+
+
+def test_a_resume_with_other_stages_goes_through_universal(tmp_path):
+    """tp1 pp2 both times, but --partition-method moves blocks between the stages: DeepSpeed's per-stage optimizer
+    shards no longer fit (a tensor-size traceback), a universal checkpoint loads by parameter name."""
+    save = tmp_path / "ck"
+    with_stages(fake_checkpoint(save, 4), [0, 2, 7])  # layers:1,3 (embedding + block 0 | blocks 1-3 + norm + head)
+    same = partitioned(save, "layers:1,3")
+    decision = decide_start(same, 2)
+    assert decision.mode == "resume" and not decision.universal and decision.repartition == ""
+    moved = partitioned(save, "layers:3,1")
+    decision = decide_start(moved, 2)
+    assert decision.universal and decision.repartition == (
+        "stages 0: embedding + block 0 | 1: blocks 1-3 + final_norm + lm_head; this run's --partition-method "
+        "layers:3,1 gives 0: embedding + blocks 0-2 | 1: block 3 + final_norm + lm_head"
+    )
+
+
+def test_stages_that_cannot_be_told_keep_the_native_resume(tmp_path):
+    save = tmp_path / "ck"
+    fake_checkpoint(save, 4)  # no stages in the manifest, no threed_run.json beside it (a converter's checkpoint)
+    assert not decide_start(partitioned(save, "layers:3,1"), 2).universal
