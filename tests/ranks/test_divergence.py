@@ -455,3 +455,12 @@ def test_fp32_zero0_with_clipping_reports_the_same_norms_as_zero1(tmp_path):
     zero1, zero0 = grad_norm_run(tmp_path, 1, "1.0"), grad_norm_run(tmp_path, 0, "1.0")
     for a, b in zip(zero1, zero0, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["norm"] == pytest.approx(a["norm"], rel=1e-4)
+
+
+def test_a_spike_over_a_zero_median_is_said_not_crashed(tmp_path, capsys):
+    g, _ = make(tmp_path)
+    for step in range(1, 20):  # a memorised set: the loss is 0
+        g.after_step(step, 0.0, 0.1)
+    assert g.after_step(20, 2.0, 0.5) is False
+    err = capsys.readouterr().err
+    assert "loss spike at step 20: loss 2.0000 is infx the median 0.0000" in err

@@ -396,8 +396,9 @@ class RunGuard:
         if spike is None:
             self.losses = (self.losses + [loss])[-SPIKE_WINDOW:]
             return None
+        ratio = loss / spike.median if spike.median > 0 else math.inf  # a memorised set's median can be 0
         what = (
-            f"loss {loss:.4f} is {loss / spike.median:.1f}x the median {spike.median:.4f} of the last "
+            f"loss {loss:.4f} is {ratio:.1f}x the median {spike.median:.4f} of the last "
             f"{spike.window} steps (--spike-factor {self.spike_factor:g})"
         )
         if loss <= spike.bound:  # over: it was a batch, not the model (its losses join the history)
