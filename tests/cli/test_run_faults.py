@@ -2,7 +2,7 @@
 mounted when the tests run as root), SIGTERM to a run without --save, a configuration refused before any process
 group exists, the rendezvous port left to the store, and `threed report` on a run the guard stopped.
 tests/unit/test_save_faults.py checks the same save and space logic with the disk faked, everywhere. The SIGTERM
-run is slow (`make test-slow`); the rest run in `make test`."""
+run and the tmpfs runs are slow (`make test-slow`); the rest run in `make test`."""
 
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ def small_tmpfs(tmp_path):
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+@pytest.mark.slow  # two runs (~2.5 min on 2 busy cores); tests/unit/test_save_faults.py fakes it in `make test`
 def test_disk_full_during_a_save_is_one_line_and_latest_is_kept(tiny_corpus, small_tmpfs):
     save = small_tmpfs / "save"
     p = tiny_train(tiny_corpus, save, "--steps", "4", "--save-interval", "2")
