@@ -466,8 +466,17 @@ class RunControlConfig:
     spike_factor: float = field(
         default=5.0,
         metadata=meta(
-            "a loss above this x the median of the last 50 finite losses (after 10 steps) stops the run with exit 3; "
-            "0: off"
+            "a loss above this x the median of the last 50 finite losses (after 10 steps) is a spike; one that lasts "
+            "--spike-confirm-steps steps stops the run with exit 3; 0: off"
+        ),
+    )
+    spike_confirm_steps: int = field(
+        default=10,
+        metadata=meta(
+            "a loss spike stops the run only once the loss has stayed above --spike-factor's bound for this many "
+            "steps in a row (a lone spike, e.g. a batch of a rarer, harder source, is logged and the run goes on); "
+            "1: the first spike stops it",
+            at_least=1,
         ),
     )
     dead_grad_norm: float = field(

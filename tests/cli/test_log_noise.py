@@ -13,6 +13,8 @@ import sys
 import warnings
 from pathlib import Path
 
+import pytest
+
 from helpers import SRC_ENV, START_UP_NOISE, learnable_tokens, write_dataset
 
 # What a bf16 run at dp > 1 on a blend printed before: BF16_Optimizer's memory reports (rank 0), torch's
@@ -27,6 +29,7 @@ NOISE = START_UP_NOISE + (
     "all_gather_into_tensor",
     "return func(*args, **kwargs)",
     "path_to_cache is None",
+    "_load_legacy_checkpoint",
 )
 # The lines a training run prints: ours only (tools/demo.sh shows them unfiltered).
 OURS = re.compile(r"^(threed|pipeline stages|metrics|step \d|validation at step|saved checkpoint)")
@@ -49,6 +52,7 @@ def test_deepspeed_memory_reports_are_dropped_and_other_prints_pass():
                 "before initializing group 0",
                 "after initializing group 12",
                 "end bf16_ optimizer",
+                "_load_legacy_checkpoint current_rank_sd[BASE_OPTIMIZER_STATE]",  # every rank, every bf16 resume
                 "a real line",
                 "MA is not a memory report",
                 "end bf16_optimizer and more",
@@ -107,12 +111,12 @@ def test_only_the_all_gather_deprecation_is_ignored():
 # ---------------------------------------------------------------------------------------------- 2 ranks
 
 
-def test_a_two_rank_bf16_run_on_a_blend_prints_only_our_lines(tmp_path: Path):
-    """tp1 pp1 dp2 bf16 (BF16_Optimizer and its DP all-gather), a 2-source blend with validation (megatron's
-    BlendedDataset), through `threed train --nproc-per-node 2`: stdout and stderr hold our lines and nothing else."""
+def bf16_blend_run(tmp_path: Path, steps: int) -> subprocess.CompletedProcess[str]:
+    """tp1 pp1 dp2 bf16 on a 2-source blend with validation, through `threed train --nproc-per-node 2`, saving to
+    tmp_path/ckpt (a second call resumes there)."""
     a = write_dataset(tmp_path / "a", learnable_tokens(20_000, seed=1), 512, seed=1)
     b = write_dataset(tmp_path / "b", learnable_tokens(20_000, seed=2), 512, seed=2)
-    out = subprocess.run(
+    return subprocess.run(
         [
             sys.executable,
             "-m",
@@ -125,7 +129,7 @@ def test_a_two_rank_bf16_run_on_a_blend_prints_only_our_lines(tmp_path: Path):
             "--seq-length",
             "64",
             "--steps",
-            "3",
+            str(steps),
             "--micro-batch-size",
             "2",
             "--grad-accum-steps",
@@ -153,6 +157,9 @@ def test_a_two_rank_bf16_run_on_a_blend_prints_only_our_lines(tmp_path: Path):
         text=True,
         timeout=400,
     )
+
+
+def only_ours(out: subprocess.CompletedProcess[str]) -> str:
     both = out.stdout + out.stderr
     assert out.returncode == 0, both[-4000:]
     noise = [line for line in both.splitlines() if any(n in line for n in NOISE)]
@@ -160,4 +167,22 @@ def test_a_two_rank_bf16_run_on_a_blend_prints_only_our_lines(tmp_path: Path):
     assert "Traceback" not in both
     theirs = [line for line in both.splitlines() if line.strip() and not OURS.match(line)]
     assert not theirs, "lines that are not threed's:\n" + "\n".join(theirs)
+    return both
+
+
+def test_a_two_rank_bf16_run_on_a_blend_prints_only_our_lines(tmp_path: Path):
+    """tp1 pp1 dp2 bf16 (BF16_Optimizer and its DP all-gather), a 2-source blend with validation (megatron's
+    BlendedDataset): stdout and stderr hold our lines and nothing else."""
+    out = bf16_blend_run(tmp_path, 3)
+    both = only_ours(out)
     assert re.search(r"^step 3/3 ", out.stdout, re.M) and "validation at step 2" in out.stdout, both
+
+
+@pytest.mark.slow
+def test_a_bf16_resume_prints_only_our_lines(tmp_path: Path):
+    """Each bf16 resume printed BF16_Optimizer's `_load_legacy_checkpoint ...` once per rank, before threed's lines
+    (issue 29)."""
+    only_ours(bf16_blend_run(tmp_path, 2))
+    out = bf16_blend_run(tmp_path, 3)
+    both = only_ours(out)
+    assert "resumed from" in out.stdout and re.search(r"^step 3/3 ", out.stdout, re.M), both

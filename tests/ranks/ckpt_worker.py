@@ -122,6 +122,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro", type=int, default=1)
     p.add_argument("--dtype", default="fp32")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--zero-stage", type=int, default=1)
+    p.add_argument("--partition-method", default="balanced")
+    p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--kill")
     p.add_argument("--poison-step", type=int, default=0, help="make the loss NaN at this step")
     p.add_argument("--lr-jump-step", type=int, default=0, help="from this step on, the optimizer's lr is --lr-jump")
@@ -135,7 +138,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(a: argparse.Namespace, rt: Runtime) -> None:
     cfg = RunConfig(
         model=MODEL,
-        parallel=ParallelConfig(tp=a.tp, pp=a.pp),
+        parallel=ParallelConfig(tp=a.tp, pp=a.pp, partition_method=a.partition_method),
         train=TrainConfig(
             dtype=a.dtype,
             micro_batch_size=a.micro,
@@ -145,7 +148,8 @@ def main(a: argparse.Namespace, rt: Runtime) -> None:
             lr=a.lr,
             min_lr=a.lr / 10,
             warmup_steps=2,
-            grad_clip=1.0,
+            grad_clip=a.grad_clip,
+            zero_stage=a.zero_stage,
         ),
         checkpoint=CheckpointConfig(save=a.save, load=a.load, save_interval=a.save_interval, keep_last=a.keep_last),
         control=RunControlConfig(

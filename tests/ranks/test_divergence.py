@@ -10,6 +10,8 @@ run trains sanely, saves, then blows up. What the per-step weight-norm pass cost
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -216,15 +218,69 @@ def test_the_demo_loss_curve_never_trips_the_guard(tmp_path, capsys):
     assert capsys.readouterr().err == ""
 
 
-def test_a_loss_spike_stops_with_exit_3_naming_step_and_checkpoint(tmp_path, capsys):
+def test_a_loss_spike_that_lasts_stops_with_exit_3_naming_step_and_checkpoint(tmp_path, capsys):
     (tmp_path / "latest").write_text("global_step10")
-    g, _ = make(tmp_path)
+    g, _ = make(tmp_path, spike_confirm_steps=4)
     for step, (loss, norm) in enumerate(DEMO[:30], start=1):
         g.after_step(step, loss, norm)
-    line = aborted(capsys, lambda: g.after_step(31, 30.0, 3.0))
-    assert line.startswith("threed: error: the run diverged at step 31: loss 30.0000 is ")
+    for step in range(31, 34):  # above the bound, not yet for --spike-confirm-steps steps: logged, saves wait
+        assert g.after_step(step, 30.0 + step, 3.0, sources="; batch sources: a 3, b 1") is False
+        assert g.holding()
+    warned = capsys.readouterr().err.strip().splitlines()
+    assert len(warned) == 1, warned  # said once, at the spike's first step, with the batch's sources
+    assert warned[0].startswith("threed: warning: loss spike at step 31: loss 61.0000 is 12.0x the median 5.0758")
+    assert "; batch sources: a 3, b 1; the run goes on, saves wait" in warned[0]
+    line = aborted(capsys, lambda: g.after_step(34, 30.0, 3.0))
+    assert line.startswith("threed: error: the run diverged at step 34: loss 30.0000 is ")
     assert "x the median 5.0758" in line and "of the last 30 steps (--spike-factor 5)" in line
+    assert "for 4 steps in a row since step 31 (--spike-confirm-steps 4)" in line
     assert f"Last good checkpoint: {tmp_path}/global_step10." in line and "lower --lr" in line
+
+
+def test_a_lone_spike_is_logged_and_the_run_goes_on(tmp_path, capsys):
+    """Issue 29: a blend's rare hard source at a small batch sends one batch 33x above the median; healthy."""
+    g, _ = make(tmp_path)
+    for step in range(1, 40):
+        assert g.after_step(step, 0.2365, 0.3) is False
+    assert g.after_step(40, 7.9495, 2.0, sources="; batch sources: normal 1") is False
+    assert g.holding()
+    assert g.after_step(41, 0.24, 0.3) is False
+    assert not g.holding()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2, err
+    assert err[0].startswith("threed: warning: loss spike at step 40: loss 7.9495 is 33.6x the median 0.2365")
+    assert err[1].startswith("threed: loss back to 0.2400 at step 41") and "not a divergence" in err[1]
+    for step in range(42, 200):  # a spike every 7th step, for ever: never stopped
+        assert g.after_step(step, 7.9 if step % 7 == 0 else 0.24, 0.3) is False
+
+
+def test_the_guard_history_survives_a_resume(tmp_path, capsys):
+    g, _ = make(tmp_path, spike_confirm_steps=3)
+    for step in range(1, 31):
+        g.after_step(step, 5.0, 1.0)
+    g.after_step(31, 40.0, 3.0)  # a spike, unconfirmed when the run is saved and stopped
+    capsys.readouterr()
+    state = g.state()
+    resumed, _ = make(tmp_path, spike_confirm_steps=3)
+    resumed.load_state(state)
+    assert resumed.holding() and resumed.losses == g.losses
+    resumed.after_step(32, 41.0, 3.0)
+    line = aborted(capsys, lambda: resumed.after_step(33, 42.0, 3.0))  # no new 10-step warm-up: still counted
+    assert "diverged at step 33" in line and "for 3 steps in a row since step 31" in line
+    fresh, _ = make(tmp_path)
+    fresh.load_state(None)  # a checkpoint from before the guard's state was saved
+    assert fresh.losses == [] and not fresh.holding()
+
+
+def test_an_absent_grad_norm_is_not_a_non_finite_one(tmp_path, capsys):
+    g, engine = make(tmp_path)
+    for step in range(1, 5):
+        assert g.after_step(step, 5.0, None) is False
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "reports no gradient norm" in err[0] and "checks on it are off" in err[0], err
+    engine.applied = False  # a skipped step is still caught without a norm
+    line = aborted(capsys, lambda: g.after_step(5, 5.0, None))
+    assert "non-finite loss 5.0 / grad norm nan at step 5" in line
 
 
 def test_no_spike_check_before_the_warm_up_nor_for_a_small_rise_on_a_tiny_loss(tmp_path, capsys):
@@ -241,11 +297,18 @@ def test_no_spike_check_before_the_warm_up_nor_for_a_small_rise_on_a_tiny_loss(t
 
 def test_a_spike_right_after_a_save_says_that_checkpoint_produced_it(tmp_path, capsys):
     (tmp_path / "latest").write_text("global_step30")
-    g, _ = make(tmp_path)
+    g, _ = make(tmp_path, spike_confirm_steps=1)
     for step, (loss, norm) in enumerate(DEMO[:30], start=1):
         g.after_step(step, loss, norm)
     line = aborted(capsys, lambda: g.after_step(31, 40.0, 3.0))
     assert f"{tmp_path}/global_step30 (saved just before this step: its weights gave this loss" in line
+    g, _ = make(tmp_path, spike_confirm_steps=2)
+    for step, (loss, norm) in enumerate(DEMO[:30], start=1):
+        g.after_step(step, loss, norm)
+    g.after_step(31, 40.0, 3.0)
+    capsys.readouterr()
+    line = aborted(capsys, lambda: g.after_step(32, 40.0, 3.0))
+    assert f"{tmp_path}/global_step30 (saved just before step 31, where the spike began: its weights" in line
 
 
 def test_a_dead_model_stops_on_a_step_with_loss_tokens_only(tmp_path, capsys):
@@ -276,7 +339,7 @@ def test_a_weight_jump_stops_before_the_step_is_saved(tmp_path, capsys):
 
 def test_each_check_is_off_at_0(tmp_path, capsys):
     net = torch.nn.Linear(8, 8)
-    g, _ = make(tmp_path, Engine(net), spike_factor=0, dead_grad_norm=0, weight_jump_factor=0)
+    g, _ = make(tmp_path, Engine(net), spike_factor=0, dead_grad_norm=0, weight_jump_factor=0, spike_confirm_steps=1)
     for step in range(1, 20):
         g.after_step(step, 5.0, 1.0)
     with torch.no_grad():
@@ -364,3 +427,40 @@ def test_finite_blow_up_at_pp2_after_saves_names_the_last_sane_checkpoint(tmp_pa
                 assert torch.isfinite(w).all() and w.abs().max() < 1e3, (f.name, name, w.abs().max())
                 checked += w.numel()
     assert checked > 100_000  # the model's weights (~180k), not a stray tensor
+
+
+def grad_norm_run(tmp_path, zero: int, clip: str) -> list[dict]:
+    """A 3-step pp2 fp32 run; its per-step {"step", "loss", "norm"}. It must finish without a guard line."""
+    out = tmp_path / f"z{zero}c{clip}"
+    p = worker(2, out, "--pp", "2", "--steps", "3", "--zero-stage", str(zero), "--grad-clip", clip)
+    assert p.returncode == 0, p.stdout[-3000:]
+    assert "threed: error" not in p.stdout and "reports no gradient norm" not in p.stdout, p.stdout[-3000:]
+    return [json.loads(line) for line in (out / "losses.jsonl").read_text().splitlines()]
+
+
+def test_fp32_zero0_without_clipping_reports_the_model_global_grad_norm(tmp_path):
+    """Issue 29: fp32 without ZeRO reported no gradient norm and the guard read it as NaN (exit 3 at step 1). The
+    guard's own norm must equal the one ZeRO 1 reports (before clipping, over both pipeline stages) at step 1,
+    where both start from the same weights, and the run must finish."""
+    zero1, zero0 = grad_norm_run(tmp_path, 1, "1.0"), grad_norm_run(tmp_path, 0, "0")
+    assert len(zero0) == 3 and all(r["norm"] > 0.1 for r in zero0), zero0
+    assert zero0[0]["loss"] == zero1[0]["loss"]
+    assert zero0[0]["norm"] == pytest.approx(zero1[0]["norm"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_fp32_zero0_with_clipping_reports_the_same_norms_as_zero1(tmp_path):
+    """DeepSpeed's fp32 clipping without ZeRO computes the norm and drops it: every step's norm and loss must match
+    ZeRO 1's (the same clipped updates)."""
+    zero1, zero0 = grad_norm_run(tmp_path, 1, "1.0"), grad_norm_run(tmp_path, 0, "1.0")
+    for a, b in zip(zero1, zero0, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["norm"] == pytest.approx(a["norm"], rel=1e-4)
+
+
+def test_a_spike_over_a_zero_median_is_said_not_crashed(tmp_path, capsys):
+    g, _ = make(tmp_path)
+    for step in range(1, 20):  # a memorised set: the loss is 0
+        g.after_step(step, 0.0, 0.1)
+    assert g.after_step(20, 2.0, 0.5) is False
+    err = capsys.readouterr().err
+    assert "loss spike at step 20: loss 2.0000 is infx the median 0.0000" in err

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Optional, Protocol
@@ -94,6 +95,12 @@ def checkpoint_bytes(cfg: RunConfig) -> int:
     shards; a tied weight's at pp > 1 twice: each stage's optimizer holds its copy)."""
     weights = parameter_count(cfg.model, cfg.parallel.tp) * (2 if cfg.train.dtype == "bf16" else 4)
     return weights + 12 * optimizer_parameters(cfg.model, cfg.parallel.tp, cfg.parallel.pp)
+
+
+def free_bytes(path: str | os.PathLike) -> int:
+    """Free bytes on `path`'s file system: the start's space check and a failed save's diagnosis ask here, one
+    place for tests to fake a full disk."""
+    return shutil.disk_usage(path).free
 
 
 def pipeline_layer_count(model: ModelConfig) -> int:

@@ -158,13 +158,7 @@ def prune(save_dir: Path, keep_last: int, current: str) -> list[str]:
             continue
         if (step_of(tag) or 0) > current_step:
             continue  # a newer directory: leave it to whoever writes it
-        manifest = read_manifest(step_dir)
-        if manifest is not None:
-            finished = manifest_problem(step_dir, manifest) is None
-        else:  # written before manifests existed, or a save cut short: only the file counts can tell
-            names = [f.name for f in step_dir.iterdir()]
-            finished = missing_files(layout_of_files(tag, names), names) is None
-        if finished:
+        if is_complete(step_dir):
             complete += 1
             if not keep_last or complete <= keep_last:
                 continue
@@ -177,6 +171,37 @@ def prune(save_dir: Path, keep_last: int, current: str) -> list[str]:
                 shutil.rmtree(d, ignore_errors=True)
                 removed.append(f"{UNIVERSAL_DIR}/{d.name}")
     return removed
+
+
+def is_complete(step_dir: Path) -> bool:
+    """Whether a tag directory is a whole checkpoint: its manifest's files all there at their sizes, or, without a
+    manifest (an older threed's checkpoint), its file counts complete."""
+    manifest = read_manifest(step_dir)
+    if manifest is not None:
+        return manifest_problem(step_dir, manifest) is None
+    names = [f.name for f in step_dir.iterdir()]
+    return missing_files(layout_of_files(step_dir.name, names), names) is None
+
+
+def directory_bytes(path: Path) -> int:
+    """The bytes the files under `path` hold."""
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def save_dir_contents(save_dir: Path) -> tuple[int, list[tuple[Path, int]]]:
+    """How many complete checkpoints `save_dir` holds, and its torn ones (a save cut short: by a kill, a full disk)
+    with the bytes each holds, for the start's free-space check."""
+    complete, torn = 0, []
+    latest = step_of(read_latest(save_dir) or "") or 0
+    for tag in list_tags(save_dir):
+        # Newer than `latest` without a manifest: a save cut short even when its files are all there (a full disk
+        # leaves the file it was writing, short). `latest` is written only after the manifest.
+        cut_short = (step_of(tag) or 0) > latest and read_manifest(save_dir / tag) is None
+        if not cut_short and is_complete(save_dir / tag):
+            complete += 1
+        else:
+            torn.append((save_dir / tag, directory_bytes(save_dir / tag)))
+    return complete, torn
 
 
 def remove_checkpoint(step_dir: Path) -> None:

@@ -13,6 +13,7 @@ in magnitude; one pass over this rank's parameters, cheap beside the I/O). A div
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import sys
@@ -25,13 +26,22 @@ import torch
 import torch.distributed as dist
 
 from threed.atomic import write_atomic
-from threed.checkpoint.format import LATEST, RUN_JSON, read_latest
+from threed.checkpoint.format import LATEST, RUN_JSON, free_bytes, read_latest
 from threed.checkpoint.manifest import prune, remove_checkpoint, write_manifest
 from threed.config import RunConfig
 from threed.parallel.distributed import is_multi_rank
+from threed.units import human_bytes
 
 
 EXIT_DIVERGED = 3  # threed.train.guard's exit status for a run that diverged (re-exported there)
+
+
+EXIT_SAVE_FAILED = 5  # a checkpoint could not be written (a full disk, ...): the previous one stays `latest`
+
+
+class SaveFailed(SystemExit):
+    """A save that could not be written (OSError on any rank): every rank exits EXIT_SAVE_FAILED (the reason was
+    printed once, by rank 0)."""
 
 
 class SaveRefused(SystemExit):
@@ -125,45 +135,110 @@ def save(engine, cfg: RunConfig, rank: int, client_state: Optional[dict] = None)
         remove_checkpoint(step_dir)
     if is_multi_rank():
         dist.barrier()
-    with recording_writes(engine) as written:
-        engine.save_checkpoint(
-            str(save_dir),
-            tag=tag,
-            save_latest=False,
-            client_state={"threed_run": cfg.to_dict(), "threed_client": dict(client_state or {})},
-        )
+    failed: Optional[str] = None
+    try:
+        with recording_writes(engine) as written:
+            engine.save_checkpoint(
+                str(save_dir),
+                tag=tag,
+                save_latest=False,
+                client_state={"threed_run": cfg.to_dict(), "threed_client": dict(client_state or {})},
+            )
+    except (OSError, RuntimeError) as e:  # a full disk, a quota, a vanished mount: said once, by rank 0, below
+        if isinstance(e, RuntimeError) and not torch_write_failed(e):
+            raise  # a bug: its traceback
+        failed = f"rank {rank}: {write_error(e, step_dir)}"
+        if is_multi_rank():
+            dist.barrier()  # DeepSpeed's save ends in a barrier, where the ranks that wrote their files now wait
     # Each rank reports the files it wrote, at the size it sees: on a network file system only the writer is
     # sure to see the final size. A few names per rank, so the gather stays small at any world size.
     mine = {Path(p).name: Path(p).stat().st_size for p in written if Path(p).parent == step_dir}
-    views = [mine]
+    views = [(mine, failed)]
     if is_multi_rank():
         views = [None] * dist.get_world_size()
-        dist.all_gather_object(views, mine)
-    if rank == 0:
-        # The listing catches any file written another way; the writers' sizes win.
-        files = {f.name: f.stat().st_size for f in step_dir.iterdir() if f.is_file()}
-        for view in views:
-            files.update(view)
-        # The run config beside the checkpoint lets `threed export` / `threed verify` rebuild the model.
-        write_atomic(save_dir / RUN_JSON, json.dumps(cfg.to_dict(), indent=1))
-        dp = engine.grid.get_data_parallel_world_size() if hasattr(engine, "grid") else 1
-        write_manifest(
-            step_dir,
-            files,
-            {
-                "step": engine.global_steps,
-                "dtype": cfg.train.dtype,
-                "model": cfg.to_dict()["model"],
-                "layout": {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": dp},
-                "client_state": _jsonable(client_state or {}),
-                "save_seconds": round(time.time() - t0, 2),
-            },
-        )
-        write_atomic(save_dir / LATEST, tag)
-        prune(save_dir, ck.keep_last, tag)
-    if is_multi_rank():
-        dist.barrier()
+        dist.all_gather_object(views, (mine, failed))
+    failures = [f for _, f in views if f is not None]
+    if failures:
+        save_failed(cfg, rank, engine.global_steps, step_dir, failures[0])
+    try:
+        if rank == 0:
+            publish(engine, cfg, step_dir, {n: s for view, _ in views for n, s in view.items()}, client_state, t0)
+    except OSError as e:
+        failed = f"rank 0: {write_error(e, step_dir)}"
+    verdict = [failed if rank == 0 else None]
+    if is_multi_rank():  # also the save's closing barrier: no rank goes on before `latest` is written
+        dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        save_failed(cfg, rank, engine.global_steps, step_dir, verdict[0])
     return Saved(path=str(save_dir), tag=tag, seconds=time.time() - t0)
+
+
+LOW_SPACE = 64 * 2**20  # a file system with less free than this after a failed write is full
+
+
+def torch_write_failed(e: RuntimeError) -> bool:
+    """torch.save's C++ writer reports a failed write (a full disk among others) as a RuntimeError without an
+    errno: "[enforce fail at inline_container.cc] . unexpected pos ..." or "PytorchStreamWriter failed writing"."""
+    return any(s in str(e) for s in ("inline_container", "PytorchStreamWriter"))
+
+
+def write_error(e: Exception, step_dir: Path) -> str:
+    """A failed checkpoint write as one line naming its errno (ENOSPC, EDQUOT, ...) and the file where known.
+    torch's writer gives no errno: a file system left (nearly) without free space says it was ENOSPC."""
+    if isinstance(e, OSError):
+        code = errno.errorcode.get(e.errno or 0, "")
+        where = f" writing {e.filename}" if e.filename else ""
+        return f"{e.strerror or e} ({code}){where}" if code else f"{e}{where}"
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    try:
+        free = free_bytes(step_dir if step_dir.exists() else step_dir.parent)
+    except OSError:
+        free = None
+    if free is not None and free < LOW_SPACE:
+        return f"No space left on device (ENOSPC): {human_bytes(free)} free (torch's writer: {first})"
+    return f"torch's checkpoint writer failed: {first}"
+
+
+def save_failed(cfg: RunConfig, rank: int, step: int, step_dir: Path, why: str) -> None:
+    """Every rank: a save that could not be written ends the run with EXIT_SAVE_FAILED and one line from rank 0
+    naming the error and the torn directory. `latest` was not moved: it still names the previous checkpoint."""
+    if rank == 0:
+        latest = read_latest(cfg.checkpoint.save)
+        kept = f"{cfg.checkpoint.save}/{latest}" if latest is not None else "none (no checkpoint yet)"
+        print(
+            f"threed: error: saving step {step} failed: {why}. The torn directory {step_dir} is not a checkpoint; "
+            f"`latest` still names {kept}. Free space on --save's file system (the torn directory too), then "
+            f"run the same command to resume",
+            file=sys.stderr,
+            flush=True,
+        )
+    raise SaveFailed(EXIT_SAVE_FAILED)
+
+
+def publish(engine, cfg: RunConfig, step_dir: Path, files: dict, client_state: Optional[dict], t0: float) -> None:
+    """Rank 0, once every rank's files are written: the run config, the manifest, `latest`, then pruning."""
+    save_dir, tag = step_dir.parent, step_dir.name
+    # The listing catches any file written another way; the writers' sizes win.
+    files = {**{f.name: f.stat().st_size for f in step_dir.iterdir() if f.is_file()}, **files}
+    # The run config beside the checkpoint lets `threed export` / `threed verify` rebuild the model.
+    write_atomic(save_dir / RUN_JSON, json.dumps(cfg.to_dict(), indent=1))
+    dp = engine.grid.get_data_parallel_world_size() if hasattr(engine, "grid") else 1
+    write_manifest(
+        step_dir,
+        files,
+        {
+            "step": engine.global_steps,
+            "dtype": cfg.train.dtype,
+            "model": cfg.to_dict()["model"],
+            "layout": {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": dp},
+            # which layers each stage held: a resume with another --partition-method goes through universal
+            "stages": stage_bounds(engine),
+            "client_state": _jsonable(client_state or {}),
+            "save_seconds": round(time.time() - t0, 2),
+        },
+    )
+    write_atomic(save_dir / LATEST, tag)
+    prune(save_dir, cfg.checkpoint.keep_last, tag)
 
 
 @contextlib.contextmanager
@@ -188,6 +263,12 @@ def recording_writes(engine) -> Iterator[list[str]]:
             ce.save = original
         else:
             del ce.save
+
+
+def stage_bounds(engine) -> Optional[list[int]]:
+    """The pipeline's stage boundaries over its layer list (DeepSpeed's PipelineModule.parts), if it has them."""
+    parts = getattr(getattr(engine, "module", None), "parts", None)
+    return [int(b) for b in parts] if parts is not None else None
 
 
 def _jsonable(d: dict) -> dict:

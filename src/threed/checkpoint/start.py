@@ -13,7 +13,9 @@ The rules (each refusal names the flag that would make it go ahead):
 - `--save` with checkpoints but none complete while `latest` exists: refused (a short or missing file is more
   likely a file-system problem than a run to throw away); `--overwrite true` starts over.
 - `--load DIR`: resume from its newest complete checkpoint; `--init-from DIR`: its weights, at its tp/pp.
-- A resume at another tp, pp, dp or dtype converts the checkpoint to a universal one once (rank 0) and loads that.
+- A resume at another tp, pp, dp or dtype converts the checkpoint to a universal one once (rank 0) and loads that;
+  so does one at the same tp and pp whose --partition-method puts layers on other stages (DeepSpeed's optimizer
+  shards are per stage: a native load failed on tensor sizes).
 - A resume whose checkpoint is already at --steps or beyond has nothing to train: one line, and the run ends (exit
   0) before anything is converted or built (`StartDecision.finished`).
 - A resume at another --seq-length, --micro-batch-size or global batch than the run recorded in threed_run.json is
@@ -29,7 +31,6 @@ restart a manual step. A STOP meant for this run is one created after it started
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -47,14 +48,16 @@ from threed.checkpoint.format import (
     check_loadable,
     check_model,
     checkpoint_bytes,
+    free_bytes,
     list_tags,
     read_latest,
     read_model_config,
     read_run_json,
 )
 from threed.checkpoint.lock import SaveLock
-from threed.checkpoint.manifest import Found, clear_run, find_resumable
+from threed.checkpoint.manifest import Found, clear_run, find_resumable, read_manifest, save_dir_contents
 from threed.config import ModelConfig, RunConfig
+from threed.parallel.partition import describe, resolve_partition
 from threed.parallel.distributed import is_multi_rank
 from threed.errors import ConfigError
 from threed.units import human_bytes
@@ -67,6 +70,7 @@ class StartDecision:
     mode: str = "fresh"  # fresh | resume | weights
     source: Optional[Found] = None
     universal: bool = False  # load through a universal checkpoint (set once converted)
+    repartition: str = ""  # same tp/pp, other stages (--partition-method): why `universal` is set, for the log
     load_dir: Optional[str] = None  # what engine.load_checkpoint gets
     tag: Optional[str] = None
     clear_save: bool = False  # --overwrite: delete the run in --save before starting
@@ -189,8 +193,44 @@ def decide_start(cfg: RunConfig, world_size: int) -> StartDecision:
     # whose dp x cp is the checkpoint's loads it natively whatever its cp; another count goes through universal.
     shards = cfg.parallel.dp(world_size) * cfg.parallel.cp
     same = (lay.tp, lay.pp, lay.dp) == (cfg.parallel.tp, cfg.parallel.pp, shards) and dtype_of(found) == cfg.train.dtype
-    decision.universal = not same
+    decision.repartition = moved_layers(cfg, found) if same else ""
+    decision.universal = not same or bool(decision.repartition)
     return decision
+
+
+def recorded_stages(cfg: RunConfig, found: Found) -> Optional[list[int]]:
+    """The stage boundaries the checkpoint was written with: its manifest's (threed saves them), else resolved from
+    the partition method of the run recorded beside it; None when neither says (a converter's checkpoint)."""
+    manifest = read_manifest(Path(found.path) / found.tag) or {}
+    if isinstance(manifest.get("stages"), list):
+        return [int(b) for b in manifest["stages"]]
+    try:
+        run = read_run_json(Path(found.path))
+        if not run or "train" not in run:
+            return None
+        was = RunConfig.from_dict(run)
+        return resolve_partition(
+            was.parallel.partition_method, cfg.model, found.layout.pp, was.train.seq_length, found.layout.tp
+        )
+    except (CheckpointError, ConfigError, KeyError, TypeError, ValueError):
+        return None
+
+
+def moved_layers(cfg: RunConfig, found: Found) -> str:
+    """At the checkpoint's own tp and pp, whether this run's --partition-method puts layers on other stages than the
+    checkpoint's: DeepSpeed's optimizer shards are per stage, so a native load fails on tensor sizes; a universal
+    checkpoint (by parameter name) loads at any partition. '' when the stages are the same or cannot be told."""
+    was = recorded_stages(cfg, found)
+    if was is None:
+        return ""
+    p = cfg.parallel
+    now = resolve_partition(p.partition_method, cfg.model, p.pp, cfg.train.seq_length, p.tp)
+    if was == now:
+        return ""
+    return (
+        f"stages {describe(was, cfg.model)}; this run's --partition-method {p.partition_method} gives "
+        f"{describe(now, cfg.model)}"
+    )
 
 
 def changed_shape(cfg: RunConfig, found: Found, world_size: int) -> str:
@@ -238,6 +278,37 @@ def remove_stale_stop(save: Optional[str]) -> Optional[str]:
     )
 
 
+def check_save_space(cfg: RunConfig, decision: StartDecision, existing: Path) -> None:
+    """Room on --save's file system for what the run will hold at once. `--keep-last N` writes checkpoint N + 1
+    before pruning the oldest: N + 1 checkpoints at once, of which the complete ones already there need no new
+    space; without it each save needs one more. A universal conversion needs one more. When a torn checkpoint (a
+    save cut short, e.g. by a full disk) holds space, the line says so."""
+    save, keep = Path(cfg.checkpoint.save), cfg.checkpoint.keep_last
+    complete, torn = save_dir_contents(save) if save.is_dir() else (0, [])
+    count = max(1, keep + 1 - complete) if keep else 1
+    one = checkpoint_bytes(cfg)
+    needed = one * (count + (1 if decision.universal else 0))
+    free = free_bytes(existing)
+    if needed <= free:
+        return
+    universal = " (plus its universal conversion)" if decision.universal else ""
+    held = "".join(
+        f"; {d} is a torn checkpoint (a save cut short, not loadable) holding {human_bytes(n)}: remove it"
+        for d, n in torn
+    )
+    if keep:
+        raise ConfigError(
+            f"--save {save} has {human_bytes(free)} free; --keep-last {keep} holds {keep + 1} checkpoints at once "
+            f"(the next is written before the oldest is pruned), {count} more than the {complete} complete one(s) "
+            f"there: {human_bytes(needed)} at about {human_bytes(one)} each{universal}{held}. Free space, lower "
+            f"--keep-last, or choose --save on a larger file system"
+        )
+    raise ConfigError(
+        f"--save {save} has {human_bytes(free)} free; one checkpoint of {cfg.model.name} needs about "
+        f"{human_bytes(needed)}{universal}{held}. Free space or choose --save on a larger file system"
+    )
+
+
 def check_save_dir(cfg: RunConfig, decision: StartDecision, create: bool = True) -> None:
     """Before the model is built: --save is a directory we can create and write, with room for a checkpoint
     (and for the universal conversion when one is planned). `create=False` (threed check-config) only looks:
@@ -258,14 +329,7 @@ def check_save_dir(cfg: RunConfig, decision: StartDecision, create: bool = True)
             f"--save {save} is not writable ({existing} does not let this user write); choose a "
             f"directory you can write to"
         )
-    needed = checkpoint_bytes(cfg) * (2 if decision.universal else 1)
-    free = shutil.disk_usage(existing).free
-    if needed > free:
-        raise ConfigError(
-            f"--save {save} has {human_bytes(free)} free; one checkpoint of {cfg.model.name} needs about "
-            f"{human_bytes(needed)}{' (plus its universal conversion)' if decision.universal else ''}. Free "
-            f"space or choose --save on a larger file system"
-        )
+    check_save_space(cfg, decision, existing)
     if not create:
         return
     try:
@@ -341,10 +405,15 @@ def start(
             log(f"threed: --overwrite true: removed {', '.join(removed) or 'nothing'} from {cfg.checkpoint.save}")
         if decision.universal:
             src = decision.source
+            layout = (
+                f"with {decision.repartition}"
+                if decision.repartition
+                else f"at {src.layout.describe()} {dtype_of(src)}; this run has tp={cfg.parallel.tp}, "
+                f"pp={cfg.parallel.pp}, dp={cfg.parallel.dp(world_size) * cfg.parallel.cp} {cfg.train.dtype}"
+            )
             log(
-                f"threed: {src.path}/{src.tag} was written at {src.layout.describe()} {dtype_of(src)}; this run "
-                f"has tp={cfg.parallel.tp}, pp={cfg.parallel.pp}, dp={cfg.parallel.dp(world_size) * cfg.parallel.cp} "
-                f"{cfg.train.dtype}: resuming through a universal checkpoint (optimizer state kept)"
+                f"threed: {src.path}/{src.tag} was written {layout}: resuming through a universal checkpoint "
+                f"(optimizer state kept)"
             )
             decision.load_dir, decision.tag = universal.target(src, _universal_root(cfg, src), dtype_of(src))
         return decision

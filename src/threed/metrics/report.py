@@ -7,6 +7,10 @@ login node without a browser. Two run directories are overlaid on the same plots
 Plots (always all five; a panel without data says so): loss.png (training and validation loss vs tokens),
 learning_rate.png, throughput.png (tokens/s and TFLOP/s per GPU), memory.png (peak memory per stage),
 idle.png (idle fraction per pipeline stage, with the ideal bubble dashed).
+
+A run that went wrong must not read like a healthy short one: the summary marks the steps whose loss or gradient
+norm was not finite (metrics.jsonl holds null there; DeepSpeed skipped their optimizer step) and a stop by the
+divergence guard (the loop's `exit-status` record, exit 3), with the steps the run was meant to reach.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class Run:
     train: list[dict[str, Any]]  # records with `lm loss`, in iteration order, one per iteration
     validation: list[dict[str, Any]]
     summary: dict[str, Any]  # run_config.json, {} when absent
+    stopped: Optional[tuple[int, int]] = None  # (step, exit status) of a stop by the guard, from `exit-status`
 
     def series(self, key: str, x: str = "iteration", records: Optional[list] = None) -> tuple[list, list]:
         pts = [(r[x], r[key]) for r in (self.train if records is None else records) if r.get(key) is not None]
@@ -66,22 +71,60 @@ def load_run(run_dir: str) -> Run:
                 continue
             raise ReportError(f"{metrics}:{n}: not a JSON record") from None
     by_iteration: dict[int, dict] = {}
+    stops: dict[int, int] = {}
     for r in records:
         if not isinstance(r, dict) or not {"iteration", "samples", "tokens"} <= r.keys():
             raise ReportError(f"{metrics}: a record without iteration/samples/tokens: not a threed metrics file")
         if "lm loss" in r:
             by_iteration[r["iteration"]] = r  # a resumed run re-logs steps after its checkpoint: the last wins
+        if r.get("exit-status") is not None:
+            stops[r["iteration"]] = int(r["exit-status"])
     if not by_iteration:
         raise ReportError(f"{metrics}: no training records (empty, or the run stopped before its first step)")
     summary = {}
     if (path / CONFIG_FILE).is_file():
         summary = json.loads((path / CONFIG_FILE).read_text())
+    last = max(by_iteration)
+    # A stop recorded before the run's last step was resumed past: only one at or after the last step stands.
+    stopped = max(((i, c) for i, c in stops.items() if i >= last), default=None)
     return Run(
         label=path.name if path.name not in ("", ".") else str(path.resolve().name),
         train=[by_iteration[i] for i in sorted(by_iteration)],
         validation=[r for r in records if "lm loss validation" in r],
         summary=summary,
+        stopped=stopped,
     )
+
+
+def non_finite_steps(run: Run) -> list[int]:
+    """Steps whose loss, or gradient norm, was not finite (null in metrics.jsonl). A norm that is null on every step
+    was never reported (not a non-finite one), so then only the loss counts."""
+    norms_reported = any(r.get("grad-norm") is not None for r in run.train)
+    return [
+        r["iteration"]
+        for r in run.train
+        if r.get("lm loss") is None or (norms_reported and "grad-norm" in r and r["grad-norm"] is None)
+    ]
+
+
+def warning_lines(run: Run) -> list[str]:
+    """What went wrong in the run, each marked `!`: non-finite (skipped) steps, a stop by the guard."""
+    lines = []
+    bad = non_finite_steps(run)
+    if bad:
+        shown = ", ".join(str(i) for i in bad[:10]) + (", ..." if len(bad) > 10 else "")
+        lines.append(
+            f"   ! {len(bad)} step(s) with a non-finite loss or gradient norm (optimizer step skipped): {shown}"
+        )
+    if run.stopped is not None:
+        step, status = run.stopped
+        planned = run.summary.get("config", {}).get("train", {}).get("steps")
+        meant = f" of the {planned} it was to run" if planned else ""
+        lines.append(
+            f"   ! the run stopped at step {step}{meant} with exit {status}"
+            + (" (diverged: the divergence guard's line in the run's log says why)" if status == 3 else "")
+        )
+    return lines
 
 
 def _median(values: list) -> Optional[float]:
@@ -102,8 +145,9 @@ def summary_lines(run: Run) -> list[str]:
     losses = [r["lm loss"] for r in run.train if r.get("lm loss") is not None]
     lines.append(
         f"   steps {run.train[0]['iteration']}-{last['iteration']}, {last['tokens']:,} tokens; lm loss "
-        f"{losses[0]:.4f} -> {losses[-1]:.4f} (min {min(losses):.4f})"
+        + (f"{losses[0]:.4f} -> {losses[-1]:.4f} (min {min(losses):.4f})" if losses else "never finite")
     )
+    lines += warning_lines(run)
     if run.validation:
         v = run.validation[-1]
         lines.append(

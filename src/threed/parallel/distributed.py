@@ -18,7 +18,6 @@ import io
 import logging
 import os
 import re
-import socket
 import sys
 import warnings
 from dataclasses import dataclass
@@ -159,7 +158,9 @@ QUIET_PRINTS = re.compile(
     r"^(SEED_LAYERS=\S+ BASE_SEED=|Using topology: |DeepSpeed deepspeed\.ops\.comm\.\S+ built successfully"
     r"|RANK=\d+ .*tied_comms"
     r"|(begin|end) bf16_ ?optimizer$|(before|after) initializing group \d+$|MA [\d.]+ GB +Max_MA "
-    r"|CPU Virtual Memory: +used = )"
+    r"|CPU Virtual Memory: +used = "
+    # BF16_Optimizer's load prints this on every rank at every resume, before threed's own start-up lines
+    r"|_load_legacy_checkpoint current_rank_sd\[BASE_OPTIMIZER_STATE\]$)"
 )
 # What megatron-core logs at WARNING that is expected here, by logger: the blend and dataset indexes are built in
 # memory when no cache path is given (we give none: they take seconds). Other warnings of these loggers still print.
@@ -264,7 +265,9 @@ def init_distributed(timeout_minutes: Optional[float] = None) -> Runtime:
         os.environ.setdefault("LOCAL_RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        # Port 0: the store binds a free port itself, atomically. Picking one, releasing it and binding it later
+        # lost it to another process under load (EADDRINUSE, issue 29); a world of one tells no peer its port.
+        os.environ.setdefault("MASTER_PORT", "0")
         if timeout_minutes and timeout_minutes > 0:
             set_default_timeout(timedelta(minutes=timeout_minutes))
         refuse_stale_build_lock()
@@ -343,13 +346,6 @@ def shutdown_distributed() -> None:
     had finished, seen under load on 2- and 4-rank runs, turning exit 0 or 3 into -6)."""
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_megatron_parallel_state(tp: int, pp: int, gloo_process_groups: bool = True, cp: int = 1) -> None:

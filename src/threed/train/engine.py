@@ -180,7 +180,8 @@ def build_engine(
         use_schedule(engine, cfg.parallel.pipeline_schedule)  # --pipeline-schedule (threed.parallel.schedule)
     client_state: dict = {}
     if resume:
-        path, client_state = engine.load_checkpoint(decision.load_dir, tag=decision.tag)
+        with library_prints():  # BF16_Optimizer prints a line per rank on load
+            path, client_state = engine.load_checkpoint(decision.load_dir, tag=decision.tag)
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint {decision.load_dir}/{decision.tag}")
         place_optimizer_state(engine.optimizer)

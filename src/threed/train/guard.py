@@ -15,13 +15,26 @@ run on request (a signal, a STOP file, the time budget) with a checkpoint first.
   finite (ZeRO's overflow check in fp32, BF16_Optimizer's invalid-norm check in bf16), so the weights are
   unchanged; up to `--skip-nonfinite N` such batches are skipped with a warning, the next one stops the run with
   exit status 3 and a message naming the step and the last good checkpoint. Nothing is saved on that path.
+- An absent value is never a non-finite one: DeepSpeed reports no gradient norm for fp32 without ZeRO (its
+  clipping there discards the norm it computes), so `report_grad_norm` computes the model's global norm before
+  the optimizer step (`global_grad_norm`: every rank's shards once, summed over the model-parallel group). A norm
+  still missing turns the checks that read it off, with one line.
 - Finite divergence: a blow-up often stays finite (weights at 1e10, then the loss stuck at ln(vocab) with a
   gradient norm of 0). Three checks stop it with exit status 3, before the step is saved, naming the step, what
-  was seen and the last good checkpoint: a loss above `--spike-factor` x the median of the last 50 finite losses
-  (after 10 steps; Megatron-LM's spiky-loss check compares against 10x), a gradient norm at most
-  `--dead-grad-norm` on a step with loss tokens (a dead, saturated model), and a step that multiplies a rank's
-  weight norm by more than `--weight-jump-factor` (one pass over the rank's parameters per step). 0 turns each
-  off. Every save also refuses weights that are not finite or beyond `--max-weight` (threed.checkpoint.save).
+  was seen and the last good checkpoint: a gradient norm at most `--dead-grad-norm` on a step with loss tokens (a
+  dead, saturated model), a step that multiplies a rank's weight norm by more than `--weight-jump-factor` (one
+  pass over the rank's parameters per step), and a loss spike that lasts. 0 turns each off.
+- A loss spike alone never stops a run: a loss above `--spike-factor` x the median of the last 50 finite losses
+  (after 10 steps; Megatron-LM's spiky-loss check compares against 10x) is logged with the step and the batch's
+  sources, and it stops the run only when the loss stays above that bound for `--spike-confirm-steps` steps in a
+  row. A healthy run's spike is one batch: a blend's rarer, harder source at a small global batch sends single
+  batches far above the median (issue 29: 0.97 / 0.03 at lr 3e-3 spiked 33x at step 68 and went on learning);
+  a diverged run's loss stays up. Megatron re-runs the step to tell a hardware fault from the data; on one
+  deterministic device a re-run reproduces the spike either way, so persistence is the test here. While a spike
+  is unconfirmed, interval saves wait (`holding`), so `latest` never names weights the spike may have ruined.
+- The guard's history (the recent losses, an unconfirmed spike, the skipped-batch count) is saved in each
+  checkpoint (`state` / `load_state`), so a resume judges against the run's history, not a 10-step window.
+- Every save also refuses weights that are not finite or beyond `--max-weight` (threed.checkpoint.save).
   A loss is computed with the previous step's weights: when the checkpoint just before a loss-based stop is the
   latest, the message says so.
 - `--exit-duration-in-mins M`: once the time since start plus one more step and one save (the last save's
@@ -37,6 +50,7 @@ run on request (a signal, a STOP file, the time budget) with a checkpoint first.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import faulthandler
 import io
 import math
@@ -46,8 +60,9 @@ import statistics
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -62,6 +77,66 @@ _STARTED = time.time()  # import time of this module: close enough to the proces
 SPIKE_WINDOW = 50  # the loss spike check compares against the median of this many recent finite losses
 SPIKE_WARMUP = 10  # ... once it has seen this many
 SPIKE_MIN_NATS = 1.0  # ... and only a rise of at least this much counts (a near-zero median loss is noisy)
+Sources = Union[str, Callable[[], str]]  # a batch's make-up for the spike warning, or how to look it up
+
+
+@dataclass
+class Spike:
+    """An unconfirmed loss spike: where it began, the bound it broke and how many steps in a row stayed above."""
+
+    start: int
+    median: float  # the history's median when it began (the reference while it lasts)
+    window: int  # how many losses that median came from
+    bound: float
+    losses: list[float]
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def global_grad_norm(engine) -> torch.Tensor:
+    """The model's global L2 gradient norm, as DeepSpeed's BF16_Optimizer computes it: each rank's gradients
+    once (parameters tied across stages counted on one stage only, TP-replicated ones on TP rank 0 only), the
+    squares summed over the model-parallel group (TP x PP). Data-parallel replicas already hold the averaged
+    gradients. A rank without gradients adds 0 but still joins the all-reduce."""
+    # deepspeed: heavy; the guard's unit tests run without an engine
+    from deepspeed.runtime.utils import is_model_parallel_parameter
+    from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank
+
+    mpu = getattr(engine, "mpu", None)
+    tp_rank = bwc_tensor_model_parallel_rank(mpu)
+    grads = [
+        p.grad
+        for p in engine.module.parameters()
+        if p.grad is not None
+        and not getattr(p, "ds_pipe_replicated", False)
+        and (tp_rank == 0 or is_model_parallel_parameter(p))
+    ]
+    device = next(engine.module.parameters()).device
+    squares = torch.zeros((), dtype=torch.float32, device=device)
+    for g in grads:
+        squares += torch.linalg.vector_norm(g, dtype=torch.float32).square()
+    if mpu is not None and is_multi_rank():
+        dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=mpu.get_model_parallel_group())
+    return squares.sqrt()
+
+
+def report_grad_norm(engine) -> bool:
+    """Make `engine.get_global_grad_norm()` report the gradient norm where DeepSpeed leaves it None (fp32 without
+    ZeRO: its clipping computes the norm and drops it, and without clipping nothing computes it). The norm is
+    taken before the optimizer step (before clipping, as ZeRO and BF16_Optimizer report it). True when installed."""
+    step = getattr(engine, "_take_model_step", None)
+    if step is None or engine.bfloat16_enabled() or engine.fp16_enabled() or engine.zero_optimization():
+        return False
+
+    def take_model_step(*args, **kwargs):
+        norm = float(global_grad_norm(engine))
+        out = step(*args, **kwargs)
+        engine._global_grad_norm = norm
+        return out
+
+    engine._take_model_step = take_model_step
+    return True
 
 
 class RunAborted(SystemExit):
@@ -205,6 +280,10 @@ class RunGuard:
         self.spike_factor, self.dead_grad_norm = ctl.spike_factor, ctl.dead_grad_norm
         self.weight_jump_factor = ctl.weight_jump_factor
         self.losses: list[float] = []  # recent finite losses of healthy steps (the spike check's history)
+        self.confirm_steps = ctl.spike_confirm_steps
+        self.spike: Optional[Spike] = None  # a loss spike not yet confirmed nor over
+        self.norm_missing_said = False
+        report_grad_norm(engine)  # fp32 without ZeRO: DeepSpeed reports none, so the guard's own is reported
         # The weights' norm before the first step of this process (after a load): the jump check's reference.
         self.weight_norm = weight_norm(engine) if self.weight_jump_factor else 0.0
         try:
@@ -240,6 +319,27 @@ class RunGuard:
         """How to go on from `last_checkpoint()`'s answer."""
         return "Start again" if last.startswith("none") else "Resume from it"
 
+    def state(self) -> dict:
+        """What a checkpoint keeps of the guard, so that a resume judges against the run's own history."""
+        return {
+            "losses": list(self.losses),
+            "spike": self.spike.to_dict() if self.spike else None,
+            "skipped": self.skipped,
+        }
+
+    def load_state(self, state: Optional[dict]) -> None:
+        """The history a checkpoint kept (`state`); None (a checkpoint from before it was saved): a fresh one."""
+        if not state:
+            return
+        self.losses = [float(x) for x in state.get("losses", [])][-SPIKE_WINDOW:]
+        self.spike = Spike(**state["spike"]) if state.get("spike") else None
+        self.skipped = int(state.get("skipped", 0))
+
+    def holding(self) -> bool:
+        """A loss spike is unconfirmed: interval saves wait, so that `latest` never names weights it may have
+        ruined (a stop request or the last step still saves, with the spike in the guard's state)."""
+        return self.spike is not None
+
     def saved(self, seconds: float) -> None:
         """A checkpoint save took `seconds`: the time budget keeps room for one more."""
         self.save_seconds = seconds
@@ -264,10 +364,12 @@ class RunGuard:
             return math.inf
         return after / before if before > 0 else 0.0
 
-    def _diverged(self, loss: float, norm: float, dead: bool, jump: float) -> Optional[str]:
+    def _diverged(
+        self, step: int, loss: float, norm: float, dead: bool, jump: float, sources: Sources
+    ) -> Optional[str]:
         """What makes this finite step untrustworthy, from values every rank agrees on (`dead` and `jump` went
         through the all-reduce; loss and gradient norm are global), or None. A healthy step's loss joins the
-        spike check's history."""
+        spike check's history. `sources`: what the batch was made of, for the spike warning."""
         if self.weight_jump_factor and jump > self.weight_jump_factor:
             return (
                 "the step made the weights non-finite"
@@ -280,34 +382,85 @@ class RunGuard:
                 f"gradient norm {norm:.3g} on a step with loss tokens (loss {loss:.4f}): the model is dead, its "
                 f"weights saturated (--dead-grad-norm {self.dead_grad_norm:g})"
             )
-        if self.spike_factor and len(self.losses) >= SPIKE_WARMUP:
+        return self._spiked(step, loss, sources)
+
+    def _spiked(self, step: int, loss: float, sources: Sources) -> Optional[str]:
+        """The loss spike check: None while the run is healthy or a spike is unconfirmed (said once, with the
+        batch's sources), the reason once the loss has stayed above the bound for --spike-confirm-steps steps."""
+        spike = self.spike
+        if spike is None and self.spike_factor and len(self.losses) >= SPIKE_WARMUP:
             median = statistics.median(self.losses)
-            if loss > max(self.spike_factor * median, median + SPIKE_MIN_NATS):
-                return (
-                    f"loss {loss:.4f} is {loss / median:.1f}x the median {median:.4f} of the last "
-                    f"{len(self.losses)} steps (--spike-factor {self.spike_factor:g})"
-                )
-        self.losses = (self.losses + [loss])[-SPIKE_WINDOW:]
+            bound = max(self.spike_factor * median, median + SPIKE_MIN_NATS)
+            if loss > bound:
+                spike = self.spike = Spike(step, median, len(self.losses), bound, [])
+        if spike is None:
+            self.losses = (self.losses + [loss])[-SPIKE_WINDOW:]
+            return None
+        ratio = loss / spike.median if spike.median > 0 else math.inf  # a memorised set's median can be 0
+        what = (
+            f"loss {loss:.4f} is {ratio:.1f}x the median {spike.median:.4f} of the last "
+            f"{spike.window} steps (--spike-factor {self.spike_factor:g})"
+        )
+        if loss <= spike.bound:  # over: it was a batch, not the model (its losses join the history)
+            self._log(
+                f"threed: loss back to {loss:.4f} at step {step}, below {spike.bound:.4f}: the spike of step "
+                f"{spike.start} lasted {len(spike.losses)} step(s); not a divergence, training goes on"
+            )
+            self.losses = (self.losses + spike.losses + [loss])[-SPIKE_WINDOW:]
+            self.spike = None
+            return None
+        spike.losses.append(loss)
+        if len(spike.losses) >= self.confirm_steps:
+            return what + (
+                f", above {spike.bound:.4f} for {len(spike.losses)} steps in a row since step {spike.start} "
+                f"(--spike-confirm-steps {self.confirm_steps})"
+                if self.confirm_steps > 1
+                else ""
+            )
+        if len(spike.losses) == 1 and self.rank == 0:
+            sources = sources() if callable(sources) else sources  # a look-up: made only when it is said
+            self._log(
+                f"threed: warning: loss spike at step {step}: {what}{sources}; the run goes on, saves wait, and it "
+                f"stops only if the loss stays above {spike.bound:.4f} for {self.confirm_steps} steps "
+                f"(--spike-confirm-steps)"
+            )
         return None
 
-    def after_step(self, step: int, loss: float, grad_norm: Optional[float], has_loss_tokens: bool = True) -> bool:
+    def after_step(
+        self,
+        step: int,
+        loss: float,
+        grad_norm: Optional[float],
+        has_loss_tokens: bool = True,
+        sources: Sources = "",
+    ) -> bool:
         """Call on every rank after each step, before any save of it. Raises RunAborted on a non-finite step beyond
         the allowance, or on a finite divergence (a loss spike, a dead model, a weight jump); returns True when
         every rank should save and exit now (a stop request on any rank, or the time budget, which also raises
         the stop request). `has_loss_tokens`: this rank knows the step's loss counted tokens (pretraining: always;
-        SFT: the last stage, where the count is; False elsewhere, so that rank does not judge a dead model)."""
+        SFT: the last stage, where the count is; False elsewhere, so that rank does not judge a dead model).
+        `grad_norm` None: not reported (never read as non-finite; the dead-model check is off, said once).
+        `sources`: the batch's make-up (`; batch sources: ...`, or a function that returns it), named when its loss
+        spikes."""
         now = time.monotonic()
         self.step_seconds, self.last_step_time = now - self.last_step_time, now
         if self.watchdog is not None:
             self.watchdog.step = step
-        norm = float("nan") if grad_norm is None else float(grad_norm)
+        absent = grad_norm is None
+        if absent and not self.norm_missing_said:
+            self.norm_missing_said = True
+            self._log(
+                "threed: the engine reports no gradient norm: the guard's non-finite and dead-model checks on it "
+                "are off (the loss, the weights and DeepSpeed's skipped steps are still checked)"
+            )
+        norm = math.nan if absent else float(grad_norm)
         applied = getattr(self.engine, "was_step_applied", lambda: True)()
-        bad = not (math.isfinite(loss) and math.isfinite(norm) and applied)
+        bad = not (math.isfinite(loss) and (absent or math.isfinite(norm)) and applied)
         budget = self.exit_duration_in_mins * 60
         late = bool(budget) and (time.time() - _STARTED) + self.step_seconds + self.save_seconds >= budget
         stop = self.stop is not None and self.stop.requested()
         jump = self._weight_jump()
-        dead = bool(self.dead_grad_norm) and has_loss_tokens and not bad and norm <= self.dead_grad_norm
+        dead = bool(self.dead_grad_norm) and has_loss_tokens and not bad and not absent and norm <= self.dead_grad_norm
         stop, bad, late, jump, dead = self._agree(stop, bad, late, jump, dead)
         stop, bad, late = bool(stop), bool(bad), bool(late)
         if bad:
@@ -328,11 +481,13 @@ class RunGuard:
                 f"{self.skipped} of --skip-nonfinite {allowed}"
             )
         else:
-            seen = self._diverged(loss, norm, bool(dead), jump)
+            seen = self._diverged(step, loss, norm, bool(dead), jump, sources)
             if seen is not None:
                 last = self.last_checkpoint()
-                if not seen.startswith("the step") and last.endswith(f"/global_step{step - 1}"):
-                    last += " (saved just before this step: its weights gave this loss; an earlier one may be safer)"
+                began = self.spike.start if self.spike is not None else step
+                if not seen.startswith("the step") and last.endswith(f"/global_step{began - 1}"):
+                    when = "this step" if began == step else f"step {began}, where the spike began"
+                    last += f" (saved just before {when}: its weights gave this loss; an earlier one may be safer)"
                 self._log(
                     f"threed: error: the run diverged at step {step}: {seen}; stopping without saving. Last "
                     f"good checkpoint: {last}. {self.restart(last)} with a lower --lr or more --warmup-steps; "

@@ -18,9 +18,12 @@ the run ends, however it ends (threed.checkpoint.lock; a killed job's lock goes 
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -90,6 +93,42 @@ def step_batches(batches, gas: int, sft: bool, engine, device: torch.device) -> 
     return iter(step), loss_tokens
 
 
+def batch_sources(dataset, first: int, count: int) -> str:
+    """What a global batch (samples [first, first + count)) was made of, for the guard's loss-spike warning: read
+    from the blend's index, no sample is read. Asked for only when a loss spikes."""
+    if dataset is None:
+        return ""
+    index = getattr(dataset, "dataset_index", None)
+    parts = getattr(dataset, "datasets", None)
+    if index is None or parts is None:  # one dataset, not a blend
+        return f"; batch sources: {Path(str(getattr(dataset, 'dataset_path', '?'))).name} {count}"
+    tally = Counter(int(index[i]) for i in range(first, min(first + count, len(index))))
+    names = [Path(str(getattr(d, "dataset_path", f"dataset {k}"))).name for k, d in enumerate(parts)]
+    return "; batch sources: " + ", ".join(f"{names[k]} {n}" for k, n in sorted(tally.items()))
+
+
+@contextlib.contextmanager
+def recorded_stop(metrics: RunMetrics, step: int, samples: int) -> Iterator[None]:
+    """A guard's stop inside the block (exit 3: diverged) is recorded in the metrics as `exit-status` at `step`,
+    so `threed report` says the run was stopped instead of reading like a healthy short run."""
+    try:
+        yield
+    except SystemExit as e:
+        metrics.log(step, {"exit-status": int(e.code or 0)}, samples=samples, line=False)
+        raise
+
+
+def stopped_line(cfg: RunConfig, step: int, saved_to: Optional[str]) -> str:
+    """What a stop request (signal, STOP file, time budget) ends with: where step `step` was saved, or, for a run
+    without --save, that nothing could be."""
+    if not cfg.checkpoint.save:
+        return (
+            f"stop requested: stopped after step {step}; nothing could be saved (the run has no --save), so a "
+            f"restart begins again from its start"
+        )
+    return f"stop requested: saved step {step} to {saved_to}; exiting for a restart"
+
+
 def log(is_logger: bool, msg: str) -> None:
     if is_logger:
         print(msg, flush=True)
@@ -101,8 +140,10 @@ def train(cfg: RunConfig) -> TrainResult:
             "--steps 0 trains nothing (it is the total step count to train to); give --steps N >= 1, "
             "or check a configuration without building it with `threed check-config`"
         )
+    # The configuration is checked before any process group exists: torchrun's WORLD_SIZE, else a world of one.
+    cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))
     rt = init_distributed(cfg.control.dist_timeout_minutes)
-    cfg.validate(rt.world_size)
+    cfg.validate(rt.world_size)  # the same world (a launcher of another kind may set it only now)
     preflight(cfg.parallel.cp, rt.device, cfg.train.dtype)  # a CP attention kernel that would mask top-left
     recompute_summary(cfg)  # --recompute-num-layers against the stages' blocks, before anything is built
     splits = checked_data_splits(
@@ -135,6 +176,7 @@ def _train(cfg: RunConfig, rt: Runtime, splits: DataSplits, start_decision: Star
     built = build_engine(cfg, rt, start_decision, token_weighted=splits.sft)
     engine = built.engine
     guard = RunGuard(cfg, rt.rank, engine, stop, rt.device)  # stop request, non-finite steps, time budget, watchdog
+    guard.load_state(built.client_state.get("guard"))  # the loss history a resume judges against
     start = engine.global_steps
     # Consumed samples position the sampler; a checkpoint from before they were recorded had a constant batch.
     consumed = int(built.client_state.get("consumed_samples", start * glob))
@@ -175,12 +217,13 @@ def _train(cfg: RunConfig, rt: Runtime, splits: DataSplits, start_decision: Star
         else None
     )
     metrics = RunMetrics(cfg, engine, rt, start)  # every rank: times its stage; the loss rank writes
+    waiting = False  # an interval save is due and waits for an unconfirmed loss spike to end
     for step in range(start, cfg.train.steps):
         step_iter, loss_tokens = step_batches(batches, gas, splits.sft, engine, rt.device)
         loss = engine.train_batch(data_iter=step_iter).item()
-        consumed += glob
-        norm = engine.get_global_grad_norm()
-        norm = float(norm) if norm is not None else float("nan")
+        first_sample, consumed = consumed, consumed + glob
+        reported = engine.get_global_grad_norm()  # None: not reported, which the guard never reads as non-finite
+        norm = float(reported) if reported is not None else float("nan")
         result.losses.append(loss)
         result.grad_norms.append(norm)
         if loss_tokens is not None:
@@ -193,7 +236,14 @@ def _train(cfg: RunConfig, rt: Runtime, splits: DataSplits, start_decision: Star
         # The step's one control all-reduce: exit 3 on divergence (before the step can be saved); True: every rank
         # saves and exits after this step. SFT: only the last stage knows whether the step had loss tokens.
         has_loss_tokens = not splits.sft or bool(loss_tokens)
-        stop_now = guard.after_step(step + 1, loss, norm, has_loss_tokens)
+        with recorded_stop(metrics, step + 1, consumed):
+            stop_now = guard.after_step(
+                step + 1,
+                loss,
+                None if reported is None else norm,
+                has_loss_tokens,
+                sources=lambda: batch_sources(data.train, first_sample, glob),
+            )
         last = step + 1 == cfg.train.steps
         if splits.eval_interval and ((step + 1) % splits.eval_interval == 0 or last):
             # Evaluation k reads the k-th block of eval_iters valid batches (the last one may be off-interval).
@@ -230,14 +280,19 @@ def _train(cfg: RunConfig, rt: Runtime, splits: DataSplits, start_decision: Star
                 f"{ev.tokens} tokens{per}",
             )
         interval = cfg.checkpoint.save_interval
-        due = last or bool(interval and (step + 1) % interval == 0)
+        # An interval save waits while a loss spike is unconfirmed (the guard's `holding`), and is made at the
+        # first step after it: `latest` never names weights a spike may have ruined. A stop or the last step saves.
+        waiting = waiting or bool(interval and (step + 1) % interval == 0)
+        due = last or (waiting and not guard.holding())
         if cfg.checkpoint.save and (stop_now or due):
-            saved = save(engine, cfg, rt.rank, {"consumed_samples": consumed})
+            with recorded_stop(metrics, step + 1, consumed):  # a save of diverged weights is refused: exit 3
+                saved = save(engine, cfg, rt.rank, {"consumed_samples": consumed, "guard": guard.state()})
             guard.saved(saved.seconds)  # the time budget keeps room for one more save
             result.saved_to = saved.path
+            waiting = False
         if stop_now:
             result.preempted = True
-            log(logger, f"stop requested: saved step {step + 1} to {result.saved_to}; exiting for a restart")
+            log(logger, stopped_line(cfg, step + 1, result.saved_to))
             break
         if cfg.checkpoint.save and due:
             log(logger, f"saved checkpoint step {step + 1} to {cfg.checkpoint.save}")
