@@ -1,0 +1,125 @@
+"""The ranks of `threed generate`: build the engine from a checkpoint at --tp / --pp (the path `threed train
+--init-from` takes: DeepSpeed's own `load_checkpoint(load_module_only=True)`), split the prompts over the
+data-parallel replicas, generate in batches (`threed.generate.decode`), and write the continuations from rank 0.
+
+    threed generate --load CKPT --prompts prompts.jsonl --max-new-tokens 32 --output out.jsonl \
+        --nproc-per-node 4 --tp 2 --pp 2
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from threed.atomic import write_atomic
+from threed.config import CheckpointConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
+from threed.generate.decode import generate_batch, stage_of
+from threed.generate.prompts import GenerateRequest, Sampling, Tokenizer
+from threed.parallel.distributed import Runtime
+from threed.train.engine import build_engine
+
+
+@dataclass
+class Result:
+    index: int  # the prompt's position in the input
+    tokens: list[int]
+    margins: list[float]
+
+
+def engine_config(load: str, model: ModelConfig, tp: int, pp: int, dtype: str = "fp32") -> RunConfig:
+    """The RunConfig whose engine holds the checkpoint's weights at tp x pp (no data, no optimizer steps)."""
+    return RunConfig(
+        model=model,
+        parallel=ParallelConfig(tp=tp, pp=pp),
+        train=TrainConfig(dtype=dtype, seq_length=min(64, model.max_position_embeddings), micro_batch_size=1, steps=1),
+        checkpoint=CheckpointConfig(init_from=load),
+    )
+
+
+def generate_all(
+    engine,
+    model: ModelConfig,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    sampling: Sampling,
+    stop_ids: Sequence[int] = (),
+    use_cache: bool = True,
+    batch_size: int = 8,
+) -> list[Result]:
+    """Every rank calls this with the same prompts; each data-parallel replica generates prompts dp_rank, dp_rank +
+    dp, ... in batches, and every rank gets all the results, in prompt order. The engine is left in the mode it
+    was in (training's, for generation during a run)."""
+    grid = engine.grid
+    dp, dp_rank = grid.get_data_parallel_world_size(), grid.get_data_parallel_rank()
+    stage = stage_of(engine, model)
+    mine = list(range(dp_rank, len(prompts), dp))
+    local: list[Result] = []
+    was_training = engine.module.training
+    engine.module.eval()
+    try:
+        with torch.no_grad():
+            for i in range(0, len(mine), batch_size):
+                idx = mine[i : i + batch_size]
+                out = generate_batch(
+                    stage, [prompts[j] for j in idx], idx, max_new_tokens, sampling, stop_ids, use_cache
+                )
+                margins = out.margins or [[] for _ in idx]
+                local += [Result(j, t, m) for j, t, m in zip(idx, out.tokens, margins)]
+    finally:
+        engine.module.train(was_training)
+    speaker = stage.last and grid.get_slice_parallel_rank() == 0  # one rank per replica holds the margins
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local if speaker else None)
+    return sorted((r for part in gathered if part for r in part), key=lambda r: r.index)
+
+
+def output_lines(request: GenerateRequest, tokenizer: Tokenizer, results: list[Result]) -> list[str]:
+    return [
+        json.dumps({"prompt": request.texts[r.index], "text": tokenizer.decode(r.tokens), "tokens": r.tokens})
+        for r in results
+    ]
+
+
+def run_generate(request: GenerateRequest, tokenizer: Tokenizer, rt: Runtime) -> int:
+    """One rank of `threed generate` (every rank of the world calls it, under torchrun or alone)."""
+    cfg = engine_config(request.load, request.model, request.tp, request.pp, request.dtype)
+    cfg.validate(rt.world_size)
+    engine = build_engine(cfg, rt).engine
+    if rt.device.type == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier()
+    t0 = time.perf_counter()
+    results = generate_all(
+        engine,
+        request.model,
+        request.prompt_ids,
+        request.max_new_tokens,
+        request.sampling,
+        tokenizer.stop_ids,
+        use_cache=not request.no_kv_cache,
+        batch_size=request.batch_size,
+    )
+    seconds = time.perf_counter() - t0
+    if rt.rank == 0:
+        lines = output_lines(request, tokenizer, results)
+        new = sum(len(r.tokens) for r in results)
+        summary = (
+            f"threed generate: {len(results)} prompt(s), {new} new tokens in {seconds:.2f} s: "
+            f"{new / max(seconds, 1e-9):.1f} tokens/s (tp={request.tp} pp={request.pp} "
+            f"dp={engine.grid.get_data_parallel_world_size()}, {'no ' if request.no_kv_cache else ''}KV cache)"
+        )
+        if request.output:
+            write_atomic(Path(request.output), "".join(line + "\n" for line in lines))
+            print(f"{summary}; wrote {request.output}", flush=True)
+        else:
+            print("\n".join(lines), flush=True)
+            print(summary, file=sys.stderr, flush=True)
+    dist.barrier()
+    return 0
