@@ -44,9 +44,7 @@ def prepare(ns: argparse.Namespace) -> "tuple[GenerateRequest, Tokenizer]":
     tokenizer = Tokenizer(tok_path)
     ids = [tokenizer.encode(t) for t in texts]
     check_lengths(ids, ns.max_new_tokens, model)
-    world = ns.nproc_per_node or int(os.environ.get("WORLD_SIZE", "1"))
-    if world % (tp * pp):
-        raise ConfigError(f"{world} rank(s) cannot hold tp={tp} x pp={pp}: use a multiple of {tp * pp} ranks")
+    check_world(ns.nproc_per_node, tp, pp)
     request = GenerateRequest(
         load=ns.load,
         model=model,
@@ -83,17 +81,30 @@ def rank_argv(ns: argparse.Namespace, request: "GenerateRequest") -> list[str]:
     return argv + (["--greedy"] if ns.greedy else []) + (["--no-kv-cache"] if ns.no_kv_cache else [])
 
 
-def _generate(ns: argparse.Namespace) -> int:
+def refuse_nested_launch(ns: argparse.Namespace) -> None:
     if ns.nproc_per_node and (os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("LOCAL_RANK")):
         raise ConfigError(f"{NPROC_FLAG} starts the ranks itself: under torchrun (or srun) leave it out")
+
+
+def check_world(nproc: "int | None", tp: int, pp: int) -> None:
+    world = nproc or int(os.environ.get("WORLD_SIZE", "1"))
+    if world % (tp * pp):
+        raise ConfigError(f"{world} rank(s) cannot hold tp={tp} x pp={pp}: use a multiple of {tp * pp} ranks")
+
+
+def launch_ranks(nproc: int, argv: list[str]) -> int:
+    """`threed ARGV` on `nproc` local ranks under torchrun, ending as the ranks do (as `threed train
+    --nproc-per-node`)."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    return torchrun_main(["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0", "-m", "threed.cli", *argv])
+
+
+def _generate(ns: argparse.Namespace) -> int:
+    refuse_nested_launch(ns)
     request, tokenizer = prepare(ns)
     if ns.nproc_per_node:
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-        return torchrun_main(
-            ["--standalone", f"--nproc-per-node={ns.nproc_per_node}", "--max-restarts=0", "-m", "threed.cli"]
-            + rank_argv(ns, request)
-        )
+        return launch_ranks(ns.nproc_per_node, rank_argv(ns, request))
     # torch, deepspeed, megatron: only once the request is known good
     from threed.generate.run import run_generate
     from threed.parallel.distributed import init_distributed, shutdown_distributed

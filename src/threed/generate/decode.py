@@ -30,7 +30,8 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from threed.config import ModelConfig
 from threed.generate.prompts import Sampling
-from threed.generate.sampling import VocabSlice, pick
+from threed.generate.sampling import VocabSlice, parallel_top2, pick
+from threed.model.layers import token_losses
 from threed.model.spec import pipeline_layers
 
 
@@ -99,9 +100,9 @@ def visible(key_ok: torch.Tensor, begin: int, length: int) -> torch.Tensor:
     return ((k <= q)[None] & key_ok[:, None, :length] | (k == q)[None])[:, None]
 
 
-def run_stage(stage: Stage, x: torch.Tensor, mask, angles, ctx) -> torch.Tensor:
-    """This stage's layers on `x` (tokens on the first stage, else hidden `[s, b, h]`); the final norm and the
-    head see only the last position (the one whose next token is picked)."""
+def run_stage(stage: Stage, x: torch.Tensor, mask, angles, ctx, last_only: bool = True) -> torch.Tensor:
+    """This stage's layers on `x` (tokens on the first stage, else hidden `[s, b, h]`); with `last_only` the final
+    norm and the head see only the last position (the one whose next token is picked)."""
     for kind, fn in stage.funcs:
         if kind == "block":
             # megatron's TransformerLayer itself: LlamaBlock.forward takes one tensor (the pipeline's convention)
@@ -109,8 +110,37 @@ def run_stage(stage: Stage, x: torch.Tensor, mask, angles, ctx) -> torch.Tensor:
         elif kind == "embedding":
             x = fn(x)
         else:
-            x = fn(x[-1:] if kind == "final_norm" else x)
+            x = fn(x[-1:] if kind == "final_norm" and last_only else x)
     return x
+
+
+def score_batch(stage: Stage, rows: Sequence[Sequence[int]], scored: Sequence[int]) -> Optional[list[tuple]]:
+    """Log-probabilities of token sequences, as training computes them: row r's last `scored[r]` tokens are scored
+    given everything before them. One causal forward of the right-padded batch (SDPA `is_causal`, the training
+    path: padding after a row cannot change it), then on the last stage megatron's vocab-parallel cross entropy
+    (`threed.model.layers.token_losses`) and a vocab-parallel argmax for "is greedy": the full logits are never
+    gathered. Returns (sum of log-probabilities (float64), every scored token the argmax) per row on the last
+    stage, None elsewhere. Every rank of the pipeline calls it with the same rows."""
+    b, s = len(rows), max(len(r) for r in rows) - 1
+    tokens = torch.zeros(b, s, dtype=torch.long, device=stage.device)
+    labels = torch.zeros(b, s, dtype=torch.long, device=stage.device)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r) - 1] = torch.tensor(list(r[:-1]), dtype=torch.long)
+        labels[i, : len(r) - 1] = torch.tensor(list(r[1:]), dtype=torch.long)
+    x = tokens if stage.first else receive(stage, (s, b, stage.hidden_size))
+    angles = stage.blocks[0].rotary(s, stage.device) if stage.blocks else None
+    x = run_stage(stage, x, None, angles, None, last_only=False)
+    if not stage.last:
+        dist.send(x.contiguous(), dst=stage.next_rank)
+        return None
+    logprobs = -token_losses(x, labels).double()  # [b, s]
+    best, _ = parallel_top2(x.reshape(s * b, -1), stage.part)
+    greedy = best.reshape(s, b).transpose(0, 1) == labels
+    out = []
+    for i, r in enumerate(rows):
+        end, n = len(r) - 1, scored[i]
+        out.append((float(logprobs[i, end - n : end].sum()), bool(greedy[i, end - n : end].all())))
+    return out
 
 
 def receive(stage: Stage, shape: tuple[int, ...]) -> torch.Tensor:

@@ -49,15 +49,8 @@ class Tokenizer:
             self._hf: Any = None
             self.bos_id, eos = self._sp.bos_id(), self._sp.eos_id()
         else:
-            # transformers: heavy (seconds to import), only for HF tokenizers
-            from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
             self._sp = None
-            self._hf = (
-                PreTrainedTokenizerFast(tokenizer_file=path)
-                if p.is_file()
-                else AutoTokenizer.from_pretrained(path, local_files_only=True)
-            )
+            self._hf = hf_tokenizer(path)
             self.bos_id, eos = self._hf.bos_token_id, self._hf.eos_token_id
         self.stop_ids: tuple[int, ...] = (eos,) if eos is not None and eos >= 0 else ()
 
@@ -70,6 +63,20 @@ class Tokenizer:
         if self._sp is not None:
             return self._sp.decode(ids)
         return self._hf.decode(ids, skip_special_tokens=True)
+
+
+def hf_tokenizer(path: str) -> Any:
+    """transformers' tokenizer of an HF tokenizer directory or a tokenizer.json (with tokenizer_config.json beside
+    it, when there is one), local files only."""
+    # transformers: heavy (seconds to import), only for HF tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    p = Path(path)
+    if p.is_dir():
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if (p.parent / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(str(p.parent), local_files_only=True)
+    return PreTrainedTokenizerFast(tokenizer_file=path)
 
 
 def checkpoint_tokenizer(load: str) -> Optional[str]:

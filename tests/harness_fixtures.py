@@ -1,0 +1,71 @@
+"""Local lm-eval tasks for the harness tests, written by the tests themselves (no hub, no stock task data): a
+multiple-choice task (30 documents, 4 choices) and a rolling-loglikelihood task (20 documents, some longer than
+the tiny model's 128-token context, so the rolling windows matter), as YAML + JSONL under one folder.
+
+    from harness_fixtures import write_tasks, OFFLINE_ENV
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+TASKS = ("tiny_mc", "tiny_ppl")
+# lm-eval's dataset loading fully offline; HF_DATASETS_CACHE is set per test to a folder of its own.
+OFFLINE_ENV = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+WORDS = (
+    "the a river stone light city north old bright quiet house garden water fire small large green blue red "
+    "runs falls sings holds opens closes under over near far before after and or but if when"
+).split()
+
+MC_YAML = """task: tiny_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+  - metric: acc_norm
+"""
+
+PPL_YAML = """task: tiny_ppl
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{{{text}}}}"
+metric_list:
+  - metric: word_perplexity
+  - metric: byte_perplexity
+  - metric: bits_per_byte
+"""
+
+
+def _sentence(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def write_tasks(root: Path, mc_docs: int = 30, ppl_docs: int = 20) -> Path:
+    """The two tasks under `root` (the --include-path); data files by absolute path."""
+    root.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(0)
+    with open(root / "mc.jsonl", "w") as f:
+        for _ in range(mc_docs):
+            doc = {"question": _sentence(rng, rng.randint(3, 12)) + ":", "answer": rng.randint(0, 3)}
+            doc["choices"] = [" " + _sentence(rng, rng.randint(1, 4)) for _ in range(4)]
+            f.write(json.dumps(doc) + "\n")
+    with open(root / "ppl.jsonl", "w") as f:
+        for i in range(ppl_docs):
+            f.write(json.dumps({"text": _sentence(rng, 8 if i % 4 else 150)}) + "\n")
+    (root / "tiny_mc.yaml").write_text(MC_YAML.format(data=root / "mc.jsonl"))
+    (root / "tiny_ppl.yaml").write_text(PPL_YAML.format(data=root / "ppl.jsonl"))
+    return root
