@@ -69,3 +69,42 @@ def write_tasks(root: Path, mc_docs: int = 30, ppl_docs: int = 20) -> Path:
     (root / "tiny_mc.yaml").write_text(MC_YAML.format(data=root / "mc.jsonl"))
     (root / "tiny_ppl.yaml").write_text(PPL_YAML.format(data=root / "ppl.jsonl"))
     return root
+
+
+def model_dir(out: Path, config: dict, tokenizer_dir: str, seed: int = 0) -> Path:
+    """A random HF Llama of `config` saved with the tokenizer files of `tokenizer_dir` beside it (a model directory
+    as a user has one)."""
+    import shutil
+
+    from convert_fixtures import save_hf
+
+    hf = save_hf(out, config, seed=seed)
+    for f in Path(tokenizer_dir).iterdir():
+        shutil.copy(f, hf / f.name)
+    return hf
+
+
+def add_greedy_choices(root: Path, model_path: Path, every: int = 3) -> int:
+    """Make choice 0 of every `every`-th multiple-choice document the model's own greedy next token (decoded), so
+    that some requests are greedy and "is greedy" is compared on True as well as False. Returns how many."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_path))
+    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
+    docs = [json.loads(line) for line in (root / "mc.jsonl").read_text().splitlines()]
+    for doc in docs[::every]:
+        with torch.no_grad():
+            logits = model(torch.tensor([tok.encode(doc["question"])])).logits[0, -1]
+        doc["choices"][0] = tok.decode([int(logits.argmax())])
+    (root / "mc.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    return len(docs[::every])
+
+
+def request_results(results: dict) -> dict[str, list]:
+    """Per task, each document's responses (lm-eval's log_samples `resps`): [(log-prob, is greedy)] per choice for
+    multiple choice, [log-prob] for rolling."""
+    return {
+        task: [s["resps"] for s in sorted(samples, key=lambda s: s["doc_id"])]
+        for task, samples in results["samples"].items()
+    }
