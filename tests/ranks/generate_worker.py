@@ -19,7 +19,7 @@ from worker_setup import load_hf_weights, write_json, run_worker
 from convert_fixtures import hf_model
 from threed.config import ParallelConfig, RunConfig, TrainConfig
 from threed.generate.prompts import Sampling
-from threed.generate.run import generate_all
+from threed.generate.decode import generate_all
 from threed.hf.config import from_hf_config
 from threed.parallel.distributed import Runtime
 from threed.train.engine import build_engine

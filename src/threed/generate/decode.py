@@ -207,3 +207,47 @@ def generate_batch(
         done |= torch.isin(token, stops)
         length, step = length + 1, step + 1
     return Generated(tokens=new, margins=margins if stage.last else [], steps=step)
+
+
+@dataclass
+class Result:
+    index: int  # the prompt's position in the input
+    tokens: list[int]
+    margins: list[float]
+
+
+def generate_all(
+    engine,
+    model: ModelConfig,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    sampling: Sampling,
+    stop_ids: Sequence[int] = (),
+    use_cache: bool = True,
+    batch_size: int = 8,
+) -> list[Result]:
+    """Every rank calls this with the same prompts; each data-parallel replica generates prompts dp_rank, dp_rank +
+    dp, ... in batches, and every rank gets all the results, in prompt order. The engine is left in the mode it
+    was in (training's, for generation during a run)."""
+    grid = engine.grid
+    dp, dp_rank = grid.get_data_parallel_world_size(), grid.get_data_parallel_rank()
+    stage = stage_of(engine, model)
+    mine = list(range(dp_rank, len(prompts), dp))
+    local: list[Result] = []
+    was_training = engine.module.training
+    engine.module.eval()
+    try:
+        with torch.no_grad():
+            for i in range(0, len(mine), batch_size):
+                idx = mine[i : i + batch_size]
+                out = generate_batch(
+                    stage, [prompts[j] for j in idx], idx, max_new_tokens, sampling, stop_ids, use_cache
+                )
+                margins = out.margins or [[] for _ in idx]
+                local += [Result(j, t, m) for j, t, m in zip(idx, out.tokens, margins)]
+    finally:
+        engine.module.train(was_training)
+    speaker = stage.last and grid.get_slice_parallel_rank() == 0  # one rank per replica holds the margins
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local if speaker else None)
+    return sorted((r for part in gathered if part for r in part), key=lambda r: r.index)

@@ -11,26 +11,17 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
 from threed.atomic import write_atomic
 from threed.config import CheckpointConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
-from threed.generate.decode import generate_batch, stage_of
-from threed.generate.prompts import GenerateRequest, Sampling, Tokenizer
+from threed.generate.decode import generate_all
+from threed.generate.prompts import GenerateRequest, Tokenizer
 from threed.parallel.distributed import Runtime
 from threed.train.engine import build_engine
-
-
-@dataclass
-class Result:
-    index: int  # the prompt's position in the input
-    tokens: list[int]
-    margins: list[float]
 
 
 def engine_config(load: str, model: ModelConfig, tp: int, pp: int, dtype: str = "fp32") -> RunConfig:
@@ -43,44 +34,7 @@ def engine_config(load: str, model: ModelConfig, tp: int, pp: int, dtype: str = 
     )
 
 
-def generate_all(
-    engine,
-    model: ModelConfig,
-    prompts: Sequence[Sequence[int]],
-    max_new_tokens: int,
-    sampling: Sampling,
-    stop_ids: Sequence[int] = (),
-    use_cache: bool = True,
-    batch_size: int = 8,
-) -> list[Result]:
-    """Every rank calls this with the same prompts; each data-parallel replica generates prompts dp_rank, dp_rank +
-    dp, ... in batches, and every rank gets all the results, in prompt order. The engine is left in the mode it
-    was in (training's, for generation during a run)."""
-    grid = engine.grid
-    dp, dp_rank = grid.get_data_parallel_world_size(), grid.get_data_parallel_rank()
-    stage = stage_of(engine, model)
-    mine = list(range(dp_rank, len(prompts), dp))
-    local: list[Result] = []
-    was_training = engine.module.training
-    engine.module.eval()
-    try:
-        with torch.no_grad():
-            for i in range(0, len(mine), batch_size):
-                idx = mine[i : i + batch_size]
-                out = generate_batch(
-                    stage, [prompts[j] for j in idx], idx, max_new_tokens, sampling, stop_ids, use_cache
-                )
-                margins = out.margins or [[] for _ in idx]
-                local += [Result(j, t, m) for j, t, m in zip(idx, out.tokens, margins)]
-    finally:
-        engine.module.train(was_training)
-    speaker = stage.last and grid.get_slice_parallel_rank() == 0  # one rank per replica holds the margins
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, local if speaker else None)
-    return sorted((r for part in gathered if part for r in part), key=lambda r: r.index)
-
-
-def output_lines(request: GenerateRequest, tokenizer: Tokenizer, results: list[Result]) -> list[str]:
+def output_lines(request: GenerateRequest, tokenizer: Tokenizer, results: list) -> list[str]:
     return [
         json.dumps({"prompt": request.texts[r.index], "text": tokenizer.decode(r.tokens), "tokens": r.tokens})
         for r in results

@@ -21,9 +21,8 @@ from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 
 from threed.config import ModelConfig
-from threed.generate.decode import Stage, score_batch, stage_of
+from threed.generate.decode import Stage, generate_all, score_batch, stage_of
 from threed.generate.prompts import Sampling
-from threed.generate.run import generate_all
 
 
 def score_all(engine, stage: Stage, rows: list[list[int]], scored: list[int], batch_size: int) -> list[tuple]:

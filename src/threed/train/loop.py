@@ -36,6 +36,7 @@ from threed.data.splits import DataSplits, read_data_flags
 from threed.parallel.distributed import Runtime, grid_coordinates, init_distributed, loss_rank
 from threed.train.engine import build_engine
 from threed.train.guard import RunGuard, StopRequest
+from threed.train.samples import after_step as samples_after_step, prepare as prepare_samples
 from threed.train.evaluate import evaluate
 from threed.metrics.writer import RunMetrics
 from threed.model.spec import parameter_count
@@ -123,6 +124,7 @@ def _train(cfg: RunConfig, rt: Runtime, splits: DataSplits, start_decision: Star
         check_cache_visible(cfg.data.data_cache_path, rt.rank)
     data = build_datasets(cfg, splits, glob, builds_here=reads_data)
     stop = StopRequest(cfg.checkpoint.save)
+    samples = prepare_samples(cfg)  # --generate-interval / --harness-interval: prompts, tokenizer, tasks checked
     built = build_engine(cfg, rt, start_decision, token_weighted=splits.sft)
     engine = built.engine
     guard = RunGuard(cfg, rt.rank, engine, stop, rt.device)  # stop request, non-finite steps, time budget, watchdog
@@ -216,6 +218,7 @@ def _train(cfg: RunConfig, rt: Runtime, splits: DataSplits, start_decision: Star
                 f"validation at step {step + 1} | loss {ev.loss:.4f} | perplexity {ev.perplexity:.2f} | "
                 f"{ev.tokens} tokens{per}",
             )
+        samples_after_step(samples, step + 1, engine, metrics, logger)  # generations / harness scores when due
         interval = cfg.checkpoint.save_interval
         due = last or bool(interval and (step + 1) % interval == 0)
         if cfg.checkpoint.save and (stop_now or due):
