@@ -1,6 +1,7 @@
 """Local lm-eval tasks for the harness tests, written by the tests themselves (no hub, no stock task data): a
-multiple-choice task (30 documents, 4 choices) and a rolling-loglikelihood task (20 documents, some longer than
-the tiny model's 128-token context, so the rolling windows matter), as YAML + JSONL under one folder.
+multiple-choice task (30 documents, 4 choices), a rolling-loglikelihood task (20 documents, some longer than
+the tiny model's 128-token context, so the rolling windows matter) and a generate_until task (12 documents, 8 new
+tokens, two stop strings), as YAML + JSONL under one folder.
 
     from harness_fixtures import write_tasks, OFFLINE_ENV
 """
@@ -12,6 +13,7 @@ import random
 from pathlib import Path
 
 TASKS = ("tiny_mc", "tiny_ppl")
+GEN_TASK = "tiny_gen"  # generate_until (through `threed generate`'s loop): only the parity test runs it
 # lm-eval's dataset loading fully offline; HF_DATASETS_CACHE is set per test to a folder of its own.
 OFFLINE_ENV = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 WORDS = (
@@ -50,6 +52,24 @@ metric_list:
 """
 
 
+GEN_YAML = """task: tiny_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{question}}}}"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: ["river", "stone"]
+  max_gen_toks: 8
+  do_sample: false
+metric_list:
+  - metric: exact_match
+"""
+
+
 def _sentence(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
@@ -66,6 +86,10 @@ def write_tasks(root: Path, mc_docs: int = 30, ppl_docs: int = 20) -> Path:
     with open(root / "ppl.jsonl", "w") as f:
         for i in range(ppl_docs):
             f.write(json.dumps({"text": _sentence(rng, 8 if i % 4 else 150)}) + "\n")
+    with open(root / "gen.jsonl", "w") as f:
+        for _ in range(12):
+            f.write(json.dumps({"question": _sentence(rng, rng.randint(2, 9)), "answer": rng.choice(WORDS)}) + "\n")
+    (root / "tiny_gen.yaml").write_text(GEN_YAML.format(data=root / "gen.jsonl"))
     (root / "tiny_mc.yaml").write_text(MC_YAML.format(data=root / "mc.jsonl"))
     (root / "tiny_ppl.yaml").write_text(PPL_YAML.format(data=root / "ppl.jsonl"))
     return root

@@ -16,7 +16,7 @@ import torch.distributed as dist
 # worker_setup first: it puts tests/ on sys.path (helpers, convert_fixtures, harness_fixtures)
 from worker_setup import load_hf_weights, run_worker, write_json
 from convert_fixtures import hf_model
-from harness_fixtures import TASKS, request_results
+from harness_fixtures import GEN_TASK, TASKS, request_results
 from lm_eval import evaluator
 from threed.config import ParallelConfig, RunConfig, TrainConfig
 from threed.generate.prompts import hf_tokenizer
@@ -33,7 +33,7 @@ def harness(args: argparse.Namespace, rt: Runtime) -> None:
     spec = json.loads(args.spec.read_text())
     hf = hf_model(spec["config"])
     model = dataclasses.replace(from_hf_config(hf.config.to_dict(), name="h"), make_vocab_size_divisible_by=16)
-    manager = task_manager(TASKS, spec["include_path"])
+    manager = task_manager([*TASKS, GEN_TASK], spec["include_path"])
     tokenizer = hf_tokenizer(spec["model_dir"])
     results: dict = {}
     for tp, pp in LAYOUTS:
@@ -46,7 +46,7 @@ def harness(args: argparse.Namespace, rt: Runtime) -> None:
         load_hf_weights(engine, cfg, hf.state_dict())
         lm = ThreedLM(engine, model, tokenizer, batch_size=5)
         out = evaluator.simple_evaluate(
-            model=lm, tasks=list(TASKS), log_samples=True, task_manager=manager, bootstrap_iters=0
+            model=lm, tasks=[*TASKS, GEN_TASK], log_samples=True, task_manager=manager, bootstrap_iters=0
         )
         if out is not None:  # lm-eval returns the results where LOCAL_RANK is 0 (every rank scored)
             results[f"tp{tp}_pp{pp}"] = {"requests": request_results(out), "results": out["results"]}

@@ -1,7 +1,8 @@
 """`threed eval-harness`'s model (`ThreedLM`) against lm-eval's own HF backend on the same tiny random Llama (fp32),
 fully offline, on a local multiple-choice task (30 documents, some choices the model's greedy token) and a
 rolling-loglikelihood task (20 documents, some past the 128-token context): every request's (log-probability,
-is-greedy) within 1e-5 of HF's, and the same at tp1 pp1 (dp4), tp2 pp2 and tp1 pp2 (dp2). One 4-rank launch
+is-greedy) within 1e-5 of HF's, and the same at tp1 pp1 (dp4), tp2 pp2 and tp1 pp2 (dp2); and a generate_until task
+(through `threed generate`'s loop) giving HF's texts. One 4-rank launch
 (harness_worker.py).
 
     .venv/bin/python -m pytest -q tests/ranks/test_harness.py
@@ -15,7 +16,7 @@ import os
 import pytest
 
 from convert_fixtures import GQA4
-from harness_fixtures import OFFLINE_ENV, TASKS, add_greedy_choices, model_dir, request_results, write_tasks
+from harness_fixtures import GEN_TASK, OFFLINE_ENV, TASKS, add_greedy_choices, model_dir, request_results, write_tasks
 from helpers import RANKS
 from threed.parallel.launch import run_ranks
 
@@ -47,7 +48,8 @@ def hf_reference(model_path, include_path) -> dict:
 
     lm = HFLM(pretrained=str(model_path), dtype="float32", batch_size=8, device="cpu")
     return evaluator.simple_evaluate(
-        model=lm, tasks=list(TASKS), log_samples=True, task_manager=task_manager(TASKS, str(include_path)),
+        model=lm, tasks=[*TASKS, GEN_TASK], log_samples=True,
+        task_manager=task_manager([*TASKS, GEN_TASK], str(include_path)),
         bootstrap_iters=0,
     )  # fmt: skip
 
@@ -93,10 +95,19 @@ def test_rolling_loglikelihood_equals_lm_eval_hf(harness, layout):
     assert all(close(g, r) for g, r in pairs), pairs[:5]
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_generate_until_equals_lm_eval_hf(harness, layout):
+    ours, theirs, _ = harness
+    got, ref = ours[layout]["requests"][GEN_TASK], theirs[GEN_TASK]
+    assert len(got) == len(ref) == 12
+    assert got == ref  # the texts, cut at the first stop string
+    assert sum(len(r[0]) > 0 for r in ref) >= 6  # most generated something before a stop string
+
+
 def test_scores_equal_lm_eval_hf_at_every_layout(harness):
     ours, _, scores = harness
     for layout in LAYOUTS:
-        for task in TASKS:
+        for task in [*TASKS, GEN_TASK]:
             for key, value in scores[task].items():
                 if isinstance(value, float):
                     assert close(ours[layout]["results"][task][key], value), (layout, task, key)
