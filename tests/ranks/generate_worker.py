@@ -40,10 +40,17 @@ def cases() -> dict[str, tuple[Sampling, bool]]:
 
 def generate(args: argparse.Namespace, rt: Runtime) -> None:
     spec = json_spec(args)
-    hf = hf_model(spec["config"], seed=spec["seed"])
-    model = dataclasses.replace(from_hf_config(hf.config.to_dict(), name="gen"), make_vocab_size_divisible_by=16)
     results: dict = {}
-    for tp, pp in LAYOUTS:
+    run_layouts(spec, rt, results, LAYOUTS, tied=False)
+    run_layouts(spec, rt, results, [(2, 2)], tied=True)  # Llama 3.2's tied head: the last stage's embedding copy
+    if rt.rank == 0:
+        write_json(args.out / "generated.json", results)
+
+
+def run_layouts(spec: dict, rt: Runtime, results: dict, layouts: list, tied: bool) -> None:
+    hf = hf_model(spec["config"], seed=spec["seed"], tied=tied)
+    model = dataclasses.replace(from_hf_config(hf.config.to_dict(), name="gen"), make_vocab_size_divisible_by=16)
+    for tp, pp in layouts:
         cfg = RunConfig(
             model=model,
             parallel=ParallelConfig(tp=tp, pp=pp),
@@ -52,14 +59,16 @@ def generate(args: argparse.Namespace, rt: Runtime) -> None:
         engine = build_engine(cfg, rt).engine
         load_hf_weights(engine, cfg, hf.state_dict())
         for name, (sampling, cache) in cases().items():
+            if tied and name != "greedy_cache":
+                continue
             out = generate_all(engine, model, spec["prompts"], spec["max_new"], sampling, use_cache=cache, batch_size=3)
-            results[f"tp{tp}_pp{pp}_{name}"] = [{"tokens": r.tokens, "margins": r.margins} for r in out]
-        if (tp, pp) == (2, 2):  # stop ids end each row at its first one (included), batch of 2 and 3 rows
+            results[f"{'tied_' if tied else ''}tp{tp}_pp{pp}_{name}"] = [
+                {"tokens": r.tokens, "margins": r.margins} for r in out
+            ]
+        if (tp, pp) == (2, 2) and not tied:  # stop ids end each row at its first one (included), batch of 2 and 3 rows
             out = generate_all(engine, model, spec["prompts"], spec["max_new"], Sampling(), spec["stop"], batch_size=2)
             results["tp2_pp2_stop"] = [{"tokens": r.tokens, "margins": r.margins} for r in out]
         dist.barrier()
-    if rt.rank == 0:
-        write_json(args.out / "generated.json", results)
 
 
 def json_spec(args: argparse.Namespace) -> dict:

@@ -57,18 +57,19 @@ def generated(tmp_path_factory):
     batch = prompts()
     with torch.no_grad():
         hf_tokens, hf_margins = hf_greedy(hf_model(GQA4, seed=SEED), batch)
+        tied_tokens, tied_margins = hf_greedy(hf_model(GQA4, seed=SEED, tied=True), batch)
     stop = [hf_tokens[0][2], hf_tokens[3][5]]  # row 0 ends at its 3rd new token, row 3 at its 6th (or sooner)
     spec = {"config": GQA4, "seed": SEED, "prompts": batch, "max_new": MAX_NEW, "stop": stop}
     (out / "spec.json").write_text(json.dumps(spec))
     run_ranks(4, str(RANKS / "generate_worker.py"), ["--out", str(out), "--spec", str(out / "spec.json")], timeout=900)
     results = json.loads((out / "generated.json").read_text())
-    return results, hf_tokens, hf_margins, stop
+    return results, hf_tokens, hf_margins, stop, (tied_tokens, tied_margins)
 
 
 @pytest.mark.parametrize("cache", ["cache", "nocache"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_greedy_equals_hf_generate(generated, layout, cache):
-    results, hf_tokens, hf_margins, _ = generated
+    results, hf_tokens, hf_margins, _, _ = generated
     rows = results[f"{layout}_greedy_{cache}"]
     assert [r["tokens"] for r in rows] == hf_tokens
     ours = [m for r in rows for m in r["margins"]]
@@ -81,7 +82,7 @@ def test_greedy_equals_hf_generate(generated, layout, cache):
 
 
 def test_seeded_sampling_is_the_same_at_every_layout(generated):
-    results, hf_tokens, _, _ = generated
+    results, hf_tokens, _, _, _ = generated
     runs = {k: [r["tokens"] for r in v] for k, v in results.items() if "_sample_" in k}
     assert len(runs) == 2 * len(LAYOUTS)
     first = next(iter(runs.values()))
@@ -92,8 +93,19 @@ def test_seeded_sampling_is_the_same_at_every_layout(generated):
 
 
 def test_stop_ids_end_their_rows(generated):
-    results, hf_tokens, _, stop = generated
+    results, hf_tokens, _, stop, _ = generated
     for got, full in zip((r["tokens"] for r in results["tp2_pp2_stop"]), hf_tokens):
         ends = [i for i, t in enumerate(full) if t in stop]
         assert got == (full[: ends[0] + 1] if ends else full)
     assert len(results["tp2_pp2_stop"][0]["tokens"]) <= 3
+
+
+def test_tied_model_greedy_equals_hf_generate(generated):
+    """Llama 3.2's layout: the head runs with the last stage's copy of the embedding (tp2 pp2)."""
+    results, untied, _, _, (hf_tokens, hf_margins) = generated
+    rows = results["tied_tp2_pp2_greedy_cache"]
+    assert [r["tokens"] for r in rows] == hf_tokens != untied
+    ours = [m for r in rows for m in r["margins"]]
+    theirs = [m for row in hf_margins for m in row]
+    assert len(ours) == len(theirs) == len(LENGTHS) * MAX_NEW
+    assert min(ours) > MARGIN_TOL and min(theirs) > MARGIN_TOL
