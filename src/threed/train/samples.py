@@ -64,6 +64,12 @@ def prepare(cfg: RunConfig) -> Optional[DuringTraining]:
     t = cfg.train
     if not t.generate_interval and not t.harness_interval:
         return None
+    if cfg.parallel.sequence_parallel and cfg.parallel.tp > 1:
+        # the decode loop feeds whole sequences ([s, b, h]) to the blocks; sequence parallelism's hold s / tp
+        raise ConfigError(
+            "--generate-interval / --harness-interval do not run under --sequence-parallel yet: drop one, or "
+            "score the saved checkpoints with `threed eval-harness --load SAVE` beside the run"
+        )
     with kept_rng():
         return _prepare(cfg)
 
