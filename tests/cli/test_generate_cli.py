@@ -62,6 +62,7 @@ def hf_reference(exported, texts: list[str]) -> list[list[int]]:
     return out
 
 
+@pytest.mark.slow  # a 2-rank launch (~1 min); the decode parity itself is tests/ranks/test_generate.py
 def test_generate_on_two_ranks_equals_hf(converted):
     prompts = converted / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in PROMPTS))

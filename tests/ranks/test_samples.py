@@ -19,6 +19,8 @@ from helpers import RANKS, write_dataset
 from threed.parallel.launch import run_ranks
 
 STEPS, INTERVAL = 4, 2
+# Two trainings in a 2-rank launch (~1.5 min on 2 busy cores): `make test-slow`; the refusals are in tests/unit.
+pytestmark = pytest.mark.slow
 MODEL = dict(
     name="samples", vocab_size=320, hidden_size=GQA4["hidden_size"], num_layers=2, num_heads=8, num_kv_heads=4,
     ffn_hidden_size=GQA4["intermediate_size"], max_position_embeddings=128,
