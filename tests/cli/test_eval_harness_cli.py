@@ -112,3 +112,11 @@ def test_lm_eval_missing_names_the_extra(world, capsys, monkeypatch):
     assert main(["eval-harness", "--load", str(world / "ck"), "--tasks", "tiny_mc"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["threed eval-harness: error: lm-eval is not installed: pip install 'threed[eval]' (the eval extra)"]
+
+
+def test_results_go_beside_the_checkpoint_by_default(world):
+    from threed.harness.run import default_output  # lm-eval: only this test of the file's light ones needs it
+
+    out = default_output(str(world / "ck"))
+    tag = (world / "ck" / "latest").read_text().strip()
+    assert out.parent == world / "ck" / "harness" and re.fullmatch(rf"{tag}_\d{{8}}-\d{{6}}\.json", out.name)

@@ -7,7 +7,7 @@ pp (no export, no second stack).
 Checked here, in one line, before a rank builds an engine: lm-eval installed (the `threed[eval]` extra), the
 checkpoint, the tokenizer (an HF one: lm-eval's requests are HF tokenizer calls), every task known and its data
 loadable (offline: from the cache). The output is lm-eval's results dict, as JSON beside the checkpoint
-(CKPT/harness/results_<time>.json) unless --output says where.
+(CKPT/harness/<tag>_<time>.json) unless --output says where.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--include-path", default=None, metavar="DIR", help="folder of local task YAML files")
     p.add_argument("--limit", type=limit, default=None, help="documents per task (or a fraction of each)")
     p.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: each task's)")
-    p.add_argument("--output", default=None, metavar="FILE.json", help="default: CKPT/harness/results_<time>.json")
+    p.add_argument("--output", default=None, metavar="FILE.json", help="default: CKPT/harness/<tag>_<time>.json")
     p.add_argument("--log-samples", action="store_true", help="keep every request and answer in the JSON")
     p.add_argument(NPROC_FLAG, type=positive_int, default=None, metavar="N", help="start N local ranks (torchrun)")
     p.add_argument("--tp", type=positive_int, default=None, help="tensor parallel size (default: the checkpoint's)")

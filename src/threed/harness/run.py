@@ -19,6 +19,7 @@ from lm_eval import evaluator
 from lm_eval.utils import handle_non_serializable
 
 from threed.atomic import write_atomic
+from threed.checkpoint.format import read_latest
 from threed.config import ModelConfig
 from threed.generate.run import engine_config
 from threed.harness.lm import ThreedLM
@@ -70,7 +71,9 @@ def scores_line(results: dict) -> str:
 
 
 def default_output(load: str) -> Path:
-    return Path(load) / "harness" / f"results_{time.strftime('%Y%m%d-%H%M%S')}.json"
+    """CKPT/harness/<tag>_<time>.json: the scores of the checkpoint `latest` names, beside it."""
+    tag = read_latest(load) or "checkpoint"
+    return Path(load) / "harness" / f"{tag}_{time.strftime('%Y%m%d-%H%M%S')}.json"
 
 
 def run_harness(request: HarnessRequest, tokenizer: Any, rt: Runtime) -> int:
