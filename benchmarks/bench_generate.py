@@ -68,7 +68,8 @@ def main() -> None:
 
     def theirs():
         with torch.no_grad():
-            out = hf.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False, max_new_tokens=args.new,
+            mask = torch.ones_like(prompts)
+            out = hf.generate(prompts, attention_mask=mask, do_sample=False, max_new_tokens=args.new,
                               min_new_tokens=args.new, pad_token_id=0, eos_token_id=None)  # fmt: skip
         return out[:, args.prompt_len :].tolist()
 
