@@ -29,7 +29,7 @@ NPROC_FLAG = "--nproc-per-node"
 
 def prepare(ns: argparse.Namespace) -> "tuple[GenerateRequest, Tokenizer]":
     """The request and its tokenizer, or one ThreedError line; nothing heavy is built."""
-    # torch (threed.hf.format's tokenizer file names), transformers: only when the command runs, not for --help
+    # the checks and the tokenizer (transformers) load only when the command runs, not for `threed --help`
     from threed.generate.prompts import GenerateRequest, Tokenizer, check_checkpoint, check_lengths
     from threed.generate.prompts import checkpoint_tokenizer, read_prompts, sampling_of
 

@@ -16,7 +16,6 @@ from typing import Any, Optional
 from threed.checkpoint.format import has_checkpoint, open_checkpoint, read_run_json
 from threed.config import ModelConfig
 from threed.errors import ThreedError
-from threed.hf.format import TOKENIZER_FILES
 
 HF_SIDE_DIR = "hf"  # where `threed convert` keeps the HF source's tokenizer files (threed.checkpoint.format)
 
@@ -82,6 +81,8 @@ def hf_tokenizer(path: str) -> Any:
 def checkpoint_tokenizer(load: str) -> Optional[str]:
     """The tokenizer a checkpoint holds: the one its run's data was made with (threed_run.json) when it is still
     there, else the HF source's files a converted checkpoint (or the one it was initialised from) carried along."""
+    from threed.hf.format import TOKENIZER_FILES  # torch (threed.hf.format's dtype table): kept off the module top
+
     todo, seen = [Path(load)], set()
     while todo and len(seen) < 8:
         path = todo.pop(0)

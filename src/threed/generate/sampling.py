@@ -12,6 +12,8 @@ cross the TP group.
   search over probability thresholds with one small all-reduce per round (the mass above each candidate).
 
 Used by `threed.generate.decode`; tests: tests/ranks/test_generate.py.
+
+    threed generate --load CKPT --prompt "Once upon a time" --max-new-tokens 32 --temperature 0.8 --top-p 0.9 --seed 1
 """
 
 from __future__ import annotations
