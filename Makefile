@@ -18,7 +18,8 @@ $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	# torch first, pinned: it takes the CPU wheel on disk instead of pulling a multi-GB CUDA build.
 	$(VENV)/bin/pip install -q torch==2.13.0
-	$(VENV)/bin/pip install -q --no-build-isolation -e '.[test]' || $(VENV)/bin/pip install -q -e '.[test]'
+	# the eval extra too (lm-eval, for threed eval-harness and its tests)
+	$(VENV)/bin/pip install -q --no-build-isolation -e '.[test,eval]' || $(VENV)/bin/pip install -q -e '.[test,eval]'
 	touch $(STAMP)
 
 demo: $(STAMP)

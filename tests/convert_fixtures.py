@@ -44,11 +44,11 @@ GQA4: dict[str, Any] = dict(
 DIVISIBLE_BY = "16"  # --make-vocab-size-divisible-by for the tests: 200 -> 208 / 224 / 256 at tp 1 / 2 / 4
 
 
-def hf_model(config: dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.float32):
+def hf_model(config: dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.float32, tied: bool = False):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(**config, tie_word_embeddings=False)).to(dtype).eval()
+    return LlamaForCausalLM(LlamaConfig(**config, tie_word_embeddings=tied)).to(dtype).eval()
 
 
 def save_hf(

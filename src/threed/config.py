@@ -262,6 +262,21 @@ class TrainConfig:
         default=None, metadata=meta("steps between validations (default 1000 with a valid split)")
     )
     eval_iters: int = field(default=100, metadata=meta("global batches per validation"))
+    # What the model can do, during training, through the same engine (threed.train.samples): a few generations,
+    # lm-evaluation-harness scores. 0: off. Neither touches the RNG, the data order or the pipeline's buffers.
+    generate_interval: int = field(default=0, metadata=meta("steps between logged generations (0: none)"))
+    generate_prompts: Optional[str] = field(
+        default=None, metadata=meta('JSONL of {"prompt": ...} lines for --generate-interval', metavar="FILE")
+    )
+    generate_max_new_tokens: int = field(default=32, metadata=meta("new tokens per prompt (greedy)", at_least=1))
+    harness_interval: int = field(default=0, metadata=meta("steps between lm-eval harness scores (0: none)"))
+    harness_tasks: Optional[str] = field(
+        default=None, metadata=meta("comma-separated lm-eval tasks for --harness-interval (needs threed[eval])")
+    )
+    harness_limit: Optional[int] = field(default=None, metadata=meta("documents per harness task", at_least=1))
+    harness_include_path: Optional[str] = field(
+        default=None, metadata=meta("folder of local lm-eval task YAML files", metavar="DIR")
+    )
 
     def resolve_batch(self, dp: int) -> tuple[int, int, int]:
         """(micro, gas, global) with global = micro * gas * dp, checked, where dp is the data-parallel size."""
@@ -304,6 +319,7 @@ class TrainConfig:
                 f"across micro-batches and pipeline stages loses precision and diverges"
             )
         self._validate_recompute()
+        self._validate_samples()
         if self.zero_stage not in (0, 1):
             raise ConfigError(
                 f"zero_stage {self.zero_stage} is not allowed: DeepSpeed pipelines support ZeRO 0 or 1 only"
@@ -315,6 +331,19 @@ class TrainConfig:
                 "--zero-stage 0 with --dtype bf16 is not supported: DeepSpeed accumulates bf16 gradients in fp32 "
                 "only under ZeRO 1; use --zero-stage 1 (the default), or --dtype fp32 with --zero-stage 0"
             )
+
+    def _validate_samples(self) -> None:
+        for interval, what, flag in (
+            (self.generate_interval, self.generate_prompts, "--generate-prompts FILE.jsonl"),
+            (self.harness_interval, self.harness_tasks, "--harness-tasks a,b"),
+        ):
+            name = "--generate-interval" if flag.startswith("--generate") else "--harness-interval"
+            if interval < 0:
+                raise ConfigError(f"{name} must be >= 0 (0: off), got {interval}")
+            if interval > 0 and not what:
+                raise ConfigError(f"{name} {interval} needs {flag}")
+            if what and interval == 0:
+                raise ConfigError(f"{flag.split()[0]} takes effect with {name} N (N >= 1); add it, or drop it")
 
     def _validate_recompute(self) -> None:
         granularity, method, n = self.recompute_granularity, self.recompute_method, self.recompute_num_layers

@@ -35,6 +35,7 @@ HEAVY = {
     "tqdm",
     "numpy",
     "pydoc_data",
+    "lm_eval",  # the eval extra (threed.harness)
 }
 
 

@@ -12,6 +12,8 @@ names (`flags.py`: generated from the config fields' metadata, with Megatron-LM'
     plan.py            `threed plan`
     profile_layers.py  `threed profile-layers`
     report.py          `threed report`
+    generate.py        `threed generate` (the checks; the ranks are threed.generate.run)
+    eval_harness.py    `threed eval-harness` (the checks; the ranks are threed.harness.run)
 
 Nothing below imports this package: a layer never knows which command called it.
 """

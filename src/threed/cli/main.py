@@ -25,6 +25,8 @@ from threed.data.tokenizer import train_tokenizer
 from threed.data.demo_text import write_demo_text
 from threed.errors import guarded
 from threed.cli.flags import add_run_flags, dash_values, run_config_from_args
+from threed.cli.generate import register as register_generate
+from threed.cli.eval_harness import register as register_eval_harness
 from threed.parallel.launch import torchrun_main
 from threed.cli.memory import register as register_memory
 from threed.cli.plan import register as register_plan
@@ -40,6 +42,8 @@ REGISTER: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     register_plan,  # plan: rank layouts for a cluster (the memory model + the step-time model)
     register_memory,  # memory: the memory model's estimate for one layout
     register_profile_layers,  # profile-layers: measured per-layer costs -> --partition-method costs:...
+    register_generate,  # generate: continuations of prompts from a checkpoint at any tp / pp
+    register_eval_harness,  # eval-harness: lm-evaluation-harness scores on the training engine
 )
 
 

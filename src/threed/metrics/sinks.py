@@ -63,6 +63,9 @@ class TensorBoardSink:
 
     def write(self, record: dict[str, Any]) -> None:
         it, samples, tokens = record["iteration"], record["samples"], record["tokens"]
+        for name, value in record.items():  # text (generations during training: threed.train.samples)
+            if isinstance(value, str) and name not in META:
+                self.writer.add_text(name, value, it)
         for name, value in scalars(record).items():
             self.writer.add_scalar(name, value, it)
             base = name.split("/")[0]

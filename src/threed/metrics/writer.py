@@ -222,15 +222,20 @@ class RunMetrics:
             record["mfu"] = tflops / self.peak_tflops
         return record
 
-    def log(self, iteration: int, values: dict[str, float], samples: Optional[int] = None, line: bool = True) -> None:
+    def log(self, iteration: int, values: dict[str, Any], samples: Optional[int] = None, line: bool = True) -> None:
         """Extra scalars at `iteration` (e.g. `lm loss validation/<dataset>`) to every sink; `line` also prints them.
         No collective: call it on any ranks; only the writer rank writes."""
         if not self.is_writer:
             return
         t0 = time.perf_counter()
-        record = {**self._meta(iteration, samples), **{k: float(v) for k, v in values.items()}}
+        # text values (generations) stay text: metrics.jsonl keeps them, TensorBoard shows them as text
+        record = {
+            **self._meta(iteration, samples),
+            **{k: v if isinstance(v, str) else float(v) for k, v in values.items()},
+        }
         if line:
-            print(f"step {iteration} | " + " | ".join(f"{k} {v:.4f}" for k, v in values.items()), flush=True)
+            shown = {k: v for k, v in values.items() if not isinstance(v, str)}
+            print(f"step {iteration} | " + " | ".join(f"{k} {v:.4f}" for k, v in shown.items()), flush=True)
         for sink in self.sinks:
             sink.write(record)
         self.overhead_s += time.perf_counter() - t0

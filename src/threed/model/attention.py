@@ -14,6 +14,11 @@ Context parallelism (`--context-parallel-size` > 1): each rank holds 2 of each r
 values, and the attention is `threed.parallel.context.context_parallel_attention` (K/V all-gathered over the CP group
 megatron's SelfAttention hands over in its `pg_collection`, the causal mask built from global positions, so aligned
 bottom-right; packed rows pass the full row's segment ids).
+
+Generation (`threed generate`, `threed.generate.decode`) passes a boolean `[b, 1, sq, sk]` mask instead: which keys
+each query of a left-padded batch may see, with a KV cache `sq` < `sk` (the query is the last tokens). SDPA's
+`is_causal=True` aligns its triangle top-left, wrong for such a query, so decode never relies on it; a query shorter
+than its keys without a mask gets the bottom-right triangle (`causal_lower_right`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from threed.parallel.context import context_parallel_attention
 
@@ -63,12 +69,28 @@ class SDPACoreAttention(torch.nn.Module):
             return context_parallel_attention(
                 query, key, value, self.cp_group, segments=attention_mask, scale=self.softmax_scale
             )
+        if attention_mask is not None and attention_mask.dtype == torch.bool and attention_mask.dim() == 4:
+            return self._masked(query, key, value, attention_mask)  # generation: an explicit [b, 1, sq, sk] mask
         if attention_mask is not None:
             return self._packed(query, key, value, attention_mask)
+        if key.shape[0] != s:  # a query shorter than its keys (a KV cache): the triangle aligns bottom-right
+            return self._masked(query, key, value, causal_lower_right(s, key.shape[0]))
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
         out = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=k.shape[1] != heads
         )
+        return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
+
+    def _masked(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask) -> torch.Tensor:
+        """SDPA with an explicit mask (boolean `[b, 1, sq, sk]`, True where a query may see a key, or torch's
+        `causal_lower_right` bias); query `[sq, b, heads, d]`, key/value `[sk, b, kv_heads, d]`."""
+        s, b, heads, d = query.shape
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
+        if k.shape[1] != heads and not isinstance(mask, torch.Tensor):
+            # torch's bias object takes no enable_gqa: each key/value head serves heads / kv_heads query heads
+            k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
+        gqa = {"enable_gqa": True} if k.shape[1] != heads else {}
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale, **gqa)
         return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
 
     def _packed(

@@ -41,6 +41,7 @@ from threed.parallel.distributed import Runtime, context_rank, grid_coordinates,
 from threed.train.engine import build_engine
 from threed.train.guard import RunGuard, StopRequest
 from threed.train.preflight import check_run
+from threed.train.samples import after_step as samples_after_step, prepare as prepare_samples
 from threed.train.evaluate import evaluate
 from threed.metrics.writer import RunMetrics
 from threed.model.spec import parameter_count
@@ -173,6 +174,7 @@ def _train(cfg: RunConfig, rt: Runtime, splits: DataSplits, start_decision: Star
         check_cache_visible(cfg.data.data_cache_path, rt.rank)
     data = build_datasets(cfg, splits, glob, builds_here=reads_data)
     stop = StopRequest(cfg.checkpoint.save)
+    samples = prepare_samples(cfg)  # --generate-interval / --harness-interval: prompts, tokenizer, tasks checked
     built = build_engine(cfg, rt, start_decision, token_weighted=splits.sft)
     engine = built.engine
     guard = RunGuard(cfg, rt.rank, engine, stop, rt.device)  # stop request, non-finite steps, time budget, watchdog
@@ -279,6 +281,7 @@ def _train(cfg: RunConfig, rt: Runtime, splits: DataSplits, start_decision: Star
                 f"validation at step {step + 1} | loss {ev.loss:.4f} | perplexity {ev.perplexity:.2f} | "
                 f"{ev.tokens} tokens{per}",
             )
+        samples_after_step(samples, step + 1, engine, metrics, logger)  # generations / harness scores when due
         interval = cfg.checkpoint.save_interval
         # An interval save waits while a loss spike is unconfirmed (the guard's `holding`), and is made at the
         # first step after it: `latest` never names weights a spike may have ruined. A stop or the last step saves.

@@ -1,0 +1,123 @@
+"""`threed eval-harness`: lm-evaluation-harness scores of a checkpoint, computed on the training engine at any tp /
+pp (no export, no second stack).
+
+    threed eval-harness --load CKPT --tasks hellaswag,arc_easy --limit 100 --nproc-per-node 4 --tp 2 --pp 2
+    threed eval-harness --load CKPT --tasks my_task --include-path tasks/ --output scores.json
+
+Checked here, in one line, before a rank builds an engine: lm-eval installed (the `threed[eval]` extra), the
+checkpoint, the tokenizer (an HF one: lm-eval's requests are HF tokenizer calls), every task known and its data
+loadable (offline: from the cache). The output is lm-eval's results dict, as JSON beside the checkpoint
+(CKPT/harness/<tag>_<time>.json) unless --output says where.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from threed.cli.convert import positive_int
+from threed.cli.generate import NPROC_FLAG, check_world, launch_ranks, refuse_nested_launch
+from threed.errors import ThreedError, guarded
+
+
+def prepare(ns: argparse.Namespace):
+    """The request and its HF tokenizer, or one ThreedError line; no engine is built."""
+    # lm-eval (the optional extra), torch, transformers: only when the command runs, not for `threed --help`
+    from threed.harness.tasks import load_tasks, require_lm_eval, split_tasks, task_manager
+    from threed.generate.prompts import check_checkpoint, checkpoint_tokenizer, hf_tokenizer
+
+    require_lm_eval()
+    names = split_tasks(ns.tasks)
+    model, tp, pp = check_checkpoint(ns.load, ns.tp, ns.pp)
+    check_world(ns.nproc_per_node, tp, pp)
+    tok = ns.tokenizer or checkpoint_tokenizer(ns.load)
+    if tok is None:
+        raise ThreedError(f"--load {ns.load} holds no tokenizer: pass --tokenizer (an HF tokenizer directory)")
+    if not os.path.exists(tok) or (Path(tok).is_file() and Path(tok).suffix == ".model"):
+        why = "no such file or directory" if not os.path.exists(tok) else "a sentencepiece .model"
+        raise ThreedError(
+            f"tokenizer {tok}: {why}; lm-eval needs an HF tokenizer (a directory or tokenizer.json): "
+            f"`threed export --ckpt {ns.load} --out DIR` writes one, then pass --tokenizer DIR"
+        )
+    load_tasks(names, task_manager(names, ns.include_path))
+
+    # the request type lives with the ranks' code (lm-eval imported there too)
+    from threed.harness.run import HarnessRequest
+
+    request = HarnessRequest(
+        load=ns.load,
+        model=model,
+        tp=tp,
+        pp=pp,
+        tasks=names,
+        tokenizer=tok,
+        include_path=ns.include_path,
+        limit=ns.limit,
+        num_fewshot=ns.num_fewshot,
+        output=ns.output,
+        batch_size=ns.batch_size,
+        log_samples=ns.log_samples,
+        dtype=ns.dtype,
+    )
+    return request, hf_tokenizer(tok)
+
+
+def rank_argv(ns: argparse.Namespace, tp: int, pp: int) -> list[str]:
+    """This command for each rank: the same request, the layout resolved, without --nproc-per-node."""
+    argv = ["eval-harness", "--load", ns.load, "--tasks", ns.tasks, "--tp", str(tp), "--pp", str(pp)]
+    argv += ["--batch-size", str(ns.batch_size), "--dtype", ns.dtype]
+    for flag, value in (
+        ("--tokenizer", ns.tokenizer),
+        ("--include-path", ns.include_path),
+        ("--limit", ns.limit),
+        ("--num-fewshot", ns.num_fewshot),
+        ("--output", ns.output),
+    ):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv + (["--log-samples"] if ns.log_samples else [])
+
+
+def _eval_harness(ns: argparse.Namespace) -> int:
+    refuse_nested_launch(ns)
+    request, tokenizer = prepare(ns)
+    if ns.nproc_per_node:
+        return launch_ranks(ns.nproc_per_node, rank_argv(ns, request.tp, request.pp))
+    # torch, deepspeed, megatron, lm-eval: only once the request is known good
+    from threed.harness.run import run_harness
+    from threed.parallel.distributed import init_distributed, shutdown_distributed
+
+    try:
+        return run_harness(request, tokenizer, init_distributed())
+    finally:
+        shutdown_distributed()
+
+
+def limit(text: str) -> float:
+    """--limit: documents per task (a whole number), or a fraction of each task (0 < x < 1), as lm-eval takes it."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of documents or a fraction, got {text!r}") from None
+    if not value > 0 or (value >= 1 and value != int(value)):
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1 or a fraction in (0, 1), got {text}")
+    return int(value) if value >= 1 else value
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval-harness", help="lm-evaluation-harness scores of a checkpoint on the training engine")
+    p.add_argument("--load", required=True, help="checkpoint directory (threed train --save, or threed convert)")
+    p.add_argument("--tokenizer", default=None, help="HF tokenizer dir or tokenizer.json (default: the ckpt's)")
+    p.add_argument("--tasks", required=True, help="comma-separated lm-eval task names (stock or local)")
+    p.add_argument("--include-path", default=None, metavar="DIR", help="folder of local task YAML files")
+    p.add_argument("--limit", type=limit, default=None, help="documents per task (or a fraction of each)")
+    p.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: each task's)")
+    p.add_argument("--output", default=None, metavar="FILE.json", help="default: CKPT/harness/<tag>_<time>.json")
+    p.add_argument("--log-samples", action="store_true", help="keep every request and answer in the JSON")
+    p.add_argument(NPROC_FLAG, type=positive_int, default=None, metavar="N", help="start N local ranks (torchrun)")
+    p.add_argument("--tp", type=positive_int, default=None, help="tensor parallel size (default: the checkpoint's)")
+    p.add_argument("--pp", type=positive_int, default=None, help="pipeline stages (default: the checkpoint's)")
+    p.add_argument("--batch-size", type=positive_int, default=16, help="requests per batch on each replica")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="compute dtype (default fp32)")
+    p.set_defaults(run=lambda ns: guarded("threed eval-harness", lambda: _eval_harness(ns)))

@@ -1,0 +1,79 @@
+"""The ranks of `threed generate`: build the engine from a checkpoint at --tp / --pp (the path `threed train
+--init-from` takes: DeepSpeed's own `load_checkpoint(load_module_only=True)`), split the prompts over the
+data-parallel replicas, generate in batches (`threed.generate.decode`), and write the continuations from rank 0.
+
+    threed generate --load CKPT --prompts prompts.jsonl --max-new-tokens 32 --output out.jsonl \
+        --nproc-per-node 4 --tp 2 --pp 2
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from threed.atomic import write_atomic
+from threed.config import CheckpointConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
+from threed.generate.decode import generate_all
+from threed.generate.prompts import GenerateRequest, Tokenizer
+from threed.parallel.distributed import Runtime
+from threed.train.engine import build_engine
+
+
+def engine_config(load: str, model: ModelConfig, tp: int, pp: int, dtype: str = "fp32") -> RunConfig:
+    """The RunConfig whose engine holds the checkpoint's weights at tp x pp (no data, no optimizer steps)."""
+    return RunConfig(
+        model=model,
+        parallel=ParallelConfig(tp=tp, pp=pp),
+        train=TrainConfig(dtype=dtype, seq_length=min(64, model.max_position_embeddings), micro_batch_size=1, steps=1),
+        checkpoint=CheckpointConfig(init_from=load),
+    )
+
+
+def output_lines(request: GenerateRequest, tokenizer: Tokenizer, results: list) -> list[str]:
+    return [
+        json.dumps({"prompt": request.texts[r.index], "text": tokenizer.decode(r.tokens), "tokens": r.tokens})
+        for r in results
+    ]
+
+
+def run_generate(request: GenerateRequest, tokenizer: Tokenizer, rt: Runtime) -> int:
+    """One rank of `threed generate` (every rank of the world calls it, under torchrun or alone)."""
+    cfg = engine_config(request.load, request.model, request.tp, request.pp, request.dtype)
+    cfg.validate(rt.world_size)
+    engine = build_engine(cfg, rt).engine
+    if rt.device.type == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier()
+    t0 = time.perf_counter()
+    results = generate_all(
+        engine,
+        request.model,
+        request.prompt_ids,
+        request.max_new_tokens,
+        request.sampling,
+        tokenizer.stop_ids,
+        use_cache=not request.no_kv_cache,
+        batch_size=request.batch_size,
+    )
+    seconds = time.perf_counter() - t0
+    if rt.rank == 0:
+        lines = output_lines(request, tokenizer, results)
+        new = sum(len(r.tokens) for r in results)
+        summary = (
+            f"threed generate: {len(results)} prompt(s), {new} new tokens in {seconds:.2f} s: "
+            f"{new / max(seconds, 1e-9):.1f} tokens/s (tp={request.tp} pp={request.pp} "
+            f"dp={engine.grid.get_data_parallel_world_size()}, {'no ' if request.no_kv_cache else ''}KV cache)"
+        )
+        if request.output:
+            write_atomic(Path(request.output), "".join(line + "\n" for line in lines))
+            print(f"{summary}; wrote {request.output}", flush=True)
+        else:
+            print("\n".join(lines), flush=True)
+            print(summary, file=sys.stderr, flush=True)
+    dist.barrier()
+    return 0
