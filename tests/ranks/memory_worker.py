@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 
 from threed.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
-from threed.parallel.distributed import Runtime, init_megatron_parallel_state
+from threed.parallel import context
+from threed.parallel.distributed import Runtime, context_rank, init_megatron_parallel_state
 from threed.train.engine import build_engine
 from threed.model.resolve import model_config
 from threed.memory.model import Stage, stage_activations, stage_bounds, stage_memory, stages
@@ -310,11 +311,46 @@ def stage_activation_cases(args: argparse.Namespace, rt: Runtime) -> None:
     rank_json(args.out, "stage_activations", results)
 
 
+def context_parallel_cases(args: argparse.Namespace, rt: Runtime) -> None:
+    """One stage (tp 1, pp 1) at the same rows first at cp 1 (each rank the whole rows; dp = the world), then at cp 2
+    (each rank its share: 2 of 4 chunks of every row): the CPU peak of one micro-batch's forward and backward on this
+    rank, as `stage_activation_cases` measures it, next to the estimate (tests/ranks/test_memory_cp.py)."""
+    micro, seq = ACT["micro"], ACT["seq"]
+    tokens_full, labels_full = next(synthetic_batches(SP_MODEL.vocab_size, micro, seq, n=1))
+    results = {}
+    for cp in (1, 2):
+        init_megatron_parallel_state(1, 1, cp=cp)
+        cfg = RunConfig(
+            model=SP_MODEL, parallel=ParallelConfig(cp=cp), train=TrainConfig(seq_length=seq, micro_batch_size=micro)
+        )
+        module = build_pipeline_module(cfg, rt.world_size).bfloat16()
+        module._precompute_checkpointable_values()
+        rank = context_rank(rt.rank, 1, cp)
+        tokens, labels = (context.split(t, cp, rank) for t in (tokens_full, labels_full))
+        module.loss_fn(module(tokens), labels).backward()
+
+        def step() -> None:
+            logits = module(tokens)  # kept until backward ends, as the pipeline engine keeps its outputs  # noqa: F821 (bound in the loop; ruff sees its `del` below)
+            module.loss_fn(logits, labels).backward()  # noqa: F821
+            del logits
+
+        measured = min(cpu_peak(step) for _ in range(3))  # the least of three, as in `stage_activation_cases`
+        max_param = max(p.numel() for p in module.parameters())
+        results[f"cp{cp}"] = {"measured": measured, "max_param": max_param}
+        del module
+        gc.collect()
+        dist.barrier()
+    rank_json(args.out, "cp_activations", results)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layouts", nargs="*", default=[], help="TPxPP, e.g. 2x2")
     p.add_argument("--activations", action="store_true", help="also the CPU activation peak (one process)")
     p.add_argument(
         "--stage-activations", action="store_true", help="the CPU activation peak of each SP_CASES case, tp = the world"
+    )
+    p.add_argument(
+        "--cp-activations", action="store_true", help="the CPU activation peak at cp 1 and cp 2 (tp 1 pp 1, 2 ranks)"
     )
     p.add_argument("--sequence-parallel", action="store_true", help="the --layouts engines with SP")
     p.add_argument("--pipeline-schedule", default="1f1b", help="the --layouts engines' schedule")
@@ -331,6 +367,8 @@ def main(args: argparse.Namespace, rt: Runtime) -> None:
         activations(args)
     if args.stage_activations:
         stage_activation_cases(args, rt)
+    if args.cp_activations:
+        context_parallel_cases(args, rt)
 
 
 if __name__ == "__main__":
