@@ -1,4 +1,5 @@
-"""`make test-gpu`: the CPU suite's parity, training-parity and resume checks on CUDA/NCCL, and our SDPA attention
+"""`make test-gpu`: the CPU suite's parity, training-parity and resume checks on CUDA/NCCL (context parallelism's cp2
+against cp1 among them; its per-rank attention on one GPU is tests/gpu/test_cp_gpu.py), and our SDPA attention
 against the math kernel at a real sequence length. Each test skips, naming the reason, where the GPUs it needs are
 not there; none runs in `make test` (marker `gpu`). `make test-gpu` itself fails in one line on a machine with no
 GPU, instead of passing with every test skipped.
@@ -313,6 +314,43 @@ def test_sequence_parallel_tp2_matches_tp1_in_bf16_on_cuda(train_data, tmp_path)
     assert len(sp) == len(tp1) == 4, (sp, tp1)
     for a, b in zip(sp, tp1):
         assert abs(a - b) <= 1e-2 * abs(b), (sp, tp1)
+
+
+@pytest.mark.skipif(GPUS < 2, reason=f"context parallelism runs cp2: need 2 GPUs, see {GPUS}")
+def test_context_parallel_cp2_matches_cp1_in_bf16_on_cuda(train_data, tmp_path):
+    """Context parallelism at cp 2 on NCCL (each GPU 2 of each row's 4 chunks; K/V all-gathered and dK/dV
+    reduce-scattered per block; bf16 attention through flash varlen, checked bottom-right at start-up) trains like
+    cp 1 on one GPU: the same weights, the same rows (dp 1 both), the exact token mean. The losses differ only by
+    bf16 rounding in other summation orders: 1e-2 relative per step, the sequence-parallel case's bound."""
+    argv = [
+        "--model",
+        "tiny",
+        "--data-path",
+        train_data,
+        "--split",
+        "100,0,0",
+        "--seq-length",
+        "128",
+        "--micro-batch-size",
+        "2",
+        "--grad-accum-steps",
+        "2",
+        "--steps",
+        "4",
+        "--log-interval",
+        "1",
+        "--dtype",
+        "bf16",
+    ]
+
+    def losses(out: str) -> list[float]:
+        return [float(line.split("loss ")[1].split()[0]) for line in out.splitlines() if line.startswith("step ")]
+
+    cp2 = losses(_threed_train([*argv, "--context-parallel-size", "2"], 2, tmp_path))
+    cp1 = losses(_threed_train(argv, 1, tmp_path))
+    assert len(cp2) == len(cp1) == 4, (cp2, cp1)
+    for a, b in zip(cp2, cp1):
+        assert abs(a - b) <= 1e-2 * abs(b), (cp2, cp1)
 
 
 @pytest.mark.skipif(GPUS < 2, reason=f"the SP memory check runs tp2: need 2 GPUs, see {GPUS}")
