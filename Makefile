@@ -36,10 +36,11 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m "slow and not slurm" tests
 
-# CUDA/NCCL: parity, training parity + resume, SDPA attention vs the math kernel. Skips, with its reason, without GPUs.
+# CUDA/NCCL: parity, training parity + resume, SDPA attention vs the math kernel, context parallelism's attention per
+# rank (test_cp_gpu.py). Skips, with its reason, without GPUs.
 test-gpu: $(STAMP)
 	@$(PY) -c "import sys, torch; torch.cuda.is_available() or sys.exit('make test-gpu: no CUDA GPU visible (torch ' + str(torch.__version__) + ', CUDA build: ' + str(torch.version.cuda) + '); run it on a GPU node with the CUDA build of torch')"
-	THREED_DEVICE=cuda $(PY) -m pytest -q -s -m gpu tests/gpu/test_gpu.py
+	THREED_DEVICE=cuda $(PY) -m pytest -q -s -m gpu tests/gpu/test_gpu.py tests/gpu/test_cp_gpu.py
 
 # The wheels the lent GPU machine lacks (deepspeed from its sdist, megatron-core, pydantic, hjson; CPython 3.12
 # manylinux), into gpu-bundle/ with its MANIFEST.json: carried there with the tree, installed by tools/gpu_check.sh
