@@ -17,6 +17,8 @@ a whole one-stage model (the profiler's memory events), with and without activat
 
 --stage-activations (tests/ranks/test_memory_sp.py; tp = the world, one stage): the same peak on every TP rank for each
 of SP_CASES (sequence parallelism on/off, recompute none / first N blocks / all), next to the estimate.
+--cp-activations (tests/ranks/test_memory_cp.py; 2 ranks, tp 1 pp 1): the same peak at cp 1 and then cp 2 on the same
+rows, every rank its share at cp 2.
 --sequence-parallel: the --layouts engines run with Megatron's sequence parallelism. --pipeline-schedule: the
 --layouts engines run that schedule (tests/ranks/test_memory_zb.py: zb-h1, whose static terms are 1F1B's).
 

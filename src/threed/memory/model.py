@@ -8,7 +8,8 @@
 
 Per rank of pipeline stage s. tests/ranks/test_memory.py checks the static terms against the tensors of real CPU
 engines (within 2%; they agree to the byte), tests/ranks/test_memory_tied.py the same for a tied model, and the
-activation estimate is reported against a measured CPU peak.
+activation estimate is reported against a measured CPU peak; tests/ranks/test_memory_cp.py measures one stage's peak at
+cp 2 against cp 1 (`activation_ratio`).
 
   stages       `threed.parallel.partition` (the run's --partition-method) over `threed.model.spec.pipeline_layers`:
                stage 0 adds the embedding, the last stage the final norm and LM head, both [padded V / tp, h].
@@ -423,7 +424,7 @@ def activation_ratio(
     model: ModelConfig, tp: int, pp: int, stage: int, micro: int, gas: int, seq: int, cp: int, device: Device = "cpu"
 ) -> float:
     """One stage's activation peak at `cp` over the same at cp 1 (same sequence, no recompute, 1F1B): the factor the
-    CP memory check against a real engine (tests/ranks) compares its measured peaks with."""
+    CP memory check (tests/ranks/test_memory_cp.py) compares its measured CPU peaks with."""
     st = stages(model, pp, tp, seq)[stage]
     at = [stage_activations(model, tp, pp, st, micro, gas, seq, False, device, cp=c) for c in (cp, 1)]
     return at[0] / at[1]
