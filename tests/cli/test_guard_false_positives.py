@@ -50,6 +50,7 @@ def blend(tmp_path_factory) -> list[str]:
 SMALL_BLEND = ["--micro-batch-size", "1", "--global-batch-size", "1", "--lr", "3e-3"]
 
 
+@pytest.mark.slow  # a 300-step run (~70 s): the false-positive suite runs in make test-slow
 def test_a_blend_with_a_rare_hard_source_at_a_small_batch_is_not_stopped(blend, tmp_path):
     out = healthy(train(*blend, *SMALL_BLEND, "--steps", "150", "--save", str(tmp_path / "s"), "--save-interval", "20"))
     spikes = [line for line in out.splitlines() if line.startswith("threed: warning: loss spike at step")]

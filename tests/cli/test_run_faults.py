@@ -123,6 +123,7 @@ def test_a_single_process_run_lets_the_store_choose_its_port(tiny_corpus, tmp_pa
     assert os.environ["MASTER_PORT"] == "0"
 
 
+@pytest.mark.slow  # a real guard stop (~85 s); tests/unit/test_report_marks.py covers the marks in make test
 def test_report_marks_a_run_the_guard_stopped(tiny_corpus, tmp_path):
     """--lr 1e3 from random init: the weights jump at step 1, exit 3. The report must not read like a short run."""
     save = tmp_path / "save"
