@@ -153,7 +153,7 @@ def test_checkpoint_requests_equal_lm_eval_hf_on_its_export(harness, name):
     ours, theirs = (request_results(r) for r in harness[3][name])
     got, ref = ours["tiny_mc"], theirs["tiny_mc"]
     assert len(got) == len(ref) == 30
-    pairs = [(g, r) for doc_g, doc_r in zip(got, ref) for g, r in zip(doc_g, doc_r)]
+    pairs = [(g[0], r[0]) for doc_g, doc_r in zip(got, ref) for g, r in zip(doc_g, doc_r)]  # [(log-prob, greedy)]
     worst = max(abs(g[0] - r[0]) / max(abs(r[0]), 1.0) for g, r in pairs)
     print(f"{name}: tiny_mc worst relative log-prob difference {worst:.2e}")
     assert len(pairs) == 120 and all(close(g[0], r[0]) for g, r in pairs)
