@@ -62,6 +62,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_sp.py
 	$(PY) benchmarks/bench_cp.py
 	$(PY) benchmarks/bench_guard.py
+	$(PY) benchmarks/bench_generate.py
 
 # make convert / make export without one of their variables: one line naming it and the usage, exit 2, before
 # anything runs (not argparse's "expected one argument").

@@ -22,6 +22,8 @@
 #   PYTHON         interpreter (default: the repo's .venv/bin/python if there, else python3)
 #   THREED_DRY_RUN=1   print the numbers and the command, run nothing (after the same Python config checks
 #                      as training: `threed check-config`)
+#   HARNESS_TASKS, HARNESS_LIMIT   (recipe variables of the slurm job's: lm-eval scores of SAVE as a job of its own
+#                  after training; see below and slurm/common.sh)
 #   EXIT_DURATION  minutes after which the run saves and exits 0 (--exit-duration-in-mins; slurm/common.sh sets
 #                  it from the job's time limit)
 # Recipe variables: one table, src/threed/cli/recipe.py (`python -m threed.cli.recipe` prints it), maps each to the
@@ -224,6 +226,7 @@ for name in "${ORDER[@]}"; do
     case ${FORM[$name]} in
         layout) args+=("$flag" "${!name}") ;;
         value | env) if [ -n "${!name:-}" ]; then args+=("$flag" "${!name}"); fi ;;
+        job) ;; # the slurm job's own: the harness job below, not a training flag
         bare) # Megatron's store_true flag: bare when on, absent when off
             case "${!name:-false}" in
                 true) args+=("$flag") ;;
@@ -263,6 +266,24 @@ else
 fi
 run+=(-m threed.cli train "${args[@]}")
 
+# HARNESS_TASKS: lm-eval scores of the saved checkpoint as a job of its own (slurm/eval_harness.sh), which
+# slurm/common.sh submits after training stops (each end, preemption or time limit) with this command, so training
+# never waits for them. One node at the checkpoint's own layout (eval-harness loads it at its TP x PP), DP filling
+# the node. Checked here, so the dry run refuses a recipe whose harness job could not run.
+harness=()
+if [ -n "${HARNESS_TASKS:-}" ]; then
+    [ -n "${SAVE:-}" ] || die "HARNESS_TASKS=$HARNESS_TASKS needs SAVE: the harness job scores the saved checkpoint"
+    ((TP * PP <= GPUS_PER_NODE)) || die "HARNESS_TASKS: the harness job runs on one node at the checkpoint's" \
+        "layout, TP x PP = $((TP * PP)) ranks > GPUS_PER_NODE=$GPUS_PER_NODE; clear HARNESS_TASKS and score a" \
+        "\`threed reshard\` copy with \`threed eval-harness\`"
+    nproc=$((GPUS_PER_NODE - GPUS_PER_NODE % (TP * PP)))
+    gres=gpu:$nproc
+    [ "$DEVICE" != cpu ] || gres=none
+    harness=(sbatch --parsable --nodes=1 --gres="$gres" slurm/eval_harness.sh --load "$SAVE"
+             --tasks "$HARNESS_TASKS" --nproc-per-node "$nproc" --tp "$TP" --pp "$PP")
+    [ -z "${HARNESS_LIMIT:-}" ] || harness+=(--limit "$HARNESS_LIMIT")
+fi
+
 # Before a real start each dataset prefix of DATA must exist, said by the variable's name (the checks below name
 # the flag); the dry run needs no data.
 if [ "${THREED_DRY_RUN:-0}" = 0 ]; then
@@ -299,6 +320,11 @@ if [ "${THREED_DRY_RUN:-0}" != 0 ]; then
     printf 'command:'
     printf ' %q' "${run[@]}"
     echo
+    if ((${#harness[@]})); then
+        printf 'harness job:'
+        printf ' %q' "${harness[@]}"
+        echo
+    fi
     exit 0
 fi
 

@@ -18,6 +18,9 @@
 # - Logs: slurm/logs/<job name>-<job id>/ holds start<R>-node<N>.log (R counts requeues), train.log (a link to
 #   the node log of global rank 0, which logs the training), launch.txt (the numbers and the command of every
 #   start) and batch.out (this shell's output, a link to --output).
+# - Scores: a recipe with HARNESS_TASKS (and HARNESS_LIMIT) gets, each time training stops with a new checkpoint
+#   (the end, a preemption, the time limit), slurm/eval_harness.sh submitted as a job of its own for that
+#   checkpoint (the sbatch line the launcher's dry run prints); training never waits for it.
 #
 # Environment: GPUS_PER_NODE (default 8), DEVICE (auto|cpu|cuda), LOG_DIR, MASTER_PORT, any recipe variable
 # (MODEL, TP, PP, MICRO, GAS, GLOBAL, SEQ, STEPS, DATA, SAVE, ...), NCCL_* (defaults below).
@@ -99,6 +102,22 @@ fi
 echo "--- start $RESTART, $(date '+%F %T')" >>"$LOG_DIR/launch.txt"
 echo "$numbers" | tee -a "$LOG_DIR/launch.txt"
 
+# HARNESS_TASKS: the dry run's `harness job:` line, the sbatch command of slurm/eval_harness.sh for SAVE. Submitted
+# once per saved step (a requeue that saved nothing new submits nothing): LOG_DIR/harness_submitted holds the step.
+harness_line=$(sed -n 's/^harness job: //p' <<<"$numbers")
+submit_harness() {
+    [ -n "$harness_line" ] && [ -n "$saved" ] || return 0
+    [ "$(cat "$LOG_DIR/harness_submitted" 2>/dev/null || true)" != "$saved" ] || return 0
+    local cmd id
+    eval "cmd=($harness_line)"
+    if id=$("${cmd[@]}"); then
+        echo "$saved" >"$LOG_DIR/harness_submitted"
+        echo "threed slurm: submitted harness job ${id%%;*} (threed eval-harness of step $saved): ${cmd[*]}"
+    else  # the scores are extra: training's own exit status and requeue stand
+        echo "threed slurm: warning: could not submit the harness job (${cmd[*]}); run it by hand"
+    fi
+}
+
 stop_signal=""
 request_stop() {
     stop_signal=$1
@@ -142,6 +161,7 @@ link_train_log || true
 
 saved=$(sed -n 's/^global_step//p' "$SAVE_DIR/latest" 2>/dev/null || true)
 echo "threed slurm: srun exited $rc at $(date '+%F %T'); latest checkpoint: step ${saved:-none} of $STEPS_WANTED"
+submit_harness  # before a requeue: the scores of this start's last checkpoint, in a job of their own
 # The run stopped itself before the time limit (--exit-duration-in-mins): requeue as after the warning signal.
 if [ -z "$stop_signal" ] && grep -qs -- '--exit-duration-in-mins .* saving and exiting' \
         "$LOG_DIR"/start"$RESTART"-node*.log; then

@@ -33,6 +33,8 @@ COMMON = {
     "SPLIT": "90,5,5", "DATA_CACHE_PATH": "/data/cache", "PACK": "false", "EVAL_INTERVAL": "5", "EVAL_ITERS": "2",
     "TOKENIZER": "/data/tok.model", "SAVE": "/ckpt/save", "SAVE_INTERVAL": "5", "LOG_INTERVAL": "2",
     "KEEP_LAST": "2", "SKIP_NONFINITE": "3", "EXIT_DURATION": "30",
+    # the slurm job's (tests/cli/test_harness_job.py): no training flag
+    "HARNESS_TASKS": "arc_easy", "HARNESS_LIMIT": "50",
     # CP 2: DP = 8 / (2 x 2 x 2) = 1, so GLOBAL 8 = MICRO 2 x GAS 4 x DP 1.
     "CP": "2",
 }  # fmt: skip
@@ -102,6 +104,9 @@ def test_each_variable_arrives_in_its_field(group: int) -> None:
     cfg = parse_run_config(argv)
     for name, value in env.items():
         v = by_name(name)
+        if v.form == "job":  # the harness job's flag (--tasks, --limit), never training's
+            assert v.flag not in argv and value not in argv, f"{name}={value!r} reached `threed train`"
+            continue
         if (value == "" and v.form != "layout") or (v.form == "bare" and value == "false"):
             assert v.flag not in argv, f"{name}={value!r} passes {v.flag}"
             continue

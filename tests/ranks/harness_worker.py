@@ -1,5 +1,8 @@
 """`ThreedLM` under lm-eval at three layouts in one 4-rank launch (tp1 pp1 dp4, tp2 pp2, tp1 pp2 dp2), on the local
-tasks of harness_fixtures.py; the pytest side (test_harness.py) compares every request with lm-eval's HF backend.
+tasks of harness_fixtures.py; then, through `threed eval-harness`'s own rank code (run_harness, loading a checkpoint),
+a converted tied model (Llama 3.2's layout) and a checkpoint this launch trains with packed SFT, both at tp2 pp2
+(eval-harness loads a checkpoint at its own layout). The pytest side (test_harness.py) compares every request with
+lm-eval's HF backend.
 
     python -m torch.distributed.run --nproc-per-node 4 tests/ranks/harness_worker.py --out /tmp/h --spec spec.json
 """
@@ -18,13 +21,17 @@ from worker_setup import load_hf_weights, run_worker, write_json
 from convert_fixtures import hf_model
 from harness_fixtures import GEN_TASK, TASKS, request_results
 from lm_eval import evaluator
-from threed.config import ParallelConfig, RunConfig, TrainConfig
+from sft_worker import sft_config
+from threed.config import CheckpointConfig, ParallelConfig, RunConfig, TrainConfig
+from threed.generate.prompts import check_checkpoint
 from threed.generate.prompts import hf_tokenizer
 from threed.harness.lm import ThreedLM
+from threed.harness.run import HarnessRequest, run_harness
 from threed.harness.tasks import task_manager
 from threed.hf.config import from_hf_config
 from threed.parallel.distributed import Runtime
 from threed.train.engine import build_engine
+from threed.train.loop import train
 
 LAYOUTS = [(1, 1), (2, 2), (1, 2)]
 
@@ -53,6 +60,28 @@ def harness(args: argparse.Namespace, rt: Runtime) -> None:
         dist.barrier()
     if rt.rank == 0:
         write_json(args.out / "harness.json", results)
+    sft_trained(spec, model, rt)
+    for name, load, tp, pp in (("tied", spec["tied_ckpt"], 2, 2), ("sft", spec["sft_ckpt"], 2, 2)):
+        score_checkpoint(spec, load, args.out / f"{name}_harness.json", tp, pp, rt)
+
+
+def sft_trained(spec: dict, model, rt: Runtime) -> None:
+    """A few packed-SFT steps from random init at tp2 pp2 (dp1), saved to spec["sft_ckpt"] with the run's files."""
+    cfg = sft_config(spec["sft_data"], pack=True, steps=3)
+    cfg = dataclasses.replace(cfg, model=model, checkpoint=CheckpointConfig(save=spec["sft_ckpt"]))
+    train(cfg)
+    dist.barrier()
+
+
+def score_checkpoint(spec: dict, load: str, out: Path, tp: int, pp: int, rt: Runtime) -> None:
+    """`threed eval-harness --load LOAD --tp TP --pp PP --log-samples` on the local multiple-choice and rolling tasks,
+    as the command's ranks run it."""
+    model, tp, pp = check_checkpoint(load, tp, pp)
+    request = HarnessRequest(
+        load=load, model=model, tp=tp, pp=pp, tasks=list(TASKS), tokenizer=spec["model_dir"],
+        include_path=spec["include_path"], output=str(out), batch_size=5, log_samples=True,
+    )  # fmt: skip
+    run_harness(request, hf_tokenizer(spec["model_dir"]), rt)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -14,6 +14,9 @@ FORM says how the launcher passes it:
     bare      Megatron's store_true flags: the bare flag when true, nothing when false
     words     `FLAG W1 W2 ...`: the value split into words (DATA: a prefix, or a blend "WEIGHT PREFIX ...")
     env       not a recipe's: set by the environment (slurm/common.sh), passed as `FLAG VALUE`
+    job       not training's: the slurm job's (slurm/common.sh), which after training submits `threed eval-harness
+              --load SAVE FLAG VALUE ...` as a job of its own (HARNESS_TASKS -> --tasks); the launcher's dry run
+              prints that sbatch command and passes nothing to `threed train`, so training never waits for scores
 
 `python -m threed.cli.recipe --check NAME=VALUE ...` checks the values the launcher is about to pass, by the
 type and choices of each variable's flag: a bad one is one line naming the VARIABLE (`PIPELINE_SCHEDULE=zb-h2 is
@@ -31,7 +34,7 @@ from typing import Literal, Optional, Sequence
 from threed.config import flag_name
 from threed.cli.flags import config_field, field_value_error
 
-Form = Literal["layout", "value", "bare", "words", "env"]
+Form = Literal["layout", "value", "bare", "words", "env", "job"]
 
 
 @dataclass(frozen=True)
@@ -39,9 +42,12 @@ class RecipeVar:
     name: str  # the shell variable
     field: str  # "section.field" of RunConfig; "model" is --model
     form: Form = "value"
+    job_flag: str = ""  # form "job": the `threed eval-harness` flag (the field only checks the value)
 
     @property
     def flag(self) -> str:
+        if self.form == "job":
+            return self.job_flag
         if self.field == "model":
             return "--model"
         return flag_name(config_field(*self.field.split(".")))
@@ -82,6 +88,8 @@ RECIPE_VARS: tuple[RecipeVar, ...] = (
     RecipeVar("LOG_INTERVAL", "train.log_interval"),
     RecipeVar("KEEP_LAST", "checkpoint.keep_last"),
     RecipeVar("SKIP_NONFINITE", "control.skip_nonfinite"),
+    RecipeVar("HARNESS_TASKS", "train.harness_tasks", "job", "--tasks"),
+    RecipeVar("HARNESS_LIMIT", "train.harness_limit", "job", "--limit"),
     RecipeVar("EXIT_DURATION", "control.exit_duration_in_mins", "env"),
 )
 

@@ -6,7 +6,9 @@ login node without a browser. Two run directories are overlaid on the same plots
 
 Plots (always all five; a panel without data says so): loss.png (training and validation loss vs tokens),
 learning_rate.png, throughput.png (tokens/s and TFLOP/s per GPU), memory.png (peak memory per stage),
-idle.png (idle fraction per pipeline stage, with the ideal bubble dashed).
+idle.png (idle fraction per pipeline stage, with the ideal bubble dashed). A run that scored lm-evaluation-harness
+tasks during training (--harness-interval: `harness/<task>/<metric>` records) also gets harness.png, a panel per task
+and metric vs tokens, and a summary line for each.
 
 A run that went wrong must not read like a healthy short one: the summary marks the steps whose loss or gradient
 norm was not finite (metrics.jsonl holds null there; DeepSpeed skipped their optimizer step) and a stop by the
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -25,6 +27,8 @@ from threed.errors import ThreedError
 from threed.metrics.sinks import CONFIG_FILE, METRICS_FILE
 
 PLOTS = ("loss.png", "learning_rate.png", "throughput.png", "memory.png", "idle.png")
+HARNESS_PLOT = "harness.png"  # only for runs that hold harness scores
+HARNESS_PREFIX = "harness/"  # metrics.jsonl keys of the scores (threed.train.samples.harness_scores)
 
 
 class ReportError(ThreedError):
@@ -38,6 +42,11 @@ class Run:
     validation: list[dict[str, Any]]
     summary: dict[str, Any]  # run_config.json, {} when absent
     stopped: Optional[tuple[int, int]] = None  # (step, exit status) of a stop by the guard, from `exit-status`
+    scores: list[dict[str, Any]] = field(default_factory=list)  # harness records, one per scored step, in order
+
+    def score_keys(self) -> list[str]:
+        """`harness/<task>/<metric>` keys the run scored, sorted (task, then metric)."""
+        return sorted({k for r in self.scores for k in r if k.startswith(HARNESS_PREFIX)})
 
     def series(self, key: str, x: str = "iteration", records: Optional[list] = None) -> tuple[list, list]:
         pts = [(r[x], r[key]) for r in (self.train if records is None else records) if r.get(key) is not None]
@@ -72,6 +81,7 @@ def load_run(run_dir: str) -> Run:
             raise ReportError(f"{metrics}:{n}: not a JSON record") from None
     by_iteration: dict[int, dict] = {}
     stops: dict[int, int] = {}
+    scores: dict[int, dict] = {}
     for r in records:
         if not isinstance(r, dict) or not {"iteration", "samples", "tokens"} <= r.keys():
             raise ReportError(f"{metrics}: a record without iteration/samples/tokens: not a threed metrics file")
@@ -79,6 +89,8 @@ def load_run(run_dir: str) -> Run:
             by_iteration[r["iteration"]] = r  # a resumed run re-logs steps after its checkpoint: the last wins
         if r.get("exit-status") is not None:
             stops[r["iteration"]] = int(r["exit-status"])
+        if any(k.startswith(HARNESS_PREFIX) for k in r):  # a resumed run scoring a step again: the last wins
+            scores.setdefault(r["iteration"], {}).update(r)
     if not by_iteration:
         raise ReportError(f"{metrics}: no training records (empty, or the run stopped before its first step)")
     summary = {}
@@ -93,6 +105,7 @@ def load_run(run_dir: str) -> Run:
         validation=[r for r in records if "lm loss validation" in r],
         summary=summary,
         stopped=stopped,
+        scores=[scores[i] for i in sorted(scores)],
     )
 
 
@@ -124,6 +137,19 @@ def warning_lines(run: Run) -> list[str]:
             f"   ! the run stopped at step {step}{meant} with exit {status}"
             + (" (diverged: the divergence guard's line in the run's log says why)" if status == 3 else "")
         )
+    return lines
+
+
+def harness_lines(run: Run) -> list[str]:
+    """Each harness task and metric: its latest score and step, and the first one (how it moved in training)."""
+    lines = []
+    for key in run.score_keys():
+        task, metric = key[len(HARNESS_PREFIX) :].rsplit("/", 1)
+        x, y = run.series(key, records=run.scores)
+        if not x:  # a key only null values carry
+            continue
+        trend = f" (first {y[0]:.4f} at step {x[0]}; {len(x)} scores)" if len(x) > 1 else ""
+        lines.append(f"   harness {task} {metric}: {y[-1]:.4f} at step {x[-1]}{trend}")
     return lines
 
 
@@ -171,11 +197,30 @@ def summary_lines(run: Run) -> list[str]:
             f"{comp * 1000:.0f} ms/step"
         )
         lines.append(f"   stage {st}: {timing}, peak memory {mem / 2**30:.2f} GiB")
-    return lines
+    return lines + harness_lines(run)
 
 
 def _no_data(ax) -> None:
     ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+
+
+def harness_figure(runs: list[Run], plt) -> Any:
+    """harness.png's figure: one panel per task and metric any run scored, score vs tokens, a line per run."""
+    keys = sorted({k for run in runs for k in run.score_keys()})
+    cols = min(3, len(keys))
+    rows = -(-len(keys) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        for run in runs:
+            x, y = run.series(key, "tokens", run.scores)
+            if x:
+                ax.plot(x, y, "o-", label=run.label)
+        task, metric = key[len(HARNESS_PREFIX) :].rsplit("/", 1)
+        ax.set(xlabel="tokens", ylabel=metric, title=f"{task} {metric}")
+        ax.legend(fontsize="small")
+    for ax in list(axes.flat)[len(keys) :]:  # the grid's unused cells
+        ax.axis("off")
+    return fig
 
 
 def write_plots(runs: list[Run], out: Path) -> list[Path]:
@@ -246,6 +291,8 @@ def write_plots(runs: list[Run], out: Path) -> list[Path]:
             _no_data(ax)
         ax.set(xlabel="iteration", ylabel=ylabel, title=title)
         save(fig, name)
+    if any(run.scores for run in runs):
+        save(harness_figure(runs, plt), HARNESS_PLOT)
     return paths
 
 
