@@ -17,7 +17,8 @@ import os
 from pathlib import Path
 
 from threed.cli.convert import positive_int
-from threed.cli.generate import NPROC_FLAG, check_world, launch_ranks, refuse_nested_launch
+from threed.cli.generate import check_world, refuse_nested_launch
+from threed.parallel.launch import NPROC_FLAG, run_local_ranks
 from threed.errors import ThreedError, guarded
 
 
@@ -83,7 +84,7 @@ def _eval_harness(ns: argparse.Namespace) -> int:
     refuse_nested_launch(ns)
     request, tokenizer = prepare(ns)
     if ns.nproc_per_node:
-        return launch_ranks(ns.nproc_per_node, rank_argv(ns, request.tp, request.pp))
+        return run_local_ranks(ns.nproc_per_node, rank_argv(ns, request.tp, request.pp))
     # torch, deepspeed, megatron, lm-eval: only once the request is known good
     from threed.harness.run import run_harness
     from threed.parallel.distributed import init_distributed, shutdown_distributed

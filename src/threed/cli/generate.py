@@ -22,9 +22,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from threed.generate.prompts import GenerateRequest, Tokenizer
-from threed.parallel.launch import torchrun_main
-
-NPROC_FLAG = "--nproc-per-node"
+from threed.parallel.launch import NPROC_FLAG, run_local_ranks
+from threed.parallel.launch import refuse_nested_launch as refuse_launched_ranks
 
 
 def prepare(ns: argparse.Namespace) -> "tuple[GenerateRequest, Tokenizer]":
@@ -82,8 +81,8 @@ def rank_argv(ns: argparse.Namespace, request: "GenerateRequest") -> list[str]:
 
 
 def refuse_nested_launch(ns: argparse.Namespace) -> None:
-    if ns.nproc_per_node and (os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("LOCAL_RANK")):
-        raise ConfigError(f"{NPROC_FLAG} starts the ranks itself: under torchrun (or srun) leave it out")
+    if ns.nproc_per_node:
+        refuse_launched_ranks()
 
 
 def check_world(nproc: "int | None", tp: int, pp: int) -> None:
@@ -92,19 +91,11 @@ def check_world(nproc: "int | None", tp: int, pp: int) -> None:
         raise ConfigError(f"{world} rank(s) cannot hold tp={tp} x pp={pp}: use a multiple of {tp * pp} ranks")
 
 
-def launch_ranks(nproc: int, argv: list[str]) -> int:
-    """`threed ARGV` on `nproc` local ranks under torchrun, ending as the ranks do (as `threed train
-    --nproc-per-node`)."""
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    return torchrun_main(["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0", "-m", "threed.cli", *argv])
-
-
 def _generate(ns: argparse.Namespace) -> int:
     refuse_nested_launch(ns)
     request, tokenizer = prepare(ns)
     if ns.nproc_per_node:
-        return launch_ranks(ns.nproc_per_node, rank_argv(ns, request))
+        return run_local_ranks(ns.nproc_per_node, rank_argv(ns, request))
     # torch, deepspeed, megatron: only once the request is known good
     from threed.generate.run import run_generate
     from threed.parallel.distributed import init_distributed, shutdown_distributed

@@ -27,7 +27,7 @@ from threed.errors import guarded
 from threed.cli.flags import add_run_flags, dash_values, run_config_from_args
 from threed.cli.generate import register as register_generate
 from threed.cli.eval_harness import register as register_eval_harness
-from threed.parallel.launch import torchrun_main
+from threed.parallel.launch import NPROC_FLAG, refuse_nested_launch, run_local_ranks, without_nproc
 from threed.cli.memory import register as register_memory
 from threed.cli.plan import register as register_plan
 from threed.cli.profile_layers import register as register_profile_layers
@@ -58,29 +58,13 @@ def _train(cfg: RunConfig) -> None:
         shutdown_distributed()
 
 
-NPROC_FLAG = "--nproc-per-node"
-
-
 def _train_ranks(ns: argparse.Namespace, argv: Sequence[str]) -> int:
     """`threed train --nproc-per-node N ...`: the config checks once here (one line, before any rank starts), then
     N local ranks of `threed train ...` under torchrun, ending as the ranks do: a refusal is rank 0's one line and
     exit 2, without torchrun's ChildFailedError traceback (threed.parallel.launch.torchrun_main)."""
-    if os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("LOCAL_RANK"):
-        raise ConfigError(f"{NPROC_FLAG} starts the ranks itself: under torchrun (or srun) leave it out")
+    refuse_nested_launch()
     run_config_from_args(ns).validate(ns.nproc_per_node)
-    rest, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == NPROC_FLAG:
-            skip = True
-        elif not a.startswith(NPROC_FLAG + "="):
-            rest.append(a)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    return torchrun_main(
-        ["--standalone", f"--nproc-per-node={ns.nproc_per_node}", "--max-restarts=0", "-m", "threed.cli", *rest]
-    )
+    return run_local_ranks(ns.nproc_per_node, without_nproc(argv))
 
 
 def _tokenizer(ns: argparse.Namespace) -> None:

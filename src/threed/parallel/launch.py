@@ -11,6 +11,10 @@ import subprocess
 import sys
 from typing import Optional, Sequence
 
+from threed.errors import ConfigError
+
+NPROC_FLAG = "--nproc-per-node"
+
 
 class RanksFailed(RuntimeError):
     pass
@@ -90,6 +94,33 @@ def with_shutdown_timeout(argv: Sequence[str]) -> list[str]:
     if given or "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" in os.environ or not torchrun_takes("--shutdown-timeout"):
         return argv
     return [f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}", *argv]
+
+
+def refuse_nested_launch() -> None:
+    """`--nproc-per-node` starts the ranks itself: refused in one line where a launcher already started them."""
+    if os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("LOCAL_RANK"):
+        raise ConfigError(f"{NPROC_FLAG} starts the ranks itself: under torchrun (or srun) leave it out")
+
+
+def without_nproc(argv: Sequence[str]) -> list[str]:
+    """`argv` less `--nproc-per-node N` / `--nproc-per-node=N`: what each rank runs."""
+    rest, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == NPROC_FLAG:
+            skip = True
+        elif not a.startswith(NPROC_FLAG + "="):
+            rest.append(a)
+    return rest
+
+
+def run_local_ranks(nproc: int, argv: Sequence[str]) -> int:
+    """`threed ARGV` on `nproc` local ranks under torchrun, ending as the ranks do (`torchrun_main`): what
+    `threed train|generate|eval-harness --nproc-per-node N` run."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    return torchrun_main(["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0", "-m", "threed.cli", *argv])
 
 
 def torchrun_main(argv: Sequence[str]) -> int:
