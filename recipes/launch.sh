@@ -268,19 +268,23 @@ run+=(-m threed.cli train "${args[@]}")
 
 # HARNESS_TASKS: lm-eval scores of the saved checkpoint as a job of its own (slurm/eval_harness.sh), which
 # slurm/common.sh submits after training stops (each end, preemption or time limit) with this command, so training
-# never waits for them. One node at the checkpoint's own layout (eval-harness loads it at its TP x PP), DP filling
-# the node. Checked here, so the dry run refuses a recipe whose harness job could not run.
+# never waits for them. One node, in the run's DTYPE: at the checkpoint's own layout with DP filling the node when
+# TP x PP fits one, else at TP (at most the node's GPUs) x as many stages as the rest of the node holds (eval-harness
+# reads a checkpoint at any layout; scoring holds no optimizer state or gradients, so the weights of a layout sized
+# for training fit on fewer GPUs). Checked here, so the dry run refuses a recipe whose harness job could not run.
 harness=()
 if [ -n "${HARNESS_TASKS:-}" ]; then
     [ -n "${SAVE:-}" ] || die "HARNESS_TASKS=$HARNESS_TASKS needs SAVE: the harness job scores the saved checkpoint"
-    ((TP * PP <= GPUS_PER_NODE)) || die "HARNESS_TASKS: the harness job runs on one node at the checkpoint's" \
-        "layout, TP x PP = $((TP * PP)) ranks > GPUS_PER_NODE=$GPUS_PER_NODE; clear HARNESS_TASKS and score a" \
-        "\`threed reshard\` copy with \`threed eval-harness\`"
-    nproc=$((GPUS_PER_NODE - GPUS_PER_NODE % (TP * PP)))
+    htp=$TP hpp=$PP
+    if ((TP * PP > GPUS_PER_NODE)); then
+        htp=$((TP < GPUS_PER_NODE ? TP : GPUS_PER_NODE))
+        hpp=$((GPUS_PER_NODE / htp))
+    fi
+    nproc=$((GPUS_PER_NODE - GPUS_PER_NODE % (htp * hpp)))
     gres=gpu:$nproc
     [ "$DEVICE" != cpu ] || gres=none
     harness=(sbatch --parsable --nodes=1 --gres="$gres" slurm/eval_harness.sh --load "$SAVE"
-             --tasks "$HARNESS_TASKS" --nproc-per-node "$nproc" --tp "$TP" --pp "$PP")
+             --tasks "$HARNESS_TASKS" --nproc-per-node "$nproc" --tp "$htp" --pp "$hpp" --dtype "${DTYPE:-bf16}")
     [ -z "${HARNESS_LIMIT:-}" ] || harness+=(--limit "$HARNESS_LIMIT")
 fi
 

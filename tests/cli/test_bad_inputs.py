@@ -200,7 +200,6 @@ CLI = [
     ("train-load-is-file", TRAIN + ["--load", "{w}/afile"], r"load=.*afile holds no DeepSpeed checkpoint"),
     ("train-init-missing", TRAIN + ["--init-from", "{w}/nothing"], r"init_from=.*nothing does not exist"),
     ("train-load-converted", TRAIN + ["--load", "{w}/ckpt1"], r"converted checkpoint .* use it with\s+--init-from"),
-    ("train-init-other-tp", TRAIN + ["--init-from", "{w}/ckpt2"], r"written at tp=2, pp=1; .* `threed reshard --ckpt"),
     (
         "train-auto-resume-false-on-run",
         TRAIN + ["--save", "{w}/run", "--auto-resume", "false"],

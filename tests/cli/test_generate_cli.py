@@ -62,16 +62,24 @@ def hf_reference(exported, texts: list[str]) -> list[list[int]]:
     return out
 
 
-@pytest.mark.slow  # a 2-rank launch (~1 min); the decode parity itself is tests/ranks/test_generate.py
-def test_generate_on_two_ranks_equals_hf(converted):
+# the checkpoint's own layout, and another one (its shards' slices read by each rank: threed.convert.into_stage)
+LAYOUTS = {"tp2_pp1": [], "tp1_pp2": ["--tp", "1", "--pp", "2"]}
+
+
+@pytest.mark.slow  # a 2-rank launch each (~1 min); the decode parity itself is tests/ranks/test_generate.py
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_generate_on_two_ranks_equals_hf(converted, layout):
     prompts = converted / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in PROMPTS))
-    out = converted / "out.jsonl"
+    out = converted / f"out_{layout}.jsonl"
     cmd = [sys.executable, "-m", "threed.cli", "generate", "--load", str(converted / "ck"), "--prompts", str(prompts)]
     cmd += ["--max-new-tokens", str(MAX_NEW), "--greedy", "--output", str(out), "--nproc-per-node", "2"]
-    proc = subprocess.run(cmd, env={**own_world_env(), **SRC_ENV}, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        cmd + LAYOUTS[layout], env={**own_world_env(), **SRC_ENV}, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "tokens/s (tp=2 pp=1 dp=1, KV cache)" in proc.stdout, proc.stdout[-2000:]
+    tp, pp = layout.replace("_", " ").replace("tp", "tp=").replace("pp", "pp=").split()
+    assert f"tokens/s ({tp} {pp} dp=1, KV cache)" in proc.stdout, proc.stdout[-2000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["prompt"] for r in rows] == PROMPTS
     assert [r["tokens"] for r in rows] == hf_reference(converted / "exported", PROMPTS)

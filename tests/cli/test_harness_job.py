@@ -30,7 +30,8 @@ def test_dry_run_prints_the_harness_sbatch_line():
     assert out.returncode == 0, out.stderr
     assert harness_job(out.stdout) == [
         "sbatch", "--parsable", "--nodes=1", "--gres=gpu:8", "slurm/eval_harness.sh", "--load", "/ckpt/llama 8b",
-        "--tasks", "arc_easy,hellaswag", "--nproc-per-node", "8", "--tp", "2", "--pp", "2", "--limit", "200",
+        "--tasks", "arc_easy,hellaswag", "--nproc-per-node", "8", "--tp", "2", "--pp", "2", "--dtype", "bf16",
+        "--limit", "200",
     ]  # fmt: skip
     argv = " ".join(train_argv(out.stdout))
     assert "--tasks" not in argv and "--harness" not in argv and "--limit" not in argv  # not training's flags
@@ -46,10 +47,22 @@ def test_harness_job_fills_one_node_at_the_checkpoint_layout():
     assert job[job.index("--nproc-per-node") + 1] == "8" and "--gres=none" in job and "--limit" not in job
 
 
+def test_harness_job_of_a_layout_larger_than_a_node_fits_one_node():
+    """70B at TP 8 x PP 4 (32 GPUs) trains on 4 nodes; its scores come from one node at TP 8 x PP 1 (eval-harness reads
+    the checkpoint at any layout), in the run's dtype; TP 4 x PP 8 scores at TP 4 x PP 2."""
+    for env, layout in (({}, ["8", "1"]), ({"TP": "4", "PP": "8"}, ["4", "2"])):
+        out = launch("llama31_70b", {"GPUS_PER_NODE": "8", "NNODES": "4", "SAVE": "/ckpt/70b", **HARNESS, **env})
+        assert out.returncode == 0, out.stderr
+        job = harness_job(out.stdout)
+        assert [job[job.index(f) + 1] for f in ("--tp", "--pp", "--nproc-per-node", "--dtype")] == layout + [
+            "8",
+            "bf16",
+        ]
+
+
 def test_harness_job_that_could_not_run_is_refused_in_one_line():
     cases = [
         ("llama31_8b", {"SAVE": ""}, "HARNESS_TASKS=arc_easy,hellaswag needs SAVE"),
-        ("llama31_70b", {"NNODES": "4"}, "TP x PP = 32 ranks > GPUS_PER_NODE=8"),
         ("llama31_8b", {"HARNESS_LIMIT": "lots"}, "HARNESS_LIMIT=lots is not a whole number"),
     ]
     for recipe, env, message in cases:
@@ -94,7 +107,7 @@ def test_slurm_job_submits_the_harness_once_per_saved_step(tmp_path):
     calls = (tmp_path / "sbatch.txt").read_text().splitlines()
     assert calls == [
         f"--parsable --nodes=1 --gres=none slurm/eval_harness.sh --load {tmp_path / 'ckpt'} --tasks tiny_mc "
-        "--nproc-per-node 4 --tp 2 --pp 2 --limit 20"
+        "--nproc-per-node 4 --tp 2 --pp 2 --dtype bf16 --limit 20"
     ]
     again = slurm_job(tmp_path, 150)  # a requeued start that saved nothing new
     assert again.returncode == 0 and "submitted harness job" not in again.stdout

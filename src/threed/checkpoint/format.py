@@ -19,9 +19,10 @@ method; mp_rank and optimizer files do. Only the layers that hold parameters of 
 once, in layer_00 (DeepSpeed broadcasts it to the last stage on load).
 
 DeepSpeed itself loads a checkpoint only at the tp, pp and dp it was written at (at another tp it merges/splits
-layer files with GPT-2 Megatron name rules and fails deep inside):
-`check_layout` / `check_loadable` say so up front, naming `threed reshard`; a full resume at another layout goes
-through a universal checkpoint instead (threed.checkpoint.start).
+layer files with GPT-2 Megatron name rules and fails deep inside): `check_loadable` says so up front for a tool
+that needs DeepSpeed's own load (`threed verify`), naming `threed reshard`. A run goes around it: weights at another
+layout are read slice by slice (threed.convert.into_stage), a full resume goes through a universal checkpoint
+(threed.checkpoint.start).
 """
 
 from __future__ import annotations
@@ -308,10 +309,13 @@ class Checkpoint:
         return [self.load_rank(layer, rank) for rank in range(self.tp)]
 
 
-def open_checkpoint(path: str | os.PathLike, model: Optional[ModelConfig] = None) -> Checkpoint:
-    """Find the tag, TP size and layer files of a DeepSpeed pipeline checkpoint written by this repo."""
+def open_checkpoint(
+    path: str | os.PathLike, model: Optional[ModelConfig] = None, tag: Optional[str] = None
+) -> Checkpoint:
+    """Find the tag (the one `latest` names unless `tag` says), TP size and layer files of a DeepSpeed pipeline
+    checkpoint written by this repo."""
     p = Path(path)
-    tag = read_latest(p)
+    tag = tag or read_latest(p)
     if tag is None:
         raise CheckpointError(f"{p} {NO_CHECKPOINT}")
     step_dir = p / tag
@@ -371,26 +375,6 @@ def check_model(path: str | os.PathLike, recorded: Optional[ModelConfig], model:
         raise CheckpointError(
             f"checkpoint {path} holds another model than this run's ({'; '.join(diffs)}); pass "
             f"--model {path} to train the model it holds"
-        )
-
-
-def check_layout(path: str, cfg: RunConfig, world_size: int, full_resume: bool, tag: Optional[str] = None) -> None:
-    """Refuse a checkpoint DeepSpeed cannot load natively at this run's layout, naming both layouts and the fix.
-    (A full resume at another layout goes through a universal checkpoint instead: threed.checkpoint.start.)"""
-    lay = checkpoint_layout(path, tag)
-    # dp: ZeRO shards, over DeepSpeed's data axis of dp x cp ranks (threed.parallel.pipeline.make_topology)
-    tp, pp, dp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp(world_size) * cfg.parallel.cp
-    if lay.tp != tp or lay.model_parallel_files != tp * pp:
-        written_pp = lay.model_parallel_files // max(lay.tp, 1)
-        raise CheckpointError(
-            f"{path} ({lay.tag}) was written at tp={lay.tp}, pp={written_pp}; this run has tp={tp}, pp={pp}. "
-            f"Reshard it with `threed reshard --ckpt {path} --tp {tp} --pp {pp} --out NEW_DIR`, or run at its layout"
-        )
-    if full_resume and lay.optimizer_files != tp * pp * dp:
-        raise CheckpointError(
-            f"{path} ({lay.tag}) holds {lay.optimizer_files} optimizer shards; resuming at tp={tp} x pp={pp} x "
-            f"dp={dp} needs {tp * pp * dp}. Resume with the original data-parallel size, or start from its "
-            f"weights only with --init-from {path}"
         )
 
 

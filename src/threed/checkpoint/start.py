@@ -12,7 +12,8 @@ The rules (each refusal names the flag that would make it go ahead):
   training from scratch would overwrite and roll back the run; `--overwrite true` deletes its checkpoints first.
 - `--save` with checkpoints but none complete while `latest` exists: refused (a short or missing file is more
   likely a file-system problem than a run to throw away); `--overwrite true` starts over.
-- `--load DIR`: resume from its newest complete checkpoint; `--init-from DIR`: its weights, at its tp/pp.
+- `--load DIR`: resume from its newest complete checkpoint; `--init-from DIR`: its weights, at any tp / pp (at
+  another layout than it was written at, each rank reads its shards' slices out of it: threed.convert.into_stage).
 - A resume at another tp, pp, dp or dtype converts the checkpoint to a universal one once (rank 0) and loads that;
   so does one at the same tp and pp whose --partition-method puts layers on other stages (DeepSpeed's optimizer
   shards are per stage: a native load failed on tensor sizes).
@@ -44,7 +45,6 @@ from threed.checkpoint.format import (
     CONVERT_MANIFEST,
     RUN_JSON,
     CheckpointError,
-    check_layout,
     check_loadable,
     check_model,
     checkpoint_bytes,
@@ -71,6 +71,7 @@ class StartDecision:
     source: Optional[Found] = None
     universal: bool = False  # load through a universal checkpoint (set once converted)
     repartition: str = ""  # same tp/pp, other stages (--partition-method): why `universal` is set, for the log
+    other_layout: str = ""  # weights written at another tp / pp ("tp=1 pp=2"): read slice by slice (into_stage)
     load_dir: Optional[str] = None  # what engine.load_checkpoint gets
     tag: Optional[str] = None
     clear_save: bool = False  # --overwrite: delete the run in --save before starting
@@ -84,6 +85,7 @@ class StartDecision:
             return "random init"
         what = "resumed from" if self.mode == "resume" else "weights from"
         via = " via a universal checkpoint" if self.universal else ""
+        via = via or (f" (written at {self.other_layout}, read slice by slice)" if self.other_layout else "")
         return f"{what} {self.source.path}/{self.source.tag}{via}"
 
 
@@ -164,10 +166,19 @@ def decide_start(cfg: RunConfig, world_size: int) -> StartDecision:
     check_model(found.path, _recorded_model(found), cfg.model)
     decision.load_dir, decision.tag = found.path, found.tag
     if decision.mode == "weights":
-        check_layout(found.path, cfg, world_size, full_resume=False, tag=found.tag)
+        lay = found.layout
+        if (lay.tp, lay.pp) != (cfg.parallel.tp, cfg.parallel.pp):
+            # DeepSpeed loads weights only at the tp and pp they were written at; the slices this rank needs are
+            # read out of the old TP files instead (threed.convert.into_stage), with no copy on disk
+            decision.other_layout = f"tp={lay.tp} pp={lay.pp}"
+            decision.notes.append(
+                f"{found.path}/{found.tag} was written at tp={lay.tp} pp={lay.pp}; this run has "
+                f"tp={cfg.parallel.tp} pp={cfg.parallel.pp}: each rank reads its shards' slices of it (no resharded "
+                f"copy is written)"
+            )
         if (Path(found.path) / RUN_JSON).is_file() or (Path(found.path) / CONVERT_MANIFEST).is_file():
             if found.tag == read_latest(found.path):
-                check_loadable(found.path, cfg.model, cfg.parallel.tp, cfg.parallel.pp, weights_only=True)
+                check_loadable(found.path, cfg.model, lay.tp, lay.pp, weights_only=True)
         return decision
     if not found.has_optimizer:
         raise ConfigError(

@@ -5,6 +5,7 @@
     from_hf         `threed convert`: HF safetensors -> layer_XX-model_YY files (worker processes)
     export          `threed export`: a checkpoint -> sharded HF safetensors + config + tokenizer
     reshard         `threed reshard`: a checkpoint at another tp / pp, without HF in between
+    into_stage      the same slices read straight into a rank's stage (--init-from, generate, eval-harness)
     ds_checkpoint   the writer side of the DeepSpeed checkpoint format (the reader is threed.checkpoint.format)
     in_memory, tiny small models for tests and the demo; io_utils: output directories, progress, dtypes
 

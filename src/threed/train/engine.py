@@ -10,11 +10,13 @@ from typing import Any, Optional
 
 import torch
 
+from threed.checkpoint.format import open_checkpoint
 from threed.checkpoint.start import StartDecision, start
 from threed.config import RunConfig
+from threed.convert.into_stage import load_into_stage
 from threed.metrics.stages import reset_peak_memory
 from threed.parallel.distributed import Runtime, check_groups_agree, init_megatron_parallel_state, library_prints
-from threed.parallel.pipeline import build_pipeline_module
+from threed.parallel.pipeline import build_pipeline_module, local_modules
 from threed.parallel.zero_bubble import use_schedule
 
 
@@ -148,6 +150,17 @@ class Built:
     decision: Optional[StartDecision] = None  # where the run started, and the log lines about it
 
 
+def load_weights_sliced(engine, cfg: RunConfig, decision: StartDecision) -> None:
+    """Weights written at another tp / pp (decision.other_layout): each rank reads its shards' slices of them
+    (threed.convert.into_stage), then, as DeepSpeed's `load_checkpoint(load_module_only=True)` does after its own
+    load, the optimizer's fp32 master weights are refreshed from the loaded parameters."""
+    ck = open_checkpoint(decision.load_dir, tag=decision.tag)
+    tp_rank = engine.grid.get_slice_parallel_rank()
+    load_into_stage(ck, local_modules(engine.module, cfg.model), cfg.parallel.tp, tp_rank)
+    if engine.optimizer is not None and hasattr(engine.optimizer, "refresh_fp32_params"):
+        engine.optimizer.refresh_fp32_params()
+
+
 def build_engine(
     cfg: RunConfig, rt: Runtime, decision: Optional[StartDecision] = None, token_weighted: bool = False
 ) -> Built:
@@ -185,6 +198,8 @@ def build_engine(
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint {decision.load_dir}/{decision.tag}")
         place_optimizer_state(engine.optimizer)
+    elif decision.mode == "weights" and decision.other_layout:
+        load_weights_sliced(engine, cfg, decision)
     elif decision.mode == "weights":
         path, _ = engine.load_checkpoint(
             decision.load_dir,

@@ -1,0 +1,73 @@
+"""Multi-rank scenario for tests/ranks/test_init_any_layout.py: weights written at one tp / pp, started from at
+another (`--init-from`, read slice by slice: threed.convert.into_stage), against the same weights resharded on disk
+by `threed reshard` and loaded by DeepSpeed's own `load_checkpoint(load_module_only=True)`. 4 ranks:
+
+    python -m torch.distributed.run --nproc-per-node 4 tests/ranks/layout_worker.py --out /tmp/l --cases cases.json
+
+cases.json: [{"name", "sliced": DIR, "native": DIR, "tp", "pp", "dtype"}]. For each case and each of the two
+sources this rank writes its weights after the load and after STEPS training steps, and the losses, to
+OUT/<name>_<source>_rank<R>.pt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+# worker_setup first: it puts tests/ on sys.path (helpers, convert_fixtures)
+from worker_setup import reads_data, run_worker, synthetic_batches
+from threed.checkpoint.format import read_model_config
+from threed.config import CheckpointConfig, ParallelConfig, RunConfig, TrainConfig
+from threed.parallel.distributed import Runtime
+from threed.parallel.pipeline import local_modules
+from threed.train.engine import build_engine
+
+STEPS, MICRO, SEQ = 2, 2, 16
+
+
+def weights(engine, model) -> dict[str, torch.Tensor]:
+    """Copies of this rank's weights keyed `<layer index>.<name>` (a tied head's: the embedding copy it runs with)."""
+    return {
+        f"{layer.index}.{k}": v.detach().clone()
+        for layer, m in local_modules(engine.module, model)
+        for k, v in m.state_dict().items()
+        if isinstance(v, torch.Tensor)
+    }
+
+
+def one(case: dict, source: str, rt: Runtime) -> dict:
+    """Build the engine from `case[source]` at the case's layout, then train STEPS steps on fixed batches."""
+    model = read_model_config(case[source])
+    cfg = RunConfig(
+        model=model,
+        parallel=ParallelConfig(tp=case["tp"], pp=case["pp"]),
+        train=TrainConfig(dtype=case["dtype"], seq_length=SEQ, micro_batch_size=MICRO, steps=STEPS, lr=1e-3),
+        checkpoint=CheckpointConfig(init_from=case[source]),
+    )
+    cfg.validate(rt.world_size)
+    built = build_engine(cfg, rt)
+    engine = built.engine
+    loaded = weights(engine, model)
+    it = synthetic_batches(model.vocab_size, MICRO, SEQ, seed=5) if reads_data(engine) else None
+    losses = [engine.train_batch(data_iter=it).item() for _ in range(STEPS)]
+    return {"loaded": loaded, "trained": weights(engine, model), "losses": losses, "start": built.decision.describe()}
+
+
+def compare(args: argparse.Namespace, rt: Runtime) -> None:
+    for case in json.loads(args.cases.read_text()):
+        for source in ("sliced", "native"):
+            result = one(case, source, rt)
+            torch.save(result, args.out / f"{case['name']}_{source}_rank{rt.rank}.pt")
+            dist.barrier()
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cases", type=Path, required=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_worker({"compare": compare}, add_arguments))
