@@ -261,9 +261,9 @@ def generate_all(
     batches, and every rank gets all the results, in prompt order. The engine is left in the mode it was in
     (training's, for generation during a run; `evaluation`)."""
     grid = engine.grid
-    dp, dp_rank = replicas(engine)
+    n, replica = replicas(engine)
     stage = stage_of(engine, model)
-    mine = list(range(dp_rank, len(prompts), dp))
+    mine = list(range(replica, len(prompts), n))
     local: list[Result] = []
     with evaluation(engine, stage):
         for i in range(0, len(mine), batch_size):

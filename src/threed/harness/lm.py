@@ -32,8 +32,8 @@ def score_all(engine, stage: Stage, rows: list[list[int]], scored: list[int], ba
     (`threed.generate.decode.replicas`: dp x cp, the CP ranks run whole rows) scores rows d, d + n, ..., longest
     first, in batches, under `evaluation` (no sequence- or context-parallel split)."""
     grid = engine.grid
-    dp, dp_rank = replicas(engine)
-    mine = sorted(range(dp_rank, len(rows), dp), key=lambda i: -len(rows[i]))
+    n, replica = replicas(engine)
+    mine = sorted(range(replica, len(rows), n), key=lambda i: -len(rows[i]))
     local: list[tuple[int, tuple]] = []
     with evaluation(engine, stage):
         for k in range(0, len(mine), batch_size):
