@@ -1,5 +1,5 @@
 """--generate-interval / --harness-interval are checked before anything is built: each bad combination is one
-ConfigError line (the flags' checks in config.py, the files' and the layout's in threed.train.samples.prepare).
+ConfigError line (the flags' checks in config.py, the files' in threed.train.samples.prepare).
 
     .venv/bin/python -m pytest -q tests/unit/test_samples_config.py
 """
@@ -40,19 +40,6 @@ def test_flag_combinations_are_refused(tmp_path, train, line):
 
 def test_off_by_default_builds_nothing(tmp_path):
     assert prepare(config(tmp_path)) is None
-
-
-@pytest.mark.parametrize(
-    "parallel, flag",
-    [
-        (ParallelConfig(tp=2, sequence_parallel=True), "--sequence-parallel"),
-        (ParallelConfig(cp=2), "--context-parallel-size 2"),
-    ],
-)
-def test_a_split_sequence_is_refused_before_the_engine(tmp_path, parallel, flag):
-    cfg = config(tmp_path, parallel, generate_interval=2, generate_prompts="p")
-    with pytest.raises(ConfigError, match=rf"do not run under {flag} yet"):
-        prepare(cfg)
 
 
 def test_a_missing_tokenizer_or_prompts_file_is_one_line(tmp_path):

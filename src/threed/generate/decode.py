@@ -15,13 +15,19 @@ Masks are explicit boolean `[b, 1, sq, sk]` (SDPA's `is_causal` aligns top-left,
 key j is visible to query i when j <= i and j is not left padding. Positions restart after each row's padding, so
 a padded row sees the angles it would alone (what HF computes from its attention mask).
 
+Sequence and context parallelism: a prompt, or one new token, cannot be cut over tp or into 2·cp chunks, so under
+`evaluation` every module of the stage runs whole sequences (`threed.model.layers.whole_sequences`, switched back on
+exit): the TP linears all-reduce instead of reduce-scatter / all-gather, and each CP rank, holding the full
+weights, is a replica of its own (`replicas`: DeepSpeed's data axis, dp x cp).
+
     threed generate --load CKPT --prompt "The capital of France is" --max-new-tokens 16 --nproc-per-node 4 --tp 2 --pp 2
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,7 +37,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from threed.config import ModelConfig
 from threed.generate.prompts import Sampling
 from threed.generate.sampling import VocabSlice, parallel_top2, pick
-from threed.model.layers import token_losses
+from threed.model.layers import token_losses, whole_sequences
 from threed.model.spec import pipeline_layers
 
 
@@ -209,6 +215,31 @@ def generate_batch(
     return Generated(tokens=new, margins=margins if stage.last else [], steps=step)
 
 
+def replicas(engine) -> tuple[int, int]:
+    """(how many, which one): the pipelines that generate or score separately, each its share of the rows. DeepSpeed's
+    data axis: dp x cp ranks (threed.parallel.pipeline.make_topology). Under context parallelism the CP ranks of a
+    data-parallel rank hold the same weights, and `evaluation` has each run whole rows, so they are replicas of
+    their own: no row is run twice, and each rank's pipeline (its stages' send / receive peers, its TP group) is
+    the one DeepSpeed's grid gives it at that data coordinate."""
+    grid = engine.grid
+    return grid.get_data_parallel_world_size(), grid.get_data_parallel_rank()
+
+
+@contextlib.contextmanager
+def evaluation(engine, stage: Stage) -> Iterator[None]:
+    """What generation and scoring run under: the engine's module in eval mode, no autograd, and every module of
+    the stage running whole sequences (`threed.model.layers.whole_sequences`: no sequence-parallel split over tp,
+    no context-parallel chunks and K/V exchange), all put back on exit, however it is left: a run that generates
+    every N steps goes on training exactly as it would have (tests/ranks/test_samples_split.py)."""
+    was_training = engine.module.training
+    engine.module.eval()
+    try:
+        with torch.no_grad(), whole_sequences(fn for _, fn in stage.funcs):
+            yield
+    finally:
+        engine.module.train(was_training)
+
+
 @dataclass
 class Result:
     index: int  # the prompt's position in the input
@@ -226,27 +257,20 @@ def generate_all(
     use_cache: bool = True,
     batch_size: int = 8,
 ) -> list[Result]:
-    """Every rank calls this with the same prompts; each data-parallel replica generates prompts dp_rank, dp_rank +
-    dp, ... in batches, and every rank gets all the results, in prompt order. The engine is left in the mode it
-    was in (training's, for generation during a run)."""
+    """Every rank calls this with the same prompts; each replica (`replicas`) generates prompts r, r + n, ... in
+    batches, and every rank gets all the results, in prompt order. The engine is left in the mode it was in
+    (training's, for generation during a run; `evaluation`)."""
     grid = engine.grid
-    dp, dp_rank = grid.get_data_parallel_world_size(), grid.get_data_parallel_rank()
+    n, replica = replicas(engine)
     stage = stage_of(engine, model)
-    mine = list(range(dp_rank, len(prompts), dp))
+    mine = list(range(replica, len(prompts), n))
     local: list[Result] = []
-    was_training = engine.module.training
-    engine.module.eval()
-    try:
-        with torch.no_grad():
-            for i in range(0, len(mine), batch_size):
-                idx = mine[i : i + batch_size]
-                out = generate_batch(
-                    stage, [prompts[j] for j in idx], idx, max_new_tokens, sampling, stop_ids, use_cache
-                )
-                margins = out.margins or [[] for _ in idx]
-                local += [Result(j, t, m) for j, t, m in zip(idx, out.tokens, margins)]
-    finally:
-        engine.module.train(was_training)
+    with evaluation(engine, stage):
+        for i in range(0, len(mine), batch_size):
+            idx = mine[i : i + batch_size]
+            out = generate_batch(stage, [prompts[j] for j in idx], idx, max_new_tokens, sampling, stop_ids, use_cache)
+            margins = out.margins or [[] for _ in idx]
+            local += [Result(j, t, m) for j, t, m in zip(idx, out.tokens, margins)]
     speaker = stage.last and grid.get_slice_parallel_rank() == 0  # one rank per replica holds the margins
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local if speaker else None)

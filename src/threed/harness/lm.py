@@ -1,8 +1,11 @@
-"""`ThreedLM`: lm-evaluation-harness's `TemplateLM` run on threed's engine, whatever its tp / pp / dp.
+"""`ThreedLM`: lm-evaluation-harness's `TemplateLM` run on threed's engine, whatever its tp / pp / dp / cp, with or
+without sequence parallelism.
 
 lm-eval's evaluator runs in every rank alike (the model says rank 0 of a world of 1, so each rank sees every
-request); the requests are split here, over the data-parallel replicas, and the answers all-gathered, so every rank
-returns the same list and computes the same scores. What each request asks is what lm-eval's own HF backend
+request); the requests are split here, over the replicas (the data-parallel ones and, under context parallelism,
+each CP rank too: `threed.generate.decode.replicas`), and the answers all-gathered, so every rank returns the same
+list and computes the same scores. Each replica runs whole rows, split neither over tp nor over cp
+(`threed.generate.decode.evaluation`). What each request asks is what lm-eval's own HF backend
 (`HFLM`) asks of its model, token for token: the same encoding of (context, continuation), the same left truncation
 to `max_length + 1` tokens, the same rolling windows; tests/ranks/test_harness.py holds the two to 1e-5.
 
@@ -15,34 +18,29 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-import torch
 import torch.distributed as dist
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 
 from threed.config import ModelConfig
-from threed.generate.decode import Stage, generate_all, score_batch, stage_of
+from threed.generate.decode import Stage, evaluation, generate_all, replicas, score_batch, stage_of
 from threed.generate.prompts import Sampling
 
 
 def score_all(engine, stage: Stage, rows: list[list[int]], scored: list[int], batch_size: int) -> list[tuple]:
-    """(sum of log-probabilities, is greedy) of each row's last `scored` tokens, on every rank: replica d scores
-    rows d, d + dp, ..., longest first, in batches."""
+    """(sum of log-probabilities, is greedy) of each row's last `scored` tokens, on every rank: replica d of n
+    (`threed.generate.decode.replicas`: dp x cp, the CP ranks run whole rows) scores rows d, d + n, ..., longest
+    first, in batches, under `evaluation` (no sequence- or context-parallel split)."""
     grid = engine.grid
-    dp, dp_rank = grid.get_data_parallel_world_size(), grid.get_data_parallel_rank()
-    mine = sorted(range(dp_rank, len(rows), dp), key=lambda i: -len(rows[i]))
+    n, replica = replicas(engine)
+    mine = sorted(range(replica, len(rows), n), key=lambda i: -len(rows[i]))
     local: list[tuple[int, tuple]] = []
-    was_training = engine.module.training
-    engine.module.eval()
-    try:
-        with torch.no_grad():
-            for k in range(0, len(mine), batch_size):
-                idx = mine[k : k + batch_size]
-                out = score_batch(stage, [rows[i] for i in idx], [scored[i] for i in idx])
-                if out is not None:
-                    local += list(zip(idx, out))
-    finally:
-        engine.module.train(was_training)
+    with evaluation(engine, stage):
+        for k in range(0, len(mine), batch_size):
+            idx = mine[k : k + batch_size]
+            out = score_batch(stage, [rows[i] for i in idx], [scored[i] for i in idx])
+            if out is not None:
+                local += list(zip(idx, out))
     speaker = stage.last and grid.get_slice_parallel_rank() == 0
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local if speaker else None)

@@ -16,7 +16,10 @@ The loss of a micro-batch is this rank's token-loss sum over the whole row's tok
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import warnings
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -311,6 +314,69 @@ class TiedLMHead:
     def __call__(self, embedding: "EmbeddingPipe", hidden: torch.Tensor) -> torch.Tensor:
         logits, _ = self.linear(hidden, weight=embedding.word_embeddings.weight)
         return self.mask_padding(logits)
+
+
+# megatron-core 0.16.1's module attributes that split the sequence over TP, each read at every forward:
+# Column/RowParallelLinear's `sequence_parallel` (all-gather the input / reduce-scatter the output, instead of an
+# identity / all-reduce; threed.model.wgrad's split backward reads it too), VocabParallelEmbedding's
+# `reduce_scatter_embeddings` (reduce-scatter the lookups instead of all-reducing them), and `scatter_to_sequence_
+# parallel` (its embedding modules; none here). The list megatron's own `set_model_to_sequence_parallel` switches.
+SEQUENCE_SPLIT_ATTRIBUTES = ("sequence_parallel", "scatter_to_sequence_parallel", "reduce_scatter_embeddings")
+
+
+@contextlib.contextmanager
+def whole_sequences(layers: Iterable[Any]) -> Iterator[None]:
+    """For the duration, every module of `layers` (a stage's callables: modules, or a tied head with the embedding
+    it runs with) runs whole sequences on every rank, as if built without sequence parallelism and without context
+    parallelism; on exit, however it is left, every attribute it changed holds its own value again.
+
+    Generation and scoring (threed.generate.decode) feed `[s, b, h]` with s the prompt, or one new token: it cannot
+    be cut over tp or into 2·cp chunks. Without sequence parallelism the linears all-reduce where they would
+    reduce-scatter and all-gather (the same sums), and each CP rank holds the full weights, so it can run whole rows
+    alone. Switched, as megatron does for inference: the `SEQUENCE_SPLIT_ATTRIBUTES` of every module, its
+    TransformerConfig's `sequence_parallel`; and threed's own: `LlamaBlock.sequence_shards` and `.context` (the RoPE
+    angles' length and CP cut), `SDPACoreAttention.cp_group` (None: no K/V all-gather over the CP group).
+    Left alone: the norms' `weight.sequence_parallel` tag, read only when gradients are reduced after a backward
+    (`threed.parallel.staged`); what runs inside this has no backward (torch.no_grad)."""
+    saved: list[tuple[Any, str, Any]] = []
+    seen: set[tuple[int, str]] = set()
+
+    def put(obj: Any, name: str, value: Any) -> None:
+        if (id(obj), name) in seen or getattr(obj, name) == value:
+            return
+        seen.add((id(obj), name))
+        saved.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
+
+    try:
+        for module in _stage_modules(layers):
+            for name in SEQUENCE_SPLIT_ATTRIBUTES:
+                if getattr(module, name, None) is True:
+                    put(module, name, False)
+            config = getattr(module, "config", None)
+            if isinstance(config, TransformerConfig):
+                put(config, "sequence_parallel", False)
+            if isinstance(module, LlamaBlock):
+                put(module, "sequence_shards", 1)
+                put(module, "context", (1, 0))
+            if isinstance(module, SDPACoreAttention):
+                put(module, "cp_group", None)
+        yield
+    finally:
+        for obj, name, value in reversed(saved):
+            setattr(obj, name, value)
+
+
+def _stage_modules(layers: Iterable[Any]) -> Iterator[torch.nn.Module]:
+    """Every module `layers` run: modules and their submodules, a DeepSpeed tied layer's `partial(head, embedding)`
+    both, and a TiedLMHead's linear (the head is no Module, so no module tree holds that linear)."""
+    for layer in layers:
+        if isinstance(layer, torch.nn.Module):
+            yield from layer.modules()
+        elif isinstance(layer, functools.partial):
+            yield from _stage_modules([layer.func, *layer.args])
+        elif isinstance(layer, TiedLMHead):
+            yield from layer.linear.modules()
 
 
 def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

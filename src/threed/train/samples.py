@@ -7,6 +7,9 @@ It must not change the run: the losses with it are bit-identical to those withou
 So it draws no random number from the run's generators (lm-eval seeds Python's, NumPy's and torch's: their states
 are put back), reads no training or validation data, and does not go through DeepSpeed's pipeline schedule (whose
 buffers hold the training step's activations): it drives the stage modules itself (`threed.generate.decode`).
+Under --sequence-parallel and --context-parallel-size too: for the duration each rank runs whole sequences (no
+split over tp, the CP ranks as extra replicas), and every module's flags are put back after
+(tests/ranks/test_samples_split.py).
 
     threed train ... --generate-interval 500 --generate-prompts prompts.jsonl \
         --harness-interval 1000 --harness-tasks arc_easy,hellaswag --harness-limit 200
@@ -64,15 +67,8 @@ def prepare(cfg: RunConfig) -> Optional[DuringTraining]:
     t = cfg.train
     if not t.generate_interval and not t.harness_interval:
         return None
-    # The decode loop feeds whole sequences ([s, b, h]) to the blocks; sequence parallelism's hold s / tp and
-    # context parallelism's attention expects each rank's 2 of 2·cp chunks.
-    split = "--sequence-parallel" if cfg.parallel.sequence_parallel and cfg.parallel.tp > 1 else ""
-    split = split or (f"--context-parallel-size {cfg.parallel.cp}" if cfg.parallel.cp > 1 else "")
-    if split:
-        raise ConfigError(
-            f"--generate-interval / --harness-interval do not run under {split} yet: drop one, or "
-            "score the saved checkpoints with `threed eval-harness --load SAVE` beside the run"
-        )
+    # Under --sequence-parallel and --context-parallel-size the decode loop runs whole sequences all the same: its
+    # `evaluation` switches the split off for its duration (threed.generate.decode).
     with kept_rng():
         return _prepare(cfg)
 
