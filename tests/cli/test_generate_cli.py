@@ -99,7 +99,9 @@ REFUSALS = [
     (["--prompt", "x", "--temperature", "1", "--top-p", "1.5"], r"--top-p must be in \(0, 1\]"),
     (["--prompts", "{root}/bad.jsonl"], r"bad.jsonl:1: no \"prompt\" string"),
     (["--prompt", "x", "--tokenizer", "{root}/nothing"], r"--tokenizer .*nothing: no such file"),
-    (["--prompt", "x", "--nproc-per-node", "3"], r"3 rank\(s\) cannot hold tp=2 x pp=1"),
+    (["--prompt", "x", "--nproc-per-node", "3"], r"world size 3 is not divisible by tp\*pp\*cp = 2\*1\*1"),
+    (["--prompt", "x", "--tp", "3", "--nproc-per-node", "6"], r"tp=3 does not divide num_heads=8"),
+    (["--prompt", "x", "--pp", "9", "--nproc-per-node", "18"], r"pp=9 is larger than num_layers=\d"),
 ]
 
 

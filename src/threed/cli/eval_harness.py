@@ -18,7 +18,7 @@ from pathlib import Path
 
 from threed.cli.convert import positive_int
 from threed.cli.generate import check_world, refuse_nested_launch
-from threed.parallel.launch import NPROC_FLAG, run_local_ranks
+from threed.parallel.launch import NPROC_FLAG, run_local_ranks, without_nproc
 from threed.errors import ThreedError, guarded
 
 
@@ -31,7 +31,7 @@ def prepare(ns: argparse.Namespace):
     require_lm_eval()
     names = split_tasks(ns.tasks)
     model, tp, pp = check_checkpoint(ns.load, ns.tp, ns.pp)
-    check_world(ns.nproc_per_node, tp, pp)
+    check_world(ns.nproc_per_node, model, tp, pp)
     tok = ns.tokenizer or checkpoint_tokenizer(ns.load)
     if tok is None:
         raise ThreedError(f"--load {ns.load} holds no tokenizer: pass --tokenizer (an HF tokenizer directory)")
@@ -65,19 +65,9 @@ def prepare(ns: argparse.Namespace):
 
 
 def rank_argv(ns: argparse.Namespace, tp: int, pp: int) -> list[str]:
-    """This command for each rank: the same request, the layout resolved, without --nproc-per-node."""
-    argv = ["eval-harness", "--load", ns.load, "--tasks", ns.tasks, "--tp", str(tp), "--pp", str(pp)]
-    argv += ["--batch-size", str(ns.batch_size), "--dtype", ns.dtype]
-    for flag, value in (
-        ("--tokenizer", ns.tokenizer),
-        ("--include-path", ns.include_path),
-        ("--limit", ns.limit),
-        ("--num-fewshot", ns.num_fewshot),
-        ("--output", ns.output),
-    ):
-        if value is not None:
-            argv += [flag, str(value)]
-    return argv + (["--log-samples"] if ns.log_samples else [])
+    """This command line for each rank, without --nproc-per-node, with the layout resolved here (a later --tp / --pp
+    wins in argparse: the same values when they were given)."""
+    return without_nproc(ns.argv) + ["--tp", str(tp), "--pp", str(pp)]
 
 
 def _eval_harness(ns: argparse.Namespace) -> int:

@@ -16,13 +16,13 @@ import argparse
 import os
 
 from threed.cli.convert import positive_int
-from threed.config import ConfigError
+from threed.config import ModelConfig, ParallelConfig
 from threed.errors import ThreedError, guarded
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from threed.generate.prompts import GenerateRequest, Tokenizer
-from threed.parallel.launch import NPROC_FLAG, run_local_ranks
+from threed.parallel.launch import NPROC_FLAG, run_local_ranks, without_nproc
 from threed.parallel.launch import refuse_nested_launch as refuse_launched_ranks
 
 
@@ -43,7 +43,7 @@ def prepare(ns: argparse.Namespace) -> "tuple[GenerateRequest, Tokenizer]":
     tokenizer = Tokenizer(tok_path)
     ids = [tokenizer.encode(t) for t in texts]
     check_lengths(ids, ns.max_new_tokens, model)
-    check_world(ns.nproc_per_node, tp, pp)
+    check_world(ns.nproc_per_node, model, tp, pp)
     request = GenerateRequest(
         load=ns.load,
         model=model,
@@ -62,22 +62,9 @@ def prepare(ns: argparse.Namespace) -> "tuple[GenerateRequest, Tokenizer]":
 
 
 def rank_argv(ns: argparse.Namespace, request: "GenerateRequest") -> list[str]:
-    """This command for each rank: the same request, the layout resolved, without --nproc-per-node."""
-    argv = ["generate", "--load", ns.load, "--max-new-tokens", str(ns.max_new_tokens)]
-    argv += ["--tp", str(request.tp), "--pp", str(request.pp), "--batch-size", str(ns.batch_size)]
-    argv += ["--dtype", ns.dtype]
-    for flag, value in (
-        ("--tokenizer", ns.tokenizer),
-        ("--prompt", ns.prompt),
-        ("--prompts", ns.prompts),
-        ("--temperature", ns.temperature),
-        ("--top-p", ns.top_p),
-        ("--seed", ns.seed),
-        ("--output", ns.output),
-    ):
-        if value is not None:
-            argv += [flag, str(value)]
-    return argv + (["--greedy"] if ns.greedy else []) + (["--no-kv-cache"] if ns.no_kv_cache else [])
+    """This command line for each rank, without --nproc-per-node, with the layout resolved here (a later --tp / --pp
+    wins in argparse: the same values when they were given)."""
+    return without_nproc(ns.argv) + ["--tp", str(request.tp), "--pp", str(request.pp)]
 
 
 def refuse_nested_launch(ns: argparse.Namespace) -> None:
@@ -85,10 +72,9 @@ def refuse_nested_launch(ns: argparse.Namespace) -> None:
         refuse_launched_ranks()
 
 
-def check_world(nproc: "int | None", tp: int, pp: int) -> None:
-    world = nproc or int(os.environ.get("WORLD_SIZE", "1"))
-    if world % (tp * pp):
-        raise ConfigError(f"{world} rank(s) cannot hold tp={tp} x pp={pp}: use a multiple of {tp * pp} ranks")
+def check_world(nproc: "int | None", model: "ModelConfig", tp: int, pp: int) -> None:
+    """The layout against the model and the world (--nproc-per-node, or the launcher's), as training checks it."""
+    ParallelConfig(tp=tp, pp=pp).validate(model, nproc or int(os.environ.get("WORLD_SIZE", "1")))
 
 
 def _generate(ns: argparse.Namespace) -> int:

@@ -84,6 +84,7 @@ def _command(ns: argparse.Namespace, argv: Sequence[str]) -> int:
     elif ns.command == "demo-text":
         print(write_demo_text(ns.out))
     else:
+        ns.argv = list(argv)  # generate / eval-harness --nproc-per-node start N ranks of this same command line
         return ns.run(ns)
     return 0
 
