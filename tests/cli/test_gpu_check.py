@@ -55,6 +55,7 @@ def dry(tmp_path_factory) -> dict:
     return {"proc": proc, "out": out}
 
 
+@pytest.mark.slow  # the dry run of every phase (~100 s): make test-slow
 def test_dry_run_passes_and_leaves_at_most_8_files(dry):
     proc, out = dry["proc"], dry["out"]
     assert proc.returncode == 0, proc.stdout[-6000:]
@@ -66,6 +67,7 @@ def test_dry_run_passes_and_leaves_at_most_8_files(dry):
     assert {"env.log", "tests.log", "bench.log", "one_gpu.log"} <= set(files)
 
 
+@pytest.mark.slow  # the dry run of every phase (~100 s): make test-slow
 def test_dry_run_summary_holds_every_phase(dry):
     s = json.loads((dry["out"] / "gpu_check.json").read_text())
     assert SUMMARY_KEYS <= set(s), sorted(s)
@@ -85,6 +87,7 @@ def test_dry_run_summary_holds_every_phase(dry):
     assert sorted(s["files"]) == sorted(p.name for p in dry["out"].iterdir())
 
 
+@pytest.mark.slow  # the dry run of every phase (~100 s): make test-slow
 def test_dry_run_benchmark_measured_both_sides(dry):
     bench = json.loads((dry["out"] / "gpu_check.json").read_text())["bench"]
     runs = bench["runs"]

@@ -170,6 +170,7 @@ def only_ours(out: subprocess.CompletedProcess[str]) -> str:
     return both
 
 
+@pytest.mark.slow  # a 2-rank bf16 run (~30 s); the filters themselves are tested above
 def test_a_two_rank_bf16_run_on_a_blend_prints_only_our_lines(tmp_path: Path):
     """tp1 pp1 dp2 bf16 (BF16_Optimizer and its DP all-gather), a 2-source blend with validation (megatron's
     BlendedDataset): stdout and stderr hold our lines and nothing else."""

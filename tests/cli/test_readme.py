@@ -132,6 +132,7 @@ def test_walkthrough_has_every_step():
     assert any(c.startswith("make export") for c in commands), "the walkthrough lost its export step"
 
 
+@pytest.mark.slow  # the whole walkthrough (~90 s); its steps are each tested where they live
 def test_walkthrough_runs(tmp_path):
     commands = walkthrough((ROOT / "README.md").read_text())
     root = scratch_repo(tmp_path)

@@ -217,6 +217,7 @@ def test_steps_0_is_refused_before_anything(tiny_corpus, tmp_path):
     assert not (tmp_path / "save").exists()
 
 
+@pytest.mark.slow  # four runs in a row (~75 s); each rule has its fast test above
 def test_second_run_refused_first_saves_on_ctrl_c_stale_stop_then_finished(tiny_corpus, tmp_path):
     save, log = tmp_path / "save", tmp_path / "first.log"
     first = start_long_run(tiny_corpus, save, log)

@@ -12,6 +12,7 @@ import re
 import subprocess
 
 import numpy as np
+import pytest
 
 from chat_fixtures import CONVERSATIONS, llama3_tokenizer
 from helpers import REPO
@@ -32,6 +33,7 @@ def _conversations(n: int) -> list[dict]:
     return out
 
 
+@pytest.mark.slow  # end to end (~75 s); its pieces: tests/ranks/test_sft_train.py
 def test_sft_from_hf_to_hf_through_the_recipe(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -89,6 +89,7 @@ def latest_step(save: Path) -> int:
     return int((save / "latest").read_text().strip().removeprefix("global_step"))
 
 
+@pytest.mark.slow  # ~200 s: make test-slurm, with the other real-Slurm jobs
 @pytest.mark.slurm
 def test_tiny_recipe_on_two_nodes_trains_and_resumes(local_slurm_factory, demo_data, tmp_path: Path) -> None:
     slurm: LocalSlurm = local_slurm_factory(num_nodes=2, cpus_per_node=4)

@@ -68,6 +68,7 @@ KILLS = [
 ]
 
 
+@pytest.mark.slow  # fault injection (~30-90 s each): make test-slow
 @pytest.mark.parametrize("kill", KILLS)
 def test_kill_during_save_then_same_command_resumes_bit_identical(reference, kill, tmp_path):
     save, out = tmp_path / "save", tmp_path / "out"
@@ -110,6 +111,7 @@ def test_truncated_file_falls_back_to_the_previous_checkpoint(reference, tmp_pat
     assert "layer_03-model_00-model_states.pt is 1000 bytes" in warnings[0]
 
 
+@pytest.mark.slow  # fault injection (~30-90 s each): make test-slow
 def test_divergence_stops_loudly_without_saving(tmp_path):
     save, out = tmp_path / "save", tmp_path / "out"
     p = worker(2, out, "--save", str(save), *RUN, "--poison-step", "3")
@@ -134,6 +136,7 @@ def test_skip_nonfinite_skips_the_batch_and_goes_on(reference, tmp_path):
     assert all(got[s] == got[s] for s in (4, 5, 6))  # and training goes on from unchanged weights
 
 
+@pytest.mark.slow  # fault injection (~30-90 s each): make test-slow
 def test_watchdog_prints_every_ranks_stacks_and_exits(tmp_path):
     t0 = time.time()
     p = worker(2, tmp_path / "out", *RUN, "--sleep-step", "3", "--watchdog-min-seconds", "3")

@@ -89,6 +89,7 @@ def first_batch_loss(hf_dir, data: str, micro: int, gas: int, seq: int, seed: in
     return sum(losses) / gas
 
 
+@pytest.mark.slow  # end to end (~75 s); DeepSpeed loading converted weights stays in make test
 def test_train_from_converted_then_export(hf_dir, tmp_path, capsys):
     ck, run, exported = tmp_path / "ck", tmp_path / "run", tmp_path / "exported"
     # Default padding multiple (128): `--model HF_DIR` then pads the vocab exactly as the converter did.

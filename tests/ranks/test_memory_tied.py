@@ -42,6 +42,7 @@ def measured(tmp_path_factory):
     }
 
 
+@pytest.mark.slow  # a 4-rank launch (~40 s); the untied layouts' memory check (test_memory.py) stays in make test
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_tied_static_bytes_match_engine_tensors(measured, layout: str) -> None:
     ranks = measured[layout]
@@ -63,6 +64,7 @@ def test_tied_static_bytes_match_engine_tensors(measured, layout: str) -> None:
         assert abs(p["static"] - everything) <= 0.02 * everything
 
 
+@pytest.mark.slow  # the same launch
 def test_tied_copy_on_both_end_stages_of_the_measured_engines(measured) -> None:
     """What the engines held, read without the memory model: the last stage's parameters are its untied
     counterpart's (a copy of [V, h] in place of the LM head's [V, h]); at pp = 1 there is one [V, h] fewer."""
