@@ -269,15 +269,17 @@ run+=(-m threed.cli train "${args[@]}")
 # HARNESS_TASKS: lm-eval scores of the saved checkpoint as a job of its own (slurm/eval_harness.sh), which
 # slurm/common.sh submits after training stops (each end, preemption or time limit) with this command, so training
 # never waits for them. One node, in the run's DTYPE: at the checkpoint's own layout with DP filling the node when
-# TP x PP fits one, else at TP (at most the node's GPUs) x as many stages as the rest of the node holds (eval-harness
-# reads a checkpoint at any layout; scoring holds no optimizer state or gradients, so the weights of a layout sized
-# for training fit on fewer GPUs). Checked here, so the dry run refuses a recipe whose harness job could not run.
+# TP x PP fits one, else at the largest divisor of TP that fits the node (it divides the heads as TP does) x as many
+# stages as the rest of the node holds (eval-harness reads a checkpoint at any layout and builds no optimizer: 2
+# B/param in bf16 where training holds ~16, so a layout sized for training fits on fewer GPUs; whether it fits that
+# node is not checked here). Checked here, so the dry run refuses a recipe whose harness job could not run.
 harness=()
 if [ -n "${HARNESS_TASKS:-}" ]; then
     [ -n "${SAVE:-}" ] || die "HARNESS_TASKS=$HARNESS_TASKS needs SAVE: the harness job scores the saved checkpoint"
     htp=$TP hpp=$PP
     if ((TP * PP > GPUS_PER_NODE)); then
-        htp=$((TP < GPUS_PER_NODE ? TP : GPUS_PER_NODE))
+        htp=$GPUS_PER_NODE
+        while ((TP % htp)); do htp=$((htp - 1)); done
         hpp=$((GPUS_PER_NODE / htp))
     fi
     nproc=$((GPUS_PER_NODE - GPUS_PER_NODE % (htp * hpp)))

@@ -49,15 +49,18 @@ def test_harness_job_fills_one_node_at_the_checkpoint_layout():
 
 def test_harness_job_of_a_layout_larger_than_a_node_fits_one_node():
     """70B at TP 8 x PP 4 (32 GPUs) trains on 4 nodes; its scores come from one node at TP 8 x PP 1 (eval-harness reads
-    the checkpoint at any layout), in the run's dtype; TP 4 x PP 8 scores at TP 4 x PP 2."""
-    for env, layout in (({}, ["8", "1"]), ({"TP": "4", "PP": "8"}, ["4", "2"])):
+    the checkpoint at any layout), in the run's dtype; TP 4 x PP 8 scores at TP 4 x PP 2; on nodes of 6 GPUs TP 8 x PP 4
+    scores at TP 4 (the largest divisor of 8 that fits: it divides the heads) x PP 1 on 4 of them."""
+    cases = [
+        ({}, ["8", "1", "8"]),
+        ({"TP": "4", "PP": "8"}, ["4", "2", "8"]),
+        ({"GPUS_PER_NODE": "6", "NNODES": "16"}, ["4", "1", "4"]),
+    ]
+    for env, layout in cases:
         out = launch("llama31_70b", {"GPUS_PER_NODE": "8", "NNODES": "4", "SAVE": "/ckpt/70b", **HARNESS, **env})
         assert out.returncode == 0, out.stderr
         job = harness_job(out.stdout)
-        assert [job[job.index(f) + 1] for f in ("--tp", "--pp", "--nproc-per-node", "--dtype")] == layout + [
-            "8",
-            "bf16",
-        ]
+        assert [job[job.index(f) + 1] for f in ("--tp", "--pp", "--nproc-per-node", "--dtype")] == layout + ["bf16"]
 
 
 def test_harness_job_that_could_not_run_is_refused_in_one_line():

@@ -6,7 +6,8 @@ by `threed reshard` and loaded by DeepSpeed's own `load_checkpoint(load_module_o
 
 cases.json: [{"name", "sliced": DIR, "native": DIR, "tp", "pp", "dtype"}]. For each case and each of the two
 sources this rank writes its weights after the load and after STEPS training steps, and the losses, to
-OUT/<name>_<source>_rank<R>.pt.
+OUT/<name>_<source>_rank<R>.pt; and the weights of the engine `threed generate` / `eval-harness` build from the
+checkpoint (no optimizer state) to OUT/<name>_inference_rank<R>.pt.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from worker_setup import reads_data, run_worker, synthetic_batches
 from threed.checkpoint.format import read_model_config
 from threed.config import CheckpointConfig, ParallelConfig, RunConfig, TrainConfig
+from threed.generate.run import engine_config
 from threed.parallel.distributed import Runtime
 from threed.parallel.pipeline import local_modules
 from threed.train.engine import build_engine
@@ -57,12 +59,26 @@ def one(case: dict, source: str, rt: Runtime) -> dict:
     return {"loaded": loaded, "trained": weights(engine, model), "losses": losses, "start": built.decision.describe()}
 
 
+def inference(case: dict, rt: Runtime) -> dict:
+    """The engine `threed generate` / `eval-harness` build (`build_engine(train=False)`) from the case's checkpoint:
+    its weights, and the fp32 tensors its optimizer holds (none: no master weights, gradients or Adam state)."""
+    model = read_model_config(case["sliced"])
+    cfg = engine_config(case["sliced"], model, case["tp"], case["pp"], case["dtype"])
+    cfg.validate(rt.world_size)
+    engine = build_engine(cfg, rt, train=False).engine
+    held = [t for t in vars(engine.optimizer).values() if isinstance(t, list)] if engine.optimizer is not None else []
+    fp32 = sum(1 for group in held for t in group if isinstance(t, torch.Tensor) and t.dtype == torch.float32)
+    return {"loaded": weights(engine, model), "optimizer_fp32_tensors": fp32}
+
+
 def compare(args: argparse.Namespace, rt: Runtime) -> None:
     for case in json.loads(args.cases.read_text()):
         for source in ("sliced", "native"):
             result = one(case, source, rt)
             torch.save(result, args.out / f"{case['name']}_{source}_rank{rt.rank}.pt")
             dist.barrier()
+        torch.save(inference(case, rt), args.out / f"{case['name']}_inference_rank{rt.rank}.pt")
+        dist.barrier()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -4,7 +4,8 @@ own loader on the same weights resharded on disk by `threed reshard`: every rank
 after the load and after two training steps (so the optimizer's fp32 masters were refreshed from them too), and so
 do the losses. Cases: tp1 pp1 -> tp2 pp2 in bf16 (vocabulary padding 208 -> 224 rows), tp4 pp1 -> tp1 pp2 dp2 in
 fp32, and a tied head (Llama 3.2) tp1 pp1 -> tp2 pp2, whose last stage's copy of the embedding is read from
-layer_00. One 4-rank launch (layout_worker.py).
+layer_00. The engine `threed generate` / `eval-harness` build holds the same weights and no optimizer state. One
+4-rank launch (layout_worker.py).
 
     .venv/bin/python -m pytest -q tests/ranks/test_init_any_layout.py
 """
@@ -76,3 +77,15 @@ def test_weights_and_training_equal_deepspeeds_load_of_the_resharded_copy(loaded
         assert a["losses"] == b["losses"], rank
         # the steps moved the weights: the comparison after training is not the load's again
         assert any(not torch.equal(a["loaded"][k], a["trained"][k]) for k in a["loaded"]), rank
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_generate_and_harness_engines_hold_the_same_weights_and_no_optimizer_state(loaded, case):
+    """`build_engine(train=False)`: the weights a training engine loads, without fp32 masters, gradients or Adam
+    state (a training engine's BF16_Optimizer / ZeRO-1 holds them: 14 B/param more than bf16 weights)."""
+    root, names = loaded
+    trained, scoring = results(root, names[case], "sliced"), results(root, names[case], "inference")
+    for rank, (a, b) in enumerate(zip(trained, scoring)):
+        assert a["loaded"].keys() == b["loaded"].keys(), rank
+        assert all(torch.equal(a["loaded"][k], b["loaded"][k]) for k in a["loaded"]), rank
+        assert b["optimizer_fp32_tensors"] == 0, (rank, b["optimizer_fp32_tensors"])

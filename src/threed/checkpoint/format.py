@@ -339,8 +339,10 @@ def open_checkpoint(
             + (f"; unexpected layers {extra}" if extra else "")
         )
     mp_files = len(list(step_dir.glob("mp_rank_*_model_states.pt")))
-    pp = int(run.get("parallel", {}).get("pp", 0)) or max(1, mp_files // tp)
-    if int(run.get("parallel", {}).get("tp", tp)) != tp:
+    # The run's record describes the checkpoint `latest` names; an older tag may predate a resume at another layout.
+    recorded = run.get("parallel", {}) if tag == read_latest(p) else {}
+    pp = int(recorded.get("pp", 0)) or max(1, mp_files // tp)
+    if int(recorded.get("tp", tp)) != tp:
         raise CheckpointError(f"{p}: {RUN_JSON} says tp={run['parallel']['tp']}, the layer files are for tp={tp}")
     return Checkpoint(path=p, tag=tag, model=model, tp=tp, pp=pp, run=run)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 from threed.cli.convert import positive_int
@@ -67,7 +68,7 @@ def prepare(ns: argparse.Namespace):
 def rank_argv(ns: argparse.Namespace, tp: int, pp: int) -> list[str]:
     """This command line for each rank, without --nproc-per-node, with the layout resolved here (a later --tp / --pp
     wins in argparse: the same values when they were given)."""
-    return without_nproc(ns.argv) + ["--tp", str(tp), "--pp", str(pp)]
+    return without_nproc(getattr(ns, "argv", sys.argv[1:])) + ["--tp", str(tp), "--pp", str(pp)]
 
 
 def _eval_harness(ns: argparse.Namespace) -> int:
@@ -97,7 +98,9 @@ def limit(text: str) -> float:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("eval-harness", help="lm-evaluation-harness scores of a checkpoint on the training engine")
+    p = sub.add_parser(
+        "eval-harness", help="lm-evaluation-harness scores of a checkpoint on the training engine", allow_abbrev=False
+    )
     p.add_argument("--load", required=True, help="checkpoint directory (threed train --save, or threed convert)")
     p.add_argument("--tokenizer", default=None, help="HF tokenizer dir or tokenizer.json (default: the ckpt's)")
     p.add_argument("--tasks", required=True, help="comma-separated lm-eval task names (stock or local)")

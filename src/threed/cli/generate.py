@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from threed.cli.convert import positive_int
 from threed.config import ModelConfig, ParallelConfig
@@ -64,7 +65,7 @@ def prepare(ns: argparse.Namespace) -> "tuple[GenerateRequest, Tokenizer]":
 def rank_argv(ns: argparse.Namespace, request: "GenerateRequest") -> list[str]:
     """This command line for each rank, without --nproc-per-node, with the layout resolved here (a later --tp / --pp
     wins in argparse: the same values when they were given)."""
-    return without_nproc(ns.argv) + ["--tp", str(request.tp), "--pp", str(request.pp)]
+    return without_nproc(getattr(ns, "argv", sys.argv[1:])) + ["--tp", str(request.tp), "--pp", str(request.pp)]
 
 
 def refuse_nested_launch(ns: argparse.Namespace) -> None:
@@ -93,7 +94,9 @@ def _generate(ns: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="continue prompts from a checkpoint (any tp / pp; greedy or sampled)")
+    p = sub.add_parser(
+        "generate", help="continue prompts from a checkpoint (any tp / pp; greedy or sampled)", allow_abbrev=False
+    )
     p.add_argument("--load", required=True, help="checkpoint directory (threed train --save, or threed convert)")
     p.add_argument("--tokenizer", default=None, help="HF tokenizer dir, tokenizer.json or .model (default: the ckpt's)")
     p.add_argument("--prompt", default=None, help="one prompt")

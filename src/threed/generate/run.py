@@ -45,7 +45,7 @@ def run_generate(request: GenerateRequest, tokenizer: Tokenizer, rt: Runtime) ->
     """One rank of `threed generate` (every rank of the world calls it, under torchrun or alone)."""
     cfg = engine_config(request.load, request.model, request.tp, request.pp, request.dtype)
     cfg.validate(rt.world_size)
-    engine = build_engine(cfg, rt).engine
+    engine = build_engine(cfg, rt, train=False).engine  # the weights alone: no optimizer state
     if rt.device.type == "cuda":
         torch.cuda.synchronize()
     dist.barrier()

@@ -81,7 +81,7 @@ def run_harness(request: HarnessRequest, tokenizer: Any, rt: Runtime) -> int:
     manager = task_manager(request.tasks, request.include_path)  # the command checked the tasks and their data
     cfg = engine_config(request.load, request.model, request.tp, request.pp, request.dtype)
     cfg.validate(rt.world_size)
-    engine = build_engine(cfg, rt).engine
+    engine = build_engine(cfg, rt, train=False).engine  # the weights alone: no optimizer state
     lm = ThreedLM(engine, request.model, tokenizer, batch_size=request.batch_size)
     t0 = time.perf_counter()
     results = evaluate(lm, request, manager)

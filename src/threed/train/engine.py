@@ -20,9 +20,12 @@ from threed.parallel.pipeline import build_pipeline_module, local_modules
 from threed.parallel.zero_bubble import use_schedule
 
 
-def deepspeed_config(cfg: RunConfig, world_size: int, load_universal: bool = False) -> dict[str, Any]:
+def deepspeed_config(
+    cfg: RunConfig, world_size: int, load_universal: bool = False, train: bool = True
+) -> dict[str, Any]:
     """The one place that writes DeepSpeed's config. The optimizer and LR schedule are client objects
-    (`make_optimizer` below), so they are not in here."""
+    (`make_optimizer` below), so they are not in here. `train=False`: an engine that only runs its stages
+    (`build_engine(train=False)`), ZeRO off."""
     micro, gas, glob = cfg.train.resolve_batch(cfg.parallel.dp(world_size))
     ds: dict[str, Any] = {
         # DeepSpeed's data axis holds dp x cp ranks (threed.parallel.pipeline.make_topology) and it checks
@@ -32,7 +35,7 @@ def deepspeed_config(cfg: RunConfig, world_size: int, load_universal: bool = Fal
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": gas,
         "gradient_clipping": cfg.train.grad_clip,
-        "zero_optimization": {"stage": cfg.train.zero_stage},
+        "zero_optimization": {"stage": cfg.train.zero_stage if train else 0},
         # A torch AdamW under ZeRO-1 is exact (elementwise on flat partitions) and matches a plain torch run.
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,  # we log ourselves, with tokens/s and MFU
@@ -154,7 +157,7 @@ def load_weights_sliced(engine, cfg: RunConfig, decision: StartDecision) -> None
     """Weights written at another tp / pp (decision.other_layout): each rank reads its shards' slices of them
     (threed.convert.into_stage), then, as DeepSpeed's `load_checkpoint(load_module_only=True)` does after its own
     load, the optimizer's fp32 master weights are refreshed from the loaded parameters."""
-    ck = open_checkpoint(decision.load_dir, tag=decision.tag)
+    ck = open_checkpoint(decision.load_dir, model=cfg.model, tag=decision.tag)  # the model decide_start checked
     tp_rank = engine.grid.get_slice_parallel_rank()
     load_into_stage(ck, local_modules(engine.module, cfg.model), cfg.parallel.tp, tp_rank)
     if engine.optimizer is not None and hasattr(engine.optimizer, "refresh_fp32_params"):
@@ -162,12 +165,19 @@ def load_weights_sliced(engine, cfg: RunConfig, decision: StartDecision) -> None
 
 
 def build_engine(
-    cfg: RunConfig, rt: Runtime, decision: Optional[StartDecision] = None, token_weighted: bool = False
+    cfg: RunConfig,
+    rt: Runtime,
+    decision: Optional[StartDecision] = None,
+    token_weighted: bool = False,
+    train: bool = True,
 ) -> Built:
     """Builds from a validated `cfg` (`RunConfig.validate`: threed.train validates once, before anything else).
     Where the run starts (and whether --save can take a checkpoint) is decided on rank 0 and shared before the
     model is built (`threed.checkpoint.start.start`; threed.train calls it even before the datasets and passes its
-    `decision`), so a bad checkpoint directory costs seconds."""
+    `decision`), so a bad checkpoint directory costs seconds. `train=False` (threed generate, eval-harness): the
+    weights alone, with no optimizer, so no fp32 master weights, gradient buffers or Adam state (under bf16
+    DeepSpeed wraps a placeholder optimizer that allocates nothing): 2 B/param in bf16 where training holds ~16, so
+    a checkpoint trained on several nodes is scored on one."""
     import deepspeed  # heavy: only where a model is built
 
     if decision is None:
@@ -185,8 +195,8 @@ def build_engine(
             token_weighted=token_weighted,
         )
         check_groups_agree(module._grid)
-        optimizer, scheduler = make_optimizer(module, cfg, fused=rt.cuda_only.fused_adamw)
-        ds_config = deepspeed_config(cfg, rt.world_size, load_universal=decision.universal)
+        optimizer, scheduler = make_optimizer(module, cfg, fused=rt.cuda_only.fused_adamw) if train else (None, None)
+        ds_config = deepspeed_config(cfg, rt.world_size, load_universal=decision.universal, train=train)
         engine, _, _, _ = deepspeed.initialize(
             model=module, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
         )
