@@ -129,6 +129,7 @@ def test_recipe_typo_anywhere_is_refused(tmp_path: Path, snippet, name, near) ->
     assert f"line {lineno} sets {name}, which is not a recipe variable: did you mean {near}?" in line, line
 
 
+@pytest.mark.slow  # every shipped recipe through the launcher (~25 s); the typo check itself is tested above
 def test_shipped_recipes_pass_the_typo_check() -> None:
     for recipe in sorted((REPO / "recipes").glob("*.sh")):
         if recipe.name != "launch.sh":

@@ -18,6 +18,10 @@ import pytest
 
 from threed.parallel.launch import run_ranks
 
+# a 4-rank launch (~40 s): CP's end-to-end parity, which runs this attention, stays in make test
+# (test_context_parallel.py)
+pytestmark = pytest.mark.slow
+
 HERE = Path(__file__).resolve().parent
 TOL = 1e-12  # fp64: the same sums in another order
 CPS = (2, 4)

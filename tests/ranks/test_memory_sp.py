@@ -19,6 +19,9 @@ from threed.parallel.launch import run_ranks
 from threed.memory.model import Stage, block_bytes_per_token, stage_activations
 from threed.memory.recompute import Recompute
 
+# a 4-rank launch (~25 s): the memory model against engines at tp / pp stays in make test (test_memory.py)
+pytestmark = pytest.mark.slow
+
 FACTOR_TOL = 0.05  # the brief's: a predicted factor within 5% of the measured one
 STATIC_TOL = 0.02  # as tests/ranks/test_memory.py
 

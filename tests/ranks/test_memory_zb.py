@@ -22,6 +22,9 @@ from memory_worker import SP_MODEL
 from memory_zb_worker import PEAKS
 from threed.parallel.launch import run_ranks
 
+# a 4-rank launch (~15 s): the memory model against engines at tp / pp stays in make test (test_memory.py)
+pytestmark = pytest.mark.slow
+
 STATIC_TOL = 0.02  # as tests/ranks/test_memory.py
 
 
