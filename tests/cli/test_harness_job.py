@@ -54,7 +54,7 @@ def test_harness_job_of_a_layout_larger_than_a_node_fits_one_node():
     cases = [
         ({}, ["8", "1", "8"]),
         ({"TP": "4", "PP": "8"}, ["4", "2", "8"]),
-        ({"GPUS_PER_NODE": "6", "NNODES": "16"}, ["4", "1", "4"]),
+        ({"GPUS_PER_NODE": "6", "NNODES": "16", "GLOBAL": "96"}, ["4", "1", "4"]),
     ]
     for env, layout in cases:
         out = launch("llama31_70b", {"GPUS_PER_NODE": "8", "NNODES": "4", "SAVE": "/ckpt/70b", **HARNESS, **env})
