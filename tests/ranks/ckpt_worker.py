@@ -208,7 +208,7 @@ def main(a: argparse.Namespace, rt: Runtime) -> None:
             guard.saved(ckpt.save(engine, cfg, rt.rank, {"consumed_samples": (step + 1) * glob}).seconds)
         if late:
             break
-    torch.save(local_weights(engine), out / f"weights_rank{rt.rank}.pt")
+    torch.save(local_weights(engine, cfg.model), out / f"weights_rank{rt.rank}.pt")
 
 
 if __name__ == "__main__":

@@ -108,14 +108,14 @@ def train(args: argparse.Namespace, rt: Runtime) -> None:
     load_hf_weights(engine, cfg, hf_state)
     l1, n1 = run_steps(engine, cfg, ds, 0, 3)
     engine.save_checkpoint(ckpt)
-    saved = local_weights(engine)
+    saved = local_weights(engine, cfg.model)
     l2, n2 = run_steps(engine, cfg, ds, 3, 5)
     results["fp32"] = {"losses": l1 + l2, "grad_norms": n1 + n2}
 
     # 2. Resume from the checkpoint: bit-identical weights, the same next losses.
     cfg_resume = dataclasses.replace(base, checkpoint=CheckpointConfig(load=ckpt))
     built = build_engine(cfg_resume, rt)
-    loaded = local_weights(built.engine)
+    loaded = local_weights(built.engine, cfg.model)
     results["resume"] = {
         "step": built.engine.global_steps,
         "weights_equal": all(torch.equal(saved[k], loaded[k]) for k in saved) and saved.keys() == loaded.keys(),

@@ -20,25 +20,14 @@ import torch
 import torch.distributed as dist
 
 # worker_setup first: it puts tests/ on sys.path (helpers, convert_fixtures)
-from worker_setup import reads_data, run_worker, synthetic_batches
+from worker_setup import local_weights, reads_data, run_worker, synthetic_batches
 from threed.checkpoint.format import read_model_config
 from threed.config import CheckpointConfig, ParallelConfig, RunConfig, TrainConfig
 from threed.generate.run import engine_config
 from threed.parallel.distributed import Runtime
-from threed.parallel.pipeline import local_modules
 from threed.train.engine import build_engine
 
 STEPS, MICRO, SEQ = 2, 2, 16
-
-
-def weights(engine, model) -> dict[str, torch.Tensor]:
-    """Copies of this rank's weights keyed `<layer index>.<name>` (a tied head's: the embedding copy it runs with)."""
-    return {
-        f"{layer.index}.{k}": v.detach().clone()
-        for layer, m in local_modules(engine.module, model)
-        for k, v in m.state_dict().items()
-        if isinstance(v, torch.Tensor)
-    }
 
 
 def one(case: dict, source: str, rt: Runtime) -> dict:
@@ -53,10 +42,15 @@ def one(case: dict, source: str, rt: Runtime) -> dict:
     cfg.validate(rt.world_size)
     built = build_engine(cfg, rt)
     engine = built.engine
-    loaded = weights(engine, model)
+    loaded = local_weights(engine, model)
     it = synthetic_batches(model.vocab_size, MICRO, SEQ, seed=5) if reads_data(engine) else None
     losses = [engine.train_batch(data_iter=it).item() for _ in range(STEPS)]
-    return {"loaded": loaded, "trained": weights(engine, model), "losses": losses, "start": built.decision.describe()}
+    return {
+        "loaded": loaded,
+        "trained": local_weights(engine, model),
+        "losses": losses,
+        "start": built.decision.describe(),
+    }
 
 
 def inference(case: dict, rt: Runtime) -> dict:
@@ -68,7 +62,7 @@ def inference(case: dict, rt: Runtime) -> dict:
     engine = build_engine(cfg, rt, train=False).engine
     held = [t for t in vars(engine.optimizer).values() if isinstance(t, list)] if engine.optimizer is not None else []
     fp32 = sum(1 for group in held for t in group if isinstance(t, torch.Tensor) and t.dtype == torch.float32)
-    return {"loaded": weights(engine, model), "optimizer_fp32_tensors": fp32}
+    return {"loaded": local_weights(engine, model), "optimizer_fp32_tensors": fp32}
 
 
 def compare(args: argparse.Namespace, rt: Runtime) -> None:

@@ -24,9 +24,10 @@ import torch
 import torch.distributed as dist
 
 import threed.checkpoint.start as start_module
-from threed.config import RunConfig, RunControlConfig
+from threed.config import ModelConfig, RunConfig, RunControlConfig
 from threed.convert.in_memory import load_hf_state
 from threed.parallel.distributed import Runtime, init_distributed
+from threed.parallel.pipeline import local_modules
 
 TESTS = str(Path(__file__).resolve().parents[1])
 if TESTS not in sys.path:
@@ -70,12 +71,12 @@ def local_layers(engine) -> Iterator[tuple[int, torch.nn.Module]]:
     return zip(range(mod._local_start, mod._local_stop), mod.forward_funcs)
 
 
-def local_weights(engine) -> dict[str, torch.Tensor]:
-    """Copies of this rank's weights, keyed `<layer index>.<name>`. megatron's linears also hold `_extra_state`
-    (None) entries: tensors only."""
+def local_weights(engine, model: ModelConfig) -> dict[str, torch.Tensor]:
+    """Copies of this rank's weights, keyed `<layer index>.<name>` (a tied head's: the embedding copy it runs with,
+    under the embedding's index). megatron's linears also hold `_extra_state` (None) entries: tensors only."""
     return {
-        f"{idx}.{k}": v.detach().clone()
-        for idx, m in local_layers(engine)
+        f"{layer.index}.{k}": v.detach().clone()
+        for layer, m in local_modules(engine.module, model)
         for k, v in m.state_dict().items()
         if isinstance(v, torch.Tensor)
     }
