@@ -1,4 +1,4 @@
-"""Context parallelism on CPU: one long sequence through threed.parallel.context's attention (Llama 3's all-gather-K/V,
+"""Context parallelism on CPU: one long sequence through threed.model.context's attention (Llama 3's all-gather-K/V,
 2·cp zigzag chunks) at cp 1, 2 and 4, forward + backward, bf16, one thread per rank; per-rank time and bytes moved
 as ratios from one run, and the bytes checked against the planner's count (`threed.memory.model.kv_row_bytes`, the
 K/V all-gather and dK/dV reduce-scatter that `threed.plan.steptime.cp_collective_s` prices).
@@ -57,7 +57,7 @@ def _one_case(a: argparse.Namespace, cp: int, group, rank: int) -> dict:
     and the bytes the CP collectives moved per pass."""
     import torch
 
-    import threed.parallel.context as context
+    import threed.model.context as context
 
     gen = torch.Generator().manual_seed(0)  # the same row on every rank; each takes its share
     q, k, v = (

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from helpers import gpt_dataset, write_dataset  # noqa: E402
 from threed.config import DataConfig, RunConfig, TrainConfig  # noqa: E402
 from threed.data.loader import micro_batches  # noqa: E402
-from threed.model.resolve import model_config  # noqa: E402
+from threed.convert.resolve import model_config  # noqa: E402
 
 
 def loader_seconds(prefix: str, seq: int, gbs: int, micro: int, dp: int, steps: int, vocab: int) -> float:

@@ -22,7 +22,7 @@ from threed.generate.decode import generate_all
 from threed.generate.prompts import Sampling
 from threed.hf.config import from_hf_config
 from threed.parallel.distributed import init_distributed
-from threed.train.engine import build_engine
+from threed.engine.build import build_engine
 
 SHAPE = dict(
     vocab_size=4096, hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,

@@ -5,7 +5,7 @@ torch's fused AdamW. Why: the CPU benchmarks say the code paths run; this says w
 Each run in a process of its own, one after the other, on the same random tokens (why: the first GPU call,
 2026-11-26, found 24 GB still allocated after each threed run in a shared process, so HF at seq 8192 ran out of
 memory): threed at tp1 pp1 dp1 (bf16, fp32
-master weights and gradient accumulation, ZeRO-1, fused AdamW; `threed.train.engine.build_engine`, a world of one
+master weights and gradient accumulation, ZeRO-1, fused AdamW; `threed.engine.build.build_engine`, a world of one
 without torchrun) and HF of the same shape (built from the config, random init, fp32 weights under bf16 autocast,
 loss on fp32 logits, gradient clipping, fused AdamW). Llama-3.2-1B's shape (preset `llama3.2-1b`, random init,
 nothing downloaded), seq 4096 and 8192, 32K tokens per step (micro 1, gas = 32K / seq), with and without
@@ -46,7 +46,7 @@ from threed.config import ModelConfig, RunConfig, TrainConfig
 from threed.memory.model import estimate
 from threed.memory.recompute import Recompute
 from threed.metrics.flops import peak_tflops_per_device
-from threed.model.resolve import model_config
+from threed.convert.resolve import model_config
 from threed.model.spec import training_flops_per_token
 
 FULL = dict(model="llama3.2-1b", seqs=(4096, 8192), tokens=32768, steps=3, warmup=2)
@@ -123,7 +123,7 @@ def measure(step: Callable[[], float], steps: int, warmup: int, device: torch.de
 
 
 def threed_run(m: ModelConfig, seq: int, micro: int, gas: int, ac: bool, rt: Runtime, tokens) -> dict[str, Any]:
-    from threed.train.engine import build_engine
+    from threed.engine.build import build_engine
 
     cfg = RunConfig(
         model=m,

@@ -17,7 +17,7 @@ import time
 import torch
 
 from threed.model.init import shard_of
-from threed.model.resolve import model_config
+from threed.convert.resolve import model_config
 from threed.model.spec import full_shape, layer_parameters
 
 

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from helpers import gpt_dataset, write_sft_dataset  # noqa: E402
 from threed.config import DataConfig, RunConfig, TrainConfig  # noqa: E402
-from threed.model.resolve import model_config  # noqa: E402
+from threed.convert.resolve import model_config  # noqa: E402
 
 DISTRIBUTIONS = {"chat": (350, 1.0), "short": (120, 0.7)}  # median tokens, log-normal sigma
 
@@ -81,7 +81,7 @@ def timed_run(prefix: str, seq: int, pack: bool, rows: int, steps: int) -> tuple
     """(median seconds per step, real tokens per step) over `steps` steps after two warm-up steps."""
     from threed.data.loader import micro_batches
     from threed.parallel.distributed import init_distributed
-    from threed.train.engine import build_engine
+    from threed.engine.build import build_engine
     from threed.train.loop import step_batches
 
     cfg = config(prefix, seq, pack, rows, steps + 2)

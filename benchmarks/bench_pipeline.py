@@ -1,5 +1,5 @@
 """Pipeline efficiency: the same model and global batch at pp=1 (one process) and pp=2 (two processes), one thread
-per rank, fp32, gas 16, through `threed.train.engine.build_engine` with synthetic batches and the metrics writer on at
+per rank, fp32, gas 16, through `threed.engine.build.build_engine` with synthetic batches and the metrics writer on at
 log interval 1 (stdout, metrics.jsonl, TensorBoard). Prints the speedup pp1/pp2 divided by the ideal
 pp·gas/(gas+pp−1), the per-stage idle fractions next to the ideal bubble, each stage's compute time and their
 spread (slowest / fastest: 1F1B runs at the slowest stage's pace), and what the logging cost.
@@ -70,7 +70,7 @@ def worker(a: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     from threed.config import MetricsConfig, ParallelConfig, RunConfig, TrainConfig
     from threed.parallel.distributed import init_distributed
-    from threed.train.engine import build_engine
+    from threed.engine.build import build_engine
     from threed.metrics.writer import RunMetrics
     from threed.metrics.stages import StageTimer
 

@@ -52,7 +52,7 @@ def worker(a: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     from threed.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
     from threed.parallel.distributed import init_distributed
-    from threed.train.engine import build_engine
+    from threed.engine.build import build_engine
 
     rt = init_distributed()
     gen = torch.Generator().manual_seed(0)

@@ -1,7 +1,7 @@
 # Llama 3.1 70B (70.55B params) at 64K tokens: TP=8 x PP=2 x CP=4 on 8 nodes x 8 GPUs (80 GB), bf16, ZeRO-1.
 #
 # Layout   TP x PP x CP = 8 x 2 x 4 = 64 GPUs share one sample; DP = WORLD / 64 grows with the nodes. CP (context
-#          parallelism, threed.parallel.context) cuts each 65536-token row into 8 chunks; CP rank i holds chunks i
+#          parallelism, threed.model.context) cuts each 65536-token row into 8 chunks; CP rank i holds chunks i
 #          and 7-i and all-gathers the row's K and V in every block. CP ranks hold the same weights; gradients
 #          reduce and ZeRO-1 shards over DP x CP. Megatron's sequence parallelism splits each rank's share over TP.
 #          In megatron-core's rank order (tp-cp-dp-pp) a CP group spans tp x cp = 32 ranks: 4 nodes, so its
@@ -16,7 +16,7 @@
 #          every term, the gathered K/V included):
 #          ~71 GB/GPU = weights 8.8 + grads 17.6 + optimizer 13.2 + buffers 0.6 + activations 30.5
 #          (stage 0 of 2, 4.41B params; plus CUDA/NCCL overhead)
-#          The CP memory terms are the model's count of threed.parallel.context's tensors; a check against a real
+#          The CP memory terms are the model's count of threed.model.context's tensors; a check against a real
 #          CP engine comes with training.
 # Speed    predicted by `threed plan --model llama3.1-70b --nodes 8 --gpu-memory 80 --seq-length 65536
 #          --global-batch-size 64 --reserve 8` (a ranking model, threed.plan.steptime; it chooses this): 196 s/step,

@@ -1,7 +1,7 @@
 # Llama 3.1 8B (8.03B params) at 128K tokens: TP=4 x CP=2 on 1 node x 8 GPUs (80 GB), bf16, ZeRO-1.
 #
 # Layout   TP x PP x CP = 4 x 1 x 2 = 8 GPUs share one sample; DP = WORLD / 8 grows with the nodes. CP (context
-#          parallelism, threed.parallel.context) cuts each 131072-token row into 4 chunks; CP rank i holds chunks i
+#          parallelism, threed.model.context) cuts each 131072-token row into 4 chunks; CP rank i holds chunks i
 #          and 3-i and all-gathers the row's K and V in every block. CP ranks hold the same weights; gradients
 #          reduce and ZeRO-1 shards over DP x CP. Megatron's sequence parallelism splits each rank's share over TP.
 # Batch    at 1 node x 8 GPUs: DP = 8 / (4 x 1 x 2) = 1, GAS = GLOBAL / (MICRO x DP) = 16 / (1 x 1) = 16,
@@ -14,7 +14,7 @@
 #          ~71 GB/GPU = weights 4.0 + grads 8.0 + optimizer 12.0 + buffers 10.0 + activations 37.1
 #          (stage 0 of 1, 2.01B params; plus CUDA/NCCL overhead)
 #          Buffers: mostly the last two micro-batches' logits [s/cp, V/tp] (8.4 GB). The CP memory terms are the
-#          model's count of threed.parallel.context's tensors; a check against a real CP engine comes with training.
+#          model's count of threed.model.context's tensors; a check against a real CP engine comes with training.
 # Speed    predicted by `threed plan --model llama3.1-8b --nodes 1 --gpu-memory 80 --seq-length 131072
 #          --global-batch-size 16 --reserve 8` (a ranking model, threed.plan.steptime; it chooses this): 211 s/step,
 #          against 214 s for the best layout without CP (tp8, 22 of 32 blocks recomputed). On one node tp x cp <= 8

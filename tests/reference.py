@@ -18,7 +18,7 @@ from helpers import gpt_dataset, hf_model, model_config
 from threed.config import DataConfig, RunConfig, TrainConfig
 from threed.convert.in_memory import random_hf_state
 from threed.data.loader import micro_batches
-from threed.train.engine import lr_lambda
+from threed.engine.build import lr_lambda
 
 # The optimizer and schedule of every parity run and of its reference: fp32, clipping active (the tests assert it).
 PARITY = dict(dtype="fp32", lr=1e-3, min_lr=1e-4, warmup_steps=2, grad_clip=0.5)

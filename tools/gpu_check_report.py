@@ -109,7 +109,7 @@ def capabilities() -> dict[str, Any]:
 def threed_imports() -> str:
     """Whether threed's engine imports (deepspeed, megatron-core, pydantic from the bundle): 'ok' or the error."""
     try:
-        import threed.train.engine  # noqa: F401
+        import threed.engine.build  # noqa: F401
 
         return "ok"
     except Exception as e:  # report it; the phases after this one will fail the same way

@@ -18,11 +18,12 @@ MOVED = {
     "threed.data.cli": "threed.cli.preprocess",
     "threed.demo_text": "threed.data.demo_text",
     "threed.distributed": "threed.parallel.distributed",
-    "threed.engine": "threed.train.engine",
     "threed.evaluate": "threed.train.evaluate",
     "threed.flags": "threed.cli.flags",
     "threed.guard": "threed.train.guard",
     "threed.launch": "threed.parallel.launch",
+    "threed.model.resolve": "threed.convert.resolve",
+    "threed.parallel.context": "threed.model.context",
     "threed.layer_costs": "threed.parallel.layer_costs",
     "threed.layer_profile": "threed.plan.profile",
     "threed.megatron_device": "threed.parallel.megatron_device",
@@ -34,6 +35,7 @@ MOVED = {
     "threed.report": "threed.metrics.report",
     "threed.schedule": "threed.parallel.schedule",
     "threed.steptime": "threed.plan.steptime",
+    "threed.train.engine": "threed.engine.build",
 }
 
 

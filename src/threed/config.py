@@ -4,7 +4,7 @@ One `RunConfig` holds everything, in sections (model, parallel, train, data, che
 field carries its own metadata (`meta(...)`): the one-line `threed train --help` text, Megatron-LM's name for the
 flag where it differs (accepted as an alias), and its range. `RunConfig.validate(world_size)` checks every range,
 then the parallel and batch arithmetic, with messages that name the numbers and the fix. The command line is
-generated from these fields (`threed.cli.flags`); the DeepSpeed JSON is derived in `threed.train.engine`.
+generated from these fields (`threed.cli.flags`); the DeepSpeed JSON is derived in `threed.engine.build`.
 
 Ranges: every int / float field must be finite and >= `at_least` (0 unless the field says otherwise), and,
 where the field says so, > `above` or < `below`. A range is stated on its field, never by name elsewhere.
@@ -119,7 +119,7 @@ class ParallelConfig:
         metadata=meta("pipeline-parallel size (stages; <= layers)", at_least=1, alias="--pipeline-model-parallel-size"),
     )
     # Megatron-LM's --context-parallel-size: each sequence is split over cp ranks (2*cp chunks, load-balanced for the
-    # causal mask); attention exchanges keys and values (threed.parallel.context). DP excludes CP: the data-parallel
+    # causal mask); attention exchanges keys and values (threed.model.context). DP excludes CP: the data-parallel
     # degree is world / (tp * pp * cp), and the batch arithmetic counts only dp.
     cp: int = field(
         default=1,

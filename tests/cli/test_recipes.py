@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 from helpers import REPO
-from threed.train.engine import deepspeed_config
+from threed.engine.build import deepspeed_config
 from threed.cli.flags import parse_run_config
 from threed.cli.recipe import RECIPE_VARS as RECIPE_TABLE
 

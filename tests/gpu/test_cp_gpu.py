@@ -1,5 +1,5 @@
 """`make test-gpu`'s context-parallel attention on one GPU (issue 27): each CP rank's computation, as
-threed.parallel.context runs it, in bf16 on CUDA against the fp32 math reference of the whole row.
+threed.model.context runs it, in bf16 on CUDA against the fp32 math reference of the whole row.
 
 One GPU cannot hold a CP group (NCCL wants a GPU per rank), but a CP rank's attention is local once K and V are
 gathered: its two query chunks (`split`, `_local_chunks`) each attend to their key prefix through `attend_prefix`,
@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from threed.parallel import context as cpx
+from threed.model import context as cpx
 
 DEVICE = "cpu" if os.environ.get("THREED_DEVICE") == "cpu" else "cuda"
 pytestmark = [

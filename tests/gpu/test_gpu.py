@@ -159,7 +159,7 @@ def test_packed_sft_through_the_pipeline_on_cuda():
 def test_universal_resume_with_fused_adamw_on_cuda():
     """tests/ranks/test_checkpoint_universal.py (every layout, slow ones included) and the resume-path cases on CUDA,
     where AdamW is fused=True: after the universal load every optimizer state tensor, `step` included, must be on
-    its parameter's GPU (threed.train.engine.place_optimizer_state), or the fused kernel is handed a host pointer."""
+    its parameter's GPU (threed.engine.build.place_optimizer_state), or the fused kernel is handed a host pointer."""
     _pytest_on_cuda(str(RANKS / "test_checkpoint_universal.py"), "-m", "slow or not slow")
     _pytest_on_cuda(str(RANKS / "test_resume_path.py"), "-k", "cut_short or two_rank")
 

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 import one_gpu_worker as worker  # puts tests/ (and tests/ranks/) on the path: helpers, ckpt_worker
 from helpers import hf_model
-from threed.train.engine import lr_lambda
+from threed.engine.build import lr_lambda
 
 DEVICE = "cpu" if os.environ.get("THREED_DEVICE") == "cpu" else "cuda"
 pytestmark = [
@@ -197,7 +197,7 @@ def test_native_resume_with_fused_adamw(runs, dtype):
 def test_universal_resume_at_dp1_with_fused_adamw(runs, tmp_path):
     """A tp1 pp2 fp32 checkpoint of two CPU ranks, cut back to its step 2, resumed by one process on the device at
     tp1 pp1 dp1: through DeepSpeed's universal checkpoint (threed converts it), then fused AdamW steps on state
-    loaded from CPU files (threed.train.engine.place_optimizer_state), continuing the CPU run's loss curve."""
+    loaded from CPU files (threed.engine.build.place_optimizer_state), continuing the CPU run's loss curve."""
     if not wanted("universal"):
         pytest.skip(f"ONE_GPU_ONLY={','.join(ONLY)} leaves out universal")
     assert runs["ref_rc"] == 0, runs["ref_out"][-6000:]

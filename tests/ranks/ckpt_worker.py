@@ -27,7 +27,7 @@ import torch
 import threed.checkpoint.save as ckpt
 from threed.config import CheckpointConfig, ModelConfig, ParallelConfig, RunConfig, RunControlConfig, TrainConfig
 from threed.parallel.distributed import Runtime
-from threed.train.engine import build_engine
+from threed.engine.build import build_engine
 from threed.train.guard import RunGuard
 from worker_setup import local_weights, reads_data, run_worker, write_json
 

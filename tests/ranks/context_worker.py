@@ -1,7 +1,7 @@
 """Multi-rank scenario for tests/ranks/test_context_attention.py, fp64: on 4 ranks, cp 4 over the world and cp 2 over
 each pair of consecutive ranks (one launch for both, and CP groups that are not the world). Every rank
 builds the same full rows (same seeds), computes the full-sequence reference itself (SDPACoreAttention and its
-gradients; the single-process token mean), runs its own share through threed.parallel.context, gathers the result
+gradients; the single-process token mean), runs its own share through threed.model.context, gathers the result
 back to the full row and writes the relative errors as OUT/context_rank<R>.json.
 
     python -m torch.distributed.run --nproc-per-node 4 tests/ranks/context_worker.py --out /tmp/cp
@@ -17,7 +17,7 @@ import torch.distributed as dist
 # worker_setup first: the shared start of every worker
 from worker_setup import rank_json, run_worker
 from threed.model.attention import SDPACoreAttention, document_segments
-from threed.parallel import context as cpx
+from threed.model import context as cpx
 from threed.parallel.distributed import Runtime
 
 SEQ, BATCH, HEAD_DIM, SCALE = 48, 2, 8, 0.3
@@ -75,7 +75,7 @@ def attention_case(name: str, rt: Runtime, group) -> dict[str, float]:
 
 def loss_case(rt: Runtime, group) -> dict[str, float]:
     """Two micro-batches of token losses with SFT-style loss masks that cover the chunks unevenly: the exact mean
-    (threed.parallel.context.exact_token_mean) against the single-process mean, and the mean of per-rank means."""
+    (threed.model.context.exact_token_mean) against the single-process mean, and the mean of per-rank means."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     g = torch.Generator().manual_seed(7)
     easier_later = 2.0 - torch.arange(SEQ, dtype=torch.float64) / SEQ  # as in text: later tokens are easier

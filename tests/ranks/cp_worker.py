@@ -38,7 +38,7 @@ from sp_worker import StageTraffic
 from threed.config import CheckpointConfig, DataConfig, ParallelConfig, RunConfig, TrainConfig
 from threed.data.loader import token_weighted
 from threed.parallel.distributed import Runtime, loss_rank
-from threed.train.engine import build_engine
+from threed.engine.build import build_engine
 from threed.train.loop import train
 from tied_worker import save_final
 

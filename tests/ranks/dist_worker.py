@@ -23,9 +23,9 @@ from threed.config import CheckpointConfig, DataConfig, ParallelConfig, RunConfi
 from threed.data.datasets import build_datasets
 from threed.data.loader import micro_batches
 from threed.data.splits import read_data_flags
-from threed.parallel.context import share_batches
+from threed.model.context import share_batches
 from threed.parallel.distributed import GroupMismatch, Runtime, check_groups_agree
-from threed.train.engine import build_engine
+from threed.engine.build import build_engine
 from threed.verify.logits import pipeline_logits
 
 PARITY_TOKENS = dict(batch=2, seq=32, seed=1)

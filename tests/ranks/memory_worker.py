@@ -38,10 +38,10 @@ import torch
 import torch.distributed as dist
 
 from threed.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
-from threed.parallel import context
+from threed.model import context
 from threed.parallel.distributed import Runtime, context_rank, init_megatron_parallel_state
-from threed.train.engine import build_engine
-from threed.model.resolve import model_config
+from threed.engine.build import build_engine
+from threed.convert.resolve import model_config
 from threed.memory.model import Stage, stage_activations, stage_bounds, stage_memory, stages
 from threed.memory.recompute import Recompute
 from threed.parallel.pipeline import build_pipeline_module

@@ -23,7 +23,7 @@ from worker_setup import rank_json, reads_data, run_worker, synthetic_batches
 from memory_worker import ACT, SP_MODEL, StorageCounter, add_arguments as memory_arguments, cpu_peak, cuda_peak, static
 from threed.config import ParallelConfig, RunConfig, TrainConfig
 from threed.parallel.distributed import Runtime, init_megatron_parallel_state
-from threed.train.engine import build_engine
+from threed.engine.build import build_engine
 from threed.memory.deferred import awaiting_w_bytes
 from threed.memory.model import Stage, stage_kinds, stage_memory, stages
 from threed.model.wgrad import DEFERRED

@@ -20,8 +20,8 @@ import torch
 
 from threed.config import MetricsConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from threed.parallel.distributed import Runtime
-import threed.train.engine as engine_module
-from threed.train.engine import build_engine
+import threed.engine.build as engine_module
+from threed.engine.build import build_engine
 from threed.metrics.stages import HostClock, StageTimer, StreamClock
 from threed.metrics.writer import RunMetrics
 from worker_setup import rank_json, reads_data, run_worker, synthetic_batches
@@ -76,8 +76,9 @@ def train(args: argparse.Namespace, rt: Runtime) -> None:
         ),
         metrics=MetricsConfig(tensorboard_dir=str(out / "run" / "tensorboard")),
     )
-    engine = build_engine(cfg, rt).engine
-    metrics = RunMetrics(cfg, engine, rt)
+    built = build_engine(cfg, rt)
+    engine = built.engine
+    metrics = RunMetrics(cfg, engine, rt, built.ds_config)
     it = batches_for(engine, cfg)
     logged, records, step_times = [], [], []
     for step in range(cfg.train.steps):
@@ -122,13 +123,14 @@ def bubble(args: argparse.Namespace, rt: Runtime) -> None:
                 dtype="fp32", micro_batch_size=2, grad_accum_steps=gas, seq_length=128, steps=steps, log_interval=steps
             ),
         )
-        engine = build_engine(cfg, rt).engine
+        built = build_engine(cfg, rt)
+        engine = built.engine
         it = batches_for(engine, cfg)
         engine.train_batch(data_iter=it)
         runs[gas] = {
             "engine": engine,
             "it": it,
-            "metrics": RunMetrics(cfg, engine, rt, start_iteration=1),
+            "metrics": RunMetrics(cfg, engine, rt, built.ds_config, start_iteration=1),
             "wall": 0.0,
             "cpu": 0.0,
         }

@@ -39,7 +39,7 @@ from threed.generate.run import engine_config
 from threed.model.attention import SDPACoreAttention
 from threed.model.layers import LlamaBlock, whole_sequences
 from threed.parallel.distributed import Runtime
-from threed.train.engine import build_engine
+from threed.engine.build import build_engine
 
 STEPS, INTERVAL = 2, 1
 TP, CP = 2, 2

@@ -19,7 +19,7 @@ from helpers import hf_model, model_config
 from reference import PARITY
 from threed.config import CheckpointConfig, DataConfig, ParallelConfig, RunConfig, TrainConfig
 from threed.parallel.distributed import Runtime
-from threed.train.engine import build_engine
+from threed.engine.build import build_engine
 from threed.verify.logits import pipeline_logits
 from threed.train.loop import train
 

@@ -31,7 +31,7 @@ from reference import PARITY
 from sft_worker import sft_config
 from threed.config import CheckpointConfig, DataConfig, ParallelConfig, RunConfig, TrainConfig
 from threed.parallel.distributed import Runtime
-from threed.train.engine import build_engine
+from threed.engine.build import build_engine
 from threed.train.loop import train
 from tied_worker import save_final
 

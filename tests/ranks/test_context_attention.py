@@ -1,4 +1,4 @@
-"""Context parallelism over real ranks (threed.parallel.context; gloo on CPU, fp64): at cp 2 and 4 the all-gather-K/V
+"""Context parallelism over real ranks (threed.model.context; gloo on CPU, fp64): at cp 2 and 4 the all-gather-K/V
 attention of each rank's zigzag share, gathered back to the full row, equals full-sequence SDPACoreAttention in its
 output and in dQ, dK, dV (the reduce-scatter of dK/dV included), for plain causal rows and packed documents that
 cross chunk edges, with GQA and without; the loss helper gives the exact token-weighted mean over ranks and

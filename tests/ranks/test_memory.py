@@ -24,7 +24,7 @@ from threed.memory.model import (
 )
 from threed.plan.planner import Hardware, plan
 from threed.model.spec import parameter_count
-from threed.model.resolve import model_config
+from threed.convert.resolve import model_config
 
 LAYOUTS = {"1x1x1": (1, "1x1"), "1x4x1": (4, "1x4"), "2x2x2": (8, "2x2")}
 STATIC_TOL = 0.02

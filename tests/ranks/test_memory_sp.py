@@ -14,7 +14,7 @@ import json
 import pytest
 
 from helpers import RANKS
-from threed.model.resolve import model_config
+from threed.convert.resolve import model_config
 from threed.parallel.launch import run_ranks
 from threed.memory.model import Stage, block_bytes_per_token, stage_activations
 from threed.memory.recompute import Recompute

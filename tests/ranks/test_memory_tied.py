@@ -15,7 +15,7 @@ import json
 import pytest
 
 from helpers import RANKS
-from threed.model.resolve import model_config
+from threed.convert.resolve import model_config
 from threed.parallel.launch import run_ranks
 from threed.memory.model import estimate, stage_params, stages
 from threed.model.spec import parameter_count

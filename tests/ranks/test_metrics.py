@@ -185,7 +185,7 @@ def test_wandb_asked_for_but_missing_is_a_config_error():
     import importlib.util
 
     from threed.metrics.writer import check_metrics_config
-    from threed.model.resolve import model_config
+    from threed.convert.resolve import model_config
 
     if importlib.util.find_spec("wandb") is not None:
         pytest.skip("wandb is installed here")

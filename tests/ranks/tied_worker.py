@@ -30,7 +30,7 @@ from sft_worker import sft_config
 from threed.config import CheckpointConfig, DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from threed.convert.mapping import layer_to_hf
 from threed.parallel.distributed import Runtime
-from threed.train.engine import build_engine
+from threed.engine.build import build_engine
 from threed.hf.config import from_hf_config
 from threed.parallel.pipeline import local_modules
 from threed.train.loop import train

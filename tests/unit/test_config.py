@@ -17,7 +17,7 @@ from threed.config import (
     check_ranges,
     meta,
 )
-from threed.train.engine import deepspeed_config
+from threed.engine.build import deepspeed_config
 from threed.cli.flags import parse_run_config
 from threed.hf.config import from_hf_config, to_hf_config
 from threed.model.presets import PRESETS
@@ -195,7 +195,7 @@ def test_cli_flags_come_from_the_dataclasses():
 
 def test_missing_checkpoint_fails_before_building(tmp_path):
     from threed.parallel.distributed import Runtime
-    from threed.train.engine import build_engine
+    from threed.engine.build import build_engine
     import torch
 
     cfg = dataclasses.replace(run(model=PRESETS["tiny"]), checkpoint=CheckpointConfig(init_from=str(tmp_path)))

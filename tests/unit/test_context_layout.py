@@ -1,4 +1,4 @@
-"""Context parallelism's pieces that need no process group (threed.parallel.context): the zigzag layout and its
+"""Context parallelism's pieces that need no process group (threed.model.context): the zigzag layout and its
 inverse, the balance of causal work over CP ranks, positions and labels computed on the full row before the split,
 the sequence-length refusal, the varlen offsets the CUDA half-precision path feeds flash with (run here through a
 CPU stand-in of the kernel, fp64, against the exact masked path), and the refusal of a kernel that aligns its causal
@@ -17,7 +17,7 @@ from torch.nn.attention.bias import causal_lower_right
 from threed.errors import ConfigError
 from threed.model.attention import document_segments
 from threed.model.rope import document_positions
-from threed.parallel import context as cpx
+from threed.model import context as cpx
 
 CPS = (1, 2, 3, 4)
 

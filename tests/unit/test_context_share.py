@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from test_context_layout import cpu_varlen, cpu_varlen_top_left, token_losses
-from threed.parallel import context as cpx
+from threed.model import context as cpx
 
 
 def loader_batch(b: int = 2, s: int = 16, sources: int = 0) -> tuple:

@@ -39,10 +39,21 @@ HEAVY = {
 }
 
 
-def contract() -> dict:
+def contract(name: str = "threed layers") -> dict:
     config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]
-    (layers,) = [c for c in config["contracts"] if c["type"] == "layers"]
+    (layers,) = [c for c in config["contracts"] if c["type"] == "layers" and c["name"].startswith(name)]
     return layers
+
+
+def wing(module: str) -> str:
+    """The folder a module lives in (`threed.model.spec` -> `model`); a top-level module is the floor."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (SRC / parts[-1]).is_dir() else "(floor)"
+
+
+# The entry doors: `python -m threed.train` / `python -m threed.memory` forward to threed.cli (the wings contract
+# ignores exactly these imports).
+DOORS = {"threed.train.__main__": "threed.cli.main", "threed.memory.__main__": "threed.cli.memory"}
 
 
 def all_modules() -> set[str]:
@@ -138,6 +149,35 @@ def test_no_import_circle_anywhere():
     assert not cycles, f"import circles: {cycles}"
 
 
+def test_no_two_wings_import_each_other():
+    # Every import between two folders, those inside functions included; a circle of any length is found.
+    graph = grimp.build_graph("threed", cache_dir=None)
+    wings = sorted({wing(m) for m in graph.modules if m != "threed"})
+    edges: dict[str, set[str]] = {w: set() for w in wings}
+    for m in graph.modules - {"threed"}:
+        for t in graph.find_modules_directly_imported_by(m) - {"threed"}:
+            if wing(m) != wing(t) and DOORS.get(m) != t:
+                edges[wing(m)].add(wing(t))
+    # The wing graph, as a module graph of one node per wing, through the same circle finder as the modules.
+    wing_graph = grimp.ImportGraph()
+    for w in wings:
+        wing_graph.add_module(w)
+    for w, targets in edges.items():
+        for t in targets:
+            wing_graph.add_import(importer=w, imported=t)
+    assert not _cycles(wing_graph, set(wings)), f"wings in a circle: {_cycles(wing_graph, set(wings))}"
+
+
+def test_wings_contract_names_every_wing_and_the_doors_stay_thin():
+    placed = set().union(*layer_members(contract("threed wings")["layers"]))
+    folders = {f"threed.{p.name}" for p in SRC.iterdir() if (p / "__init__.py").is_file()}
+    assert folders <= placed, f"folders in no layer of the wings contract: {sorted(folders - placed)}"
+    for door, target in DOORS.items():
+        tree = ast.parse((SRC / Path(*door.split(".")[1:])).with_suffix(".py").read_text())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and "threed" in (n.module or "")}
+        assert imported == {target}, f"{door} imports {sorted(imported)}: a door forwards to {target} alone"
+
+
 def _function_imports(path: Path):
     text = path.read_text()
     lines = text.splitlines()
@@ -203,7 +243,7 @@ def test_no_class_is_built_inside_a_function():
 # What says which layers go where and in what order: the planner, the memory model and check-config use these in a
 # second, without torch, so their module level imports none of the heavy libraries.
 PURE = ["parallel/partition.py", "parallel/schedule.py", "parallel/layer_costs.py", "model/spec.py", "config.py",
-        "cli/recipe.py", "cli/flags.py", "model/resolve.py"]  # fmt: skip
+        "cli/recipe.py", "cli/flags.py", "convert/resolve.py"]  # fmt: skip
 
 
 @pytest.mark.parametrize("path", PURE)

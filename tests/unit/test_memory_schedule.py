@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from threed.model.resolve import model_config
+from threed.convert.resolve import model_config
 from threed.memory.deferred import awaiting_w_bytes, deferred_bytes_per_token
 from threed.memory.model import estimate, stage_kinds
 from threed.parallel.schedule import held_before_backward

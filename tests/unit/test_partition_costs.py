@@ -82,7 +82,7 @@ def test_every_stage_keeps_a_block_however_heavy_the_head() -> None:
 
 
 def test_profiler_on_tiny_gives_positive_costs_and_a_method_that_resolves() -> None:
-    from threed.model.resolve import model_config
+    from threed.convert.resolve import model_config
     from threed.plan.profile import balance, profile_layers, report, stage_costs
 
     cfg = RunConfig(
@@ -110,7 +110,7 @@ def test_profiler_runs_trainings_swiglu_and_fresh_gradients() -> None:
     bit, not their sum."""
     import torch
 
-    from threed.model.resolve import model_config
+    from threed.convert.resolve import model_config
     from threed.plan import profile
 
     cfg = RunConfig(

@@ -1,5 +1,5 @@
 """Context parallelism (CP) as one more axis of the memory model, the step-time model and `threed plan` (issue 27):
-each rank's tokens are s / cp, the gathered K/V and the CP collectives are counted as threed.parallel.context makes
+each rank's tokens are s / cp, the gathered K/V and the CP collectives are counted as threed.model.context makes
 them, ZeRO-1 shards over dp x cp, and the two 128K plans list CP layouts faster than any without. Pure functions of
 the models, plus one CPU probe of the CP attention's saved tensors (no engine)."""
 
@@ -23,8 +23,8 @@ from threed.memory.model import (
     stage_activations,
     stages,
 )
-from threed.model.resolve import model_config
-from threed.parallel.context import attend_prefix, chunk_index
+from threed.convert.resolve import model_config
+from threed.model.context import attend_prefix, chunk_index
 from threed.plan.layout import context_parallel_verdict
 from threed.plan.planner import MIN_CP_TOKENS, Hardware, plan, recipe_lines
 from threed.plan.steptime import cp_collective_s, pass_times, step_time
@@ -51,7 +51,7 @@ def test_gathered_kv_is_the_whole_rows_k_and_v() -> None:
 
 
 def test_cpu_count_matches_what_cp_attention_keeps_for_backward() -> None:
-    """Run one rank's two query chunks (cp 2, rank 0) through threed.parallel.context's attention against a
+    """Run one rank's two query chunks (cp 2, rank 0) through threed.model.context's attention against a
     gathered row, in bf16, and sum the storages autograd keeps: the model's CPU count of q, the chunks' outputs,
     the logsumexp, the gathered K/V and the masks, to the byte."""
     cfg = dataclasses.replace(M8, hidden_size=128, num_heads=8, num_kv_heads=2)  # head_dim 16

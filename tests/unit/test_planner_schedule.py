@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from threed.model.resolve import model_config
+from threed.convert.resolve import model_config
 from threed.model.spec import matmul_parameters
 from threed.cli.plan import main
 from threed.plan.planner import Hardware, plan, recipe_lines

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from threed.model.resolve import model_config
+from threed.convert.resolve import model_config
 from threed.memory.model import GB, estimate, heaviest
 from threed.memory.recompute import Recompute
 from threed.model.spec import layer_training_flops

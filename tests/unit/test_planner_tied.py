@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from threed.model.resolve import model_config
+from threed.convert.resolve import model_config
 from threed.memory.model import GB, estimate, stages
 from threed.metrics.flops import flops_per_token
 from threed.model.spec import parameter_count

@@ -1,7 +1,7 @@
 """Where a run starts, decided before anything expensive: resume (natively or through a universal checkpoint),
 weights only, or random init; and whether the save directory can take a checkpoint at all.
 
-    decision = start(cfg, rank, world_size)   # every rank, before the model is built (threed.train.engine)
+    decision = start(cfg, rank, world_size)   # every rank, before the model is built (threed.engine.build)
 
 `decide_start` only reads the file system (threed check-config calls it too); `start` runs it on rank 0, then does
 what it decided (`--overwrite`, the universal conversion) and gives every rank the same `StartDecision`.

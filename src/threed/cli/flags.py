@@ -16,7 +16,7 @@ import typing
 from typing import Any, Optional, Sequence
 
 from threed.config import SECTIONS, RunConfig, field_meta, flag_name
-from threed.model.resolve import model_config
+from threed.convert.resolve import model_config
 
 _METAVARS = {int: "N", float: "X", str: "STR"}
 

@@ -20,7 +20,7 @@ from threed.errors import guarded
 from threed.memory import model as memory_model
 from threed.memory.model import estimate, heaviest, quiet_deepspeed_import
 from threed.memory.recompute import Recompute
-from threed.model.resolve import model_config
+from threed.convert.resolve import model_config
 from threed.plan.planner import check_cp
 
 # (section, field, earlier names): the training fields the memory model reads.

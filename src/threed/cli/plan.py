@@ -19,7 +19,7 @@ from threed.cli.flags import add_command, add_field_flag, add_model_flag, field_
 from threed.config import ConfigError
 from threed.errors import guarded
 from threed.memory.model import quiet_deepspeed_import
-from threed.model.resolve import model_config
+from threed.convert.resolve import model_config
 from threed.plan.layout import context_parallel_verdict, full_recompute_verdict, schedule_verdict, table
 from threed.plan import planner
 from threed.plan.planner import FILTER_FIELDS, FILTER_FLAGS, candidates, plan, recipe_lines

@@ -1,6 +1,6 @@
 """A checkpoint's weights read straight into this rank's stage at any tp / pp: what `threed reshard` would write
 for this rank, put into its modules instead of into files. `threed train --init-from`, `threed generate` and
-`threed eval-harness` use it when the checkpoint was written at another layout (train/engine.py; same layout:
+`threed eval-harness` use it when the checkpoint was written at another layout (engine/build.py; same layout:
 DeepSpeed's own `load_checkpoint(load_module_only=True)`).
 
     load_into_stage(open_checkpoint(ckpt, tag=tag), local_modules(module, model), tp, tp_rank)

@@ -21,7 +21,7 @@ from threed.config import CheckpointConfig, ModelConfig, ParallelConfig, RunConf
 from threed.generate.decode import generate_all
 from threed.generate.prompts import GenerateRequest, Tokenizer
 from threed.parallel.distributed import Runtime
-from threed.train.engine import build_engine
+from threed.engine.build import build_engine
 
 
 def engine_config(load: str, model: ModelConfig, tp: int, pp: int, dtype: str = "fp32") -> RunConfig:

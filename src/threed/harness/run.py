@@ -25,7 +25,7 @@ from threed.generate.run import engine_config
 from threed.harness.lm import ThreedLM
 from threed.harness.tasks import quiet_lm_eval, task_manager
 from threed.parallel.distributed import Runtime
-from threed.train.engine import build_engine
+from threed.engine.build import build_engine
 
 
 @dataclass

@@ -59,7 +59,7 @@ cp 2 against cp 1 (`activation_ratio`).
                grad groups into one copy when they share a 5e8-element bucket; torch's AdamW: none when fused
                (CUDA), two fp32 partitions in the CPU single-tensor path (`exp_avg_sq.sqrt() / c`).
 
-Context parallelism (cp > 1, `threed.parallel.context`): a rank holds s / cp tokens of every row, so every per-token
+Context parallelism (cp > 1, `threed.model.context`): a rank holds s / cp tokens of every row, so every per-token
 term above counts s b / cp tokens (the p2p buffer, the logits, RoPE's angles and cos/sin, megatron's SP buffer too).
 The attention keeps q, each query chunk's SDPA output and their concatenation; the K/V all-gather keeps nothing of
 its input, so the QKV output and the local k are freed. Per block the gathered K/V (`context_parallel_bytes`), and
@@ -81,7 +81,7 @@ from dataclasses import dataclass
 from typing import Literal, Sequence
 
 from threed.config import ModelConfig, ParallelConfig
-from threed.model.resolve import model_config
+from threed.convert.resolve import model_config
 from threed.model.spec import LayerKind, largest_parameter, stage_parameters
 from threed.memory.deferred import awaiting_w_bytes, deferred_bytes_per_token
 from threed.memory.recompute import Recompute
@@ -134,7 +134,7 @@ def stage_kinds(stage: Stage) -> list[LayerKind]:
 
 
 def stage_params(model: ModelConfig, tp: int, stage: Stage) -> tuple[int, int]:
-    """(matrices, norms) parameters on one rank of `stage`: `threed.train.engine.make_optimizer`'s two groups."""
+    """(matrices, norms) parameters on one rank of `stage`: `threed.engine.build.make_optimizer`'s two groups."""
     return stage_parameters(model, tp, stage_kinds(stage))
 
 
@@ -227,7 +227,7 @@ def block_bytes_per_token(
     kv = model.num_kv_heads * model.head_dim
     lse = 0 if selective else 4 * heads  # selective recompute: the core attention keeps only its inputs
     if cp > 1:
-        # threed.parallel.context: the local k and v go into the all-gather, which keeps nothing of its input, so
+        # threed.model.context: the local k and v go into the all-gather, which keeps nothing of its input, so
         # the QKV output and the local k are freed; kept are q (after RoPE), each query chunk's SDPA output and
         # their concatenation (linear_proj's input), and the logsumexp.
         attention = BF16 * h + BF16 * h + BF16 * h + lse
@@ -246,7 +246,7 @@ def kv_row_bytes(model: ModelConfig, tp: int, seq: int, micro: int) -> int:
 
 def context_parallel_bytes(model: ModelConfig, tp: int, cp: int, seq: int, micro: int, device: Device = "cuda") -> int:
     """Bytes one block keeps for backward beyond its per-token terms under context parallelism (0 at cp 1), as
-    `threed.parallel.context.context_parallel_attention` allocates them (bf16), per TP rank. Each query chunk
+    `threed.model.context.context_parallel_attention` allocates them (bf16), per TP rank. Each query chunk
     attends to its key prefix, so the whole row's K and V [s, b, kv_heads / tp, d] are gathered:
       cuda  flash varlen (`_attend_varlen`) indexes each chunk's prefix into a copy and keeps it: chunks i and
             2cp-1-i have prefixes (i+1) and (2cp-i) chunks long, (2cp+1) of the 2cp chunks of a row for K and V

@@ -68,7 +68,7 @@ def memory_bytes(device: torch.device) -> tuple[float, float]:
 
 
 def reset_peak_memory(device: torch.device) -> None:
-    """Start this rank's peak-memory window (what `memory_bytes` reports as the peak) now. threed.train.engine calls
+    """Start this rank's peak-memory window (what `memory_bytes` reports as the peak) now. threed.engine.build calls
     it on every rank once the engine is built: DeepSpeed's BF16_Optimizer resets CUDA's peak counters while it
     initialises, on rank 0 only (`see_memory_usage(force=True)`), so the ranks' peaks would otherwise cover
     different windows. CPU: the resident high-water mark, reset through /proc/self/clear_refs (Linux); where that

@@ -29,7 +29,6 @@ import torch
 
 from threed.config import ConfigError, RunConfig
 from threed.parallel.distributed import loss_rank
-from threed.train.engine import deepspeed_config
 from threed.metrics.flops import flops_per_token, peak_tflops_per_device
 from threed.metrics.sinks import CONFIG_FILE, METRICS_FILE, JsonlSink, TensorBoardSink, WandbSink, stdout_line
 from threed.metrics.stages import StageTimer, gather_rows, ideal_bubble, memory_bytes, per_stage
@@ -71,8 +70,9 @@ def check_metrics_config(cfg: RunConfig) -> None:
         )
 
 
-def run_summary(cfg: RunConfig, world_size: int, start_iteration: int) -> dict[str, Any]:
-    """Everything that defines the run, written once beside the metrics (and as TensorBoard text)."""
+def run_summary(cfg: RunConfig, world_size: int, start_iteration: int, ds_config: dict[str, Any]) -> dict[str, Any]:
+    """Everything that defines the run, written once beside the metrics (and as TensorBoard text); `ds_config` is
+    the DeepSpeed config the engine was built with (after a universal resume it differs from a fresh start's)."""
     dp = cfg.parallel.dp(world_size)
     micro, gas, glob = cfg.train.resolve_batch(dp)
     return {
@@ -87,7 +87,7 @@ def run_summary(cfg: RunConfig, world_size: int, start_iteration: int) -> dict[s
         "start_iteration": start_iteration,
         "flops_per_token": flops_per_token(cfg.model, cfg.train.seq_length, cfg.parallel.tp),
         "peak_tflops_per_device": peak_tflops_per_device(),
-        "deepspeed_config": deepspeed_config(cfg, world_size),
+        "deepspeed_config": ds_config,
         "versions": {
             "python": platform.python_version(),
             "torch": torch.__version__,
@@ -97,7 +97,11 @@ def run_summary(cfg: RunConfig, world_size: int, start_iteration: int) -> dict[s
 
 
 class RunMetrics:
-    def __init__(self, cfg: RunConfig, engine: Any, rt: Any, start_iteration: Optional[int] = None):
+    def __init__(
+        self, cfg: RunConfig, engine: Any, rt: Any, ds_config: dict[str, Any], start_iteration: Optional[int] = None
+    ):
+        """`ds_config`: the DeepSpeed config `engine` was built with (threed.engine.build.Built.ds_config), recorded
+        in run_config.json as it was used."""
         check_metrics_config(cfg)
         self.device = rt.device
         self.world = rt.world_size
@@ -109,6 +113,7 @@ class RunMetrics:
         self.log_interval = max(1, cfg.train.log_interval)
         self.start = engine.global_steps if start_iteration is None else start_iteration
         self.engine = engine
+        self.ds_config = ds_config
         self.is_writer = rt.rank == loss_rank(
             cfg.parallel.tp, self.pp, cfg.parallel.dp(rt.world_size), cp=cfg.parallel.cp
         )
@@ -126,7 +131,7 @@ class RunMetrics:
             atexit.register(self.close)
 
     def _open_sinks(self, cfg: RunConfig) -> None:
-        summary = run_summary(cfg, self.world, self.start)
+        summary = run_summary(cfg, self.world, self.start, self.ds_config)
         text = json.dumps(summary, indent=1, default=str)
         where = []
         if self.run_dir:

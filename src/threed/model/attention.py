@@ -11,7 +11,7 @@ of `is_causal`, see the stack notes). Which varlen_attn keywords a torch release
 (`takes_keyword`): docs/torch-versions.md.
 
 Context parallelism (`--context-parallel-size` > 1): each rank holds 2 of each row's 2·cp chunks of queries, keys and
-values, and the attention is `threed.parallel.context.context_parallel_attention` (K/V all-gathered over the CP group
+values, and the attention is `threed.model.context.context_parallel_attention` (K/V all-gathered over the CP group
 megatron's SelfAttention hands over in its `pg_collection`, the causal mask built from global positions, so aligned
 bottom-right; packed rows pass the full row's segment ids).
 
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from threed.parallel.context import context_parallel_attention
+from threed.model.context import context_parallel_attention
 
 
 class SDPACoreAttention(torch.nn.Module):

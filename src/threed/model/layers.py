@@ -8,7 +8,7 @@ Between pipeline stages one tensor travels: hidden states `[s, b, h]`. Positions
 the sequence length; the causal mask is implicit. Packed SFT rows add a second, `doc_ids [b, s]` int32, from which each
 stage rebuilds the block-diagonal mask and the per-document positions.
 
-Context parallelism (threed.parallel.context): hidden states are this CP rank's share `[s/cp, b, h]` (its 2 of 2·cp
+Context parallelism (threed.model.context): hidden states are this CP rank's share `[s/cp, b, h]` (its 2 of 2·cp
 chunks; `[s/(cp·tp), b, h]` under sequence parallelism), while `doc_ids` stay the whole row's: positions and segments
 are counted on the whole row (a document may start on another rank), then the positions are cut with the same index.
 The loss of a micro-batch is this rank's token-loss sum over the whole row's token count (`causal_lm_loss`).
@@ -44,7 +44,7 @@ from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from threed.config import ModelConfig
 from threed.model.attention import SDPACoreAttention, document_segments, reuse_per_tensor
 from threed.model.rope import RotaryAngles, document_positions
-from threed.parallel.context import rope_positions, split
+from threed.model.context import rope_positions, split
 from threed.model.wgrad import SplitColumnParallelLinear, SplitRowParallelLinear
 
 

@@ -223,7 +223,7 @@ def optimizer_parameters(model: ModelConfig, tp: int, pp: int) -> int:
 
 def stage_parameters(model: ModelConfig, tp: int, kinds: list[LayerKind]) -> tuple[int, int]:
     """(matrices, norms) elements on one TP rank of a stage holding these layers (one entry per layer, a block
-    once per block): `threed.train.engine`'s two optimizer groups (decay / no decay). Vocabulary padded for `tp`.
+    once per block): `threed.engine.build`'s two optimizer groups (decay / no decay). Vocabulary padded for `tp`.
     A tied weight is held once per stage: the last stage of a tied model holds the embedding's copy in place of
     an LM head weight (the same shape), a single stage holding both holds it once."""
     matrices = norms = 0

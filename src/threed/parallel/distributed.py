@@ -6,7 +6,7 @@ layer and DeepSpeed's gradient all-reduce over DP must see the same partners), s
 them on every rank at start-up.
 
 It is also the one place that quiets the libraries' start-up noise (`quiet_libraries`, run when this module is
-imported: threed.train.engine, threed.train and every rank's entry point import it before deepspeed or megatron-core)
+imported: threed.engine.build, threed.train and every rank's entry point import it before deepspeed or megatron-core)
 and that sets every process group's collective timeout (`init_distributed`).
 """
 
@@ -378,7 +378,7 @@ def grid_coordinates(rank: int, tp: int, dp: int, cp: int = 1) -> tuple[int, int
 
 def context_rank(rank: int, tp: int, cp: int) -> int:
     """The context-parallel rank of a global rank (`grid_coordinates`' order): which 2 of each row's 2·cp chunks it
-    holds (threed.parallel.context.chunk_index)."""
+    holds (threed.model.context.chunk_index)."""
     return rank // tp % cp
 
 

@@ -47,7 +47,7 @@ class StagedPipelineModule(PipelineModule):
         if self.recompute is None:
             return super().forward(forward_input)
         # DeepSpeed's forward with its chunks replaced by the runs; the checkpoint function is the one its
-        # engine set (reentrant, or non-reentrant for packed rows: threed.train.engine). Its per-layer reseeding
+        # engine set (reentrant, or non-reentrant for packed rows: threed.engine.build). Its per-layer reseeding
         # (seed_layers) is off in threed's pipeline and not repeated here.
         assert not self.seed_layers, "threed's pipeline builds no per-layer seeds"
         self.micro_offset += 1

@@ -92,7 +92,7 @@ class ZeroBubbleEngine(PipelineEngine):
 
     def _exec_weight_pass(self, micro_batch):
         # Grads reach the weights through autograd (AccumulateGrad), so DeepSpeed's gradient hooks run as in
-        # backward (BF16_Optimizer's fp32 accumulation needs its immediate_grad_update: threed.train.engine sets it).
+        # backward (BF16_Optimizer's fp32 accumulation needs its immediate_grad_update: threed.engine.build sets it).
         assert not self.using_bf16_optimizer or self._config.bfloat16_config.immediate_grad_update
         self._running_engine_backward = True  # what DeepSpeed's own backward sets around gradient hooks
         try:

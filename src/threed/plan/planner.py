@@ -6,7 +6,7 @@ then the recipe lines of the best one.
         --global-batch-size 512
 
 Candidates: tp divides the heads and the KV heads and at most fills a node (TP collectives stay on NVLink);
-context parallelism cp (`threed.parallel.context`) divides world / tp, is at most MAX_CP (so tp x cp is at most
+context parallelism cp (`threed.model.context`) divides world / tp, is at most MAX_CP (so tp x cp is at most
 16 nodes) and cuts the sequence into 2 cp chunks (2 cp tp under sequence parallelism), each rank keeping at least
 MIN_CP_TOKENS of a row unless --cp names the degree; pp <= layers; dp = world / (tp cp pp); micro x dp divides the
 global batch and gas = global / (micro dp); Megatron's sequence parallelism on and off (tp > 1); the pipeline
@@ -131,7 +131,7 @@ def _shapes(
 
 def cp_divides(seq: int, cp: int, tp: int, sp: bool) -> bool:
     """Whether context parallelism can cut `seq` (2 cp chunks, each split over tp under SP): the rule and its
-    message live in `threed.parallel.context.check_divisible`."""
+    message live in `threed.model.context.check_divisible`."""
     try:
         check_cp(seq, cp, tp, sp)
     except ConfigError:
@@ -140,9 +140,9 @@ def cp_divides(seq: int, cp: int, tp: int, sp: bool) -> bool:
 
 
 def check_cp(seq: int, cp: int, tp: int, sp: bool) -> None:
-    """`threed.parallel.context.check_divisible`: ConfigError, one line, when `seq` cannot be cut for `cp`."""
+    """`threed.model.context.check_divisible`: ConfigError, one line, when `seq` cannot be cut for `cp`."""
     # torch, through the CP attention module: the caller has DeepSpeed (threed.parallel.partition) loaded already.
-    from threed.parallel.context import check_divisible
+    from threed.model.context import check_divisible
 
     check_divisible(seq, cp, tp, sp)
 

@@ -36,7 +36,7 @@ compute/communication overlap the engine has (below: megatron's linear backward 
   norm/clip pass over the fp32 gradients, (36 N / dp + 12 N) bytes at the GPU's memory bandwidth. t_tied (tied
   embeddings, pp > 1): the first and the last stage each hold a copy of the embedding (N counts it on both) and
   all-reduce its fp32 gradient between them: 4 V h / tp bytes sent per rank (a two-rank ring).
-  Context parallelism (cp > 1; `threed.parallel.context`): each rank holds s / cp tokens of every row, so tokens
+  Context parallelism (cp > 1; `threed.model.context`): each rank holds s / cp tokens of every row, so tokens
   above are s b / cp and the compute divides by cp (the 2 cp zigzag chunks give every rank the same causal work;
   FLOPs per token stay the whole row's). Per block the forward all-gathers K and V of the rows, the backward
   reduce-scatters dK and dV, and a recomputed block's forward all-gathers again: each (cp - 1) / cp x 2 x 2 s b

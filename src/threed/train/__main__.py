@@ -1,5 +1,5 @@
-"""`python -m threed.train FLAGS` (torchrun command lines in users' scripts run it): `threed train` without the
-`threed` console script. The flags are training's (`threed.cli.flags`); the loop is `threed.train.loop`.
+"""`python -m threed.train FLAGS` (torchrun command lines in users' scripts run it): `threed train FLAGS` without the
+`threed` console script. A door, nothing more: the command is threed.cli's (one parser, one exit policy).
 
     torchrun --nproc-per-node 8 -m threed.train --model tiny --tp 2 --pp 2 --data-path ... --steps 50
 """
@@ -7,19 +7,11 @@
 import sys
 from typing import Optional
 
-from threed.cli.flags import parse_run_config
-from threed.errors import guarded
-from threed.parallel.distributed import shutdown_distributed
-from threed.train.loop import train
+from threed.cli.main import main as threed_main
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    def run() -> None:
-        train(parse_run_config(sys.argv[1:] if argv is None else argv))
-        shutdown_distributed()
-
-    # as `threed train`: one line from rank 0, no traceback per rank
-    return guarded("threed", run, prefix="configuration error: ")
+    return threed_main(["train", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

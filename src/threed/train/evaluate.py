@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from threed.data.loader import SampleCounter, micro_batches
-from threed.parallel.context import share_batches
+from threed.model.context import share_batches
 
 
 @dataclass

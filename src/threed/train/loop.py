@@ -36,9 +36,9 @@ from threed.data.checks import check_cache_visible
 from threed.data.datasets import build_datasets
 from threed.data.loader import SampleCounter, micro_batches, token_weighted
 from threed.data.splits import DataSplits, read_data_flags
-from threed.parallel.context import preflight, share_batches
+from threed.model.context import preflight, share_batches
 from threed.parallel.distributed import Runtime, context_rank, grid_coordinates, init_distributed, loss_rank
-from threed.train.engine import build_engine
+from threed.engine.build import build_engine
 from threed.train.guard import RunGuard, StopRequest
 from threed.train.preflight import check_run
 from threed.train.samples import after_step as samples_after_step, prepare as prepare_samples
@@ -218,7 +218,7 @@ def _train(cfg: RunConfig, rt: Runtime, splits: DataSplits, start_decision: Star
         if reads_data
         else None
     )
-    metrics = RunMetrics(cfg, engine, rt, start)  # every rank: times its stage; the loss rank writes
+    metrics = RunMetrics(cfg, engine, rt, built.ds_config, start)  # every rank: times its stage; the loss rank writes
     waiting = False  # an interval save is due and waits for an unconfirmed loss spike to end
     for step in range(start, cfg.train.steps):
         step_iter, loss_tokens = step_batches(batches, gas, splits.sft, engine, rt.device)

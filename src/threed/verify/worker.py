@@ -17,7 +17,7 @@ import torch
 from threed.config import CheckpointConfig, ParallelConfig, RunConfig, TrainConfig
 from threed.checkpoint.format import check_loadable, read_model_config
 from threed.parallel.distributed import init_distributed
-from threed.train.engine import build_engine
+from threed.engine.build import build_engine
 from threed.verify.logits import pipeline_logits
 
 

@@ -151,6 +151,7 @@ class Built:
     # empty otherwise.
     client_state: dict = field(default_factory=dict)
     decision: Optional[StartDecision] = None  # where the run started, and the log lines about it
+    ds_config: dict = field(default_factory=dict)  # the DeepSpeed config the engine was built with
 
 
 def load_weights_sliced(engine, cfg: RunConfig, decision: StartDecision) -> None:
@@ -227,4 +228,6 @@ def build_engine(
     # Every rank's peak memory from here on: the training steps' (BF16_Optimizer reset rank 0's alone at its init).
     reset_peak_memory(rt.device)
     resumed_from = decision.source.path if resume else None  # the tag: decision.source.tag
-    return Built(engine=engine, resumed_from=resumed_from, client_state=client_state, decision=decision)
+    return Built(
+        engine=engine, resumed_from=resumed_from, client_state=client_state, decision=decision, ds_config=ds_config
+    )
