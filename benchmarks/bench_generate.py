@@ -23,6 +23,7 @@ from threed.generate.prompts import Sampling
 from threed.hf.config import from_hf_config
 from threed.parallel.distributed import init_distributed
 from threed.engine.build import build_engine
+from threed.engine.resolved import resolve
 
 SHAPE = dict(
     vocab_size=4096, hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
@@ -52,7 +53,8 @@ def main() -> None:
     hf = LlamaForCausalLM(LlamaConfig(**SHAPE, tie_word_embeddings=False)).eval()
     model = from_hf_config(hf.config.to_dict(), name="bench")
     cfg = RunConfig(model=model, parallel=ParallelConfig(), train=TrainConfig(dtype="fp32", seq_length=64, steps=1))
-    engine = build_engine(cfg, init_distributed()).engine
+    rt = init_distributed()
+    engine = build_engine(resolve(cfg, rt.world_size), rt).engine
     load_hf_state(engine.module, model, hf.state_dict(), 1, 0)
     prompts = torch.randint(
         0, SHAPE["vocab_size"], (args.batch, args.prompt_len), generator=torch.Generator().manual_seed(1)

@@ -124,6 +124,7 @@ def measure(step: Callable[[], float], steps: int, warmup: int, device: torch.de
 
 def threed_run(m: ModelConfig, seq: int, micro: int, gas: int, ac: bool, rt: Runtime, tokens) -> dict[str, Any]:
     from threed.engine.build import build_engine
+    from threed.engine.resolved import resolve
 
     cfg = RunConfig(
         model=m,
@@ -138,9 +139,8 @@ def threed_run(m: ModelConfig, seq: int, micro: int, gas: int, ac: bool, rt: Run
             activation_checkpointing=ac,
         ),
     )
-    cfg.validate(rt.world_size)
     t0 = time.perf_counter()
-    engine = build_engine(cfg, rt).engine
+    engine = build_engine(resolve(cfg, rt.world_size), rt).engine
     build_s = time.perf_counter() - t0
     batches = micro_batches(tokens, micro)
 

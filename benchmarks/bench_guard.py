@@ -34,6 +34,7 @@ def main() -> None:
     from threed.checkpoint.save import weight_norm
     from threed.config import ParallelConfig, RunConfig, TrainConfig
     from threed.parallel.distributed import init_distributed, init_megatron_parallel_state
+    from threed.parallel.dims import resolve_dims
     from threed.parallel.pipeline import build_pipeline_module
     from threed.model.presets import PRESETS
 
@@ -42,7 +43,9 @@ def main() -> None:
     rt = init_distributed()
     init_megatron_parallel_state(1, 1)
     torch.manual_seed(0)
-    model = build_pipeline_module(cfg, rt.world_size).train()  # on rt.device
+    model = build_pipeline_module(
+        cfg.model, resolve_dims(cfg, rt.world_size), cfg.train, sequence_parallel=cfg.parallel.sequence_parallel
+    ).train()  # on rt.device
     engine = types.SimpleNamespace(module=model)  # what weight_norm reads of a DeepSpeed engine
     gen = torch.Generator().manual_seed(0)
     micro = [torch.randint(0, model_cfg.vocab_size, (a.batch, a.seq + 1), generator=gen) for _ in range(a.gas)]

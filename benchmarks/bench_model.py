@@ -58,6 +58,7 @@ def main() -> None:
     from threed.convert.in_memory import load_hf_state
     from threed.parallel.distributed import init_distributed, init_megatron_parallel_state
     from threed.hf.config import from_hf_config
+    from threed.parallel.dims import resolve_dims
     from threed.parallel.pipeline import build_pipeline_module
 
     hf_cfg = LlamaConfig(
@@ -76,7 +77,13 @@ def main() -> None:
     cfg = RunConfig(model=model_cfg, parallel=ParallelConfig(1, 1), train=TrainConfig(dtype="fp32", seq_length=a.seq))
     rt = init_distributed()
     init_megatron_parallel_state(1, 1)
-    ours = build_pipeline_module(cfg, rt.world_size, initialize=False).train()  # on rt.device
+    ours = build_pipeline_module(
+        cfg.model,
+        resolve_dims(cfg, rt.world_size),
+        cfg.train,
+        sequence_parallel=cfg.parallel.sequence_parallel,
+        initialize=False,
+    ).train()  # on rt.device
     load_hf_state(ours, model_cfg, hf.state_dict(), tp=1, tp_rank=0)
     hf = hf.to(rt.device)
 

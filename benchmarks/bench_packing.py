@@ -82,12 +82,13 @@ def timed_run(prefix: str, seq: int, pack: bool, rows: int, steps: int) -> tuple
     from threed.data.loader import micro_batches
     from threed.parallel.distributed import init_distributed
     from threed.engine.build import build_engine
+    from threed.engine.resolved import resolve
     from threed.train.loop import step_batches
 
     cfg = config(prefix, seq, pack, rows, steps + 2)
     rt = init_distributed()
     ds = gpt_dataset(cfg, rows).train
-    engine = build_engine(cfg, rt, token_weighted=True).engine
+    engine = build_engine(resolve(cfg, rt.world_size), rt, token_weighted=True).engine
     batches = micro_batches(ds, rows, rows, 1, 0, 0, cfg.model.vocab_size)
     times = []
     for step in range(steps + 2):

@@ -71,6 +71,7 @@ def worker(a: argparse.Namespace) -> None:
     from threed.config import MetricsConfig, ParallelConfig, RunConfig, TrainConfig
     from threed.parallel.distributed import init_distributed
     from threed.engine.build import build_engine
+    from threed.engine.resolved import resolve
     from threed.metrics.writer import RunMetrics
     from threed.metrics.stages import StageTimer
 
@@ -93,7 +94,9 @@ def worker(a: argparse.Namespace) -> None:
         ),
         metrics=MetricsConfig(tensorboard_dir=str(Path(a.out) / f"pp{a.pp}" / "tensorboard")),
     )
-    engine = build_engine(cfg, rt).engine
+    run = resolve(cfg, rt.world_size)
+    built = build_engine(run, rt)
+    engine = built.engine
     reads = engine.is_first_stage() or engine.is_last_stage()
     gen = torch.Generator().manual_seed(0)
 
@@ -103,7 +106,7 @@ def worker(a: argparse.Namespace) -> None:
             yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
     it = batches() if reads else None
-    metrics = RunMetrics(cfg, engine, rt)
+    metrics = RunMetrics(cfg, run.dims, engine, rt, built.ds_config)
     chunks, queues, idle = [], [], []
     step = 0
     for chunk in range(-1, a.repeats):  # chunk -1: the warm-up steps

@@ -53,6 +53,7 @@ def worker(a: argparse.Namespace) -> None:
     from threed.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
     from threed.parallel.distributed import init_distributed
     from threed.engine.build import build_engine
+    from threed.engine.resolved import resolve
 
     rt = init_distributed()
     gen = torch.Generator().manual_seed(0)
@@ -65,7 +66,7 @@ def worker(a: argparse.Namespace) -> None:
                 dtype="bf16", micro_batch_size=1, grad_accum_steps=a.gas, seq_length=a.seq, steps=a.steps + 2, **train
             ),
         )
-        engine = build_engine(cfg, rt).engine
+        engine = build_engine(resolve(cfg, rt.world_size), rt).engine
 
         def batches():
             while True:

@@ -273,3 +273,14 @@ def checkpoint_config(save=None, tp=1, pp=2, dtype="fp32", **ck) -> RunConfig:
         train=TrainConfig(dtype=dtype, seq_length=32, steps=10),
         checkpoint=CheckpointConfig(save=str(save) if save else None, **ck),
     )
+
+
+def pipeline_module(cfg: RunConfig, world: int, **kw: Any):
+    """threed.parallel.pipeline.build_pipeline_module of `cfg` at `world` ranks, its dimensions resolved as a run
+    resolves them (threed.parallel.dims): the tests describe their modules as RunConfigs."""
+    # deepspeed, megatron: heavy, only for the tests that build a module
+    from threed.parallel.dims import resolve_dims
+    from threed.parallel.pipeline import build_pipeline_module
+
+    dims = resolve_dims(cfg, world)
+    return build_pipeline_module(cfg.model, dims, cfg.train, sequence_parallel=cfg.parallel.sequence_parallel, **kw)

@@ -18,7 +18,7 @@ from helpers import gpt_dataset, hf_model, model_config
 from threed.config import DataConfig, RunConfig, TrainConfig
 from threed.convert.in_memory import random_hf_state
 from threed.data.loader import micro_batches
-from threed.engine.build import lr_lambda
+from threed.engine.optimizer import lr_lambda
 
 # The optimizer and schedule of every parity run and of its reference: fp32, clipping active (the tests assert it).
 PARITY = dict(dtype="fp32", lr=1e-3, min_lr=1e-4, warmup_steps=2, grad_clip=0.5)
@@ -37,7 +37,7 @@ def plain_adamw(model, train: TrainConfig) -> tuple:
         eps=train.adam_eps,
     )
     assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == sum(p.numel() for p in model.parameters())
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(RunConfig(model=None, train=train)))
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(train))
 
 
 def plain_step(model, opt, sched, loss, grad_clip: float) -> float:

@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 from helpers import REPO
-from threed.engine.build import deepspeed_config
+from threed.engine.resolved import resolve
 from threed.cli.flags import parse_run_config
 from threed.cli.recipe import RECIPE_VARS as RECIPE_TABLE
 
@@ -77,7 +77,7 @@ def python_train_batch(out: str, world: int) -> int:
     rows per step, what the launcher prints, count DP only."""
     cfg = parse_run_config(train_argv(out))
     cfg.validate(world)
-    ds = deepspeed_config(cfg, world)["train_batch_size"]
+    ds = resolve(cfg, world).ds_config["train_batch_size"]
     assert ds % cfg.parallel.cp == 0
     return ds // cfg.parallel.cp
 

@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 
 from helpers import own_world_env, tiny_train, tiny_train_argv
-from threed.config import ConfigError, ParallelConfig
 
 
 def threed(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -93,18 +92,13 @@ def test_sigterm_to_a_run_without_save_says_nothing_could_be_saved(tiny_corpus, 
 
 
 def test_a_bad_configuration_is_refused_before_any_process_group(tiny_corpus, tmp_path, own_process_group):
-    import dataclasses
-
     import torch.distributed as dist
 
-    from threed.cli.flags import parse_run_config
-    from threed.train.loop import train
+    from threed.cli.main import main
 
-    cfg = parse_run_config(tiny_train_argv(tiny_corpus, tmp_path / "save")[1:])
-    cfg = dataclasses.replace(cfg, parallel=ParallelConfig(tp=2))
     os.environ.pop("WORLD_SIZE", None)
-    with pytest.raises(ConfigError):
-        train(cfg)  # tp 2 in a world of one
+    # tp 2 in a world of one, through `threed train`'s own path (resolved before the loop is imported)
+    assert main(["train", *tiny_train_argv(tiny_corpus, tmp_path / "save")[1:], "--tp", "2"]) == 2
     assert not dist.is_initialized()
     assert not (tmp_path / "save").exists()
 
@@ -113,12 +107,13 @@ def test_a_single_process_run_lets_the_store_choose_its_port(tiny_corpus, tmp_pa
     """A port picked, released and bound later was taken by another process under load (EADDRINUSE). Port 0: the
     store binds a free one itself."""
     from threed.cli.flags import parse_run_config
+    from threed.engine.resolved import resolve
     from threed.train.loop import train
 
     for k in ("MASTER_PORT", "RANK", "WORLD_SIZE", "MASTER_ADDR", "LOCAL_RANK"):
         os.environ.pop(k, None)
     cfg = parse_run_config(tiny_train_argv(tiny_corpus, tmp_path / "save", "--steps", "1")[1:])
-    result = train(cfg)
+    result = train(resolve(cfg, 1))
     assert result.end_step == 1
     assert os.environ["MASTER_PORT"] == "0"
 

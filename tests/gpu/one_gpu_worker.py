@@ -42,7 +42,7 @@ from threed.config import CheckpointConfig, DataConfig, RunConfig, TrainConfig  
 from threed.model.wgrad import DEFERRED  # noqa: E402
 from threed.parallel.distributed import Runtime  # noqa: E402
 from threed.parallel.zero_bubble import use_schedule  # noqa: E402
-from threed.engine.build import build_engine  # noqa: E402
+from worker_setup import build_engine  # noqa: E402
 from threed.verify.logits import pipeline_logits  # noqa: E402
 from worker_setup import load_hf_weights, run_worker  # noqa: E402
 

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 import one_gpu_worker as worker  # puts tests/ (and tests/ranks/) on the path: helpers, ckpt_worker
 from helpers import hf_model
-from threed.engine.build import lr_lambda
+from threed.engine.optimizer import lr_lambda
 
 DEVICE = "cpu" if os.environ.get("THREED_DEVICE") == "cpu" else "cuda"
 pytestmark = [
@@ -143,7 +143,7 @@ def hf_train(dtype: str, steps: int = worker.STEPS, gas: int = worker.GAS) -> di
         eps=t.adam_eps,
         fused=True if DEVICE == "cuda" else None,
     )
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.train))
     data = worker.batches(steps * gas)
     losses, norms = [], []
     for step in range(steps):

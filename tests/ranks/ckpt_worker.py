@@ -27,7 +27,7 @@ import torch
 import threed.checkpoint.save as ckpt
 from threed.config import CheckpointConfig, ModelConfig, ParallelConfig, RunConfig, RunControlConfig, TrainConfig
 from threed.parallel.distributed import Runtime
-from threed.engine.build import build_engine
+from worker_setup import build_engine
 from threed.train.guard import RunGuard
 from worker_setup import local_weights, reads_data, run_worker, write_json
 
@@ -192,7 +192,7 @@ def main(a: argparse.Namespace, rt: Runtime) -> None:
             },
         )
     it = batches(start, micro, gas, dp, dp_rank) if reads_data(engine) else None
-    guard = RunGuard(cfg, rt.rank, engine, None, rt.device)
+    guard = RunGuard(cfg.control, cfg.checkpoint.save, rt.rank, engine, None, rt.device)
     for step in range(start, cfg.train.steps):
         if a.lr_jump_step and step + 1 >= a.lr_jump_step:  # a finite blow-up after sane steps (the scheduler sets
             for group in engine.optimizer.param_groups:  # the lr after the optimizer step: this one is used)

@@ -38,8 +38,8 @@ from sp_worker import StageTraffic
 from threed.config import CheckpointConfig, DataConfig, ParallelConfig, RunConfig, TrainConfig
 from threed.data.loader import token_weighted
 from threed.parallel.distributed import Runtime, loss_rank
-from threed.engine.build import build_engine
-from threed.train.loop import train
+from worker_setup import build_engine
+from worker_setup import train
 from tied_worker import save_final
 
 STEPS, SAVED_AT, SFT_STEPS, INIT_STEPS, BLEND_STEPS = 10, 5, 3, 2, 2

@@ -13,7 +13,7 @@ from worker_setup import rank_json, run_worker, stopped_then_resumed
 from helpers import model_config
 from threed.config import CheckpointConfig, DataConfig, ParallelConfig, RunConfig, TrainConfig
 from threed.parallel.distributed import Runtime
-from threed.train.loop import train
+from worker_setup import train
 
 
 def base_config(a: str, b: str) -> RunConfig:

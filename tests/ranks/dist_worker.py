@@ -25,7 +25,7 @@ from threed.data.loader import micro_batches
 from threed.data.splits import read_data_flags
 from threed.model.context import share_batches
 from threed.parallel.distributed import GroupMismatch, Runtime, check_groups_agree
-from threed.engine.build import build_engine
+from worker_setup import build_engine
 from threed.verify.logits import pipeline_logits
 
 PARITY_TOKENS = dict(batch=2, seq=32, seed=1)

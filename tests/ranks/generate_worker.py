@@ -22,7 +22,7 @@ from threed.generate.prompts import Sampling
 from threed.generate.decode import generate_all
 from threed.hf.config import from_hf_config
 from threed.parallel.distributed import Runtime
-from threed.engine.build import build_engine
+from worker_setup import build_engine
 
 LAYOUTS = [(1, 1), (2, 2), (1, 2)]
 SAMPLING = Sampling(temperature=0.8, top_p=0.9, seed=7)

@@ -30,8 +30,8 @@ from threed.harness.run import HarnessRequest, run_harness
 from threed.harness.tasks import task_manager
 from threed.hf.config import from_hf_config
 from threed.parallel.distributed import Runtime
-from threed.engine.build import build_engine
-from threed.train.loop import train
+from worker_setup import build_engine
+from worker_setup import train
 
 LAYOUTS = [(1, 1), (2, 2), (1, 2)]
 

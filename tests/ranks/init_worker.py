@@ -18,7 +18,8 @@ from worker_setup import local_layers, run_worker, write_json
 from helpers import model_config
 from threed.config import ParallelConfig, RunConfig, TrainConfig
 from threed.parallel.distributed import Runtime
-from threed.engine.build import build_engine, deepspeed_config
+from threed.engine.ds_config import engine_config
+from worker_setup import build_engine
 
 LAYOUTS = ((1, 1), (2, 1), (1, 2), (1, 4), (2, 2))
 
@@ -65,12 +66,12 @@ def grad_norms(rt, out: Path) -> None:
     results = {}
     for comm in ("fp32", "bf16"):
 
-        def config(cfg, world, comm=comm, **kw):
-            ds = deepspeed_config(cfg, world, **kw)
+        def config(base, comm=comm, **kw):
+            ds = engine_config(base, **kw)
             ds["communication_data_type"] = comm
             return ds
 
-        threed.engine.build.deepspeed_config = config  # the bf16 variant exists only to show what fp32 fixes
+        threed.engine.build.engine_config = config  # the bf16 variant exists only to show what fp32 fixes
         for name, (tp, pp, gas) in {"dp2_gas1": (2, 1, 1), "dp1_gas2": (2, 2, 2)}.items():
             cfg = RunConfig(
                 model=mc,
@@ -86,7 +87,7 @@ def grad_norms(rt, out: Path) -> None:
             micro = [(mine[i : i + 2, :-1], mine[i : i + 2, 1:]) for i in range(0, share, 2)]
             engine.train_batch(data_iter=iter(micro))
             results[f"{comm}_{name}"] = float(engine.get_global_grad_norm())
-    threed.engine.build.deepspeed_config = deepspeed_config
+    threed.engine.build.engine_config = engine_config
     if rt.rank == 0:
         write_json(out / "grad_norms.json", results)
 

@@ -25,7 +25,7 @@ from threed.checkpoint.format import read_model_config
 from threed.config import CheckpointConfig, ParallelConfig, RunConfig, TrainConfig
 from threed.generate.run import engine_config
 from threed.parallel.distributed import Runtime
-from threed.engine.build import build_engine
+from worker_setup import build_engine
 
 STEPS, MICRO, SEQ = 2, 2, 16
 

@@ -40,12 +40,12 @@ import torch.distributed as dist
 from threed.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from threed.model import context
 from threed.parallel.distributed import Runtime, context_rank, init_megatron_parallel_state
-from threed.engine.build import build_engine
+from worker_setup import build_engine
 from threed.convert.resolve import model_config
 from threed.memory.model import Stage, stage_activations, stage_bounds, stage_memory, stages
 from threed.memory.recompute import Recompute
-from threed.parallel.pipeline import build_pipeline_module
 from worker_setup import rank_json, reads_data, run_worker, synthetic_batches, write_json
+from helpers import pipeline_module
 
 STATIC = dict(model="tiny", micro=2, gas=2, seq=32)
 # Wide enough that activations dwarf everything else allocated during a step.
@@ -229,7 +229,7 @@ def activations(args: argparse.Namespace) -> None:
         cfg = RunConfig(
             model=ACT_MODEL, train=TrainConfig(seq_length=seq, micro_batch_size=micro, activation_checkpointing=ckpt)
         )
-        module = build_pipeline_module(cfg, 1).bfloat16()
+        module = pipeline_module(cfg, 1).bfloat16()
         module._precompute_checkpointable_values()  # what the engine does before the first forward
         tokens, labels = next(synthetic_batches(ACT_MODEL.vocab_size, micro, seq, n=1))
         module.loss_fn(module(tokens), labels).backward()  # grads now exist: backward adds into them
@@ -290,7 +290,7 @@ def stage_activation_cases(args: argparse.Namespace, rt: Runtime) -> None:
             parallel=ParallelConfig(tp=tp, sequence_parallel=sp),
             train=TrainConfig(seq_length=seq, micro_batch_size=micro, **recompute_config(rc)),
         )
-        module = build_pipeline_module(cfg, tp, fused_swiglu=rt.cuda_only.fused_swiglu).bfloat16().to(rt.device)
+        module = pipeline_module(cfg, tp, fused_swiglu=rt.cuda_only.fused_swiglu).bfloat16().to(rt.device)
         module._precompute_checkpointable_values()
         tokens, labels = (t.to(rt.device) for t in next(synthetic_batches(SP_MODEL.vocab_size, micro, seq, n=1)))
         module.loss_fn(module(tokens), labels).backward()
@@ -325,7 +325,7 @@ def context_parallel_cases(args: argparse.Namespace, rt: Runtime) -> None:
         cfg = RunConfig(
             model=SP_MODEL, parallel=ParallelConfig(cp=cp), train=TrainConfig(seq_length=seq, micro_batch_size=micro)
         )
-        module = build_pipeline_module(cfg, rt.world_size).bfloat16()
+        module = pipeline_module(cfg, rt.world_size).bfloat16()
         module._precompute_checkpointable_values()
         rank = context_rank(rt.rank, 1, cp)
         tokens, labels = (context.split(t, cp, rank) for t in (tokens_full, labels_full))

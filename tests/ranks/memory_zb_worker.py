@@ -23,11 +23,11 @@ from worker_setup import rank_json, reads_data, run_worker, synthetic_batches
 from memory_worker import ACT, SP_MODEL, StorageCounter, add_arguments as memory_arguments, cpu_peak, cuda_peak, static
 from threed.config import ParallelConfig, RunConfig, TrainConfig
 from threed.parallel.distributed import Runtime, init_megatron_parallel_state
-from threed.engine.build import build_engine
+from worker_setup import build_engine
+from helpers import pipeline_module
 from threed.memory.deferred import awaiting_w_bytes
 from threed.memory.model import Stage, stage_kinds, stage_memory, stages
 from threed.model.wgrad import DEFERRED
-from threed.parallel.pipeline import build_pipeline_module
 
 
 def deferred_cases(args: argparse.Namespace, rt: Runtime) -> None:
@@ -42,7 +42,7 @@ def deferred_cases(args: argparse.Namespace, rt: Runtime) -> None:
             parallel=ParallelConfig(tp=tp, sequence_parallel=sp),
             train=TrainConfig(seq_length=seq, micro_batch_size=micro),
         )
-        module = build_pipeline_module(cfg, tp).bfloat16()
+        module = pipeline_module(cfg, tp).bfloat16()
         module._precompute_checkpointable_values()
         tokens, labels = next(synthetic_batches(SP_MODEL.vocab_size, micro, seq, n=1))
         DEFERRED.clear()

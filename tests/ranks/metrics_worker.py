@@ -21,9 +21,10 @@ import torch
 from threed.config import MetricsConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from threed.parallel.distributed import Runtime
 import threed.engine.build as engine_module
-from threed.engine.build import build_engine
+from worker_setup import build_engine
 from threed.metrics.stages import HostClock, StageTimer, StreamClock
 from threed.metrics.writer import RunMetrics
+from threed.parallel.dims import resolve_dims
 from worker_setup import rank_json, reads_data, run_worker, synthetic_batches
 
 TINY = ModelConfig(
@@ -78,7 +79,7 @@ def train(args: argparse.Namespace, rt: Runtime) -> None:
     )
     built = build_engine(cfg, rt)
     engine = built.engine
-    metrics = RunMetrics(cfg, engine, rt, built.ds_config)
+    metrics = RunMetrics(cfg, resolve_dims(cfg, rt.world_size), engine, rt, built.ds_config)
     it = batches_for(engine, cfg)
     logged, records, step_times = [], [], []
     for step in range(cfg.train.steps):
@@ -130,7 +131,9 @@ def bubble(args: argparse.Namespace, rt: Runtime) -> None:
         runs[gas] = {
             "engine": engine,
             "it": it,
-            "metrics": RunMetrics(cfg, engine, rt, built.ds_config, start_iteration=1),
+            "metrics": RunMetrics(
+                cfg, resolve_dims(cfg, rt.world_size), engine, rt, built.ds_config, start_iteration=1
+            ),
             "wall": 0.0,
             "cpu": 0.0,
         }

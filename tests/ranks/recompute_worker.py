@@ -22,7 +22,7 @@ from helpers import hf_model, model_config
 from reference import PARITY
 from threed.config import DataConfig, ParallelConfig, RunConfig, TrainConfig
 from threed.parallel.distributed import Runtime
-from threed.engine.build import build_engine
+from worker_setup import build_engine
 
 STEPS = 3
 FULL = {"uniform1": ("uniform", 1), "block1": ("block", 1), "uniform2": ("uniform", 2)}

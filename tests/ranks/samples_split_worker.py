@@ -39,7 +39,7 @@ from threed.generate.run import engine_config
 from threed.model.attention import SDPACoreAttention
 from threed.model.layers import LlamaBlock, whole_sequences
 from threed.parallel.distributed import Runtime
-from threed.engine.build import build_engine
+from worker_setup import build_engine, train
 
 STEPS, INTERVAL = 2, 1
 TP, CP = 2, 2
@@ -214,11 +214,11 @@ def split_samples(args: argparse.Namespace, rt: Runtime) -> None:
     model = dataclasses.replace(ModelConfig(**spec["model"]), make_vocab_size_divisible_by=16)
     seed_all()
     with Recorder(model) as rec:
-        with_them = loop.train(run_config(spec, args.out / "with", True))
+        with_them = train(run_config(spec, args.out / "with", True))
     after_with = next_draws()
     dist.barrier()
     seed_all()
-    without = loop.train(run_config(spec, args.out / "without", False))
+    without = train(run_config(spec, args.out / "without", False))
     after_without = next_draws()
     dist.barrier()
     # The reference: the step-2 weights (the run's last save) at tp2, built without either split.

@@ -22,7 +22,7 @@ from worker_setup import run_worker, write_json
 from harness_fixtures import TASKS
 from threed.config import CheckpointConfig, DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from threed.parallel.distributed import Runtime
-from threed.train.loop import train
+from worker_setup import train
 
 STEPS, INTERVAL = 4, 2
 

@@ -25,7 +25,7 @@ from recompute_worker import packed_batches
 from tied_worker import tied_hf_model, tied_model_config
 from threed.config import CheckpointConfig, DataConfig, ParallelConfig, RunConfig, TrainConfig
 from threed.parallel.distributed import Runtime
-from threed.engine.build import build_engine
+from worker_setup import build_engine
 from threed.model.wgrad import DEFERRED
 
 STEPS = 6

@@ -19,9 +19,9 @@ from helpers import hf_model, model_config
 from reference import PARITY
 from threed.config import CheckpointConfig, DataConfig, ParallelConfig, RunConfig, TrainConfig
 from threed.parallel.distributed import Runtime
-from threed.engine.build import build_engine
+from worker_setup import build_engine
 from threed.verify.logits import pipeline_logits
-from threed.train.loop import train
+from worker_setup import train
 
 MODEL = "gqa31"
 SEQ = 64

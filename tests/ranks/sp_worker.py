@@ -31,8 +31,8 @@ from reference import PARITY
 from sft_worker import sft_config
 from threed.config import CheckpointConfig, DataConfig, ParallelConfig, RunConfig, TrainConfig
 from threed.parallel.distributed import Runtime
-from threed.engine.build import build_engine
-from threed.train.loop import train
+from worker_setup import build_engine
+from worker_setup import train
 from tied_worker import save_final
 
 STEPS, SAVED_AT, SFT_STEPS = 10, 5, 3

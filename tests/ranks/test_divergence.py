@@ -198,7 +198,7 @@ def make(tmp_path, engine=None, **control) -> tuple[guard.RunGuard, Engine]:
         control=RunControlConfig(watchdog_factor=0, **control),
     )
     engine = engine or Engine()
-    return guard.RunGuard(cfg, 0, engine, None), engine
+    return guard.RunGuard(cfg.control, cfg.checkpoint.save, 0, engine, None), engine
 
 
 def aborted(capsys, call) -> str:

@@ -191,7 +191,7 @@ def test_wandb_asked_for_but_missing_is_a_config_error():
         pytest.skip("wandb is installed here")
     cfg = RunConfig(model=model_config("tiny"), metrics=MetricsConfig(wandb_project="p"))
     with pytest.raises(ConfigError, match="pip install wandb"):
-        check_metrics_config(cfg)
+        check_metrics_config(cfg.metrics)
 
 
 def test_partition_methods():

@@ -17,7 +17,8 @@ import pytest
 from helpers import RANKS, model_config, write_dataset
 from threed.config import ConfigError, ParallelConfig, RunConfig, TrainConfig
 from threed.parallel.launch import run_ranks
-from threed.parallel.partition import recompute_chunks, recompute_summary
+from threed.parallel.dims import resolve_dims
+from threed.parallel.partition import recompute_chunks
 
 REL = 1e-6
 BLOCK1 = dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1)
@@ -116,6 +117,11 @@ def run_config(pp: int = 2, **train) -> RunConfig:
         parallel=ParallelConfig(pp=pp, partition_method="layers:3,1"),
         train=TrainConfig(**train),
     )
+
+
+def recompute_summary(cfg: RunConfig) -> str:
+    """The start-up line's phrase, as the run resolves it (threed.parallel.dims) at pp ranks."""
+    return resolve_dims(cfg, cfg.parallel.pp).recompute_phrase
 
 
 def test_start_up_phrase() -> None:

@@ -119,7 +119,7 @@ def _adamw_state(fused_flag: bool):
 
 
 def test_optimizer_state_placement_is_a_no_op_on_cpu():
-    from threed.engine.build import place_optimizer_state
+    from threed.engine.optimizer import place_optimizer_state
 
     for fused in (False, True):
         p, opt = _adamw_state(fused)
@@ -132,7 +132,7 @@ def test_optimizer_state_placement_is_a_no_op_on_cpu():
 def test_optimizer_state_moves_to_the_parameters_device():
     """What a universal load leaves on a GPU run (state and `step` on the CPU, parameters elsewhere), with the meta
     device standing in for CUDA: every state tensor follows its parameter; `step` does in a fused group only."""
-    from threed.engine.build import place_optimizer_state
+    from threed.engine.optimizer import place_optimizer_state
 
     class Wrapper:  # DeepSpeed's BF16_Optimizer / ZeRO optimizer keep the torch one as .optimizer
         def __init__(self, optimizer):

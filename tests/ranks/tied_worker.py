@@ -30,10 +30,10 @@ from sft_worker import sft_config
 from threed.config import CheckpointConfig, DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from threed.convert.mapping import layer_to_hf
 from threed.parallel.distributed import Runtime
-from threed.engine.build import build_engine
+from worker_setup import build_engine
 from threed.hf.config import from_hf_config
 from threed.parallel.pipeline import local_modules
-from threed.train.loop import train
+from worker_setup import train
 
 STEPS, SAVED_AT, BF16_STEPS, SFT_STEPS = 10, 5, 4, 3
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -26,6 +27,8 @@ import torch.distributed as dist
 import threed.checkpoint.start as start_module
 from threed.config import ModelConfig, RunConfig, RunControlConfig
 from threed.convert.in_memory import load_hf_state
+from threed.engine import build as engine_build
+from threed.engine.resolved import resolve
 from threed.parallel.distributed import Runtime, init_distributed
 from threed.parallel.pipeline import local_modules
 
@@ -52,6 +55,19 @@ def run_worker(scenarios: dict[str, Scenario], add_arguments: Optional[AddArgume
     rt = init_distributed(RunControlConfig().dist_timeout_minutes)
     scenario = scenarios[args.scenario] if len(scenarios) > 1 else next(iter(scenarios.values()))
     return scenario(args, rt) or 0
+
+
+def build_engine(cfg: RunConfig, rt: Runtime, **kw: Any) -> engine_build.Built:
+    """threed.engine.build.build_engine of `cfg` resolved at this world, as train, generate and eval-harness resolve
+    theirs (threed.engine.resolved.resolve): the scenarios describe their runs as RunConfigs."""
+    return engine_build.build_engine(resolve(cfg, rt.world_size), rt, **kw)
+
+
+def train(cfg: RunConfig):
+    """threed.train.loop.train of `cfg` resolved at torchrun's world, as `threed train` does (threed.cli.main)."""
+    from threed.train import loop  # the loop's imports (datasets, samples, harness) only for the scenarios that train
+
+    return loop.train(resolve(cfg, int(os.environ.get("WORLD_SIZE", "1"))))
 
 
 def write_json(path: Path, results: Any) -> None:

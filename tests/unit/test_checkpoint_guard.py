@@ -35,7 +35,7 @@ def make(tmp_path, **control) -> tuple[guard.RunGuard, FakeEngine, Stop]:
         control=RunControlConfig(watchdog_factor=0, **control),
     )
     engine, stop = FakeEngine(), Stop()
-    return guard.RunGuard(cfg, 0, engine, stop), engine, stop
+    return guard.RunGuard(cfg.control, cfg.checkpoint.save, 0, engine, stop), engine, stop
 
 
 def test_nonfinite_step_stops_with_exit_3_naming_step_and_checkpoint(tmp_path, capsys):

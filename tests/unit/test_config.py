@@ -17,7 +17,7 @@ from threed.config import (
     check_ranges,
     meta,
 )
-from threed.engine.build import deepspeed_config
+from threed.engine.resolved import resolve
 from threed.cli.flags import parse_run_config
 from threed.hf.config import from_hf_config, to_hf_config
 from threed.model.presets import PRESETS
@@ -56,8 +56,7 @@ def test_invalid_configs_name_the_numbers(cfg, world, pattern):
 
 def test_batch_uses_dp_not_world():
     cfg = run(tp=8, pp=4, micro_batch_size=1, grad_accum_steps=16)
-    cfg.validate(128)  # 4 nodes x ... : dp = 128 / 32 = 4
-    ds = deepspeed_config(cfg, 128)
+    ds = resolve(cfg, 128).ds_config  # 4 nodes x ... : dp = 128 / 32 = 4
     assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (
         64,
         1,
@@ -68,10 +67,10 @@ def test_batch_uses_dp_not_world():
 
 
 def test_deepspeed_config_bf16_uses_fp32_accumulation_and_zero1():
-    ds = deepspeed_config(run(dtype="bf16"), 1)
+    ds = resolve(run(dtype="bf16"), 1).ds_config
     assert ds["bf16"]["enabled"] and ds["data_types"] == {"grad_accum_dtype": "fp32"}
     assert ds["zero_optimization"]["stage"] == 1
-    assert "bf16" not in deepspeed_config(run(dtype="fp32"), 1)
+    assert "bf16" not in resolve(run(dtype="fp32"), 1).ds_config
 
 
 @pytest.mark.parametrize(
@@ -201,11 +200,11 @@ def test_missing_checkpoint_fails_before_building(tmp_path):
     cfg = dataclasses.replace(run(model=PRESETS["tiny"]), checkpoint=CheckpointConfig(init_from=str(tmp_path)))
     rt = Runtime(device=torch.device("cpu"), backend="gloo", rank=0, world_size=1, local_rank=0)
     with pytest.raises(ConfigError, match="holds no DeepSpeed checkpoint"):
-        build_engine(cfg, rt)
+        build_engine(resolve(cfg, 1), rt)
 
 
 def test_deepspeed_json_for_bf16_reduces_in_fp32_and_frees_bf16_grads():
-    ds = deepspeed_config(run(tp=2, pp=2, model=PRESETS["tiny"]), 8)
+    ds = resolve(run(tp=2, pp=2, model=PRESETS["tiny"]), 8).ds_config
     assert ds["bf16"] == {"enabled": True, "immediate_grad_update": True}
     assert ds["data_types"] == {"grad_accum_dtype": "fp32"}
     assert ds["communication_data_type"] == "fp32"

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import TESTS
+from helpers import TESTS, pipeline_module
 from threed.model.attention import block_causal_mask, cumulative_lengths, document_segments
 from threed.model.rope import document_positions
 
@@ -75,7 +75,6 @@ def _worker(name: str) -> dict:
     from threed.config import ParallelConfig, RunConfig, TrainConfig
     from threed.convert.in_memory import load_hf_state
     from threed.parallel.distributed import init_distributed, init_megatron_parallel_state, shutdown_distributed
-    from threed.parallel.pipeline import build_pipeline_module
 
     seq = sum(ROWS[0])
     hf = hf_model(name)
@@ -84,7 +83,7 @@ def _worker(name: str) -> dict:
     init_distributed()
     init_megatron_parallel_state(1, 1)
     try:
-        module = build_pipeline_module(cfg, 1, initialize=False).eval()
+        module = pipeline_module(cfg, 1, initialize=False).eval()
         load_hf_state(module, cfg_model, hf.state_dict(), tp=1, tp_rank=0)
         embedding, *blocks, norm, head = module.forward_funcs
         vocab = cfg_model.vocab_size

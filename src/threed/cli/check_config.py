@@ -29,7 +29,6 @@ from threed.memory.model import estimate, heaviest, quiet_deepspeed_import
 from threed.memory.recompute import Recompute
 from threed.cli.flags import add_run_flags, run_config_from_args
 from threed.model.spec import parameter_count
-from threed.parallel.partition import describe, recompute_summary, resolve_partition
 from threed.train.preflight import check_config, check_run
 from threed.units import human_bytes
 
@@ -39,18 +38,14 @@ def check(ns: argparse.Namespace) -> str:
     if ns.world < 1:
         raise ConfigError(f"--world must be >= 1 (the number of ranks), got {ns.world}")
     cfg = run_config_from_args(ns)
-    if ns.paths:  # what train checks before building, the same function (threed.train.preflight)
-        for note in check_run(cfg, ns.world).notes:
+    run = check_config(cfg, ns.world)  # what train checks before building, the same functions (threed.train.preflight)
+    if ns.paths:
+        for note in check_run(run).notes:
             print(f"threed: {note}", file=sys.stderr, flush=True)
-    else:
-        check_config(cfg, ns.world)
-    dp = cfg.parallel.dp(ns.world)
-    micro, gas, glob = cfg.train.resolve_batch(dp)
-    recompute = recompute_summary(cfg)
-    bounds = resolve_partition(
-        cfg.parallel.partition_method, cfg.model, cfg.parallel.pp, cfg.train.seq_length, cfg.parallel.tp
-    )
-    stages = f"stages: {describe(bounds, cfg.model)}; " if cfg.parallel.pp > 1 else ""
+    d = run.dims
+    dp, micro, gas, glob = d.dp, d.micro, d.gas, d.global_batch
+    recompute = d.recompute_phrase
+    stages = f"stages: {d.stages(cfg.model)}; " if d.pp > 1 else ""
     start = check_paths(cfg, ns.world) if ns.paths else unchecked_start(cfg)
     summary = (
         f"config ok: {cfg.model.name} ({parameter_count(cfg.model) / 1e6:.1f}M params), world {ns.world} = "

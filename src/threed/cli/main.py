@@ -27,6 +27,7 @@ from threed.errors import guarded
 from threed.cli.flags import add_run_flags, dash_values, run_config_from_args
 from threed.cli.generate import register as register_generate
 from threed.cli.eval_harness import register as register_eval_harness
+from threed.train.preflight import check_config, check_steps
 from threed.parallel.launch import NPROC_FLAG, refuse_nested_launch, run_local_ranks, without_nproc
 from threed.cli.memory import register as register_memory
 from threed.cli.plan import register as register_plan
@@ -48,12 +49,16 @@ REGISTER: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
 
 
 def _train(cfg: RunConfig) -> None:
+    """One rank of `threed train` (under torchrun, or a world of one): the config is checked and resolved at the
+    world torchrun names before torch, DeepSpeed or megatron-core are imported, so a refusal takes a second."""
+    check_steps(cfg.train)
+    run = check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     # torch, deepspeed, megatron: only for `threed train`, so that `threed --help` and the light commands stay fast.
     from threed.parallel.distributed import shutdown_distributed
     from threed.train.loop import train
 
     try:
-        train(cfg)
+        train(run)
     finally:
         shutdown_distributed()
 
@@ -63,7 +68,9 @@ def _train_ranks(ns: argparse.Namespace, argv: Sequence[str]) -> int:
     N local ranks of `threed train ...` under torchrun, ending as the ranks do: a refusal is rank 0's one line and
     exit 2, without torchrun's ChildFailedError traceback (threed.parallel.launch.torchrun_main)."""
     refuse_nested_launch()
-    run_config_from_args(ns).validate(ns.nproc_per_node)
+    cfg = run_config_from_args(ns)
+    check_steps(cfg.train)
+    check_config(cfg, ns.nproc_per_node)
     return run_local_ranks(ns.nproc_per_node, without_nproc(argv))
 
 

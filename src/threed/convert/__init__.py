@@ -8,6 +8,8 @@
     into_stage      the same slices read straight into a rank's stage (--init-from, generate, eval-harness)
     ds_checkpoint   the writer side of the DeepSpeed checkpoint format (the reader is threed.checkpoint.format)
     in_memory, tiny small models for tests and the demo; io_utils: output directories, progress, dtypes
+    resolve         what --model names (a preset, an HF directory or a checkpoint) -> one ModelConfig: above
+                    presets, HF configs and checkpoints, which it composes (pure)
 
 What each parameter is (shape, TP split) comes from `threed.model.spec`, its HF names from `threed.hf.names`.
 """

@@ -22,6 +22,7 @@ from threed.generate.decode import generate_all
 from threed.generate.prompts import GenerateRequest, Tokenizer
 from threed.parallel.distributed import Runtime
 from threed.engine.build import build_engine
+from threed.engine.resolved import resolve
 
 
 def engine_config(load: str, model: ModelConfig, tp: int, pp: int, dtype: str = "fp32") -> RunConfig:
@@ -44,8 +45,7 @@ def output_lines(request: GenerateRequest, tokenizer: Tokenizer, results: list) 
 def run_generate(request: GenerateRequest, tokenizer: Tokenizer, rt: Runtime) -> int:
     """One rank of `threed generate` (every rank of the world calls it, under torchrun or alone)."""
     cfg = engine_config(request.load, request.model, request.tp, request.pp, request.dtype)
-    cfg.validate(rt.world_size)
-    engine = build_engine(cfg, rt, train=False).engine  # the weights alone: no optimizer state
+    engine = build_engine(resolve(cfg, rt.world_size), rt, train=False).engine  # the weights alone: no optimizer state
     if rt.device.type == "cuda":
         torch.cuda.synchronize()
     dist.barrier()

@@ -26,6 +26,7 @@ from threed.harness.lm import ThreedLM
 from threed.harness.tasks import quiet_lm_eval, task_manager
 from threed.parallel.distributed import Runtime
 from threed.engine.build import build_engine
+from threed.engine.resolved import resolve
 
 
 @dataclass
@@ -80,8 +81,7 @@ def run_harness(request: HarnessRequest, tokenizer: Any, rt: Runtime) -> int:
     """One rank of `threed eval-harness` (every rank of the world calls it, under torchrun or alone)."""
     manager = task_manager(request.tasks, request.include_path)  # the command checked the tasks and their data
     cfg = engine_config(request.load, request.model, request.tp, request.pp, request.dtype)
-    cfg.validate(rt.world_size)
-    engine = build_engine(cfg, rt, train=False).engine  # the weights alone: no optimizer state
+    engine = build_engine(resolve(cfg, rt.world_size), rt, train=False).engine  # the weights alone: no optimizer state
     lm = ThreedLM(engine, request.model, tokenizer, batch_size=request.batch_size)
     t0 = time.perf_counter()
     results = evaluate(lm, request, manager)

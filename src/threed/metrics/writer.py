@@ -27,7 +27,8 @@ from typing import Any, Optional
 import deepspeed
 import torch
 
-from threed.config import ConfigError, RunConfig
+from threed.config import ConfigError, MetricsConfig, RunConfig
+from threed.parallel.dims import RunDims
 from threed.parallel.distributed import loss_rank
 from threed.metrics.flops import flops_per_token, peak_tflops_per_device
 from threed.metrics.sinks import CONFIG_FILE, METRICS_FILE, JsonlSink, TensorBoardSink, WandbSink, stdout_line
@@ -36,28 +37,27 @@ from threed.metrics.stages import StageTimer, gather_rows, ideal_bubble, memory_
 WANDB_MODES = ("online", "offline", "disabled")
 
 
-def run_directory(cfg: RunConfig) -> Optional[Path]:
-    if cfg.checkpoint.save:
-        return Path(cfg.checkpoint.save)
-    if cfg.metrics.tensorboard_dir:
-        return Path(cfg.metrics.tensorboard_dir).resolve().parent
+def run_directory(m: MetricsConfig, save: Optional[str]) -> Optional[Path]:
+    """Where metrics.jsonl and run_config.json go: --save, else the parent of --tensorboard-dir, else nowhere."""
+    if save:
+        return Path(save)
+    if m.tensorboard_dir:
+        return Path(m.tensorboard_dir).resolve().parent
     return None
 
 
-def tensorboard_directory(cfg: RunConfig) -> Optional[Path]:
-    m = cfg.metrics
+def tensorboard_directory(m: MetricsConfig, save: Optional[str]) -> Optional[Path]:
     if not m.tensorboard:
         return None
     if m.tensorboard_dir:
         return Path(m.tensorboard_dir)
-    run_dir = run_directory(cfg)
+    run_dir = run_directory(m, save)
     return run_dir / "tensorboard" if run_dir else None
 
 
-def check_metrics_config(cfg: RunConfig) -> None:
+def check_metrics_config(m: MetricsConfig) -> None:
     """Run on every rank before anything is logged, so a bad setting stops all ranks alike (never one rank
     failing while the others wait in a collective)."""
-    m = cfg.metrics
     if m.tensorboard_dir and not m.tensorboard:
         raise ConfigError(f"tensorboard_dir={m.tensorboard_dir} is given but tensorboard is false; drop one")
     if m.wandb_mode is not None and m.wandb_mode not in WANDB_MODES:
@@ -70,22 +70,20 @@ def check_metrics_config(cfg: RunConfig) -> None:
         )
 
 
-def run_summary(cfg: RunConfig, world_size: int, start_iteration: int, ds_config: dict[str, Any]) -> dict[str, Any]:
+def run_summary(cfg: RunConfig, dims: RunDims, start_iteration: int, ds_config: dict[str, Any]) -> dict[str, Any]:
     """Everything that defines the run, written once beside the metrics (and as TensorBoard text); `ds_config` is
     the DeepSpeed config the engine was built with (after a universal resume it differs from a fresh start's)."""
-    dp = cfg.parallel.dp(world_size)
-    micro, gas, glob = cfg.train.resolve_batch(dp)
     return {
         "config": cfg.to_dict(),
-        "world_size": world_size,
-        "tp": cfg.parallel.tp,
-        "pp": cfg.parallel.pp,
-        "dp": dp,
-        "micro_batch_size": micro,
-        "grad_accum_steps": gas,
-        "global_batch_size": glob,
+        "world_size": dims.world,
+        "tp": dims.tp,
+        "pp": dims.pp,
+        "dp": dims.dp,
+        "micro_batch_size": dims.micro,
+        "grad_accum_steps": dims.gas,
+        "global_batch_size": dims.global_batch,
         "start_iteration": start_iteration,
-        "flops_per_token": flops_per_token(cfg.model, cfg.train.seq_length, cfg.parallel.tp),
+        "flops_per_token": flops_per_token(cfg.model, dims.seq_length, dims.tp),
         "peak_tflops_per_device": peak_tflops_per_device(),
         "deepspeed_config": ds_config,
         "versions": {
@@ -98,40 +96,44 @@ def run_summary(cfg: RunConfig, world_size: int, start_iteration: int, ds_config
 
 class RunMetrics:
     def __init__(
-        self, cfg: RunConfig, engine: Any, rt: Any, ds_config: dict[str, Any], start_iteration: Optional[int] = None
+        self,
+        cfg: RunConfig,
+        dims: RunDims,
+        engine: Any,
+        rt: Any,
+        ds_config: dict[str, Any],
+        start_iteration: Optional[int] = None,
     ):
-        """`ds_config`: the DeepSpeed config `engine` was built with (threed.engine.build.Built.ds_config), recorded
-        in run_config.json as it was used."""
-        check_metrics_config(cfg)
+        """`dims`: the run's resolved dimensions (threed.parallel.dims); `ds_config`: the DeepSpeed config `engine`
+        was built with (threed.engine.build.Built.ds_config), recorded in run_config.json as it was used."""
+        check_metrics_config(cfg.metrics)
         self.device = rt.device
-        self.world = rt.world_size
-        self.pp = cfg.parallel.pp
+        self.dims = dims
+        self.pp = dims.pp
         # dp excludes cp: DeepSpeed's data axis (grid) holds dp x cp ranks, whose CP ranks read the same rows.
-        _, self.gas, self.batch = cfg.train.resolve_batch(cfg.parallel.dp(rt.world_size))
+        self.gas, self.batch = dims.gas, dims.global_batch
         self.seq = cfg.train.seq_length
         self.total_steps = cfg.train.steps
         self.log_interval = max(1, cfg.train.log_interval)
         self.start = engine.global_steps if start_iteration is None else start_iteration
         self.engine = engine
         self.ds_config = ds_config
-        self.is_writer = rt.rank == loss_rank(
-            cfg.parallel.tp, self.pp, cfg.parallel.dp(rt.world_size), cp=cfg.parallel.cp
-        )
-        self.flops_per_token = flops_per_token(cfg.model, self.seq, cfg.parallel.tp)
+        self.is_writer = rt.rank == loss_rank(dims.tp, dims.pp, dims.dp, cp=dims.cp)
+        self.flops_per_token = flops_per_token(cfg.model, self.seq, dims.tp)
         self.peak_tflops = peak_tflops_per_device()
         self.timer = StageTimer(engine, rt.device, instructions=cfg.metrics.stage_timing)
         self.timer.install()
         self.overhead_s = 0.0  # time this rank spent in step()/log(): the cost of logging, measured
         self.collective_s = 0.0  # the part of it spent in the all-gather (mostly waiting for the slowest rank)
         self.sinks: list[Any] = []
-        self.run_dir = run_directory(cfg)
+        self.run_dir = run_directory(cfg.metrics, cfg.checkpoint.save)
         self._t_first: Optional[float] = None
         if self.is_writer:
             self._open_sinks(cfg)
             atexit.register(self.close)
 
     def _open_sinks(self, cfg: RunConfig) -> None:
-        summary = run_summary(cfg, self.world, self.start, self.ds_config)
+        summary = run_summary(cfg, self.dims, self.start, self.ds_config)
         text = json.dumps(summary, indent=1, default=str)
         where = []
         if self.run_dir:
@@ -139,7 +141,7 @@ class RunMetrics:
             (self.run_dir / CONFIG_FILE).write_text(text + "\n")
             self.sinks.append(JsonlSink(self.run_dir / METRICS_FILE, self.start))
             where.append(str(self.run_dir / METRICS_FILE))
-        tb_dir = tensorboard_directory(cfg)
+        tb_dir = tensorboard_directory(cfg.metrics, cfg.checkpoint.save)
         if tb_dir:
             self.sinks.append(TensorBoardSink(tb_dir, self.start, text))
             where.append(f"TensorBoard {tb_dir}")
@@ -209,7 +211,7 @@ class RunMetrics:
             grad_norm = float(norm) if norm is not None else float("nan")
         dt = self.timer.last_iteration
         tokens_per_s = self.batch * self.seq / dt if dt > 0 else 0.0
-        tflops = self.flops_per_token * tokens_per_s / self.world / 1e12
+        tflops = self.flops_per_token * tokens_per_s / self.dims.world / 1e12
         mem_now, mem_peak = memory_bytes(self.device)
         record = {
             **self._meta(iteration, samples),

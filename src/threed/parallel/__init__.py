@@ -1,7 +1,7 @@
 """How a run is parallelised: everything that knows about ranks, groups, stages and schedules.
 
-    context.py          context parallelism's core: the zigzag split of each row over a CP group, the all-gather-K/V
-                        attention (exact, with packed documents), each CP rank's share of a micro-batch
+    dims.py             a run's dimensions, resolved once: dp, micro x gas x dp, stage bounds, recompute, schedule
+                        (pure; threed.engine.resolved hands them down)
     distributed.py      the device policy (cuda+nccl or cpu+gloo, chosen in one place), megatron-core's parallel
                         state (tp-cp-dp-pp), and the check that megatron's groups are DeepSpeed's
     megatron_device.py  megatron-core's CUDA-only buffers, put on the device policy's device (the one adaptation)
@@ -15,6 +15,7 @@
     schedule.py         --pipeline-schedule: each stage's F/B/W order, what it holds, its idle time (pure)
     zero_bubble.py      ZB-H1 on DeepSpeed's PipelineEngine (the W passes, sends that do not wait)
 
-The pure modules (partition, layer_costs, schedule) import no DeepSpeed at the top: the planner, the memory model and
+Context parallelism's split and attention are model kernels: threed.model.context. The pure modules (dims,
+partition, layer_costs, schedule) import no DeepSpeed at the top: the planner, the memory model and
 check-config use them in a second, without torch.
 """

@@ -152,11 +152,8 @@ def describe(bounds: list[int], model: ModelConfig) -> str:
     return " | ".join(out)
 
 
-def stage_boundaries(cfg) -> str:
-    """The `partition_method` argument for `StagedPipelineModule`, resolved from cfg.parallel.partition_method."""
-    bounds = resolve_partition(
-        cfg.parallel.partition_method, cfg.model, cfg.parallel.pp, cfg.train.seq_length, cfg.parallel.tp
-    )
+def stage_boundaries(bounds) -> str:
+    """The `partition_method` argument for `StagedPipelineModule`: the resolved bounds (threed.parallel.dims)."""
     return PARTS_PREFIX + ",".join(str(b) for b in bounds)
 
 
@@ -175,22 +172,18 @@ def stage_blocks(bounds: list[int], model: ModelConfig) -> list[int]:
     return [sum(la.kind == "block" for la in layers[a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
-def recompute_summary(cfg) -> str:
+def recompute_phrase(train: TrainConfig, bounds: list[int], model: ModelConfig) -> str:
     """What backward recomputes, as a phrase for the start-up line; ConfigError when --recompute-num-layers does not
-    fit the stages. Megatron asks for N "between 1 and num_layers_per_pipeline_rank": with `block` each stage must
-    hold N blocks (a stage with fewer would silently recompute fewer); with `uniform` a chunk never crosses a stage,
-    so N above the largest stage's blocks means nothing (a smaller stage is one chunk, as in Megatron)."""
-    train = cfg.train
+    fit the stages `bounds`. Megatron asks for N "between 1 and num_layers_per_pipeline_rank": with `block` each
+    stage must hold N blocks (a stage with fewer would silently recompute fewer); with `uniform` a chunk never crosses
+    a stage, so N above the largest stage's blocks means nothing (a smaller stage is one chunk, as in Megatron)."""
     if train.recompute_granularity == "selective":
         return "selective (the core attention of every block)"
     plan = full_recompute(train)
     if plan is None:
         return "none"
     method, n = plan
-    counts = stage_blocks(
-        resolve_partition(cfg.parallel.partition_method, cfg.model, cfg.parallel.pp, train.seq_length, cfg.parallel.tp),
-        cfg.model,
-    )
+    counts = stage_blocks(bounds, model)
     flags = f"--recompute-method {method} --recompute-num-layers {n}"
     if method == "uniform":
         most = max(counts)

@@ -13,7 +13,7 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from megatron.core import parallel_state
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from threed.config import ModelConfig, RunConfig
+from threed.config import ModelConfig, TrainConfig
 from threed.model.init import init_pipeline_layers_
 from threed.model.layers import (
     EmbeddingPipe,
@@ -26,7 +26,8 @@ from threed.model.layers import (
     token_weighted_loss,
 )
 from threed.model.spec import PipelineLayer, pipeline_layers, tie_owners, tied, universal_checkpoint_info
-from threed.parallel.partition import full_recompute, recompute_summary, stage_boundaries
+from threed.parallel.dims import RunDims
+from threed.parallel.partition import stage_boundaries
 from threed.parallel.staged import StagedPipelineModule
 
 
@@ -38,56 +39,57 @@ def make_topology(tp: int, pp: int, dp: int, cp: int = 1) -> PipeModelDataParall
 
 
 def build_pipeline_module(
-    cfg: RunConfig, world_size: int, initialize: bool = True, fused_swiglu: bool = False, token_weighted: bool = False
+    model: ModelConfig,
+    dims: RunDims,
+    train: TrainConfig,
+    sequence_parallel: bool = False,
+    initialize: bool = True,
+    fused_swiglu: bool = False,
+    token_weighted: bool = False,
 ) -> PipelineModule:
-    """Each rank instantiates only the LayerSpecs of its own stage. `fused_swiglu` is CUDA-only
+    """Each rank instantiates only the LayerSpecs of its own stage (`dims.bounds`). `fused_swiglu` is CUDA-only
     (`threed.parallel.distributed.cuda_only`). `token_weighted` (SFT data): the loss takes per-token weights from the
     data side (`threed.model.layers.token_weighted_loss`)."""
-    mcore = run_megatron_config(cfg, fused_swiglu)
-    specs = [layer_spec(layer, cfg.model, mcore) for layer in pipeline_layers(cfg.model)]
-    recompute = full_recompute(cfg.train)
-    recompute_summary(cfg)  # --recompute-num-layers against the stages (threed.train checked it already)
-    topology = make_topology(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp(world_size), cfg.parallel.cp)
-    # Stage boundaries resolved by threed.parallel.partition (--partition-method; DeepSpeed's PipelineModule
-    # underneath).
+    mcore = run_megatron_config(model, dims.tp, train, sequence_parallel, fused_swiglu)
+    specs = [layer_spec(layer, model, mcore) for layer in pipeline_layers(model)]
     module = StagedPipelineModule(
         layers=specs,
         loss_fn=token_weighted_loss if token_weighted else causal_lm_loss,
-        topology=topology,
-        partition_method=stage_boundaries(cfg),
+        topology=make_topology(dims.tp, dims.pp, dims.dp, dims.cp),
+        # Stage boundaries resolved once by threed.parallel.dims (--partition-method; DeepSpeed's PipelineModule
+        # underneath).
+        partition_method=stage_boundaries(dims.bounds),
         # Full recompute (Megatron's uniform / block, --activation-checkpointing = uniform 1): which blocks, and in
         # which chunks, is StagedPipelineModule's; interval 1 only tells DeepSpeed's engine that it is on.
-        activation_checkpoint_interval=1 if recompute else 0,
-        recompute=recompute,
+        activation_checkpoint_interval=1 if dims.recompute else 0,
+        recompute=dims.recompute,
         # Explicit, because DeepSpeed otherwise guesses from class names (it looks for "ParallelTransformerLayerPipe").
         checkpointable_layers=["LlamaBlock"],
-        base_seed=cfg.train.seed,
+        base_seed=train.seed,
     )
     if initialize:
         init_pipeline_layers_(
-            local_modules(module, cfg.model),
-            cfg.model,
-            cfg.parallel.tp,
-            parallel_state.get_tensor_model_parallel_rank(),
-            cfg.train.seed,
+            local_modules(module, model), model, dims.tp, parallel_state.get_tensor_model_parallel_rank(), train.seed
         )
     # How each parameter is split over TP; DeepSpeed saves it in every mp_rank file, and its universal checkpoint
     # conversion (resume at another tp / pp / dp) needs it: threed.checkpoint.universal.
-    module.universal_checkpoint_info = universal_checkpoint_info(cfg.model)
+    module.universal_checkpoint_info = universal_checkpoint_info(model)
     return module
 
 
-def run_megatron_config(cfg: RunConfig, fused_swiglu: bool = False) -> TransformerConfig:
+def run_megatron_config(
+    model: ModelConfig, tp: int, train: TrainConfig, sequence_parallel: bool = False, fused_swiglu: bool = False
+) -> TransformerConfig:
     """megatron-core's config for the run's layers: its tp, sequence parallelism and selective recompute. megatron's
     own init is always skipped: it draws full master weights from the global generator, which every stage seeds
     alike (copied blocks) and which changes with tp. `threed.model.init` replaces it."""
     return megatron_config(
-        cfg.model,
-        cfg.parallel.tp,
+        model,
+        tp,
         initialize=False,
         fused_swiglu=fused_swiglu,
-        sequence_parallel=cfg.parallel.sequence_parallel,
-        selective_recompute=cfg.train.recompute_granularity == "selective",
+        sequence_parallel=sequence_parallel,
+        selective_recompute=train.recompute_granularity == "selective",
     )
 
 

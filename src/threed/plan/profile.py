@@ -133,8 +133,9 @@ def megatron_config_as_trained(cfg: RunConfig, device) -> Any:
     from threed.parallel.distributed import cuda_only
     from threed.parallel.pipeline import run_megatron_config
 
-    one = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=1, sequence_parallel=False))
-    return run_megatron_config(one, cuda_only(device).fused_swiglu)
+    return run_megatron_config(
+        cfg.model, 1, cfg.train, sequence_parallel=False, fused_swiglu=cuda_only(device).fused_swiglu
+    )
 
 
 def _layer_steps(cfg: RunConfig, device) -> tuple[dict[LayerKind, Any], dict[LayerKind, Callable[[], None]]]:

@@ -47,32 +47,10 @@ def evaluate(
     """Every rank calls this (DeepSpeed's eval_batch is collective). Returns the same result on every rank. Under
     context parallelism DeepSpeed's data axis holds dp x cp ranks: the rows are dealt over dp (megatron's
     data-parallel group without CP), and the CP ranks of a data-parallel rank each take their share of them."""
-    from megatron.core import parallel_state as ps  # megatron: heavy, as wherever an engine exists
-
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
-    global_batch = micro * gas * dp
     n = max(1, len(dataset_names))
-    reads = engine.is_first_stage() or engine.is_last_stage()
-    batches = (
-        share_batches(
-            micro_batches(
-                valid_dataset,
-                global_batch,
-                micro,
-                dp,
-                dp_rank,
-                eval_index * eval_iters * global_batch,
-                vocab_size,
-                num_datasets=n,
-                counter=counter,
-            ),
-            cp,
-            cp_rank,
-        )
-        if reads
-        else None
-    )
+    batches = None
+    if engine.is_first_stage() or engine.is_last_stage():
+        batches = valid_batches(valid_dataset, eval_index * eval_iters, micro, gas, vocab_size, n, counter)
     totals = torch.zeros(2 + 2 * n, dtype=torch.float64, device=device)
     for _ in range(eval_iters):
         # DeepSpeed 0.19's eval_batch adds each micro-batch loss into `total_loss`, which only train_batch resets:
@@ -96,3 +74,25 @@ def evaluate(
         sums, counts = totals[2 : 2 + n].tolist(), totals[2 + n :].tolist()
         per_dataset = {name: s / c for name, s, c in zip(dataset_names, sums, counts) if c > 0}
     return EvalResult(loss=loss_sum / max(count, 1.0), tokens=int(count), per_dataset=per_dataset)
+
+
+def valid_batches(valid_dataset, first_batch: int, micro: int, gas: int, vocab_size: int, n: int, counter):
+    """This rank's micro-batches of valid global batches from `first_batch` on, in the training sampler's order:
+    dealt over dp (megatron's data-parallel group without CP), then each CP rank's share of them."""
+    from megatron.core import parallel_state as ps  # megatron: heavy, as wherever an engine exists
+
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+    global_batch = micro * gas * dp
+    rows = micro_batches(
+        valid_dataset,
+        global_batch,
+        micro,
+        dp,
+        dp_rank,
+        first_batch * global_batch,
+        vocab_size,
+        num_datasets=n,
+        counter=counter,
+    )
+    return share_batches(rows, cp, cp_rank)

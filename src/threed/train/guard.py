@@ -2,7 +2,7 @@
 run on request (a signal, a STOP file, the time budget) with a checkpoint first.
 
     stop = StopRequest(cfg.checkpoint.save)             # installs the SIGUSR1 / SIGTERM handlers
-    guard = RunGuard(cfg, rt.rank, engine, stop)        # before the training loop
+    guard = RunGuard(cfg.control, cfg.checkpoint.save, rt.rank, engine, stop)   # before the training loop
     stop_now = guard.after_step(step + 1, loss, grad_norm)   # once per step, on every rank
     guard.saved(save(...).seconds)                      # after each save (threed.checkpoint.save.save)
 
@@ -69,7 +69,7 @@ import torch.distributed as dist
 
 from threed.checkpoint.format import read_latest
 from threed.checkpoint.save import EXIT_DIVERGED, weight_norm  # exit 3 (a save refuses diverged weights too)
-from threed.config import RunConfig
+from threed.config import RunControlConfig
 from threed.parallel.distributed import is_multi_rank
 
 EXIT_HUNG = 4
@@ -261,14 +261,15 @@ class RunGuard:
 
     def __init__(
         self,
-        cfg: RunConfig,
+        ctl: RunControlConfig,
+        save: Optional[str],
         rank: int,
         engine,
         stop: Optional[StopRequest] = None,
         device: Optional[torch.device] = None,
     ):
-        ctl = cfg.control  # the run-control fields
-        self.cfg, self.rank, self.engine, self.stop = cfg, rank, engine, stop
+        """`ctl`: the run-control fields (thresholds, time budget, watchdog); `save`: --save, named in messages."""
+        self.save_dir, self.rank, self.engine, self.stop = save, rank, engine, stop
         self.skip_nonfinite = ctl.skip_nonfinite
         self.exit_duration_in_mins = ctl.exit_duration_in_mins
         self.device = device or torch.device("cpu")
@@ -308,7 +309,7 @@ class RunGuard:
             print(msg, file=sys.stderr, flush=True)
 
     def last_checkpoint(self) -> str:
-        save = self.cfg.checkpoint.save
+        save = self.save_dir
         if not save:
             return "none (the run has no --save)"
         latest = read_latest(save)

@@ -19,7 +19,6 @@ the run ends, however it ends (threed.checkpoint.lock; a killed job's lock goes 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,13 +38,13 @@ from threed.data.splits import DataSplits, read_data_flags
 from threed.model.context import preflight, share_batches
 from threed.parallel.distributed import Runtime, context_rank, grid_coordinates, init_distributed, loss_rank
 from threed.engine.build import build_engine
+from threed.engine.resolved import ResolvedRun, resolve
 from threed.train.guard import RunGuard, StopRequest
 from threed.train.preflight import check_run
 from threed.train.samples import after_step as samples_after_step, prepare as prepare_samples
 from threed.train.evaluate import evaluate
 from threed.metrics.writer import RunMetrics
 from threed.model.spec import parameter_count
-from threed.parallel.partition import recompute_summary
 
 
 @dataclass
@@ -61,8 +60,17 @@ class TrainResult:
     samples_read: int = 0  # train + valid samples this rank read (0 on middle pipeline stages)
     loss_tokens: list[int] = field(default_factory=list)  # SFT, last stage: the tokens each step's loss counted
 
+    def record(self, step: int, loss: float, norm: float, loss_tokens: Optional[int], consumed: int) -> None:
+        """Step `step` (1-based) ended with `loss` and gradient norm `norm`, `consumed` samples read so far."""
+        self.losses.append(loss)
+        self.grad_norms.append(norm)
+        if loss_tokens is not None:
+            self.loss_tokens.append(loss_tokens)
+        self.end_step = step
+        self.consumed_samples = consumed
 
-def checked_data_splits(cfg: RunConfig, rank: int, world: int):
+
+def checked_data_splits(run: ResolvedRun, rank: int):
     """Rank 0 runs every check before building (`threed.train.preflight.check_run`, what `threed check-config
     --paths` runs; the data checks read every token of small datasets: on a 1,000-rank job every rank doing it would
     read the corpus 1,000 times from the shared filesystem) and tells everyone the verdict, so all ranks stop
@@ -71,14 +79,14 @@ def checked_data_splits(cfg: RunConfig, rank: int, world: int):
     verdict: list = [None]
     if rank == 0:
         try:
-            for note in check_run(cfg, world).notes:
+            for note in check_run(run).notes:
                 print(f"threed: {note}", flush=True)
         except ConfigError as e:
             verdict[0] = str(e)
     dist.broadcast_object_list(verdict, src=0)
     if verdict[0] is not None:
         raise ConfigError(verdict[0])
-    return read_data_flags(cfg)  # the flags' reading of the splits: cheap, the same on every rank
+    return read_data_flags(run.cfg)  # the flags' reading of the splits: cheap, the same on every rank
 
 
 def step_batches(batches, gas: int, sft: bool, engine, device: torch.device) -> tuple[Optional[object], Optional[int]]:
@@ -135,21 +143,15 @@ def log(is_logger: bool, msg: str) -> None:
         print(msg, flush=True)
 
 
-def train(cfg: RunConfig) -> TrainResult:
-    if cfg.train.steps == 0:
-        raise ConfigError(
-            "--steps 0 trains nothing (it is the total step count to train to); give --steps N >= 1, "
-            "or check a configuration without building it with `threed check-config`"
-        )
-    # The configuration is checked before any process group exists: torchrun's WORLD_SIZE, else a world of one.
-    cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))
-    rt = init_distributed(cfg.control.dist_timeout_minutes)
-    cfg.validate(rt.world_size)  # the same world (a launcher of another kind may set it only now)
+def train(run: ResolvedRun) -> TrainResult:
+    """`run`: the config resolved once, before torch and DeepSpeed were imported (threed.cli.main; a caller in
+    process resolves it with threed.engine.resolved.resolve)."""
+    rt = init_distributed(run.cfg.control.dist_timeout_minutes)
+    if rt.world_size != run.world:  # a launcher of another kind may set the world only now: resolved at its size
+        run = resolve(run.cfg, rt.world_size)
+    cfg = run.cfg
     preflight(cfg.parallel.cp, rt.device, cfg.train.dtype)  # a CP attention kernel that would mask top-left
-    recompute_summary(cfg)  # --recompute-num-layers against the stages' blocks, before anything is built
-    splits = checked_data_splits(
-        cfg, rt.rank, rt.world_size
-    )  # every data problem, before datasets or the model are built
+    splits = checked_data_splits(run, rt.rank)  # every data problem, before datasets or the model are built
     # Rank 0 holds --save's lock from checkpoint_start on; it is released on every way out of this block (the
     # end, exit 2/3, an exception, Ctrl-C), and by the kernel when the process is killed.
     with SaveLock(cfg.checkpoint.save) as lock, StopRequest.restoring_handlers():
@@ -157,149 +159,185 @@ def train(cfg: RunConfig) -> TrainResult:
         start_decision = checkpoint_start(cfg, rt.rank, rt.world_size, lock=lock)
         if start_decision.finished:  # said on rank 0; nothing converted or built
             return TrainResult(start_step=start_decision.source.step, end_step=start_decision.source.step)
-        return _train(cfg, rt, splits, start_decision)
+        return _train(run, rt, splits, start_decision)
 
 
-def _train(cfg: RunConfig, rt: Runtime, splits: DataSplits, start_decision: StartDecision) -> TrainResult:
-    """The run, from the start rank 0 decided and prepared."""
-    tp, pp, cp, dp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp, cfg.parallel.dp(rt.world_size)
-    micro, gas, glob = cfg.train.resolve_batch(dp)
+@dataclass
+class Running:
+    """What one run holds between its steps: built once by `_begin`, read and advanced by `_step`."""
+
+    run: ResolvedRun
+    rt: Runtime
+    splits: DataSplits
+    engine: object
+    data: object  # threed.data.datasets: train / valid datasets and the valid names
+    guard: RunGuard
+    metrics: RunMetrics
+    samples: object  # generations / harness scores during training (threed.train.samples), or None
+    batches: Optional[Iterator]  # this rank's training micro-batches (first and last stage only)
+    counter: SampleCounter
+    logger: bool  # the one rank that speaks: the loss rank
+    consumed: int  # samples consumed so far (positions the sampler)
+    result: TrainResult
+    waiting: bool = False  # an interval save is due and waits for an unconfirmed loss spike to end
+
+
+def _train(run: ResolvedRun, rt: Runtime, splits: DataSplits, start_decision: StartDecision) -> TrainResult:
+    """The run, from the start rank 0 decided and prepared: build, step until the last step or a stop, close."""
+    r = _begin(run, rt, splits, start_decision)
+    for step in range(r.result.start_step, run.cfg.train.steps):
+        if _step(r, step):
+            break
+    r.guard.close()
+    r.metrics.close()
+    r.result.samples_read = r.counter.samples
+    return r.result
+
+
+def _begin(run: ResolvedRun, rt: Runtime, splits: DataSplits, start_decision: StartDecision) -> Running:
+    """Datasets, the engine, the guard, the metrics writer and the start-up line."""
+    cfg, d = run.cfg, run.dims
     # The CP ranks of a data-parallel rank read the same rows (the sampler sees dp only), each keeping its share.
-    stage, dp_rank, _ = grid_coordinates(rt.rank, tp, dp, cp)
+    stage, dp_rank, _ = grid_coordinates(rt.rank, d.tp, d.dp, d.cp)
     # One rank speaks: the one that holds the loss and writes the metrics (last stage, tp 0, cp 0, dp 0), so on a
     # multi-node job every line of a run is in one node's log.
-    logger = rt.rank == loss_rank(tp, pp, dp, cp=cp)
-    reads_data = stage in (0, pp - 1)  # the first stage embeds tokens, the last computes the loss
+    logger = rt.rank == loss_rank(d.tp, d.pp, d.dp, cp=d.cp)
+    reads_data = stage in (0, d.pp - 1)  # the first stage embeds tokens, the last computes the loss
     if cfg.data.data_cache_path:
         check_cache_visible(cfg.data.data_cache_path, rt.rank)
-    data = build_datasets(cfg, splits, glob, builds_here=reads_data)
+    data = build_datasets(cfg, splits, d.global_batch, builds_here=reads_data)
     stop = StopRequest(cfg.checkpoint.save)
     samples = prepare_samples(cfg)  # --generate-interval / --harness-interval: prompts, tokenizer, tasks checked
-    built = build_engine(cfg, rt, start_decision, token_weighted=splits.sft)
+    built = build_engine(run, rt, start_decision, token_weighted=splits.sft)
     engine = built.engine
-    guard = RunGuard(cfg, rt.rank, engine, stop, rt.device)  # stop request, non-finite steps, time budget, watchdog
+    guard = RunGuard(
+        cfg.control, cfg.checkpoint.save, rt.rank, engine, stop, rt.device
+    )  # stop request, non-finite steps, time budget, watchdog
     guard.load_state(built.client_state.get("guard"))  # the loss history a resume judges against
     start = engine.global_steps
     # Consumed samples position the sampler; a checkpoint from before they were recorded had a constant batch.
-    consumed = int(built.client_state.get("consumed_samples", start * glob))
-    result = TrainResult(start_step=start, end_step=start)
-    log(
-        logger,
-        f"threed: world {rt.world_size} = tp {tp} x pp {pp} x " + (f"cp {cp} x " if cp > 1 else "") + f"dp {dp} on "
-        f"{rt.device.type}/{rt.backend}; global batch {glob} = micro {micro} x gas {gas} x dp {dp}; "
-        f"{cfg.model.name} {parameter_count(cfg.model) / 1e6:.1f}M params; dtype {cfg.train.dtype}; "
-        + (f"pipeline schedule {cfg.parallel.pipeline_schedule}; " if pp > 1 else "")
-        + f"recompute: {recompute_summary(cfg)}; "
-        + (
-            f"resumed from {built.resumed_from} at step {start} ({consumed} samples consumed)"
-            if built.resumed_from
-            else f"weights from {cfg.checkpoint.init_from}"
-            if cfg.checkpoint.init_from
-            else "random init"
-        )
-        + (
-            f"; validation every {splits.eval_interval} steps ({cfg.train.eval_iters} batches)"
-            if splits.eval_interval
-            else "; no validation"
-        )
-        + (
-            f"; SFT data, response-only loss, {'packed' if cfg.data.pack else 'one example per'} sequence"
-            if splits.sft
-            else ""
-        ),
-    )
+    consumed = int(built.client_state.get("consumed_samples", start * d.global_batch))
+    log(logger, start_line(run, rt, built.resumed_from, start, consumed, splits))
     counter = SampleCounter()
-    batches = (
-        share_batches(
-            micro_batches(data.train, glob, micro, dp, dp_rank, consumed, cfg.model.vocab_size, counter=counter),
-            cp,
-            context_rank(rt.rank, tp, cp),
+    batches = None
+    if reads_data:
+        rows = micro_batches(
+            data.train, d.global_batch, d.micro, d.dp, dp_rank, consumed, cfg.model.vocab_size, counter=counter
         )
-        if reads_data
-        else None
+        batches = share_batches(rows, d.cp, context_rank(rt.rank, d.tp, d.cp))
+    metrics = RunMetrics(
+        cfg, d, engine, rt, built.ds_config, start
+    )  # every rank: times its stage; the loss rank writes
+    result = TrainResult(start_step=start, end_step=start)
+    return Running(run, rt, splits, engine, data, guard, metrics, samples, batches, counter, logger, consumed, result)
+
+
+def start_line(run: ResolvedRun, rt: Runtime, resumed_from, start: int, consumed: int, splits: DataSplits) -> str:
+    """The run's one start-up line: the layout, the batch, the model, recompute, where it starts, validation, SFT."""
+    cfg, d = run.cfg, run.dims
+    where = (
+        f"resumed from {resumed_from} at step {start} ({consumed} samples consumed)"
+        if resumed_from
+        else f"weights from {cfg.checkpoint.init_from}"
+        if cfg.checkpoint.init_from
+        else "random init"
     )
-    metrics = RunMetrics(cfg, engine, rt, built.ds_config, start)  # every rank: times its stage; the loss rank writes
-    waiting = False  # an interval save is due and waits for an unconfirmed loss spike to end
-    for step in range(start, cfg.train.steps):
-        step_iter, loss_tokens = step_batches(batches, gas, splits.sft, engine, rt.device)
-        loss = engine.train_batch(data_iter=step_iter).item()
-        first_sample, consumed = consumed, consumed + glob
-        reported = engine.get_global_grad_norm()  # None: not reported, which the guard never reads as non-finite
-        norm = float(reported) if reported is not None else float("nan")
-        result.losses.append(loss)
-        result.grad_norms.append(norm)
-        if loss_tokens is not None:
-            result.loss_tokens.append(loss_tokens)
-        result.end_step = step + 1
-        result.consumed_samples = consumed
-        metrics.step(
-            step + 1, loss, norm, samples=consumed, loss_tokens=loss_tokens
-        )  # every rank (one all-gather per log interval)
-        # The step's one control all-reduce: exit 3 on divergence (before the step can be saved); True: every rank
-        # saves and exits after this step. SFT: only the last stage knows whether the step had loss tokens.
-        has_loss_tokens = not splits.sft or bool(loss_tokens)
-        with recorded_stop(metrics, step + 1, consumed):
-            stop_now = guard.after_step(
-                step + 1,
-                loss,
-                None if reported is None else norm,
-                has_loss_tokens,
-                sources=lambda: batch_sources(data.train, first_sample, glob),
-            )
-        last = step + 1 == cfg.train.steps
-        if splits.eval_interval and ((step + 1) % splits.eval_interval == 0 or last):
-            # Evaluation k reads the k-th block of eval_iters valid batches (the last one may be off-interval).
-            index = (
-                (step + 1) // splits.eval_interval - 1
-                if (step + 1) % splits.eval_interval == 0
-                else (step + 1) // splits.eval_interval
-            )
-            ev = evaluate(
-                engine,
-                data.valid,
-                data.valid_names,
-                index,
-                cfg.train.eval_iters,
-                micro,
-                gas,
-                cfg.model.vocab_size,
-                rt.device,
-                counter=counter,
-            )
-            metrics.validation(step + 1, ev.loss, {Path(k).name: v for k, v in ev.per_dataset.items()}, consumed)
-            result.evals.append(
-                {
-                    "step": step + 1,
-                    "loss": ev.loss,
-                    "tokens": ev.tokens,
-                    **{f"loss/{k}": v for k, v in ev.per_dataset.items()},
-                }
-            )
-            per = "".join(f" | {Path(k).name} {v:.4f}" for k, v in ev.per_dataset.items())
-            log(
-                logger,
-                f"validation at step {step + 1} | loss {ev.loss:.4f} | perplexity {ev.perplexity:.2f} | "
-                f"{ev.tokens} tokens{per}",
-            )
-        samples_after_step(samples, step + 1, engine, metrics, logger)  # generations / harness scores when due
-        interval = cfg.checkpoint.save_interval
-        # An interval save waits while a loss spike is unconfirmed (the guard's `holding`), and is made at the
-        # first step after it: `latest` never names weights a spike may have ruined. A stop or the last step saves.
-        waiting = waiting or bool(interval and (step + 1) % interval == 0)
-        due = last or (waiting and not guard.holding())
-        if cfg.checkpoint.save and (stop_now or due):
-            with recorded_stop(metrics, step + 1, consumed):  # a save of diverged weights is refused: exit 3
-                saved = save(engine, cfg, rt.rank, {"consumed_samples": consumed, "guard": guard.state()})
-            guard.saved(saved.seconds)  # the time budget keeps room for one more save
-            result.saved_to = saved.path
-            waiting = False
-        if stop_now:
-            result.preempted = True
-            log(logger, stopped_line(cfg, step + 1, result.saved_to))
-            break
-        if cfg.checkpoint.save and due:
-            log(logger, f"saved checkpoint step {step + 1} to {cfg.checkpoint.save}")
-    guard.close()
-    metrics.close()
-    result.samples_read = counter.samples
-    return result
+    validation = (
+        f"; validation every {splits.eval_interval} steps ({cfg.train.eval_iters} batches)"
+        if splits.eval_interval
+        else "; no validation"
+    )
+    sft = (
+        f"; SFT data, response-only loss, {'packed' if cfg.data.pack else 'one example per'} sequence"
+        if splits.sft
+        else ""
+    )
+    return (
+        f"threed: world {rt.world_size} = tp {d.tp} x pp {d.pp} x "
+        + (f"cp {d.cp} x " if d.cp > 1 else "")
+        + f"dp {d.dp} on {rt.device.type}/{rt.backend}; global batch {d.global_batch} = micro {d.micro} x gas "
+        f"{d.gas} x dp {d.dp}; {cfg.model.name} {parameter_count(cfg.model) / 1e6:.1f}M params; dtype "
+        f"{cfg.train.dtype}; "
+        + (f"pipeline schedule {d.schedule}; " if d.pp > 1 else "")
+        + f"recompute: {d.recompute_phrase}; "
+        + where
+        + validation
+        + sft
+    )
+
+
+def _step(r: Running, step: int) -> bool:
+    """One training step and what is due after it (guard, validation, samples, save); True: stop after it."""
+    cfg, d = r.run.cfg, r.run.dims
+    step_iter, loss_tokens = step_batches(r.batches, d.gas, r.splits.sft, r.engine, r.rt.device)
+    loss = r.engine.train_batch(data_iter=step_iter).item()
+    first_sample, r.consumed = r.consumed, r.consumed + d.global_batch
+    reported = r.engine.get_global_grad_norm()  # None: not reported, which the guard never reads as non-finite
+    norm = float(reported) if reported is not None else float("nan")
+    r.result.record(step + 1, loss, norm, loss_tokens, r.consumed)
+    r.metrics.step(step + 1, loss, norm, samples=r.consumed, loss_tokens=loss_tokens)  # every rank (an all-gather)
+    # The step's one control all-reduce: exit 3 on divergence (before the step can be saved); True: every rank
+    # saves and exits after this step. SFT: only the last stage knows whether the step had loss tokens.
+    has_loss_tokens = not r.splits.sft or bool(loss_tokens)
+    with recorded_stop(r.metrics, step + 1, r.consumed):
+        stop_now = r.guard.after_step(
+            step + 1,
+            loss,
+            None if reported is None else norm,
+            has_loss_tokens,
+            sources=lambda: batch_sources(r.data.train, first_sample, d.global_batch),
+        )
+    last = step + 1 == cfg.train.steps
+    if r.splits.eval_interval and ((step + 1) % r.splits.eval_interval == 0 or last):
+        _validate(r, step + 1)
+    samples_after_step(r.samples, step + 1, r.engine, r.metrics, r.logger)  # generations / harness scores when due
+    return _save_or_stop(r, step + 1, stop_now, last)
+
+
+def _validate(r: Running, step: int) -> None:
+    """Evaluation k reads the k-th block of eval_iters valid batches (the last one may be off-interval)."""
+    cfg, d, every = r.run.cfg, r.run.dims, r.splits.eval_interval
+    index = step // every - 1 if step % every == 0 else step // every
+    ev = evaluate(
+        r.engine,
+        r.data.valid,
+        r.data.valid_names,
+        index,
+        cfg.train.eval_iters,
+        d.micro,
+        d.gas,
+        cfg.model.vocab_size,
+        r.rt.device,
+        counter=r.counter,
+    )
+    r.metrics.validation(step, ev.loss, {Path(k).name: v for k, v in ev.per_dataset.items()}, r.consumed)
+    r.result.evals.append(
+        {"step": step, "loss": ev.loss, "tokens": ev.tokens, **{f"loss/{k}": v for k, v in ev.per_dataset.items()}}
+    )
+    per = "".join(f" | {Path(k).name} {v:.4f}" for k, v in ev.per_dataset.items())
+    log(
+        r.logger,
+        f"validation at step {step} | loss {ev.loss:.4f} | perplexity {ev.perplexity:.2f} | {ev.tokens} tokens{per}",
+    )
+
+
+def _save_or_stop(r: Running, step: int, stop_now: bool, last: bool) -> bool:
+    """An interval save waits while a loss spike is unconfirmed (the guard's `holding`), and is made at the first
+    step after it: `latest` never names weights a spike may have ruined. A stop or the last step saves."""
+    ckpt = r.run.cfg.checkpoint
+    interval = ckpt.save_interval
+    r.waiting = r.waiting or bool(interval and step % interval == 0)
+    due = last or (r.waiting and not r.guard.holding())
+    if ckpt.save and (stop_now or due):
+        with recorded_stop(r.metrics, step, r.consumed):  # a save of diverged weights is refused: exit 3
+            saved = save(r.engine, r.run.cfg, r.rt.rank, {"consumed_samples": r.consumed, "guard": r.guard.state()})
+        r.guard.saved(saved.seconds)  # the time budget keeps room for one more save
+        r.result.saved_to = saved.path
+        r.waiting = False
+    if stop_now:
+        r.result.preempted = True
+        log(r.logger, stopped_line(r.run.cfg, step, r.result.saved_to))
+        return True
+    if ckpt.save and due:
+        log(r.logger, f"saved checkpoint step {step} to {ckpt.save}")
+    return False

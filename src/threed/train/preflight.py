@@ -1,8 +1,9 @@
 """Every check `threed train` runs before it builds anything, in one place, so that `threed check-config --paths`
 runs the very same ones and its exit status means "the run would start".
 
-    check_config(cfg, world)    the flags alone: ranges, layout, batch arithmetic, recompute, stage partition
-    check_run(cfg, world)       check_config, then what is on disk and installed: the metrics sinks (a writable
+    check_config(cfg, world)    the flags alone: ranges, layout, batch arithmetic, recompute, stage partition;
+                                returns the run resolved once (threed.engine.resolved), which training hands down
+    check_run(run)              then what is on disk and installed: the metrics sinks (a writable
                                 --tensorboard-dir, wandb installed for --wandb-project), every dataset (paths,
                                 duplicate prefixes, validation splits, .bin/.idx, sidecars, vocabulary, cache)
 
@@ -17,9 +18,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from threed.config import ConfigError, RunConfig
+from threed.config import ConfigError, RunConfig, TrainConfig
 from threed.data.splits import DataSplits
-from threed.parallel.partition import recompute_summary, resolve_partition
+from threed.engine.resolved import ResolvedRun, resolve
 
 
 @dataclass
@@ -30,23 +31,29 @@ class RunCheck:
     notes: list[str] = field(default_factory=list)
 
 
-def check_config(cfg: RunConfig, world: int) -> None:
-    """The flags alone (no file read): every range, the layout at `world` ranks, the batch, recompute, the stages."""
-    cfg.validate(world)
-    recompute_summary(cfg)  # --recompute-num-layers against the stages' blocks
-    # A bad --partition-method (costs:...) is refused once here, before any rank builds its stage.
-    resolve_partition(cfg.parallel.partition_method, cfg.model, cfg.parallel.pp, cfg.train.seq_length, cfg.parallel.tp)
+def check_config(cfg: RunConfig, world: int) -> ResolvedRun:
+    """The flags alone (no file read): every range, the layout at `world` ranks, the batch, recompute, the stages
+    (a bad --partition-method costs:... is refused here, before any rank builds its stage); the resolved run."""
+    return resolve(cfg, world)
 
 
-def check_run(cfg: RunConfig, world: int) -> RunCheck:
-    """check_config, then the metrics sinks and the data, as ConfigError (one line naming the fix)."""
-    check_config(cfg, world)
-    check_metrics_sinks(cfg)
+def check_steps(train: TrainConfig) -> None:
+    """`threed train --steps 0`: refused (check-config takes it: checking a configuration trains nothing)."""
+    if train.steps == 0:
+        raise ConfigError(
+            "--steps 0 trains nothing (it is the total step count to train to); give --steps N >= 1, "
+            "or check a configuration without building it with `threed check-config`"
+        )
+
+
+def check_run(run: ResolvedRun) -> RunCheck:
+    """After check_config: the metrics sinks and the data, as ConfigError (one line naming the fix)."""
+    check_metrics_sinks(run.cfg)
     # torch, megatron: threed.data.checks imports them (check-config without --paths runs without either)
     from threed.data.checks import check_data
 
     notes: list[str] = []
-    splits = check_data(cfg, notes)
+    splits = check_data(run.cfg, notes)
     return RunCheck(splits, notes)
 
 
@@ -56,8 +63,8 @@ def check_metrics_sinks(cfg: RunConfig) -> None:
     # deepspeed: threed.metrics.writer imports it (the run's metrics writer; these are its own rules)
     from threed.metrics.writer import check_metrics_config, tensorboard_directory
 
-    check_metrics_config(cfg)
-    where = tensorboard_directory(cfg)
+    check_metrics_config(cfg.metrics)
+    where = tensorboard_directory(cfg.metrics, cfg.checkpoint.save)
     if where is None:
         return
     name = f"--tensorboard-dir {where}" if cfg.metrics.tensorboard_dir else f"the TensorBoard directory {where}"

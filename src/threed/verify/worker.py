@@ -18,6 +18,7 @@ from threed.config import CheckpointConfig, ParallelConfig, RunConfig, TrainConf
 from threed.checkpoint.format import check_loadable, read_model_config
 from threed.parallel.distributed import init_distributed
 from threed.engine.build import build_engine
+from threed.engine.resolved import resolve
 from threed.verify.logits import pipeline_logits
 
 
@@ -41,8 +42,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         checkpoint=CheckpointConfig(init_from=args.ckpt),
     )
     rt = init_distributed()
-    cfg.validate(rt.world_size)
-    built = build_engine(cfg, rt)
+    built = build_engine(resolve(cfg, rt.world_size), rt)
     engine = built.engine
     with torch.no_grad():
         logits = pipeline_logits(engine, tokens, model.vocab_size)

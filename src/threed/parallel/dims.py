@@ -1,0 +1,69 @@
+"""A run's parallel dimensions, computed once from a validated config and handed down (torchtitan's ParallelDims):
+the layout (tp, pp, cp, dp), the batch arithmetic (micro x gas x dp = global), which layers each pipeline stage
+holds, what backward recomputes and the pipeline schedule.
+
+Before this value, each wing re-derived the batch triple and the stage bounds from the whole config (seven and
+four places); now `resolve_dims` is the one place that derives them, and a function below the training loop takes
+this value (or the config section it needs), never the whole `RunConfig` to recompute it. Pure: no torch, so the
+launcher, check-config and the planner resolve a layout in milliseconds.
+
+    dims = resolve_dims(cfg, world)      # after cfg.validate(world): threed.engine.resolved.resolve does both
+    dims.dp, dims.micro, dims.gas, dims.global_batch, dims.bounds, dims.recompute, dims.schedule
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from threed.config import RunConfig
+from threed.parallel.partition import describe, full_recompute, recompute_phrase, resolve_partition
+
+
+@dataclass(frozen=True)
+class RunDims:
+    world: int
+    tp: int
+    pp: int
+    cp: int
+    dp: int  # data-parallel replicas: world / (tp x pp x cp)
+    micro: int  # sequences per micro-batch per data-parallel rank
+    gas: int  # micro-batches per step (gradient accumulation)
+    global_batch: int  # sequences per step: micro x gas x dp
+    seq_length: int
+    bounds: tuple[int, ...]  # stage s holds the pipeline layers [bounds[s], bounds[s + 1])
+    recompute: Optional[tuple[str, int]]  # full recompute as (method, N), or None
+    recompute_phrase: str  # what backward recomputes, for the start-up line
+    schedule: str  # --pipeline-schedule
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_length
+
+    def stages(self, model) -> str:
+        """`0: embedding + blocks 0-4 | 1: ...`: which layers each stage holds, for logs."""
+        return describe(list(self.bounds), model)
+
+
+def resolve_dims(cfg: RunConfig, world: int) -> RunDims:
+    """The dimensions of `cfg` at `world` ranks; ConfigError (one line) when the batch, the stages or the recompute
+    split do not fit. `cfg` is validated already (`RunConfig.validate`: ranges, heads, layers, world)."""
+    p, t = cfg.parallel, cfg.train
+    dp = p.dp(world)
+    micro, gas, glob = t.resolve_batch(dp)
+    bounds = tuple(resolve_partition(p.partition_method, cfg.model, p.pp, t.seq_length, p.tp))
+    return RunDims(
+        world=world,
+        tp=p.tp,
+        pp=p.pp,
+        cp=p.cp,
+        dp=dp,
+        micro=micro,
+        gas=gas,
+        global_batch=glob,
+        seq_length=t.seq_length,
+        bounds=bounds,
+        recompute=full_recompute(t),
+        recompute_phrase=recompute_phrase(t, list(bounds), cfg.model),
+        schedule=p.pipeline_schedule,
+    )
