@@ -2,8 +2,8 @@
 the README is a front page (at most 200 lines, the 8B walkthrough on its first screen), and every link, module
 path and file name the docs mention exists: every `--flag` is one a parser takes (threed's, or that of the tool named
 beside it), every repository path exists, every `threed.x.y` is a module or a name of one (a moved path only where
-the page says it moved). A failure lists each offender as file:line. A doc that silently drifts from the code is
-worse than none.
+the page says it moved). A failure lists each offender as file:line. The README's house and architecture.md's wing
+table follow pyproject.toml's wings contract. A doc that silently drifts from the code is worse than none.
 
 tests/cli/test_readme.py runs the walkthrough's commands themselves.
 """
@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import importlib.util
 import re
+import tomllib
 import types
 from pathlib import Path
 
@@ -402,3 +403,28 @@ def test_a_wrong_name_planted_in_a_page_is_caught():
         f"{where}:5: threed.model.spek",
         f"{where}:5: threed.parallel.context.share_micro_batch (moved to threed.model.context)",
     ]
+
+
+def contract_wings() -> list[str]:
+    """The wings contract's floors, top to bottom, as the pages write them: `verify/ | plan/ | train/`; the floor of
+    top-level modules is `top level`."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    (wings,) = [c for c in config["contracts"] if c["name"].startswith("threed wings")]
+    return [
+        "top level" if ":" in floor else " | ".join(m.strip().removeprefix("threed.") + "/" for m in floor.split("|"))
+        for floor in wings["layers"]
+    ]
+
+
+def test_the_house_drawings_follow_the_wings_contract():
+    """README's house and docs/architecture.md's wing table list the wings contract's floors in its order: moving a
+    wing in pyproject.toml without redrawing them fails here."""
+    want = contract_wings()
+    block = README.read_text().split("## The house", 1)[1].split("```")[1]
+    drawn = [re.split(r"\s{2,}", line.strip())[0].strip("()") for line in block.strip().splitlines()]
+    assert drawn == want, f"README.md's house draws {drawn}; pyproject.toml's wings contract says {want}"
+    table = (ROOT / "docs" / "architecture.md").read_text().split("| floor | wing |", 1)[1]
+    rows = re.findall(r"^\| (\d+) \| ([^|]*(?:\\\|[^|]*)*) \|", table, re.M)
+    drawn = [wing.replace("`", "").replace("\\", "").strip() for _, wing in rows]
+    assert drawn == want, f"docs/architecture.md's wing table lists {drawn}; the wings contract says {want}"
+    assert [int(n) for n, _ in rows] == list(range(len(want), 0, -1)), "the floors are numbered top to bottom"
