@@ -39,7 +39,7 @@ under the same names (plus their old short names: `--micro`, `--seq`, `--gas`, `
 Recipes (`recipes/*.sh`) set them through their variables (`recipes/launch.sh`).
 
 - A Megatron-LM alias is accepted as well: a Megatron command line's flags work unchanged.
-- A boolean flag given alone means true (`--sequence-parallel`); `--flag false` turns a default-on one off.
+- A boolean flag given alone means true (`--sequence-parallel`); `--tensorboard false` turns a default-on one off.
 - A flag that takes several values (a blend: `--data-path 0.3 A 0.7 B`) is marked `...`.
 - Numbers must be finite and within the range shown; `-` as a default means unset (the help says what then).
 - Abbreviations are refused: Megatron's flags share prefixes (`--data-path`, `--data-cache-path`).
