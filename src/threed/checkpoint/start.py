@@ -56,7 +56,7 @@ from threed.checkpoint.format import (
 )
 from threed.checkpoint.lock import SaveLock
 from threed.checkpoint.manifest import Found, clear_run, find_resumable, read_manifest, save_dir_contents
-from threed.config import ModelConfig, RunConfig
+from threed.config import CheckpointConfig, ModelConfig, RunConfig
 from threed.parallel.partition import describe, resolve_partition
 from threed.parallel.distributed import is_multi_rank
 from threed.errors import ConfigError
@@ -127,26 +127,48 @@ def decide_start(cfg: RunConfig, world_size: int) -> StartDecision:
     """Pure: reads the file system, changes nothing, raises ConfigError with the fix."""
     ck = cfg.checkpoint
     decision = StartDecision()
-    save_found: Optional[Found] = None
-    if ck.save and Path(ck.save).is_dir() and (list_tags(ck.save) or read_latest(ck.save)):
-        save_found, warnings = find_resumable(ck.save)
-        if ck.overwrite:
-            decision.clear_save = True
-            decision.notes.append(f"--overwrite true: deleting the checkpoints in {ck.save} and starting over")
-            save_found = None
-        elif save_found is not None and not ck.auto_resume:
-            raise ConfigError(
-                f"--save {ck.save} already holds a checkpoint of a run ({save_found.tag}); --auto-resume false "
-                f"would train from scratch and overwrite it. Resume it (drop --auto-resume false), choose a new "
-                f"--save, or pass --overwrite true to delete its checkpoints and start over"
-            )
-        elif save_found is None and read_latest(ck.save) is not None:
-            raise ConfigError(
-                f"--save {ck.save} holds no complete checkpoint ({'; '.join(warnings)}); restore the "
-                f"missing files, or pass --overwrite true to delete them and start over"
-            )
-        else:
-            decision.notes.extend(warnings)
+    save_found = _run_in_save(ck, decision)
+    _choose_source(ck, save_found, decision)
+    if decision.source is None:
+        return decision
+    found = decision.source
+    check_model(found.path, _recorded_model(found), cfg.model)
+    decision.load_dir, decision.tag = found.path, found.tag
+    if decision.mode == "weights":
+        _plan_weights(cfg, found, decision)
+    else:
+        _plan_resume(cfg, found, world_size, decision)
+    return decision
+
+
+def _run_in_save(ck: CheckpointConfig, decision: StartDecision) -> Optional[Found]:
+    """The complete checkpoint a run already left in --save (a requeued job resumes from it), or None; refuses what
+    would overwrite a run or hide a file-system problem, unless --overwrite (then marks --save for clearing)."""
+    if not (ck.save and Path(ck.save).is_dir() and (list_tags(ck.save) or read_latest(ck.save))):
+        return None
+    save_found, warnings = find_resumable(ck.save)
+    if ck.overwrite:
+        decision.clear_save = True
+        decision.notes.append(f"--overwrite true: deleting the checkpoints in {ck.save} and starting over")
+        return None
+    if save_found is not None and not ck.auto_resume:
+        raise ConfigError(
+            f"--save {ck.save} already holds a checkpoint of a run ({save_found.tag}); --auto-resume false "
+            f"would train from scratch and overwrite it. Resume it (drop --auto-resume false), choose a new "
+            f"--save, or pass --overwrite true to delete its checkpoints and start over"
+        )
+    if save_found is None and read_latest(ck.save) is not None:
+        raise ConfigError(
+            f"--save {ck.save} holds no complete checkpoint ({'; '.join(warnings)}); restore the "
+            f"missing files, or pass --overwrite true to delete them and start over"
+        )
+    decision.notes.extend(warnings)
+    return save_found
+
+
+def _choose_source(ck: CheckpointConfig, save_found: Optional[Found], decision: StartDecision) -> None:
+    """The mode and source: --save's own run first (--load / --init-from are for the first start, said so when
+    they name another directory), then --load, then --init-from; none of them: random init."""
     if save_found is not None:
         decision.mode, decision.source = "resume", save_found
         for flag, value in (("--load", ck.load), ("--init-from", ck.init_from)):
@@ -159,27 +181,29 @@ def decide_start(cfg: RunConfig, world_size: int) -> StartDecision:
         decision.mode, decision.source = "resume", _find(ck.load, "load", decision.notes)
     elif ck.init_from:
         decision.mode, decision.source = "weights", _find(ck.init_from, "init_from", decision.notes)
-    if decision.source is None:
-        return decision
 
-    found = decision.source
-    check_model(found.path, _recorded_model(found), cfg.model)
-    decision.load_dir, decision.tag = found.path, found.tag
-    if decision.mode == "weights":
-        lay = found.layout
-        if (lay.tp, lay.pp) != (cfg.parallel.tp, cfg.parallel.pp):
-            # DeepSpeed loads weights only at the tp and pp they were written at; the slices this rank needs are
-            # read out of the old TP files instead (threed.convert.into_stage), with no copy on disk
-            decision.other_layout = f"tp={lay.tp} pp={lay.pp}"
-            decision.notes.append(
-                f"{found.path}/{found.tag} was written at tp={lay.tp} pp={lay.pp}; this run has "
-                f"tp={cfg.parallel.tp} pp={cfg.parallel.pp}: each rank reads its shards' slices of it (no resharded "
-                f"copy is written)"
-            )
-        if (Path(found.path) / RUN_JSON).is_file() or (Path(found.path) / CONVERT_MANIFEST).is_file():
-            if found.tag == read_latest(found.path):
-                check_loadable(found.path, cfg.model, lay.tp, lay.pp, weights_only=True)
-        return decision
+
+def _plan_weights(cfg: RunConfig, found: Found, decision: StartDecision) -> None:
+    """--init-from: at another tp / pp each rank reads its slices out of the old files; a threed-written latest
+    checkpoint is checked loadable as weights."""
+    lay = found.layout
+    if (lay.tp, lay.pp) != (cfg.parallel.tp, cfg.parallel.pp):
+        # DeepSpeed loads weights only at the tp and pp they were written at; the slices this rank needs are
+        # read out of the old TP files instead (threed.convert.into_stage), with no copy on disk
+        decision.other_layout = f"tp={lay.tp} pp={lay.pp}"
+        decision.notes.append(
+            f"{found.path}/{found.tag} was written at tp={lay.tp} pp={lay.pp}; this run has "
+            f"tp={cfg.parallel.tp} pp={cfg.parallel.pp}: each rank reads its shards' slices of it (no resharded "
+            f"copy is written)"
+        )
+    if (Path(found.path) / RUN_JSON).is_file() or (Path(found.path) / CONVERT_MANIFEST).is_file():
+        if found.tag == read_latest(found.path):
+            check_loadable(found.path, cfg.model, lay.tp, lay.pp, weights_only=True)
+
+
+def _plan_resume(cfg: RunConfig, found: Found, world_size: int, decision: StartDecision) -> None:
+    """A resume: refused from weights only, finished when the checkpoint is at --steps already, warned about a
+    changed batch shape; natively at the checkpoint's own layout, else through a universal checkpoint."""
     if not found.has_optimizer:
         raise ConfigError(
             f"{found.path} is a converted checkpoint (weights only, no optimizer state): use it with "
@@ -191,7 +215,7 @@ def decide_start(cfg: RunConfig, world_size: int) -> StartDecision:
             f"{cfg.train.steps}: the run has finished, nothing to train (raise --steps to "
             f"train further)"
         )
-        return decision
+        return
     changed = changed_shape(cfg, found, world_size)
     if changed:
         decision.notes.append(
@@ -206,7 +230,6 @@ def decide_start(cfg: RunConfig, world_size: int) -> StartDecision:
     same = (lay.tp, lay.pp, lay.dp) == (cfg.parallel.tp, cfg.parallel.pp, shards) and dtype_of(found) == cfg.train.dtype
     decision.repartition = moved_layers(cfg, found) if same else ""
     decision.universal = not same or bool(decision.repartition)
-    return decision
 
 
 def recorded_stages(cfg: RunConfig, found: Found) -> Optional[list[int]]:

@@ -116,51 +116,19 @@ def convert(found: Found, root: Path, dtype: str, log: Callable[[str], None]) ->
         log(f"universal checkpoint {out} already exists (converted from {found.tag}); loading it")
         return str(load_dir), tag
     check_convertible(found)
-    try:
-        load_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(
-            f"cannot write the universal checkpoint under {load_dir} ({e.strerror or e}); give a writable --save"
-        ) from None
+    _make_load_dir(load_dir)
     removed = clean_partial(out)
     if removed:
         log(f"deleted what a conversion cut short left in {load_dir}: {', '.join(removed)}; converting again")
     src = Path(found.path) / found.tag
-    shards = [f for f in src.iterdir() if f.name.endswith("optim_states.pt")]
-    extract, merge = conversion_workers(
-        _cpus(), len(shards), max((f.stat().st_size for f in shards), default=0), _free_memory()
-    )
+    extract, merge = _workers_for(src)
     t0 = time.time()
     log(
         f"converting {src} ({found.layout.describe()}) to a universal checkpoint in {out} ({extract} extract, "
         f"{merge} merge workers)"
     )
     with atomic_dir(out) as tmp:
-        cmd = [
-            sys.executable,
-            "-m",
-            "deepspeed.checkpoint.ds_to_universal",
-            "--input_folder",
-            str(src),
-            "--output_folder",
-            str(tmp),
-            "--num_extract_workers",
-            str(extract),
-            "--num_merge_workers",
-            str(merge),
-        ]
-        # The conversion needs no GPU: keep it off rank 0's (no second CUDA context there).
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}
-        # DeepSpeed prints every step and a progress bar per tensor: keep that in a log file beside the output.
-        with open(tmp / "convert.log", "w") as f:
-            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-        if proc.returncode != 0:
-            tail = (tmp / "convert.log").read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
-            raise ConfigError(
-                f"converting {src} to a universal checkpoint failed (ds_to_universal exited "
-                f"{proc.returncode}: {tail[0][-300:]}); resume at its own layout "
-                f"({found.layout.describe()})"
-            )
+        _run_ds_to_universal(found, src, tmp, extract, merge)
         (load_dir / "latest_universal").unlink(missing_ok=True)  # ds_to_universal's pointer at the temporary name
         write_atomic(
             tmp / DONE,
@@ -174,3 +142,49 @@ def convert(found: Found, root: Path, dtype: str, log: Callable[[str], None]) ->
         )
     log(f"converted in {time.time() - t0:.1f} s")
     return str(load_dir), tag
+
+
+def _make_load_dir(load_dir: Path) -> None:
+    try:
+        load_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(
+            f"cannot write the universal checkpoint under {load_dir} ({e.strerror or e}); give a writable --save"
+        ) from None
+
+
+def _workers_for(src: Path) -> tuple[int, int]:
+    """(extract, merge) workers for the checkpoint in `src`: by its optimizer shards, this host's CPUs and free
+    memory (`conversion_workers`)."""
+    shards = [f for f in src.iterdir() if f.name.endswith("optim_states.pt")]
+    return conversion_workers(_cpus(), len(shards), max((f.stat().st_size for f in shards), default=0), _free_memory())
+
+
+def _run_ds_to_universal(found: Found, src: Path, tmp: Path, extract: int, merge: int) -> None:
+    """DeepSpeed's ds_to_universal from `src` into `tmp`, in a child process with its output in tmp/convert.log;
+    a failure is one line with the log's last line."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "deepspeed.checkpoint.ds_to_universal",
+        "--input_folder",
+        str(src),
+        "--output_folder",
+        str(tmp),
+        "--num_extract_workers",
+        str(extract),
+        "--num_merge_workers",
+        str(merge),
+    ]
+    # The conversion needs no GPU: keep it off rank 0's (no second CUDA context there).
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}
+    # DeepSpeed prints every step and a progress bar per tensor: keep that in a log file beside the output.
+    with open(tmp / "convert.log", "w") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    if proc.returncode != 0:
+        tail = (tmp / "convert.log").read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
+        raise ConfigError(
+            f"converting {src} to a universal checkpoint failed (ds_to_universal exited "
+            f"{proc.returncode}: {tail[0][-300:]}); resume at its own layout "
+            f"({found.layout.describe()})"
+        )

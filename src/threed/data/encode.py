@@ -151,6 +151,76 @@ def _work(chunk: Chunk) -> ChunkStats:
     return stats
 
 
+def _start_method() -> str:
+    """fork: workers inherit the loaded tokenizer and megatron-core (a 5 s import) instead of redoing both. Only
+    from a single-threaded parent (the CLI): forking a process with other threads (a library caller's, a test
+    runner's with a live gloo group) can copy a lock one of them holds and hang the child; then forkserver."""
+    if not sys.platform.startswith("linux"):
+        return "spawn"
+    return "fork" if threading.active_count() == 1 else "forkserver"
+
+
+def _submit(
+    ex: ProcessPoolExecutor,
+    chunks: Iterator[Chunk],
+    workers: int,
+    inflight: dict[Future, int],
+    done: dict[int, Union[ChunkStats, BaseException]],
+    submitted: int,
+) -> tuple[int, bool]:
+    """Top the pool up to 2 chunks per worker in flight (which bounds the gzip blocks held in memory). Returns the
+    count submitted so far and whether planning the next chunk failed (its error then waits in `done` at its
+    place in input order)."""
+    while len(inflight) < 2 * workers:
+        try:
+            chunk = next(chunks, None)
+        except PreprocessError as e:  # a corrupt gzip stream is found by the parent, while planning
+            done[submitted] = e
+            return submitted, True
+        if chunk is None:
+            break
+        inflight[ex.submit(_work, chunk)] = chunk.index
+        submitted += 1
+    return submitted, False
+
+
+def _collect(
+    inflight: dict[Future, int],
+    done: dict[int, Union[ChunkStats, BaseException]],
+    progress: Callable[[ChunkStats], None],
+) -> bool:
+    """Wait for at least one chunk in flight and file each finished one's result (or error) in `done`; True when
+    one failed."""
+    failed = False
+    finished, _ = wait(inflight, return_when=FIRST_COMPLETED)
+    for fut in finished:
+        index = inflight.pop(fut)
+        err = fut.exception()
+        done[index] = err if err is not None else fut.result()
+        failed = failed or err is not None
+        if err is None:
+            progress(done[index])  # type: ignore[arg-type]  # on completion: a smooth bar
+    return failed
+
+
+def _merge_ready(done: dict[int, Union[ChunkStats, BaseException]], next_merge: int, builders: dict[str, Any]) -> int:
+    """Append the finished partials that come next in chunk order to the output, deleting them; raise the first
+    error in input order when its turn comes. Returns the next chunk to merge."""
+    while next_merge in done:
+        result = done.pop(next_merge)
+        if isinstance(result, BrokenProcessPool):
+            raise PreprocessError("a worker process died (out of memory?); retry with fewer --workers")
+        if isinstance(result, BaseException):
+            raise result
+        for key, part in (result.parts or {}).items():
+            if result.documents[key]:
+                builders[key].add_index(part)
+            os.remove(part + ".bin")
+            os.remove(part + ".idx")
+        next_merge += 1
+    return next_merge
+
+
 def run_parallel(
     chunks: Iterator[Chunk],
     workers: int,
@@ -164,13 +234,7 @@ def run_parallel(
     in memory); finished partials are appended in chunk order. A failing chunk stops new submissions and its
     error is raised once every earlier chunk is done, so the error reported is the first in input order, as
     with one worker."""
-    # fork: workers inherit the loaded tokenizer and megatron-core (a 5 s import) instead of redoing both. Only
-    # from a single-threaded parent (the CLI): forking a process with other threads (a library caller's, a test
-    # runner's with a live gloo group) can copy a lock one of them holds and hang the child; then forkserver.
-    if not sys.platform.startswith("linux"):
-        method = "spawn"
-    else:
-        method = "fork" if threading.active_count() == 1 else "forkserver"
+    method = _start_method()
     # add_index() calls gc.collect() per partial; with torch and megatron loaded that is ~0.2 s each. Freezing
     # the long-lived objects makes it ~free (and keeps forked workers from copying pages on write).
     gc.freeze()
@@ -186,40 +250,14 @@ def run_parallel(
         done: dict[int, Union[ChunkStats, BaseException]] = {}
         next_merge, submitted, failed = 0, 0, False
         while True:
-            while not failed and len(inflight) < 2 * workers:
-                try:
-                    chunk = next(chunks, None)
-                except PreprocessError as e:  # a corrupt gzip stream is found by the parent, while planning
-                    done[submitted], failed = e, True
-                    break
-                if chunk is None:
-                    break
-                inflight[ex.submit(_work, chunk)] = chunk.index
-                submitted += 1
+            if not failed:
+                submitted, failed = _submit(ex, chunks, workers, inflight, done, submitted)
             if not inflight and next_merge not in done:
                 clean = True
                 return
             if inflight:
-                finished, _ = wait(inflight, return_when=FIRST_COMPLETED)
-                for fut in finished:
-                    index = inflight.pop(fut)
-                    err = fut.exception()
-                    done[index] = err if err is not None else fut.result()
-                    failed = failed or err is not None
-                    if err is None:
-                        progress(done[index])  # type: ignore[arg-type]  # on completion: a smooth bar
-            while next_merge in done:
-                result = done.pop(next_merge)
-                if isinstance(result, BrokenProcessPool):
-                    raise PreprocessError("a worker process died (out of memory?); retry with fewer --workers")
-                if isinstance(result, BaseException):
-                    raise result
-                for key, part in (result.parts or {}).items():
-                    if result.documents[key]:
-                        builders[key].add_index(part)
-                    os.remove(part + ".bin")
-                    os.remove(part + ".idx")
-                next_merge += 1
+                failed = _collect(inflight, done, progress) or failed
+            next_merge = _merge_ready(done, next_merge, builders)
     finally:
         if not clean:
             # Error or Ctrl-C: stop the workers now rather than let the chunks already queued run to the end

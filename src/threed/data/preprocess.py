@@ -16,14 +16,14 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Iterator, Optional, Sequence, Union
 
 from tqdm import tqdm
 
-from threed.data.chunks import PreprocessError
+from threed.data.chunks import Chunk, PreprocessError
 from threed.data.encode import ChunkStats, Options, TokenizerLike, encode_chunk, run_parallel
 from threed.data.formats import FORMAT_CHOICES, TEXT_UNITS
-from threed.data.indexed_output import check_output, indexed_dataset, indexed_output
+from threed.data.indexed_output import IndexedOutput, check_output, indexed_dataset, indexed_output
 from threed.data.inputs import check_sources, input_bytes, input_chunks
 from threed.data.prefixes import dataset_prefix
 from threed.data.sidecar import tokenizer_identity
@@ -98,6 +98,88 @@ def _check_keys(keys: Sequence[str]) -> tuple[str, ...]:
     return keys
 
 
+class _Progress:
+    """The running counts of the finished chunks (the summary's numbers, and the empty-key check's per key), and the
+    progress bar when asked for: called once per chunk, as its result comes in."""
+
+    def __init__(self, keys: tuple[str, ...], total: int, show: bool):
+        self.keys, self.total, self.show = keys, total, show
+        self.counts = {"documents": 0, "tokens": 0, "skipped": 0}
+        self.per_key = {k: 0 for k in keys}
+        self.start = time.perf_counter()  # the work's clock: the rates leave the setup out
+        self.bar: Optional[tqdm] = None
+
+    def __call__(self, s: ChunkStats) -> None:
+        for k in self.keys:
+            self.per_key[k] += s.documents[k]
+        self.counts["documents"] += sum(s.documents.values())
+        self.counts["tokens"] += sum(s.tokens.values())
+        self.counts["skipped"] += sum(s.skipped.values())
+        if self.show and self.bar is None:
+            # Made at the first result, after the workers are forked: tqdm starts a monitor thread, and a process
+            # should not fork while it has threads.
+            self.bar = tqdm(
+                total=self.total,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                desc="preprocess",
+                file=sys.stderr,
+                dynamic_ncols=True,
+            )
+        if self.bar is not None:
+            el = max(time.perf_counter() - self.start, 1e-9)
+            self.bar.set_postfix_str(
+                f"{self.counts['documents'] / el:,.0f} docs/s, {self.counts['tokens'] / el:,.0f} tokens/s",
+                refresh=False,
+            )
+            self.bar.update(s.weight)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _check_flags(json_keys: Sequence[str], workers: int, input_format: str, text_unit: str) -> tuple[str, ...]:
+    """The flags that need no file, checked before any is opened; the json keys, as a tuple."""
+    keys = _check_keys(json_keys)
+    if workers < 1:
+        raise PreprocessError(f"--workers must be at least 1, got {workers}")
+    if input_format not in FORMAT_CHOICES or text_unit not in TEXT_UNITS:
+        raise PreprocessError(
+            f"input format {input_format!r} / text unit {text_unit!r}: choose from {FORMAT_CHOICES} / {TEXT_UNITS}"
+        )
+    return keys
+
+
+def _chunk_bytes(total: int, workers: int) -> int:
+    """>= 8 chunks per worker balance the load; <= 4 MiB keeps the bar moving and Ctrl-C quick; >= 64 KiB bounds
+    the per-chunk overhead."""
+    return min(4 << 20, max(64 << 10, total // (8 * workers)))
+
+
+def _encode_all(
+    chunks: Iterator[Chunk], workers: int, tok: TokenizerLike, opts: Options, out: IndexedOutput, progress: _Progress
+) -> None:
+    """Every chunk into the output's builders, in input order: straight in with one worker (no pool, no partial
+    files), through a pool of worker processes otherwise."""
+    if workers == 1:
+        for chunk in chunks:
+            progress(encode_chunk(chunk, tok, opts, out.builders))
+    else:
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # processes fill the cores already
+        run_parallel(chunks, workers, tok, opts, out.tmpdir, out.builders, progress)
+
+
+def _check_every_key_has_documents(per_key: dict[str, int], inputs: Sequence[str]) -> None:
+    for k, n in per_key.items():
+        if n == 0:  # an empty .bin cannot even be memory-mapped by IndexedDataset
+            raise PreprocessError(
+                f"no documents for key {k!r} in {', '.join(inputs)} (all empty); check "
+                f"the inputs and --json-keys / --text-unit"
+            )
+
+
 def preprocess(
     inputs: Sequence[str],
     output_prefix: str,
@@ -117,13 +199,7 @@ def preprocess(
     message) for bad input or output, with nothing left on disk. `tokenizer` is a path (see Tokenizer) or an
     object with `encode`, `vocab_size`, `bos_id`, `eos_id` (and optionally `encode_batch`)."""
     start = time.perf_counter()
-    keys = _check_keys(json_keys)
-    if workers < 1:
-        raise PreprocessError(f"--workers must be at least 1, got {workers}")
-    if input_format not in FORMAT_CHOICES or text_unit not in TEXT_UNITS:
-        raise PreprocessError(
-            f"input format {input_format!r} / text unit {text_unit!r}: choose from {FORMAT_CHOICES} / {TEXT_UNITS}"
-        )
+    keys = _check_flags(json_keys, workers, input_format, text_unit)
     sources = check_sources(inputs, input_format, keys)
     outputs = {k: dataset_prefix(output_prefix, k) for k in keys}
     check_output(output_prefix, outputs, force)
@@ -131,59 +207,20 @@ def preprocess(
     dtype = indexed_dataset().DType.optimal_dtype(tok.vocab_size)
     opts = Options(keys, text_unit, tok.bos_id if bos else None, tok.eos_id if append_eod else None, dtype)
     total = input_bytes(sources)
-    if chunk_bytes is None:  # >= 8 chunks per worker balance the load; <= 4 MiB keeps the bar moving and Ctrl-C
-        chunk_bytes = min(4 << 20, max(64 << 10, total // (8 * workers)))  # quick; >= 64 KiB bounds the overhead
-    counts = {"documents": 0, "tokens": 0, "skipped": 0}
-    per_key = {k: 0 for k in keys}
-    setup, start = time.perf_counter() - start, time.perf_counter()
-    bar = None
-
-    def progress(s: ChunkStats) -> None:
-        nonlocal bar
-        for k in keys:
-            per_key[k] += s.documents[k]
-        counts["documents"] += sum(s.documents.values())
-        counts["tokens"] += sum(s.tokens.values())
-        counts["skipped"] += sum(s.skipped.values())
-        if show_progress and bar is None:
-            # Made at the first result, after the workers are forked: tqdm starts a monitor thread, and a process
-            # should not fork while it has threads.
-            bar = tqdm(
-                total=total,
-                unit="B",
-                unit_scale=True,
-                unit_divisor=1024,
-                desc="preprocess",
-                file=sys.stderr,
-                dynamic_ncols=True,
-            )
-        if bar is not None:
-            el = max(time.perf_counter() - start, 1e-9)
-            bar.set_postfix_str(
-                f"{counts['documents'] / el:,.0f} docs/s, {counts['tokens'] / el:,.0f} tokens/s", refresh=False
-            )
-            bar.update(s.weight)
-
+    if chunk_bytes is None:
+        chunk_bytes = _chunk_bytes(total, workers)
+    setup = time.perf_counter() - start
+    progress = _Progress(keys, total, show_progress)
     try:
         with indexed_output(
             output_prefix, outputs, {k: dtype for k in keys}, _provenance(tok, tokenizer, inputs, keys, opts, text_unit)
         ) as out:
             chunks = input_chunks(sources, chunk_bytes, text_unit)  # type: ignore[arg-type]
-            if workers == 1:  # no pool, no partial files: straight into the output builders
-                for chunk in chunks:
-                    progress(encode_chunk(chunk, tok, opts, out.builders))
-            else:
-                os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # processes fill the cores already
-                run_parallel(chunks, workers, tok, opts, out.tmpdir, out.builders, progress)
-            for k, n in per_key.items():
-                if n == 0:  # an empty .bin cannot even be memory-mapped by IndexedDataset
-                    raise PreprocessError(
-                        f"no documents for key {k!r} in {', '.join(inputs)} (all empty); check "
-                        f"the inputs and --json-keys / --text-unit"
-                    )
+            _encode_all(chunks, workers, tok, opts, out, progress)
+            _check_every_key_has_documents(progress.per_key, inputs)
     finally:
-        if bar is not None:
-            bar.close()
+        progress.close()
+    counts = progress.counts
     return PreprocessSummary(
         outputs,
         counts["documents"],
@@ -192,6 +229,6 @@ def preprocess(
         dtype.__name__,
         tok.vocab_size,
         workers,
-        time.perf_counter() - start,
+        time.perf_counter() - progress.start,
         setup,
     )

@@ -129,33 +129,7 @@ def read_data_flags(cfg: RunConfig) -> DataSplits:
     """The splits and blends the flags describe, checked for form. No dataset is read: only the tokenizer (for the
     end-of-document id) and whether a loss-mask dataset lies beside each prefix (SFT data)."""
     d, t = cfg.data, cfg.train
-    per_split = (d.train_data_path, d.valid_data_path, d.test_data_path)
-    if d.data_path and any(per_split):
-        raise ConfigError(
-            "give either --data-path (with --split) or --train-data-path/--valid-data-path/--test-data-path, not both"
-        )
-    if d.data_path:
-        blend = parse_blend(d.data_path, "--data-path")
-        ratios = parse_split(d.split)
-        if ratios[0] <= 0:
-            raise ConfigError(f"--split {d.split!r} gives training no documents; e.g. --split 969,30,1")
-        blends = tuple(blend if r > 0 else None for r in ratios)
-        split: Optional[str] = ",".join(f"{r:g}" for r in ratios)
-    elif d.train_data_path:
-        if d.split != _DEFAULT_SPLIT:
-            raise ConfigError(
-                f"--split {d.split} applies to --data-path only; with --train-data-path/"
-                f"--valid-data-path each split has its own blend: drop --split"
-            )
-        blends = tuple(
-            parse_blend(p, f"--{n}-data-path") if p else None for p, n in zip(per_split, ("train", "valid", "test"))
-        )
-        split = None
-    else:
-        raise ConfigError(
-            "no training data: pass --data-path PREFIX (a .bin/.idx pair made by `threed preprocess` "
-            "or Megatron-LM's tools/preprocess_data.py), or --train-data-path"
-        )
+    blends, split = _split_blends(d)
     if d.test_data_path:
         raise ConfigError(
             "--test-data-path would be ignored: threed evaluates no test split (only --valid-data-path,"
@@ -171,7 +145,43 @@ def read_data_flags(cfg: RunConfig) -> DataSplits:
     if interval and t.eval_iters < 1:
         raise ConfigError(f"--eval-iters must be >= 1 when evaluating, got {t.eval_iters}")
     sft = _sft_kind(blends, d)
-    eod = NO_EOD
+    return DataSplits(blends=blends, split=split, eval_interval=interval, eod=_eod_id(cfg), sft=sft)
+
+
+def _split_blends(d: DataConfig) -> tuple[tuple[Optional[Blend], ...], Optional[str]]:
+    """(train, valid, test) blends and the --split they came from (None with per-split paths): one --data-path
+    blend cut by --split, or a blend of each split's own flag."""
+    per_split = (d.train_data_path, d.valid_data_path, d.test_data_path)
+    if d.data_path and any(per_split):
+        raise ConfigError(
+            "give either --data-path (with --split) or --train-data-path/--valid-data-path/--test-data-path, not both"
+        )
+    if d.data_path:
+        blend = parse_blend(d.data_path, "--data-path")
+        ratios = parse_split(d.split)
+        if ratios[0] <= 0:
+            raise ConfigError(f"--split {d.split!r} gives training no documents; e.g. --split 969,30,1")
+        return tuple(blend if r > 0 else None for r in ratios), ",".join(f"{r:g}" for r in ratios)
+    if d.train_data_path:
+        if d.split != _DEFAULT_SPLIT:
+            raise ConfigError(
+                f"--split {d.split} applies to --data-path only; with --train-data-path/"
+                f"--valid-data-path each split has its own blend: drop --split"
+            )
+        blends = tuple(
+            parse_blend(p, f"--{n}-data-path") if p else None for p, n in zip(per_split, ("train", "valid", "test"))
+        )
+        return blends, None
+    raise ConfigError(
+        "no training data: pass --data-path PREFIX (a .bin/.idx pair made by `threed preprocess` "
+        "or Megatron-LM's tools/preprocess_data.py), or --train-data-path"
+    )
+
+
+def _eod_id(cfg: RunConfig) -> int:
+    """The end-of-document id, from --tokenizer (whose vocabulary must fit the model's); NO_EOD without one, which
+    --eod-mask-loss cannot do with."""
+    d = cfg.data
     if d.tokenizer:
         try:
             tok = Tokenizer(d.tokenizer)
@@ -182,10 +192,10 @@ def read_data_flags(cfg: RunConfig) -> DataSplits:
                 f"tokenizer {d.tokenizer} has {tok.vocab_size} tokens, more than the model's vocab_size "
                 f"{cfg.model.vocab_size}; use the model's own tokenizer"
             )
-        eod = tok.eos_id
-    elif d.eod_mask_loss:
+        return tok.eos_id
+    if d.eod_mask_loss:
         raise ConfigError("--eod-mask-loss needs --tokenizer (the end-of-document id comes from it)")
-    return DataSplits(blends=blends, split=split, eval_interval=interval, eod=eod, sft=sft)
+    return NO_EOD
 
 
 def _sft_kind(blends: Sequence[Optional[Blend]], d: DataConfig) -> bool:

@@ -262,6 +262,49 @@ def context_parallel_bytes(model: ModelConfig, tp: int, cp: int, seq: int, micro
     return row + BF16 * c * (2 * cp + 1) * c
 
 
+def _full_block_bytes(
+    model: ModelConfig, tp: int, device: Device, sp: bool, rc: Recompute, cp: int, seq: int, micro: int, tokens: int
+) -> int:
+    """What one block that is not recomputed keeps for backward, on this rank's `tokens`."""
+    return (
+        block_bytes_per_token(model, tp, device, sp, rc.selective, cp) * tokens
+        + 4 * BF16 * seq // cp * model.head_dim  # RoPE cos/sin of the rank's positions
+        + context_parallel_bytes(model, tp, cp, seq, micro, device)
+    )
+
+
+def _edge_bytes(
+    stage: Stage, h: int, part: int, tokens: int, tp: int, sp: bool, device: Device, recomputed: int
+) -> int:
+    """Per micro-batch, what a stage keeps at its edges beside its blocks: its input (the token ids, or what it
+    received) and its output's TP / sequence part, kept for backward (the last stage sends none)."""
+    if stage.first:
+        extras = 16 * tokens  # token ids + the engine's clone
+    elif sp:  # the received [s/tp, b, h] is a copy beside the forward's clone, as at tp 1
+        extras = BF16 * part * tokens
+    else:  # the received input: a copy beside the forward's clone (tp 1), else the gathered input itself,
+        # which block 0 keeps anyway unless it is the CPU norm without checkpointing it
+        extras = BF16 * h * tokens * (tp == 1 or (device == "cpu" and recomputed == 0))
+    extras += 0 if stage.last else BF16 * part * tokens  # the output (its TP / sequence part), kept for backward
+    return extras
+
+
+def _held_before_b(
+    schedule: str, pp: int, gas: int, stage: Stage, tokens: int, h: int, tp: int, per_micro: float, awaiting_w: int
+) -> float:
+    """What the other micro-batches hold when a B starts (1F1B: min(pp - s, gas) - 1 in flight; exact, as
+    integers), plus under ZB-H1 the gradients still in flight to the stage before."""
+    deferred = schedule != "1f1b"
+    # ZB-H1 sends without waiting for the receiver (threed.parallel.schedule): the gradients a later stage sent stay
+    # alive until the stage before has received them, and are let go at its next send; during a B that is the last two
+    # micro-batches' (1/tp of [s, b, h] each per TP rank; measured: tests/ranks/test_memory_zb.py).
+    in_send = deferred * (stage.index > 0) * min(2, gas - 1) * BF16 * tokens * h // tp
+    return in_send + max(
+        (live - 1) * per_micro + waiting * awaiting_w
+        for live, waiting in held_before_backward(schedule, pp, gas, stage.index)
+    )
+
+
 def stage_activations(
     model: ModelConfig,
     tp: int,
@@ -284,40 +327,21 @@ def stage_activations(
     sp = sequence_parallel and tp > 1
     h, f, v = model.hidden_size, model.ffn_hidden_size, model.padded_vocab_size(tp) // tp
     tokens = seq * micro // cp  # this rank's tokens: everything per token below is per local token
-    full_block = (
-        block_bytes_per_token(model, tp, device, sp, rc.selective, cp) * tokens
-        + 4 * BF16 * seq // cp * model.head_dim  # RoPE cos/sin of the rank's positions
-        + context_parallel_bytes(model, tp, cp, seq, micro, device)
-    )
+    full_block = _full_block_bytes(model, tp, device, sp, rc, cp, seq, micro, tokens)
     # DeepSpeed partitions p2p activations over TP (pipe_partitioned); sequence parallelism splits them instead.
     part = h // tp if tp > 1 else h
     recomputed = rc.recomputed(stage.blocks)
     chunk_input = BF16 * (part if sp else h) * tokens  # what a checkpointed chunk keeps
     kept_blocks = (stage.blocks - recomputed) * full_block + rc.kept_inputs(stage.blocks) * chunk_input
-    if stage.first:
-        extras = 16 * tokens  # token ids + the engine's clone
-    elif sp:  # the received [s/tp, b, h] is a copy beside the forward's clone, as at tp 1
-        extras = BF16 * part * tokens
-    else:  # the received input: a copy beside the forward's clone (tp 1), else the gathered input itself,
-        # which block 0 keeps anyway unless it is the CPU norm without checkpointing it
-        extras = BF16 * h * tokens * (tp == 1 or (device == "cpu" and recomputed == 0))
-    extras += 0 if stage.last else BF16 * part * tokens  # the output (its TP / sequence part), kept for backward
+    extras = _edge_bytes(stage, h, part, tokens, tp, sp, device, recomputed)
     # Last stage: final norm (on [s/tp] under sequence parallelism), fp32 softmax, labels (the logits themselves
     # are in `buffers`).
     head = (_norm_bytes(h, device) // (tp if sp else 1) + 4 * v + 8) * tokens if stage.last else 0.0
     per_micro = kept_blocks + extras + head
     grad = BF16 * max_param  # one parameter's bf16 .grad before the hook adds it to the fp32 buffer
     deferred = schedule != "1f1b"  # under 1F1B, B computes the weight gradients: nothing awaits W
-    # The other micro-batches held when a B starts (1F1B: min(pp - s, gas) - 1 in flight; exact, as integers).
     awaiting_w = deferred * awaiting_w_bytes(model, tp, stage_kinds(stage), sp) * tokens
-    # ZB-H1 sends without waiting for the receiver (threed.parallel.schedule): the gradients a later stage sent stay
-    # alive until the stage before has received them, and are let go at its next send; during a B that is the last two
-    # micro-batches' (1/tp of [s, b, h] each per TP rank; measured: tests/ranks/test_memory_zb.py).
-    in_send = deferred * (stage.index > 0) * min(2, gas - 1) * BF16 * tokens * h // tp
-    others = in_send + max(
-        (live - 1) * per_micro + waiting * awaiting_w
-        for live, waiting in held_before_backward(schedule, pp, gas, stage.index)
-    )
+    others = _held_before_b(schedule, pp, gas, stage, tokens, h, tp, per_micro, awaiting_w)
     # Backward through the blocks: the loss's tensors of this micro-batch are gone by then (ZB-H1: but the LM
     # head's W tensors); a recomputed chunk is re-created (one at a time). Blocks go last to first, so by the
     # recomputed ones (`block`: the first N) the kept blocks of this micro-batch are freed. ZB-H1: a block past B

@@ -223,6 +223,76 @@ def harness_figure(runs: list[Run], plt) -> Any:
     return fig
 
 
+def loss_figure(runs: list[Run], plt) -> Any:
+    """loss.png's figure: training loss vs tokens, a line per run, its validation points dashed in the same colour."""
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for run in runs:
+        (line,) = ax.plot(*run.series("lm loss", "tokens"), label=f"{run.label} train")
+        if run.validation:
+            ax.plot(
+                *run.series("lm loss validation", "tokens", run.validation),
+                "o--",
+                color=line.get_color(),
+                label=f"{run.label} validation",
+            )
+    ax.set(xlabel="tokens", ylabel="lm loss", title="loss vs tokens")
+    ax.legend()
+    return fig
+
+
+def learning_rate_figure(runs: list[Run], plt) -> Any:
+    """learning_rate.png's figure: the schedule vs tokens, so runs of other batch sizes line up."""
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for run in runs:
+        ax.plot(*run.series("learning-rate", "tokens"), label=run.label)
+    ax.set(xlabel="tokens", ylabel="learning-rate", title="learning rate")
+    ax.legend()
+    return fig
+
+
+def throughput_figure(runs: list[Run], plt) -> Any:
+    """throughput.png's figure: tokens/s of the whole job beside model TFLOP/s per GPU, vs iteration."""
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    for run in runs:
+        a1.plot(*run.series("tokens-per-sec"), label=run.label)
+        a2.plot(*run.series("throughput"), label=run.label)
+    a1.set(xlabel="iteration", ylabel="tokens/s", title="tokens per second (whole job)")
+    a2.set(xlabel="iteration", ylabel="TFLOP/s per GPU", title="model TFLOP/s per GPU")
+    a1.legend()
+    return fig
+
+
+# The per-stage panels: (file, the stage{N}/ metric, y label, title).
+STAGE_PLOTS = (
+    ("memory.png", "mem-max-allocated-bytes", "GiB", "peak memory per stage (max over the stage's ranks)"),
+    ("idle.png", "idle-fraction", "idle fraction", "pipeline idle per stage (dashed: ideal bubble)"),
+)
+
+
+def stage_figure(runs: list[Run], plt, key: str, ylabel: str, title: str) -> Any:
+    """A per-stage panel: a line per run and stage (memory in GiB); the idle panel adds each run's ideal bubble,
+    dashed. Without any stage data the panel says so."""
+    fig, ax = plt.subplots(figsize=(8, 4))
+    plotted = False
+    for run in runs:
+        for st in run.stages():
+            x, y = run.series(f"stage{st}/{key}")
+            if not x:
+                continue
+            if key.startswith("mem"):
+                y = [v / 2**30 for v in y]
+            ax.plot(x, y, marker=".", label=f"{run.label} stage {st}")
+            plotted = True
+        if key == "idle-fraction" and run.series("pipeline/ideal-bubble")[0]:
+            ax.plot(*run.series("pipeline/ideal-bubble"), "k--", linewidth=1, label=f"{run.label} ideal")
+    if plotted:
+        ax.legend()
+    else:
+        _no_data(ax)
+    ax.set(xlabel="iteration", ylabel=ylabel, title=title)
+    return fig
+
+
 def write_plots(runs: list[Run], out: Path) -> list[Path]:
     import matplotlib  # heavy and optional for everything but the plots: imported only to draw them
 
@@ -238,59 +308,11 @@ def write_plots(runs: list[Run], out: Path) -> list[Path]:
         plt.close(fig)
         paths.append(out / name)
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for run in runs:
-        (line,) = ax.plot(*run.series("lm loss", "tokens"), label=f"{run.label} train")
-        if run.validation:
-            ax.plot(
-                *run.series("lm loss validation", "tokens", run.validation),
-                "o--",
-                color=line.get_color(),
-                label=f"{run.label} validation",
-            )
-    ax.set(xlabel="tokens", ylabel="lm loss", title="loss vs tokens")
-    ax.legend()
-    save(fig, "loss.png")
-
-    fig, ax = plt.subplots(figsize=(8, 4))
-    for run in runs:
-        ax.plot(*run.series("learning-rate", "tokens"), label=run.label)
-    ax.set(xlabel="tokens", ylabel="learning-rate", title="learning rate")
-    ax.legend()
-    save(fig, "learning_rate.png")
-
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-    for run in runs:
-        a1.plot(*run.series("tokens-per-sec"), label=run.label)
-        a2.plot(*run.series("throughput"), label=run.label)
-    a1.set(xlabel="iteration", ylabel="tokens/s", title="tokens per second (whole job)")
-    a2.set(xlabel="iteration", ylabel="TFLOP/s per GPU", title="model TFLOP/s per GPU")
-    a1.legend()
-    save(fig, "throughput.png")
-
-    for name, key, ylabel, title in (
-        ("memory.png", "mem-max-allocated-bytes", "GiB", "peak memory per stage (max over the stage's ranks)"),
-        ("idle.png", "idle-fraction", "idle fraction", "pipeline idle per stage (dashed: ideal bubble)"),
-    ):
-        fig, ax = plt.subplots(figsize=(8, 4))
-        plotted = False
-        for run in runs:
-            for st in run.stages():
-                x, y = run.series(f"stage{st}/{key}")
-                if not x:
-                    continue
-                if key.startswith("mem"):
-                    y = [v / 2**30 for v in y]
-                ax.plot(x, y, marker=".", label=f"{run.label} stage {st}")
-                plotted = True
-            if key == "idle-fraction" and run.series("pipeline/ideal-bubble")[0]:
-                ax.plot(*run.series("pipeline/ideal-bubble"), "k--", linewidth=1, label=f"{run.label} ideal")
-        if plotted:
-            ax.legend()
-        else:
-            _no_data(ax)
-        ax.set(xlabel="iteration", ylabel=ylabel, title=title)
-        save(fig, name)
+    save(loss_figure(runs, plt), "loss.png")
+    save(learning_rate_figure(runs, plt), "learning_rate.png")
+    save(throughput_figure(runs, plt), "throughput.png")
+    for name, key, ylabel, title in STAGE_PLOTS:
+        save(stage_figure(runs, plt, key, ylabel, title), name)
     if any(run.scores for run in runs):
         save(harness_figure(runs, plt), HARNESS_PLOT)
     return paths
