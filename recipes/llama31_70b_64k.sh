@@ -16,8 +16,8 @@
 #          every term, the gathered K/V included):
 #          ~71 GB/GPU = weights 8.8 + grads 17.6 + optimizer 13.2 + buffers 0.6 + activations 30.5
 #          (stage 0 of 2, 4.41B params; plus CUDA/NCCL overhead)
-#          The CP memory terms are the model's count of threed.model.context's tensors; a check against a real
-#          CP engine comes with training.
+#          The CP memory terms are the model's count of threed.model.context's tensors, checked against CP
+#          engines on CPU ranks (tests/ranks/test_memory_cp.py); not yet measured on GPUs.
 # Speed    predicted by `threed plan --model llama3.1-70b --nodes 8 --gpu-memory 80 --seq-length 65536
 #          --global-batch-size 64 --reserve 8` (a ranking model, threed.plan.steptime; it chooses this): 196 s/step,
 #          against 231 s for the best layout without CP (tp8 pp2 dp4, gas 16, 37 of 40 blocks recomputed): with

@@ -14,7 +14,8 @@
 #          ~71 GB/GPU = weights 4.0 + grads 8.0 + optimizer 12.0 + buffers 10.0 + activations 37.1
 #          (stage 0 of 1, 2.01B params; plus CUDA/NCCL overhead)
 #          Buffers: mostly the last two micro-batches' logits [s/cp, V/tp] (8.4 GB). The CP memory terms are the
-#          model's count of threed.model.context's tensors; a check against a real CP engine comes with training.
+#          model's count of threed.model.context's tensors, checked against CP engines on CPU ranks
+#          (tests/ranks/test_memory_cp.py); not yet measured on GPUs.
 # Speed    predicted by `threed plan --model llama3.1-8b --nodes 1 --gpu-memory 80 --seq-length 131072
 #          --global-batch-size 16 --reserve 8` (a ranking model, threed.plan.steptime; it chooses this): 211 s/step,
 #          against 214 s for the best layout without CP (tp8, 22 of 32 blocks recomputed). On one node tp x cp <= 8
