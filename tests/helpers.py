@@ -16,9 +16,11 @@ import numpy as np
 import torch
 
 from threed.checkpoint.manifest import write_manifest
+from threed.checkpoint.start import decide_start
 from threed.config import CheckpointConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from threed.hf.config import from_hf_config
 from threed.model.presets import PRESETS
+from threed.parallel.dims import resolve_dims
 
 TESTS = Path(__file__).resolve().parent
 RANKS = TESTS / "ranks"  # the multi-rank tests and the *_worker.py scripts torchrun runs for them
@@ -284,3 +286,8 @@ def pipeline_module(cfg: RunConfig, world: int, **kw: Any):
 
     dims = resolve_dims(cfg, world)
     return build_pipeline_module(cfg.model, dims, cfg.train, sequence_parallel=cfg.parallel.sequence_parallel, **kw)
+
+
+def decide(cfg: RunConfig, world_size: int):
+    """threed.checkpoint.start.decide_start of `cfg` at `world_size` ranks, its dimensions resolved as a run's."""
+    return decide_start(cfg, resolve_dims(cfg, world_size))

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from helpers import SRC, checkpoint_config, fake_checkpoint, own_world_env, tiny_train, tiny_train_argv
+from helpers import decide, SRC, checkpoint_config, fake_checkpoint, own_world_env, tiny_train, tiny_train_argv
 from threed.checkpoint import lock as lockmod
 from threed.checkpoint.format import RUN_JSON
 from threed.checkpoint.lock import LOCK_NAME, SaveDirBusy, SaveLock
 from threed.checkpoint.manifest import find_resumable
-from threed.checkpoint.start import decide_start, remove_stale_stop
+from threed.checkpoint.start import remove_stale_stop
 from threed.config import RunConfig
 
 # ------------------------------------------------------------------------------------------ the lock, in process
@@ -138,13 +138,13 @@ def test_stale_stop_is_removed_with_a_line(tmp_path):
 
 def test_a_finished_run_is_said_and_nothing_is_converted(tmp_path):
     fake_checkpoint(tmp_path / "run", 10)
-    plan = decide_start(
+    plan = decide(
         checkpoint_config(tmp_path / "run"), world_size=1
     )  # steps=10; dp 1 vs 1: native, but it would not matter
     assert plan.finished and "is at step 10 and --steps is 10: the run has finished" in plan.finished
     assert not plan.universal
     assert "raise --steps" in plan.describe()
-    assert not decide_start(
+    assert not decide(
         checkpoint_config(tmp_path / "run"), world_size=2
     ).universal  # another dp: still nothing converted
 
@@ -154,9 +154,9 @@ def test_a_changed_batch_shape_on_resume_is_a_warning(tmp_path):
     fake_checkpoint(run, 4)
     recorded = checkpoint_config(run).to_dict()
     (run / RUN_JSON).write_text(json.dumps(recorded))
-    assert not [n for n in decide_start(checkpoint_config(run), world_size=2).notes if "warning" in n]
+    assert not [n for n in decide(checkpoint_config(run), world_size=2).notes if "warning" in n]
     changed = RunConfig.from_dict({**recorded, "train": {**recorded["train"], "seq_length": 64, "micro_batch_size": 2}})
-    notes = [n for n in decide_start(changed, world_size=2).notes if "warning" in n]
+    notes = [n for n in decide(changed, world_size=2).notes if "warning" in n]
     assert len(notes) == 1, notes
     assert "--seq-length 32 -> 64, --micro-batch-size 1 -> 2, global batch 1 -> 2" in notes[0]
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from helpers import decide
 from convert_fixtures import TIED, TIED_DIVISIBLE_BY, assert_identical, hf_tensors, save_hf, save_tied_hf, write_tokens
 from threed.checkpoint.format import (
     CheckpointError,
@@ -28,7 +29,6 @@ from threed.checkpoint.format import (
     read_model_config,
 )
 from threed.checkpoint.manifest import find_resumable
-from threed.checkpoint.start import decide_start
 from threed.cli.main import main
 from threed.config import CheckpointConfig, ConfigError, ParallelConfig, RunConfig, TrainConfig
 from threed.convert.ds_checkpoint import checkpoint_files
@@ -225,7 +225,7 @@ def test_init_from_across_the_tie_refused(tied_hf, tied_ckpt, untied, tmp_path, 
             match=rf"^{tied_side}.* ties the LM head to the embedding "
             rf"\(tie_word_embeddings=true\), .*pass --model {re.escape(str(ckpt))}",
         ):
-            decide_start(cfg, 4)
+            decide(cfg, 4)
     # The command line: one line, exit 2, before the model is built.
     os.environ["RANK"] = "0"
     data = write_tokens(tmp_path / "tokens", 20_000, 500)

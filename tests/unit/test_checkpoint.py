@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from helpers import checkpoint_config, fake_checkpoint
+from helpers import decide, checkpoint_config, fake_checkpoint
 from threed import atomic
 from threed.checkpoint import manifest
 from threed.model.spec import parameter_count
 from threed.checkpoint.format import MANIFEST_NAME, read_latest
 from threed.checkpoint.manifest import find_resumable, prune
 from threed.checkpoint.format import checkpoint_bytes
-from threed.checkpoint.start import check_save_dir, decide_start
+from threed.checkpoint.start import check_save_dir
 from threed.config import ConfigError
 from threed.model.presets import PRESETS
 
@@ -105,7 +105,7 @@ def test_write_atomic_leaves_no_temporary_file(tmp_path):
 
 def test_existing_run_is_resumed_and_other_sources_are_noted(tmp_path):
     fake_checkpoint(tmp_path / "run", 4)
-    plan = decide_start(checkpoint_config(tmp_path / "run", init_from=str(tmp_path / "elsewhere")), world_size=2)
+    plan = decide(checkpoint_config(tmp_path / "run", init_from=str(tmp_path / "elsewhere")), world_size=2)
     assert (plan.mode, plan.tag, plan.universal) == ("resume", "global_step4", False)
     assert any("--init-from" in n and "resumes from it" in n for n in plan.notes)
 
@@ -113,8 +113,8 @@ def test_existing_run_is_resumed_and_other_sources_are_noted(tmp_path):
 def test_auto_resume_false_on_a_run_is_refused_naming_overwrite(tmp_path):
     fake_checkpoint(tmp_path / "run", 4)
     with pytest.raises(ConfigError, match="already holds a checkpoint.*--overwrite true"):
-        decide_start(checkpoint_config(tmp_path / "run", auto_resume=False), world_size=2)
-    plan = decide_start(checkpoint_config(tmp_path / "run", auto_resume=False, overwrite=True), world_size=2)
+        decide(checkpoint_config(tmp_path / "run", auto_resume=False), world_size=2)
+    plan = decide(checkpoint_config(tmp_path / "run", auto_resume=False, overwrite=True), world_size=2)
     assert plan.mode == "fresh" and plan.clear_save
     assert manifest.clear_run(tmp_path / "run") == ["global_step4"]
     assert not list((tmp_path / "run").iterdir())
@@ -124,37 +124,37 @@ def test_run_with_only_broken_checkpoints_is_refused_not_restarted(tmp_path):
     d = fake_checkpoint(tmp_path / "run", 4)
     (d / "mp_rank_00_model_states.pt").unlink()
     with pytest.raises(ConfigError, match="holds no complete checkpoint.*mp_rank_00_model_states.pt is missing"):
-        decide_start(checkpoint_config(tmp_path / "run"), world_size=2)
+        decide(checkpoint_config(tmp_path / "run"), world_size=2)
 
 
 def test_first_save_cut_short_starts_fresh(tmp_path):
     fake_checkpoint(tmp_path / "run", 2, complete=False)
-    plan = decide_start(checkpoint_config(tmp_path / "run"), world_size=2)
+    plan = decide(checkpoint_config(tmp_path / "run"), world_size=2)
     assert plan.mode == "fresh" and "never finished" in plan.notes[0]
 
 
 def test_other_layout_or_dtype_resumes_through_a_universal_checkpoint(tmp_path):
     fake_checkpoint(tmp_path / "run", 4, tp=1, pp=2, dp=2)
-    assert not decide_start(checkpoint_config(tmp_path / "run"), world_size=4).universal  # tp1 pp2 dp2: native
-    assert decide_start(checkpoint_config(tmp_path / "run"), world_size=2).universal  # dp 1
-    assert decide_start(checkpoint_config(tmp_path / "run", tp=2, pp=1), world_size=4).universal  # tp 2 pp 1 dp 2
-    assert decide_start(checkpoint_config(tmp_path / "run", dtype="bf16"), world_size=4).universal  # dtype
+    assert not decide(checkpoint_config(tmp_path / "run"), world_size=4).universal  # tp1 pp2 dp2: native
+    assert decide(checkpoint_config(tmp_path / "run"), world_size=2).universal  # dp 1
+    assert decide(checkpoint_config(tmp_path / "run", tp=2, pp=1), world_size=4).universal  # tp 2 pp 1 dp 2
+    assert decide(checkpoint_config(tmp_path / "run", dtype="bf16"), world_size=4).universal  # dtype
 
 
 def test_another_model_is_refused(tmp_path):
     fake_checkpoint(tmp_path / "run", 4)
     other = dataclasses.replace(checkpoint_config(tmp_path / "run"), model=dataclasses.replace(TINY, num_layers=2))
     with pytest.raises(ConfigError, match="holds another model.*num_layers 4 != 2"):
-        decide_start(other, world_size=2)
+        decide(other, world_size=2)
 
 
 def test_load_without_checkpoint_is_refused(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="load=.*empty holds no DeepSpeed checkpoint"):
-        decide_start(checkpoint_config(load=str(tmp_path / "empty")), world_size=2)
+        decide(checkpoint_config(load=str(tmp_path / "empty")), world_size=2)
     # A path that does not exist is said so (a typo, an unmounted file system), not called an empty checkpoint.
     with pytest.raises(ConfigError, match="load=.*nothing does not exist; check the path") as e:
-        decide_start(checkpoint_config(load=str(tmp_path / "nothing")), world_size=2)
+        decide(checkpoint_config(load=str(tmp_path / "nothing")), world_size=2)
     assert "holds no" not in str(e.value)
 
 
@@ -162,14 +162,14 @@ def test_load_without_checkpoint_is_refused(tmp_path):
 
 
 def test_save_dir_is_created_and_probed(tmp_path):
-    check_save_dir(checkpoint_config(tmp_path / "a" / "b"), decide_start(checkpoint_config(tmp_path / "a" / "b"), 2))
+    check_save_dir(checkpoint_config(tmp_path / "a" / "b"), decide(checkpoint_config(tmp_path / "a" / "b"), 2))
     assert (tmp_path / "a" / "b").is_dir() and not list((tmp_path / "a" / "b").iterdir())
 
 
 def test_save_dir_that_is_a_file_is_refused(tmp_path):
     (tmp_path / "f").write_text("")
     with pytest.raises(ConfigError, match="is a file, not a directory"):
-        check_save_dir(checkpoint_config(tmp_path / "f"), decide_start(checkpoint_config(), 2))
+        check_save_dir(checkpoint_config(tmp_path / "f"), decide(checkpoint_config(), 2))
 
 
 def test_read_only_save_dir_is_refused(tmp_path, monkeypatch):
@@ -178,13 +178,13 @@ def test_read_only_save_dir_is_refused(tmp_path, monkeypatch):
 
     monkeypatch.setattr(Path, "mkdir", refuse)
     with pytest.raises(ConfigError, match=r"--save .*ck is not writable \(Permission denied\); choose a directory"):
-        check_save_dir(checkpoint_config(tmp_path / "ck"), decide_start(checkpoint_config(), 2))
+        check_save_dir(checkpoint_config(tmp_path / "ck"), decide(checkpoint_config(), 2))
 
 
 def test_too_little_free_space_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**12, 10**12 - 1000, 1000))
     with pytest.raises(ConfigError, match=r"has 1000\.0 B free; one checkpoint of tiny needs about"):
-        check_save_dir(checkpoint_config(tmp_path / "ck"), decide_start(checkpoint_config(), 2))
+        check_save_dir(checkpoint_config(tmp_path / "ck"), decide(checkpoint_config(), 2))
     assert not (tmp_path / "ck").exists()
 
 

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import checkpoint_config, fake_checkpoint
+from helpers import decide, checkpoint_config, fake_checkpoint
 from threed.checkpoint import save as ckpt
 from threed.checkpoint.format import MANIFEST_NAME, checkpoint_bytes
-from threed.checkpoint.start import check_save_dir, decide_start
+from threed.checkpoint.start import check_save_dir
 from threed.config import ConfigError
 
 ONE = checkpoint_bytes(checkpoint_config())  # one tiny checkpoint at tp1 pp2, fp32
@@ -30,7 +30,7 @@ def free_space(monkeypatch, free: int) -> None:
 
 def check(save, **ck) -> None:
     cfg = checkpoint_config(save, **ck)
-    check_save_dir(cfg, decide_start(cfg, 2))
+    check_save_dir(cfg, decide(cfg, 2))
 
 
 def test_keep_last_needs_room_for_n_plus_1_checkpoints(tmp_path, monkeypatch):
@@ -169,10 +169,10 @@ def test_a_resume_with_other_stages_goes_through_universal(tmp_path):
     save = tmp_path / "ck"
     with_stages(fake_checkpoint(save, 4), [0, 2, 7])  # layers:1,3 (embedding + block 0 | blocks 1-3 + norm + head)
     same = partitioned(save, "layers:1,3")
-    decision = decide_start(same, 2)
+    decision = decide(same, 2)
     assert decision.mode == "resume" and not decision.universal and decision.repartition == ""
     moved = partitioned(save, "layers:3,1")
-    decision = decide_start(moved, 2)
+    decision = decide(moved, 2)
     assert decision.universal and decision.repartition == (
         "stages 0: embedding + block 0 | 1: blocks 1-3 + final_norm + lm_head; this run's --partition-method "
         "layers:3,1 gives 0: embedding + blocks 0-2 | 1: block 3 + final_norm + lm_head"
@@ -182,4 +182,4 @@ def test_a_resume_with_other_stages_goes_through_universal(tmp_path):
 def test_stages_that_cannot_be_told_keep_the_native_resume(tmp_path):
     save = tmp_path / "ck"
     fake_checkpoint(save, 4)  # no stages in the manifest, no threed_run.json beside it (a converter's checkpoint)
-    assert not decide_start(partitioned(save, "layers:3,1"), 2).universal
+    assert not decide(partitioned(save, "layers:3,1"), 2).universal

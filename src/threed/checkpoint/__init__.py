@@ -9,7 +9,7 @@
 - `universal`: resuming at another tp / pp / dp / dtype through DeepSpeed's universal checkpoint.
 - `save`: a crash-safe save on every rank (DeepSpeed's files, then the manifest, then `latest`).
 
-    decision = threed.checkpoint.start.start(cfg, rank, world_size)      # before the model is built
+    decision = threed.checkpoint.start.start(cfg, dims, rank)      # before the model is built
     saved = threed.checkpoint.save.save(engine, cfg, rank, {"consumed_samples": n})
 
 This file imports nothing, so importing `threed.checkpoint.format` does not drag in the rest of the package.

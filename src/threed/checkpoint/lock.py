@@ -3,7 +3,7 @@
 instead of both writing the same `global_stepN` files.
 
     lock = SaveLock(cfg.checkpoint.save)     # every rank (threed.train); only rank 0 takes it
-    start(cfg, rank, world_size, lock=lock)  # threed.checkpoint.start: rank 0 acquires before writing to --save
+    start(cfg, dims, rank, lock=lock)  # threed.checkpoint.start: rank 0 acquires before writing to --save
     lock.release()                           # threed.train, on every exit path (idempotent; a no-op where not held)
 
 How a dead job's lock is told from a live one. The lock is an `fcntl.flock` on the file, held open by rank 0 for

@@ -1,7 +1,8 @@
 """Where a run starts, decided before anything expensive: resume (natively or through a universal checkpoint),
 weights only, or random init; and whether the save directory can take a checkpoint at all.
 
-    decision = start(cfg, rank, world_size)   # every rank, before the model is built (threed.engine.build)
+    decision = start(cfg, dims, rank)   # every rank, before the model is built (threed.engine.build); dims:
+                                        # the run's resolved dimensions (threed.parallel.dims)
 
 `decide_start` only reads the file system (threed check-config calls it too); `start` runs it on rank 0, then does
 what it decided (`--overwrite`, the universal conversion) and gives every rank the same `StartDecision`.
@@ -57,6 +58,7 @@ from threed.checkpoint.format import (
 from threed.checkpoint.lock import SaveLock
 from threed.checkpoint.manifest import Found, clear_run, find_resumable, read_manifest, save_dir_contents
 from threed.config import CheckpointConfig, ModelConfig, RunConfig
+from threed.parallel.dims import RunDims
 from threed.parallel.partition import describe, resolve_partition
 from threed.parallel.distributed import is_multi_rank
 from threed.errors import ConfigError
@@ -123,8 +125,9 @@ def _find(path: str, what: str, notes: list[str]) -> Found:
     return found
 
 
-def decide_start(cfg: RunConfig, world_size: int) -> StartDecision:
-    """Pure: reads the file system, changes nothing, raises ConfigError with the fix."""
+def decide_start(cfg: RunConfig, dims: RunDims) -> StartDecision:
+    """Pure: reads the file system, changes nothing, raises ConfigError with the fix. `dims`: this run's layout,
+    batch and stages, resolved once (threed.parallel.dims), against which a checkpoint's are compared."""
     ck = cfg.checkpoint
     decision = StartDecision()
     save_found = _run_in_save(ck, decision)
@@ -137,7 +140,7 @@ def decide_start(cfg: RunConfig, world_size: int) -> StartDecision:
     if decision.mode == "weights":
         _plan_weights(cfg, found, decision)
     else:
-        _plan_resume(cfg, found, world_size, decision)
+        _plan_resume(cfg, found, dims, decision)
     return decision
 
 
@@ -201,7 +204,7 @@ def _plan_weights(cfg: RunConfig, found: Found, decision: StartDecision) -> None
             check_loadable(found.path, cfg.model, lay.tp, lay.pp, weights_only=True)
 
 
-def _plan_resume(cfg: RunConfig, found: Found, world_size: int, decision: StartDecision) -> None:
+def _plan_resume(cfg: RunConfig, found: Found, dims: RunDims, decision: StartDecision) -> None:
     """A resume: refused from weights only, finished when the checkpoint is at --steps already, warned about a
     changed batch shape; natively at the checkpoint's own layout, else through a universal checkpoint."""
     if not found.has_optimizer:
@@ -216,7 +219,7 @@ def _plan_resume(cfg: RunConfig, found: Found, world_size: int, decision: StartD
             f"train further)"
         )
         return
-    changed = changed_shape(cfg, found, world_size)
+    changed = changed_shape(cfg, found, dims)
     if changed:
         decision.notes.append(
             f"warning: resuming {found.path}/{found.tag} with {changed} (from the run recorded in "
@@ -226,9 +229,8 @@ def _plan_resume(cfg: RunConfig, found: Found, world_size: int, decision: StartD
     lay = found.layout
     # ZeRO-1 shards the optimizer over DeepSpeed's data axis, dp x cp (threed.parallel.pipeline.make_topology): a run
     # whose dp x cp is the checkpoint's loads it natively whatever its cp; another count goes through universal.
-    shards = cfg.parallel.dp(world_size) * cfg.parallel.cp
-    same = (lay.tp, lay.pp, lay.dp) == (cfg.parallel.tp, cfg.parallel.pp, shards) and dtype_of(found) == cfg.train.dtype
-    decision.repartition = moved_layers(cfg, found) if same else ""
+    same = (lay.tp, lay.pp, lay.dp) == (dims.tp, dims.pp, dims.dp * dims.cp) and dtype_of(found) == cfg.train.dtype
+    decision.repartition = moved_layers(cfg, found, dims) if same else ""
     decision.universal = not same or bool(decision.repartition)
 
 
@@ -250,24 +252,22 @@ def recorded_stages(cfg: RunConfig, found: Found) -> Optional[list[int]]:
         return None
 
 
-def moved_layers(cfg: RunConfig, found: Found) -> str:
+def moved_layers(cfg: RunConfig, found: Found, dims: RunDims) -> str:
     """At the checkpoint's own tp and pp, whether this run's --partition-method puts layers on other stages than the
     checkpoint's: DeepSpeed's optimizer shards are per stage, so a native load fails on tensor sizes; a universal
     checkpoint (by parameter name) loads at any partition. '' when the stages are the same or cannot be told."""
     was = recorded_stages(cfg, found)
     if was is None:
         return ""
-    p = cfg.parallel
-    now = resolve_partition(p.partition_method, cfg.model, p.pp, cfg.train.seq_length, p.tp)
-    if was == now:
+    if was == list(dims.bounds):
         return ""
     return (
-        f"stages {describe(was, cfg.model)}; this run's --partition-method {p.partition_method} gives "
-        f"{describe(now, cfg.model)}"
+        f"stages {describe(was, cfg.model)}; this run's --partition-method {cfg.parallel.partition_method} gives "
+        f"{dims.stages(cfg.model)}"
     )
 
 
-def changed_shape(cfg: RunConfig, found: Found, world_size: int) -> str:
+def changed_shape(cfg: RunConfig, found: Found, dims: RunDims) -> str:
     """What a resume changes of the recorded run's sequence length and batch shape ('' when nothing, or when the
     run left no threed_run.json to compare with)."""
     try:
@@ -281,7 +281,6 @@ def changed_shape(cfg: RunConfig, found: Found, world_size: int) -> str:
         was = recorded.train
         # The layout's dp counts ZeRO shards, dp x cp: the recorded run's batch counts its dp alone.
         _, _, was_glob = was.resolve_batch(found.layout.dp // recorded.parallel.cp)
-        _, _, now_glob = cfg.train.resolve_batch(cfg.parallel.dp(world_size))
     except (ConfigError, KeyError, TypeError, ValueError):
         return ""
     diffs = [
@@ -289,7 +288,7 @@ def changed_shape(cfg: RunConfig, found: Found, world_size: int) -> str:
         for flag, a, b in (
             ("--seq-length", was.seq_length, cfg.train.seq_length),
             ("--micro-batch-size", was.micro_batch_size, cfg.train.micro_batch_size),
-            ("global batch", was_glob, now_glob),
+            ("global batch", was_glob, dims.global_batch),
         )
         if a != b
     ]
@@ -408,8 +407,8 @@ def on_rank0(rank: int, fn: Callable[[], T]) -> T:
 
 def start(
     cfg: RunConfig,
+    dims: RunDims,
     rank: int,
-    world_size: int,
     log: Optional[Callable[[str], None]] = None,
     lock: Optional[SaveLock] = None,
 ) -> StartDecision:
@@ -421,7 +420,7 @@ def start(
     log = log or (lambda m: print(m, flush=True))
 
     def prepare() -> StartDecision:
-        decision = decide_start(cfg, world_size)
+        decision = decide_start(cfg, dims)
         if decision.finished:  # nothing is written, converted or built
             for note in decision.notes + [decision.finished]:
                 log(f"threed: {note}")
@@ -442,8 +441,8 @@ def start(
             layout = (
                 f"with {decision.repartition}"
                 if decision.repartition
-                else f"at {src.layout.describe()} {dtype_of(src)}; this run has tp={cfg.parallel.tp}, "
-                f"pp={cfg.parallel.pp}, dp={cfg.parallel.dp(world_size) * cfg.parallel.cp} {cfg.train.dtype}"
+                else f"at {src.layout.describe()} {dtype_of(src)}; this run has tp={dims.tp}, "
+                f"pp={dims.pp}, dp={dims.dp * dims.cp} {cfg.train.dtype}"
             )
             log(
                 f"threed: {src.path}/{src.tag} was written {layout}: resuming through a universal checkpoint "

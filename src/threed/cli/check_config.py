@@ -30,6 +30,7 @@ from threed.memory.recompute import Recompute
 from threed.cli.flags import add_run_flags, run_config_from_args
 from threed.model.spec import parameter_count
 from threed.train.preflight import check_config, check_run
+from threed.parallel.dims import RunDims
 from threed.units import human_bytes
 
 
@@ -46,7 +47,7 @@ def check(ns: argparse.Namespace) -> str:
     dp, micro, gas, glob = d.dp, d.micro, d.gas, d.global_batch
     recompute = d.recompute_phrase
     stages = f"stages: {d.stages(cfg.model)}; " if d.pp > 1 else ""
-    start = check_paths(cfg, ns.world) if ns.paths else unchecked_start(cfg)
+    start = check_paths(cfg, d) if ns.paths else unchecked_start(cfg)
     summary = (
         f"config ok: {cfg.model.name} ({parameter_count(cfg.model) / 1e6:.1f}M params), world {ns.world} = "
         f"tp {cfg.parallel.tp} x pp {cfg.parallel.pp} x dp {dp}, global batch {glob} = micro {micro} x gas "
@@ -103,12 +104,12 @@ def unchecked_start(cfg: RunConfig) -> str:
     return "random init"
 
 
-def check_paths(cfg: RunConfig, world: int) -> str:
+def check_paths(cfg: RunConfig, dims: RunDims) -> str:
     """What `threed.checkpoint.start.start` decides, without its side effects (nothing is created or converted)."""
     # torch: threed.checkpoint.start pulls it in; check-config without --paths runs without it
     from threed.checkpoint.start import check_save_dir, decide_start
 
-    decision = decide_start(cfg, world)
+    decision = decide_start(cfg, dims)
     check_save_dir(cfg, decision, create=False)
     return decision.describe() + (" (converted once)" if decision.universal else "")
 

@@ -51,7 +51,7 @@ def build_engine(
 
     cfg, dims = run.cfg, run.dims
     if decision is None:
-        decision = start(cfg, rt.rank, rt.world_size)
+        decision = start(cfg, dims, rt.rank)
     torch.manual_seed(cfg.train.seed)
     # 1. Process groups: megatron-core's tp-cp-dp-pp groups, which its layers use for TP, SP and CP collectives.
     init_megatron_parallel_state(dims.tp, dims.pp, rt.cuda_only.gloo_process_groups, cp=dims.cp)

@@ -156,7 +156,7 @@ def train(run: ResolvedRun) -> TrainResult:
     # end, exit 2/3, an exception, Ctrl-C), and by the kernel when the process is killed.
     with SaveLock(cfg.checkpoint.save) as lock, StopRequest.restoring_handlers():
         # Where the run starts (resume / refuse / universal conversion) and --save checks, before any dataset.
-        start_decision = checkpoint_start(cfg, rt.rank, rt.world_size, lock=lock)
+        start_decision = checkpoint_start(cfg, run.dims, rt.rank, lock=lock)
         if start_decision.finished:  # said on rank 0; nothing converted or built
             return TrainResult(start_step=start_decision.source.step, end_step=start_decision.source.step)
         return _train(run, rt, splits, start_decision)
