@@ -25,7 +25,7 @@ import sys
 from threed.checkpoint.format import checkpoint_bytes
 from threed.config import ConfigError, RunConfig
 from threed.errors import guarded
-from threed.memory.model import estimate, heaviest, quiet_deepspeed_import
+from threed.memory.model import estimate, heaviest
 from threed.memory.recompute import Recompute
 from threed.cli.flags import add_run_flags, run_config_from_args
 from threed.model.spec import parameter_count
@@ -120,7 +120,6 @@ def _run(ns: argparse.Namespace) -> int:
         from threed.parallel.distributed import quiet_libraries
 
         quiet_libraries()
-    quiet_deepspeed_import()  # its import-time lines would otherwise come before ours
     return guarded("threed", lambda: print(check(ns)), prefix="configuration error: ")
 
 

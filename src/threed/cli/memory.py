@@ -18,7 +18,7 @@ from threed.cli.flags import add_command, add_field_flag, add_model_flag, field_
 from threed.config import ConfigError, TrainConfig
 from threed.errors import guarded
 from threed.memory import model as memory_model
-from threed.memory.model import estimate, heaviest, quiet_deepspeed_import
+from threed.memory.model import estimate, heaviest
 from threed.memory.recompute import Recompute
 from threed.convert.resolve import model_config
 from threed.plan.planner import check_cp
@@ -101,7 +101,6 @@ def lines(ns: argparse.Namespace) -> list[str]:
 
 
 def run(ns: argparse.Namespace) -> int:
-    quiet_deepspeed_import()
     return guarded("threed memory", lambda: print("\n".join(lines(ns))), prefix="")
 
 

@@ -18,7 +18,6 @@ from typing import Optional
 from threed.cli.flags import add_command, add_field_flag, add_model_flag, field_value, standalone
 from threed.config import ConfigError
 from threed.errors import guarded
-from threed.memory.model import quiet_deepspeed_import
 from threed.convert.resolve import model_config
 from threed.plan.layout import context_parallel_verdict, full_recompute_verdict, schedule_verdict, table
 from threed.plan import planner
@@ -58,7 +57,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(ns: argparse.Namespace) -> int:
-    quiet_deepspeed_import()
     model = model_config(ns.model)
     hw = Hardware(
         ns.nodes, ns.gpus_per_node, ns.gpu_memory, ns.reserve, ns.tflops, ns.nvlink_gbps, ns.network_gbps, ns.hbm_gbps

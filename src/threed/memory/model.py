@@ -74,7 +74,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import io
 import math
 import sys
 from dataclasses import dataclass
@@ -108,13 +107,6 @@ def stage_bounds(model: ModelConfig, pp: int, tp: int, seq: int, method: str | N
     # DeepSpeed, imported on the way, logs to stdout; ours is parsed (recipes/launch.sh captures the estimate).
     with contextlib.redirect_stdout(sys.stderr):
         return tuple(resolve_partition(method or ParallelConfig().partition_method, model, pp, seq, tp))
-
-
-def quiet_deepspeed_import() -> None:
-    """For command-line entry points: import DeepSpeed (threed.parallel.partition uses it) with its import-time log
-    lines (e.g. "Setting accelerator to CPU") swallowed, so that an error is the one line printed."""
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        import deepspeed.runtime.utils  # noqa: F401
 
 
 def stages(model: ModelConfig, pp: int, tp: int, seq: int, method: str | None = None) -> list[Stage]:

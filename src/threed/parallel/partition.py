@@ -28,6 +28,8 @@ anything is built, and `StagedPipelineModule` (threed.parallel.staged) runs the 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
 from typing import Optional
 
@@ -116,8 +118,10 @@ def resolve_partition(method: str, model: ModelConfig, pp: int, seq_length: int,
         costs = parse_costs(m[len(COSTS_PREFIX) :])
         return min_max_partition([costs[la.kind] for la in layers], pp, is_block)
     # DeepSpeed's own methods, computed with its own split functions (imported here: the three above need no
-    # DeepSpeed, so `threed check-config` can resolve them cheaply).
-    from deepspeed.runtime import utils as ds_utils
+    # DeepSpeed, so `threed check-config` can resolve them cheaply). Quietly: its import prints start-up lines
+    # ("Setting accelerator to CPU") that would come before a command's own output or its one-line error.
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        from deepspeed.runtime import utils as ds_utils  # deepspeed: heavy, only for its own methods
 
     if m.lower() == "parameters":
         return [int(b) for b in ds_utils.partition_balanced([layer_params(model, la, tp) for la in layers], pp)]
