@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
+from typing import Callable
 
-from threed.cli.convert import positive_int
-from threed.cli.generate import check_world, refuse_nested_launch
-from threed.parallel.launch import NPROC_FLAG, run_local_ranks, without_nproc
+from threed.cli.generate import add_layout_arguments, check_world, checkpoint_parser, request_fields, run_command
 from threed.errors import ThreedError, guarded
 
 
@@ -27,15 +25,13 @@ def prepare(ns: argparse.Namespace):
     """The request and its HF tokenizer, or one ThreedError line; no engine is built."""
     # lm-eval (the optional extra), torch, transformers: only when the command runs, not for `threed --help`
     from threed.harness.tasks import load_tasks, require_lm_eval, split_tasks, task_manager
-    from threed.generate.prompts import check_checkpoint, checkpoint_tokenizer, hf_tokenizer
+    from threed.generate.prompts import check_checkpoint, hf_tokenizer, tokenizer_path
 
     require_lm_eval()
     names = split_tasks(ns.tasks)
     model, tp, pp = check_checkpoint(ns.load, ns.tp, ns.pp)
     check_world(ns.nproc_per_node, model, tp, pp)
-    tok = ns.tokenizer or checkpoint_tokenizer(ns.load)
-    if tok is None:
-        raise ThreedError(f"--load {ns.load} holds no tokenizer: pass --tokenizer (an HF tokenizer directory)")
+    tok = tokenizer_path(ns.load, ns.tokenizer, "an HF tokenizer directory")
     if not os.path.exists(tok) or (Path(tok).is_file() and Path(tok).suffix == ".model"):
         why = "no such file or directory" if not os.path.exists(tok) else "a sentencepiece .model"
         raise ThreedError(
@@ -48,42 +44,21 @@ def prepare(ns: argparse.Namespace):
     from threed.harness.run import HarnessRequest
 
     request = HarnessRequest(
-        load=ns.load,
-        model=model,
-        tp=tp,
-        pp=pp,
+        **request_fields(ns, model, tp, pp),
         tasks=names,
         tokenizer=tok,
         include_path=ns.include_path,
         limit=ns.limit,
         num_fewshot=ns.num_fewshot,
-        output=ns.output,
-        batch_size=ns.batch_size,
         log_samples=ns.log_samples,
-        dtype=ns.dtype,
     )
     return request, hf_tokenizer(tok)
 
 
-def rank_argv(ns: argparse.Namespace, tp: int, pp: int) -> list[str]:
-    """This command line for each rank, without --nproc-per-node, with the layout resolved here (a later --tp / --pp
-    wins in argparse: the same values when they were given)."""
-    return without_nproc(getattr(ns, "argv", sys.argv[1:])) + ["--tp", str(tp), "--pp", str(pp)]
+def _ranks() -> Callable:
+    from threed.harness.run import run_harness  # torch, deepspeed, megatron, lm-eval: once the request is known good
 
-
-def _eval_harness(ns: argparse.Namespace) -> int:
-    refuse_nested_launch(ns)
-    request, tokenizer = prepare(ns)
-    if ns.nproc_per_node:
-        return run_local_ranks(ns.nproc_per_node, rank_argv(ns, request.tp, request.pp))
-    # torch, deepspeed, megatron, lm-eval: only once the request is known good
-    from threed.harness.run import run_harness
-    from threed.parallel.distributed import init_distributed, shutdown_distributed
-
-    try:
-        return run_harness(request, tokenizer, init_distributed())
-    finally:
-        shutdown_distributed()
+    return run_harness
 
 
 def limit(text: str) -> float:
@@ -98,20 +73,14 @@ def limit(text: str) -> float:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "eval-harness", help="lm-evaluation-harness scores of a checkpoint on the training engine", allow_abbrev=False
-    )
-    p.add_argument("--load", required=True, help="checkpoint directory (threed train --save, or threed convert)")
-    p.add_argument("--tokenizer", default=None, help="HF tokenizer dir or tokenizer.json (default: the ckpt's)")
+    about = "lm-evaluation-harness scores of a checkpoint on the training engine"
+    p = checkpoint_parser(sub, "eval-harness", about, "HF tokenizer dir or tokenizer.json")
     p.add_argument("--tasks", required=True, help="comma-separated lm-eval task names (stock or local)")
     p.add_argument("--include-path", default=None, metavar="DIR", help="folder of local task YAML files")
     p.add_argument("--limit", type=limit, default=None, help="documents per task (or a fraction of each)")
     p.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: each task's)")
     p.add_argument("--output", default=None, metavar="FILE.json", help="default: CKPT/harness/<tag>_<time>.json")
     p.add_argument("--log-samples", action="store_true", help="keep every request and answer in the JSON")
-    p.add_argument(NPROC_FLAG, type=positive_int, default=None, metavar="N", help="start N local ranks (torchrun)")
-    p.add_argument("--tp", type=positive_int, default=None, help="tensor parallel size (default: the checkpoint's)")
-    p.add_argument("--pp", type=positive_int, default=None, help="pipeline stages (default: the checkpoint's)")
-    p.add_argument("--batch-size", type=positive_int, default=16, help="requests per batch on each replica")
+    add_layout_arguments(p, 16, "requests per batch on each replica")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="compute dtype (default fp32)")
-    p.set_defaults(run=lambda ns: guarded("threed eval-harness", lambda: _eval_harness(ns)))
+    p.set_defaults(run=lambda ns: guarded("threed eval-harness", lambda: run_command(ns, prepare, _ranks)))

@@ -19,7 +19,7 @@ import sys
 from threed.cli.convert import positive_int
 from threed.config import ModelConfig, ParallelConfig
 from threed.errors import ThreedError, guarded
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from threed.generate.prompts import GenerateRequest, Tokenizer
@@ -31,14 +31,12 @@ def prepare(ns: argparse.Namespace) -> "tuple[GenerateRequest, Tokenizer]":
     """The request and its tokenizer, or one ThreedError line; nothing heavy is built."""
     # the checks and the tokenizer (transformers) load only when the command runs, not for `threed --help`
     from threed.generate.prompts import GenerateRequest, Tokenizer, check_checkpoint, check_lengths
-    from threed.generate.prompts import checkpoint_tokenizer, read_prompts, sampling_of
+    from threed.generate.prompts import read_prompts, sampling_of, tokenizer_path
 
     sampling = sampling_of(ns.greedy, ns.temperature, ns.top_p, ns.seed)
     texts = read_prompts(ns.prompt, ns.prompts)
     model, tp, pp = check_checkpoint(ns.load, ns.tp, ns.pp)
-    tok_path = ns.tokenizer or checkpoint_tokenizer(ns.load)
-    if tok_path is None:
-        raise ThreedError(f"--load {ns.load} holds no tokenizer: pass --tokenizer (an HF directory or .model file)")
+    tok_path = tokenizer_path(ns.load, ns.tokenizer, "an HF directory or .model file")
     if not os.path.exists(tok_path):
         raise ThreedError(f"--tokenizer {tok_path}: no such file or directory")
     tokenizer = Tokenizer(tok_path)
@@ -46,26 +44,34 @@ def prepare(ns: argparse.Namespace) -> "tuple[GenerateRequest, Tokenizer]":
     check_lengths(ids, ns.max_new_tokens, model)
     check_world(ns.nproc_per_node, model, tp, pp)
     request = GenerateRequest(
-        load=ns.load,
-        model=model,
-        tp=tp,
-        pp=pp,
+        **request_fields(ns, model, tp, pp),
         texts=texts,
         prompt_ids=ids,
         max_new_tokens=ns.max_new_tokens,
         sampling=sampling,
-        output=ns.output,
-        batch_size=ns.batch_size,
         no_kv_cache=ns.no_kv_cache,
-        dtype=ns.dtype,
     )
     return request, tokenizer
 
 
-def rank_argv(ns: argparse.Namespace, request: "GenerateRequest") -> list[str]:
+def request_fields(ns: argparse.Namespace, model: ModelConfig, tp: int, pp: int) -> dict[str, Any]:
+    """What every request to the ranks carries (GenerateRequest, threed.harness.run.HarnessRequest): the
+    checkpoint and its model, the layout it runs at, where the output goes, the batch size and the compute dtype."""
+    return {
+        "load": ns.load,
+        "model": model,
+        "tp": tp,
+        "pp": pp,
+        "output": ns.output,
+        "batch_size": ns.batch_size,
+        "dtype": ns.dtype,
+    }
+
+
+def rank_argv(ns: argparse.Namespace, tp: int, pp: int) -> list[str]:
     """This command line for each rank, without --nproc-per-node, with the layout resolved here (a later --tp / --pp
     wins in argparse: the same values when they were given)."""
-    return without_nproc(getattr(ns, "argv", sys.argv[1:])) + ["--tp", str(request.tp), "--pp", str(request.pp)]
+    return without_nproc(getattr(ns, "argv", sys.argv[1:])) + ["--tp", str(tp), "--pp", str(pp)]
 
 
 def refuse_nested_launch(ns: argparse.Namespace) -> None:
@@ -78,27 +84,52 @@ def check_world(nproc: "int | None", model: "ModelConfig", tp: int, pp: int) -> 
     ParallelConfig(tp=tp, pp=pp).validate(model, nproc or int(os.environ.get("WORLD_SIZE", "1")))
 
 
-def _generate(ns: argparse.Namespace) -> int:
+def run_command(ns: argparse.Namespace, prepare: Callable, ranks: Callable[[], Callable]) -> int:
+    """The body of `threed generate` and `threed eval-harness`: refuse a nested launch, `prepare` the request (one
+    line for what is wrong, no engine), then start --nproc-per-node local ranks of this command, or run the ranks'
+    function on this one. `ranks()` imports that function: its torch, deepspeed and megatron load only now."""
     refuse_nested_launch(ns)
     request, tokenizer = prepare(ns)
     if ns.nproc_per_node:
-        return run_local_ranks(ns.nproc_per_node, rank_argv(ns, request))
-    # torch, deepspeed, megatron: only once the request is known good
-    from threed.generate.run import run_generate
+        return run_local_ranks(ns.nproc_per_node, rank_argv(ns, request.tp, request.pp))
+    run = ranks()
+    # torch, deepspeed: only once the request is known good
     from threed.parallel.distributed import init_distributed, shutdown_distributed
 
     try:
-        return run_generate(request, tokenizer, init_distributed())
+        return run(request, tokenizer, init_distributed())
     finally:
         shutdown_distributed()
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "generate", help="continue prompts from a checkpoint (any tp / pp; greedy or sampled)", allow_abbrev=False
-    )
+def _ranks() -> Callable:
+    from threed.generate.run import run_generate  # torch, deepspeed, megatron: only once the request is known good
+
+    return run_generate
+
+
+def checkpoint_parser(
+    sub: argparse._SubParsersAction, name: str, about: str, tokenizer: str
+) -> argparse.ArgumentParser:
+    """The parser of a command that runs a checkpoint on the engine (generate, eval-harness), with the flags they
+    share first: --load, and --tokenizer with the `tokenizer` kinds the command reads."""
+    p = sub.add_parser(name, help=about, allow_abbrev=False)
     p.add_argument("--load", required=True, help="checkpoint directory (threed train --save, or threed convert)")
-    p.add_argument("--tokenizer", default=None, help="HF tokenizer dir, tokenizer.json or .model (default: the ckpt's)")
+    p.add_argument("--tokenizer", default=None, help=f"{tokenizer} (default: the ckpt's)")
+    return p
+
+
+def add_layout_arguments(p: argparse.ArgumentParser, batch_size: int, batch_help: str) -> None:
+    """The flags those commands share after their own: local ranks, the layout, and the batch on each replica."""
+    p.add_argument(NPROC_FLAG, type=positive_int, default=None, metavar="N", help="start N local ranks (torchrun)")
+    p.add_argument("--tp", type=positive_int, default=None, help="tensor parallel size (default: the checkpoint's)")
+    p.add_argument("--pp", type=positive_int, default=None, help="pipeline stages (default: the checkpoint's)")
+    p.add_argument("--batch-size", type=positive_int, default=batch_size, help=batch_help)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    about = "continue prompts from a checkpoint (any tp / pp; greedy or sampled)"
+    p = checkpoint_parser(sub, "generate", about, "HF tokenizer dir, tokenizer.json or .model")
     p.add_argument("--prompt", default=None, help="one prompt")
     p.add_argument("--prompts", default=None, metavar="FILE.jsonl", help='a JSONL file of {"prompt": ...} lines')
     p.add_argument("--max-new-tokens", type=positive_int, required=True)
@@ -107,10 +138,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=None, help="sample from the nucleus of this mass (default 1)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed: the same tokens at every layout")
     p.add_argument("--output", default=None, metavar="FILE.jsonl", help="lines of prompt, text, tokens")
-    p.add_argument(NPROC_FLAG, type=positive_int, default=None, metavar="N", help="start N local ranks (torchrun)")
-    p.add_argument("--tp", type=positive_int, default=None, help="tensor parallel size (default: the checkpoint's)")
-    p.add_argument("--pp", type=positive_int, default=None, help="pipeline stages (default: the checkpoint's)")
-    p.add_argument("--batch-size", type=positive_int, default=8, help="prompts per batch on each replica")
+    add_layout_arguments(p, 8, "prompts per batch on each replica")
     p.add_argument("--no-kv-cache", action="store_true", help="rerun the whole sequence each step (a reference)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="compute dtype (default fp32)")
-    p.set_defaults(run=lambda ns: guarded("threed generate", lambda: _generate(ns)))
+    p.set_defaults(run=lambda ns: guarded("threed generate", lambda: run_command(ns, prepare, _ranks)))

@@ -13,6 +13,7 @@ and reading one layer of it back as HF tensors (for `threed export` and `threed 
 from __future__ import annotations
 
 import json
+import time
 from collections import OrderedDict
 from importlib import metadata
 from pathlib import Path
@@ -31,7 +32,7 @@ from threed.checkpoint.format import (
 )
 from threed.config import ModelConfig, RunConfig
 from threed.convert.slices import ShardReader
-from threed.model.spec import LAYER_KINDS, PipelineLayer, layer_parameters, stored_layers
+from threed.model.spec import LAYER_KINDS, PipelineLayer, layer_parameters, pipeline_layers, stored_layers
 
 # megatron-core linears define get_extra_state(); their state dicts hold `<module>._extra_state = None`, and a
 # strict load_state_dict insists on the key, so converted layer files carry it as DeepSpeed's own files do.
@@ -71,6 +72,33 @@ def mp_rank_state(tp: int, pp: int, manifest: dict[str, Any]) -> dict[str, Any]:
         "checkpoint_parallel_dimensions": {"pp_degree": pp, "tp_degree": tp},
         "ds_version": ds_version,
         "threed_convert": manifest,
+    }
+
+
+def convert_manifest(
+    command: str, cfg: ModelConfig, tp: int, pp: int, dtype: str, source: dict[str, Any], hf_files: list[str], t0: float
+) -> dict[str, Any]:
+    """The manifest of a `threed convert` / `threed reshard` output (threed_convert.json, and in every mp_rank file):
+    the model and layout, true and padded vocab, the dtype(s) written, which pipeline layers have files, the
+    `source` the command read, the HF side files carried along in hf/, and the seconds since `t0`."""
+    return {
+        "format": "threed-deepspeed-pipeline",
+        "version": 1,
+        "created_by": command,
+        "model": model_to_dict(cfg),
+        "tp": tp,
+        "pp": pp,
+        "vocab_size": cfg.vocab_size,
+        "padded_vocab_size": cfg.padded_vocab_size(tp),
+        "make_vocab_size_divisible_by": cfg.make_vocab_size_divisible_by,
+        "dtype": dtype,
+        "tag": CONVERT_TAG,
+        "num_pipeline_layers": len(pipeline_layers(cfg)),
+        "stored_layers": [ly.index for ly in stored_layers(cfg)],
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "source": source,
+        "hf_files": hf_files,
+        "seconds": round(time.time() - t0, 2),
     }
 
 

@@ -27,7 +27,7 @@ import torch
 
 from threed.checkpoint.format import HF_EXTRA_DIR, Checkpoint, open_checkpoint, read_run_json
 from threed.convert.ds_checkpoint import shard_reader
-from threed.convert.io_utils import ConvertError, atomic_output_dir, check_free_space, progress
+from threed.convert.io_utils import ConvertError, atomic_output_dir, check_free_space, progress, refuse_existing
 from threed.convert.slices import Piece
 from threed.hf.config import write_config
 from threed.hf.format import TOKENIZER_FILES
@@ -135,13 +135,11 @@ def export(
     show_progress: bool = True,
 ) -> dict[str, Any]:
     t0 = time.time()
-    if Path(out).exists() and not force:
-        raise ConvertError(f"{Path(out).absolute()} already exists; choose a new --out or pass --force")
+    refuse_existing(out, force)
     ck = open_checkpoint(ckpt)
     planned = _plan(ck, dtype)
     total = sum(t.nbytes for t in planned)
-    Path(out).absolute().parent.mkdir(parents=True, exist_ok=True)
-    check_free_space(Path(out).absolute().parent, total)
+    check_free_space(out, total)
     with atomic_output_dir(out, force) as tmp:
         writer = ShardedSafetensorsWriter(tmp, plan_shards(planned, max_shard_bytes))
         buffers: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = {}

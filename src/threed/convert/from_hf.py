@@ -33,8 +33,15 @@ import torch
 
 from threed.checkpoint.format import CONVERT_TAG, HF_EXTRA_DIR, layer_file
 from threed.config import ModelConfig, ParallelConfig, RunConfig
-from threed.convert.ds_checkpoint import model_to_dict, with_extra_state, write_metadata
-from threed.convert.io_utils import ConvertError, atomic_output_dir, check_free_space, dtype_name, progress
+from threed.convert.ds_checkpoint import convert_manifest, model_to_dict, with_extra_state, write_metadata
+from threed.convert.io_utils import (
+    ConvertError,
+    atomic_output_dir,
+    check_free_space,
+    dtype_name,
+    progress,
+    refuse_existing,
+)
 from threed.convert.slices import BufferPool, PartReader, materialize, rank_slices
 from threed.hf.config import from_hf_config
 from threed.hf.format import SIDE_FILES
@@ -187,7 +194,42 @@ def _run_workers(
             raise
 
 
+def _run_here(source: HFSource, cfg: ModelConfig, tp: int, dtype: Optional[torch.dtype], step_dir: Path, bar) -> None:
+    """`_run_workers` in this process: one TP rank's shard of one layer in memory at a time, the next layer's
+    files read ahead while this one's are written."""
+    layers = stored_layers(cfg)
+    source.prefetch(layer_hf_names(layers[0]))
+    following = dict(zip((ly.index for ly in layers), layers[1:]))
+    for layer, rank, sd in convert_stream(source, cfg, tp, dtype, layers, pool=BufferPool()):
+        if rank == 0 and layer.index in following:
+            source.prefetch(layer_hf_names(following[layer.index]))  # overlap reads and writes
+        save_rank(step_dir, layer, rank, sd)
+        del sd  # one rank's shard of one layer in memory at a time
+        if rank == tp - 1:
+            bar.update(source.nbytes(layer_hf_names(layer)))
+
+
 # --------------------------------------------------------------------------------------------------- main
+
+
+def checked_source(hf_dir: Path, cfg: ModelConfig) -> HFSource:
+    """The HF directory's tensors, checked against its config.json (`check_source`); closed again if they fail."""
+    source = HFSource(hf_dir)
+    try:
+        check_source(source, cfg)
+    except BaseException:
+        source.close()  # the tie check may have opened the files
+        raise
+    return source
+
+
+def copy_side_files(hf_dir: Path, dest: Path) -> list[str]:
+    """The HF directory's tokenizer and config files (SIDE_FILES) into a new `dest`; returns the names copied."""
+    dest.mkdir()
+    copied = [f for f in SIDE_FILES if (hf_dir / f).is_file()]
+    for f in copied:
+        (dest / f).write_bytes((hf_dir / f).read_bytes())
+    return copied
 
 
 def convert_hf_checkpoint(
@@ -208,19 +250,12 @@ def convert_hf_checkpoint(
     cfg = from_hf_config(hf_dir)
     cfg = dataclasses.replace(cfg, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
     ParallelConfig(tp=tp, pp=pp).validate(cfg, tp * pp)  # whole heads per TP rank, pp <= layers, ...
-    if Path(out).exists() and not force:  # fail before reading anything
-        raise ConvertError(f"{Path(out).absolute()} already exists; choose a new --out or pass --force")
-    source = HFSource(hf_dir)
-    try:
-        check_source(source, cfg)
-    except BaseException:
-        source.close()  # the tie check may have opened the files
-        raise
+    refuse_existing(out, force)  # fail before reading anything
+    source = checked_source(hf_dir, cfg)
     layers = stored_layers(cfg)  # a tied LM head has no file (the embedding's weight is saved once, layer_00)
     total = sum(source.nbytes(layer_hf_names(ly)) for ly in layers)
     scale = (dtype.itemsize / min(t.dtype.itemsize for t in source.tensors.values())) if dtype else 1.0
-    Path(out).absolute().parent.mkdir(parents=True, exist_ok=True)
-    check_free_space(Path(out).absolute().parent, int(total * scale))
+    check_free_space(out, int(total * scale))
     dtypes = sorted({dtype_name(dtype)} if dtype else {dtype_name(t.dtype) for t in source.tensors.values()})
     with atomic_output_dir(out, force) as tmp, contextlib.closing(source):
         step_dir = tmp / CONVERT_TAG
@@ -229,44 +264,11 @@ def convert_hf_checkpoint(
             if workers > 1:  # each worker process holds its own rank shard: memory x workers
                 _run_workers(source, cfg, tp, dtype, step_dir, workers, bar)
             else:
-                source.prefetch(layer_hf_names(layers[0]))
-                following = dict(zip((ly.index for ly in layers), layers[1:]))
-                for layer, rank, sd in convert_stream(source, cfg, tp, dtype, layers, pool=BufferPool()):
-                    if rank == 0 and layer.index in following:
-                        source.prefetch(layer_hf_names(following[layer.index]))  # overlap reads and writes
-                    save_rank(step_dir, layer, rank, sd)
-                    del sd  # one rank's shard of one layer in memory at a time
-                    if rank == tp - 1:
-                        bar.update(source.nbytes(layer_hf_names(layer)))
-        extra = tmp / HF_EXTRA_DIR
-        extra.mkdir()
-        copied = [f for f in SIDE_FILES if (hf_dir / f).is_file()]
-        for f in copied:
-            (extra / f).write_bytes((hf_dir / f).read_bytes())
-        manifest = {
-            "format": "threed-deepspeed-pipeline",
-            "version": 1,
-            "created_by": "threed convert",
-            "model": model_to_dict(cfg),
-            "tp": tp,
-            "pp": pp,
-            "vocab_size": cfg.vocab_size,
-            "padded_vocab_size": cfg.padded_vocab_size(tp),
-            "make_vocab_size_divisible_by": cfg.make_vocab_size_divisible_by,
-            "dtype": "/".join(dtypes),
-            "tag": CONVERT_TAG,
-            "num_pipeline_layers": len(pipeline_layers(cfg)),
-            "stored_layers": [ly.index for ly in layers],
-            "tie_word_embeddings": cfg.tie_word_embeddings,
-            "source": {
-                "path": str(hf_dir),
-                "format": source.format,
-                "files": [f.name for f in source.files],
-                "bytes": total,
-            },
-            "hf_files": copied,
-            "seconds": round(time.time() - t0, 2),
-        }
+                _run_here(source, cfg, tp, dtype, step_dir, bar)
+        copied = copy_side_files(hf_dir, tmp / HF_EXTRA_DIR)
+        files = [f.name for f in source.files]
+        read = {"path": str(hf_dir), "format": source.format, "files": files, "bytes": total}
+        manifest = convert_manifest("threed convert", cfg, tp, pp, "/".join(dtypes), read, copied, t0)
         write_metadata(tmp, cfg, tp, pp, manifest)
     if show_progress:
         print(

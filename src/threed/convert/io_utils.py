@@ -57,7 +57,18 @@ def progress(total: int, desc: str, enabled: bool = True):
     )
 
 
-def check_free_space(parent: Path, needed: int) -> None:
+def refuse_existing(out: str | os.PathLike, force: bool) -> None:
+    """An existing `out` without --force is refused before anything is read (a converter's first check), and
+    again by atomic_output_dir when it is about to be written."""
+    if Path(out).exists() and not force:
+        raise ConvertError(f"{Path(out).absolute()} already exists; choose a new --out or pass --force")
+
+
+def check_free_space(out: str | os.PathLike, needed: int) -> None:
+    """Room for `needed` bytes beside `out` (its parent folder, made here if missing: the output is built there
+    and renamed into place)."""
+    parent = Path(out).absolute().parent
+    parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(parent).free
     if needed > free:
         raise ConvertError(f"{parent} has {human_bytes(free)} free, the output needs about {human_bytes(needed)}")
@@ -68,9 +79,8 @@ def atomic_output_dir(out: str | os.PathLike, force: bool = False) -> Iterator[P
     """Yield a fresh temporary directory beside `out`; rename it to `out` when the block succeeds, delete it
     when the block fails. A crash, a bad tensor or Ctrl-C never leaves a half-written `out` that a later
     `threed train --init-from` could mistake for a checkpoint."""
+    refuse_existing(out, force)
     out = Path(out).absolute()
-    if out.exists() and not force:
-        raise ConvertError(f"{out} already exists; choose a new --out or pass --force to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_dir(out) as tmp:  # with --force an existing `out` is moved aside first, deleted only at the end
         yield tmp

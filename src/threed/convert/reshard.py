@@ -17,15 +17,32 @@ from typing import Any, Optional
 
 import torch
 
-from threed.config import ParallelConfig
+from threed.config import ModelConfig, ParallelConfig
 from threed.convert.from_hf import convert_rank, layer_hf_names, save_rank
 from threed.convert.export import write_side_files
-from threed.checkpoint.format import CONVERT_TAG, HF_EXTRA_DIR, open_checkpoint
-from threed.convert.ds_checkpoint import model_to_dict, shard_reader, write_metadata
-from threed.convert.io_utils import ConvertError, atomic_output_dir, check_free_space, dtype_name, progress
+from threed.checkpoint.format import CONVERT_TAG, HF_EXTRA_DIR, Checkpoint, open_checkpoint
+from threed.convert.ds_checkpoint import convert_manifest, shard_reader, write_metadata
+from threed.convert.io_utils import atomic_output_dir, check_free_space, dtype_name, progress, refuse_existing
 from threed.convert.slices import BufferPool
-from threed.model.spec import pipeline_layers, stored_layers
+from threed.model.spec import stored_layers
 from threed.units import human_bytes
+
+
+def reshard_layers(
+    ck: Checkpoint, cfg: ModelConfig, tp: int, dtype: Optional[torch.dtype], step_dir: Path, bar
+) -> set[str]:
+    """Every stored layer's new TP files into step_dir, one layer's old files mapped at a time; returns the dtypes
+    the old files hold."""
+    dtypes: set[str] = set()
+    pool = BufferPool()
+    for layer in stored_layers(cfg):  # a tied LM head has no file to read or write
+        reader = shard_reader(ck, layer)  # slices of the HF tensors, read out of the old TP files
+        for rank in range(tp):
+            save_rank(step_dir, layer, rank, convert_rank(cfg, layer, reader, tp, rank, dtype, pool=pool))
+        dtypes.update(dtype_name(reader.dtype(n)) for n in layer_hf_names(layer))
+        del reader  # unmaps this layer's files
+        bar.update(ck.nbytes(layer.index))
+    return dtypes
 
 
 def reshard(
@@ -37,57 +54,32 @@ def reshard(
     force: bool = False,
     show_progress: bool = True,
 ) -> dict[str, Any]:
+    """`threed reshard`: the checkpoint at `ckpt` as a tp x pp checkpoint at `out`; returns the manifest written to
+    OUT/threed_convert.json."""
     t0 = time.time()
-    if Path(out).exists() and not force:
-        raise ConvertError(f"{Path(out).absolute()} already exists; choose a new --out or pass --force")
+    refuse_existing(out, force)
     ck = open_checkpoint(ckpt)
     cfg = ck.model
     ParallelConfig(tp=tp, pp=pp).validate(cfg, tp * pp)
-    layers = stored_layers(cfg)  # a tied LM head has no file to read or write
-    total = sum(ck.nbytes(ly.index) for ly in layers)
-    Path(out).absolute().parent.mkdir(parents=True, exist_ok=True)
-    check_free_space(Path(out).absolute().parent, total)
+    total = sum(ck.nbytes(ly.index) for ly in stored_layers(cfg))
+    check_free_space(out, total)
     with atomic_output_dir(out, force) as tmp:
         step_dir = tmp / CONVERT_TAG
         step_dir.mkdir()
-        dtypes: set[str] = set()
-        pool = BufferPool()
         with progress(total, "reshard", show_progress) as bar:
-            for layer in layers:
-                reader = shard_reader(ck, layer)  # slices of the HF tensors, read out of the old TP files
-                for rank in range(tp):
-                    save_rank(step_dir, layer, rank, convert_rank(cfg, layer, reader, tp, rank, dtype, pool=pool))
-                dtypes.update(dtype_name(reader.dtype(n)) for n in layer_hf_names(layer))
-                del reader  # unmaps this layer's files
-                bar.update(ck.nbytes(layer.index))
+            dtypes = reshard_layers(ck, cfg, tp, dtype, step_dir, bar)
         (tmp / HF_EXTRA_DIR).mkdir()  # carry tokenizer / source config along, so export still finds them
         side = write_side_files(ck, tmp / HF_EXTRA_DIR, with_config=True)
-        manifest = {
-            "format": "threed-deepspeed-pipeline",
-            "version": 1,
-            "created_by": "threed reshard",
-            "model": model_to_dict(cfg),
-            "tp": tp,
-            "pp": pp,
-            "vocab_size": cfg.vocab_size,
-            "padded_vocab_size": cfg.padded_vocab_size(tp),
-            "make_vocab_size_divisible_by": cfg.make_vocab_size_divisible_by,
-            "dtype": dtype_name(dtype) if dtype else "/".join(sorted(dtypes)),
-            "tag": CONVERT_TAG,
-            "num_pipeline_layers": len(pipeline_layers(cfg)),
-            "stored_layers": [ly.index for ly in layers],
-            "tie_word_embeddings": cfg.tie_word_embeddings,
-            "source": {
-                "path": str(ck.path.absolute()),
-                "format": "deepspeed",
-                "tp": ck.tp,
-                "pp": ck.pp,
-                "tag": ck.tag,
-                "bytes": total,
-            },
-            "hf_files": side,
-            "seconds": round(time.time() - t0, 2),
+        source = {
+            "path": str(ck.path.absolute()),
+            "format": "deepspeed",
+            "tp": ck.tp,
+            "pp": ck.pp,
+            "tag": ck.tag,
+            "bytes": total,
         }
+        written = dtype_name(dtype) if dtype else "/".join(sorted(dtypes))
+        manifest = convert_manifest("threed reshard", cfg, tp, pp, written, source, side, t0)
         write_metadata(tmp, cfg, tp, pp, manifest)
     if show_progress:
         print(

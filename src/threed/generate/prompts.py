@@ -100,6 +100,15 @@ def checkpoint_tokenizer(load: str) -> Optional[str]:
     return None
 
 
+def tokenizer_path(load: str, given: Optional[str], kinds: str) -> str:
+    """`--tokenizer` when given, else the one the checkpoint holds (`checkpoint_tokenizer`); when neither, one line
+    asking for a --tokenizer of the `kinds` the command reads."""
+    tok = given or checkpoint_tokenizer(load)
+    if tok is None:
+        raise ThreedError(f"--load {load} holds no tokenizer: pass --tokenizer ({kinds})")
+    return tok
+
+
 def read_prompts(prompt: Optional[str], prompts_file: Optional[str]) -> list[str]:
     """`--prompt TEXT` or `--prompts FILE.jsonl` (exactly one), as a list of texts."""
     if (prompt is None) == (prompts_file is None):

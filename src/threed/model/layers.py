@@ -269,22 +269,30 @@ class PaddedLogits:
         return logits
 
 
+def vocab_parallel_linear(
+    model: ModelConfig, mcore: TransformerConfig, own_weight: bool = True
+) -> SplitColumnParallelLinear:
+    """The LM head's linear, hidden -> this TP rank's columns of the padded vocab, un-gathered (the loss is
+    vocab-parallel). `own_weight=False`: no weight is allocated, the tied head passes the embedding's at each call."""
+    return SplitColumnParallelLinear(
+        model.hidden_size,
+        model.padded_vocab_size(mcore.tensor_model_parallel_size),
+        config=mcore,
+        init_method=mcore.init_method,
+        bias=False,
+        gather_output=False,
+        skip_weight_param_allocation=not own_weight,
+    )
+
+
 class LMHeadPipe(torch.nn.Module):
     """Column-parallel LM head: `[s, b, h]` -> vocab-parallel logits `[s, b, padded_vocab / tp]`, padding masked."""
 
     def __init__(self, model: ModelConfig, mcore: TransformerConfig):
         super().__init__()
-        tp = mcore.tensor_model_parallel_size
-        self.lm_head = SplitColumnParallelLinear(
-            model.hidden_size,
-            model.padded_vocab_size(tp),
-            config=mcore,
-            init_method=mcore.init_method,
-            bias=False,
-            gather_output=False,
-        )
+        self.lm_head = vocab_parallel_linear(model, mcore)
         mark_tensor_parallel(self)
-        self.mask_padding = PaddedLogits(model, tp)
+        self.mask_padding = PaddedLogits(model, mcore.tensor_model_parallel_size)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits, _ = self.lm_head(hidden)
@@ -299,17 +307,8 @@ class TiedLMHead:
     it holds no tensor, so it needs no device move."""
 
     def __init__(self, model: ModelConfig, mcore: TransformerConfig):
-        tp = mcore.tensor_model_parallel_size
-        self.linear = SplitColumnParallelLinear(
-            model.hidden_size,
-            model.padded_vocab_size(tp),
-            config=mcore,
-            init_method=mcore.init_method,
-            bias=False,
-            gather_output=False,
-            skip_weight_param_allocation=True,
-        )
-        self.mask_padding = PaddedLogits(model, tp)
+        self.linear = vocab_parallel_linear(model, mcore, own_weight=False)
+        self.mask_padding = PaddedLogits(model, mcore.tensor_model_parallel_size)
 
     def __call__(self, embedding: "EmbeddingPipe", hidden: torch.Tensor) -> torch.Tensor:
         logits, _ = self.linear(hidden, weight=embedding.word_embeddings.weight)
