@@ -242,12 +242,6 @@ def test_no_class_is_built_inside_a_function():
 
 
 MAX_FUNCTION_LINES = 60  # from `def` to the function's last line, its docstring included
-# Being cut on other branches at the time this test came in; each entry goes when its function is cut (the test
-# below fails on an entry whose function is short already, so a stale one is not forgotten).
-LONG_FUNCTIONS_BEING_CUT = {
-    "convert/from_hf.py:convert_hf_checkpoint",
-    "convert/reshard.py:reshard",
-}
 
 
 def function_lengths() -> list[tuple[str, int, int]]:
@@ -269,11 +263,8 @@ def test_no_function_is_over_sixty_lines():
     bad = [
         f"src/threed/{where.split(':')[0]}:{line}: {where.split(':')[1]}() is {n} lines (at most {MAX_FUNCTION_LINES})"
         for where, line, n in long
-        if where not in LONG_FUNCTIONS_BEING_CUT
     ]
     assert not bad, "functions over the limit: cut them into named steps\n" + "\n".join(bad)
-    stale = sorted(LONG_FUNCTIONS_BEING_CUT - {where for where, _, _ in long})
-    assert not stale, f"within {MAX_FUNCTION_LINES} lines now (or gone): drop from LONG_FUNCTIONS_BEING_CUT: {stale}"
 
 
 # What says which layers go where and in what order: the planner, the memory model and check-config use these in a
