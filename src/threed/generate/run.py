@@ -18,9 +18,9 @@ import torch.distributed as dist
 
 from threed.atomic import write_atomic
 from threed.config import CheckpointConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
+from threed.parallel.distributed import Runtime  # before megatron-core (decode's): the device policy's setup
 from threed.generate.decode import generate_all
 from threed.generate.prompts import GenerateRequest, Tokenizer
-from threed.parallel.distributed import Runtime
 from threed.engine.build import build_engine
 from threed.engine.resolved import resolve
 

@@ -29,7 +29,6 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from threed.model.context import context_parallel_attention
 
@@ -74,6 +73,10 @@ class SDPACoreAttention(torch.nn.Module):
         if attention_mask is not None:
             return self._packed(query, key, value, attention_mask)
         if key.shape[0] != s:  # a query shorter than its keys (a KV cache): the triangle aligns bottom-right
+            # torch.nn.attention.bias: heavy, it imports torch's compiler (dynamo, ~1 s) as it loads; only decoding
+            # with a KV cache and no mask comes here, so a training rank does not pay for it
+            from torch.nn.attention.bias import causal_lower_right
+
             return self._masked(query, key, value, causal_lower_right(s, key.shape[0]))
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
         out = F.scaled_dot_product_attention(

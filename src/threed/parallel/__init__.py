@@ -5,6 +5,7 @@
     distributed.py      the device policy (cuda+nccl or cpu+gloo, chosen in one place), megatron-core's parallel
                         state (tp-cp-dp-pp), and the check that megatron's groups are DeepSpeed's
     megatron_device.py  megatron-core's CUDA-only buffers, put on the device policy's device (the one adaptation)
+                        and its fusers left uncompiled off CUDA (no torch.compile import on a CPU rank)
     launch.py           N ranks under torchrun, ending as the ranks do (one line, their exit status)
     build_lock.py       a JIT build lock a killed build left (DeepSpeed's CPU comm op), named in one line (pure)
     partition.py        which stage holds which layers (--partition-method), full recompute's chunks (pure)

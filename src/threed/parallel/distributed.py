@@ -6,8 +6,10 @@ layer and DeepSpeed's gradient all-reduce over DP must see the same partners), s
 them on every rank at start-up.
 
 It is also the one place that quiets the libraries' start-up noise (`quiet_libraries`, run when this module is
-imported: threed.engine.build, threed.train and every rank's entry point import it before deepspeed or megatron-core)
-and that sets every process group's collective timeout (`init_distributed`).
+imported: threed.engine.build, threed.train and every rank's entry point import it before deepspeed or megatron-core),
+that keeps megatron-core's fusers uncompiled where the device policy says CPU (`megatron_device.skip_fuser_compile`,
+also at import: no fused kernel runs there, and torch's compiler stays unimported) and that sets every process
+group's collective timeout (`init_distributed`).
 """
 
 from __future__ import annotations
@@ -234,6 +236,8 @@ def library_prints() -> Iterator[None]:
 
 
 quiet_libraries()
+# Before megatron-core is imported, as the quieting above: off CUDA its fusers stay uncompiled (megatron_device).
+megatron_device.skip_fuser_compile(device_type())
 
 
 def to_cpu(t: torch.Tensor) -> torch.Tensor:

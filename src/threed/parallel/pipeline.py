@@ -8,6 +8,8 @@ objects (one `LayerSpec` per layer of `spec.pipeline_layers`, so checkpoint file
 from __future__ import annotations
 
 import torch
+
+import threed.parallel.distributed  # noqa: F401  (first: the device policy's setup before deepspeed and megatron)
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from megatron.core import parallel_state
