@@ -2,8 +2,8 @@
 attention of each rank's zigzag share, gathered back to the full row, equals full-sequence SDPACoreAttention in its
 output and in dQ, dK, dV (the reduce-scatter of dK/dV included), for plain causal rows and packed documents that
 cross chunk edges, with GQA and without; the loss helper gives the exact token-weighted mean over ranks and
-micro-batches, which the mean of per-rank means misses when loss masks differ between chunks. One torchrun launch
-of 4 ranks runs both cp (tests/ranks/context_worker.py).
+micro-batches, which the mean of per-rank means misses when loss masks differ between chunks. One run of 4 ranks
+runs both cp (tests/ranks/context_worker.py).
 
     PYTHONPATH=$PWD/src .venv/bin/python -m pytest -q tests/ranks/test_context_attention.py
 """
@@ -11,14 +11,12 @@ of 4 ranks runs both cp (tests/ranks/context_worker.py).
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
-from threed.parallel.launch import run_ranks
 
-# a 4-rank launch (~40 s): CP's end-to-end parity, which runs this attention, stays in make test
+# a 4-rank run (~40 s): CP's end-to-end parity, which runs this attention, stays in make test
 # (test_context_parallel.py)
 pytestmark = pytest.mark.slow
 
@@ -28,12 +26,10 @@ CPS = (2, 4)
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict[int, list[dict]]:
-    """cp -> each rank's results, from one launch of 4 ranks (cp 4 over them all, cp 2 over each pair)."""
+def results(tmp_path_factory, rank_pool) -> dict[int, list[dict]]:
+    """cp -> each rank's results, from one run on 4 ranks (cp 4 over them all, cp 2 over each pair)."""
     out = tmp_path_factory.mktemp("cp")
-    # tests/ on the workers' path as well, wherever worker_setup lives (tests/ or tests/ranks/)
-    path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(HERE.parent)) if p)
-    run_ranks(4, str(HERE / "context_worker.py"), ["--out", str(out)], env={"PYTHONPATH": path}, timeout=600)
+    rank_pool.run(4, str(HERE / "context_worker.py"), ["--out", str(out)], timeout=600)
     ranks = [json.loads((out / f"context_rank{r}.json").read_text()) for r in range(4)]
     return {cp: [r[str(cp)] for r in ranks] for cp in CPS}
 

@@ -1,4 +1,4 @@
-"""Context parallelism in training (issue 27), 8 gloo ranks in fp32 (tests/ranks/cp_worker.py, one launch):
+"""Context parallelism in training (issue 27), 8 gloo ranks in fp32 (tests/ranks/cp_worker.py, one run):
 
 - tp2 pp2 cp2 under 1F1B and ZB-H1, and tp2 cp2 dp2 with --sequence-parallel, equal the same run at cp1 (tp2 pp2 dp2)
   and single-process HF training on the same tokens: losses and gradient norms over 10 steps, and final weights,
@@ -25,14 +25,13 @@ from helpers import RANKS, hf_model, model_config, sft_examples, write_dataset, 
 from reference import gqa31_reference, sft_reference
 from sft_worker import sft_config
 from threed.cli.main import main
-from threed.parallel.launch import run_ranks
 
 TOL = 1e-5
 HIDDEN = model_config("gqa31").hidden_size
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory, rank_pool):
     out = tmp_path_factory.mktemp("cp")
     data = write_dataset(out / "random", np.random.default_rng(0).integers(0, 200, 8000), 200)
     chat = write_sft_dataset(out / "chat", sft_examples(400, 200), 200)
@@ -42,7 +41,7 @@ def run(tmp_path_factory):
     assert main([*convert, "--make-vocab-size-divisible-by", "16"]) == 0
     data_b = write_dataset(out / "random_b", np.random.default_rng(1).integers(0, 200, 8000), 200, seed=1)
     args = ["--out", str(out), "--data", data, "--sft-data", chat, "--converted", str(converted), "--data-b", data_b]
-    run_ranks(8, str(RANKS / "cp_worker.py"), args, timeout=1800)
+    rank_pool.run(8, str(RANKS / "cp_worker.py"), args, timeout=1800)
     final = {
         name: {k: v for f in sorted(out.glob(f"final_{name}_stage*.pt")) for k, v in torch.load(f).items()}
         for name in RUNS

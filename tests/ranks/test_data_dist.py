@@ -1,4 +1,4 @@
-"""`threed train` on a 2-source megatron-core blend at tp2 x pp2 x dp2 (8 gloo ranks, one launch): validation
+"""`threed train` on a 2-source megatron-core blend at tp2 x pp2 x dp2 (8 gloo ranks, one run): validation
 equals a single-process evaluation of the same weights, per source dataset too; evaluation does not change
 training; a stopped run resumes on the same samples; middle pipeline stages read no data."""
 
@@ -15,17 +15,16 @@ import torch.nn.functional as F
 from data_worker import base_config
 from helpers import RANKS, gpt_dataset, learnable_tokens, write_dataset
 from threed.cli.main import main as cli
-from threed.parallel.launch import run_ranks
 
 FP32_TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory, rank_pool):
     out = tmp_path_factory.mktemp("data_dist")
     a = write_dataset(out / "a", learnable_tokens(12_000, seed=1), 200, seed=1)
     b = write_dataset(out / "b", np.random.default_rng(2).integers(0, 200, 12_000), 200, seed=2)
-    run_ranks(8, str(RANKS / "data_worker.py"), ["--out", str(out), "--a", a, "--b", b], timeout=1500)
+    rank_pool.run(8, str(RANKS / "data_worker.py"), ["--out", str(out), "--a", a, "--b", b], timeout=1500)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(8)]
     return {"ranks": ranks, "out": out, "a": a, "b": b}
 

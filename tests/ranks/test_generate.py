@@ -2,7 +2,7 @@
 for token on prompts of different lengths in one batch, at tp1 pp1 (dp4), tp2 pp2 and tp1 pp2 (dp2), with and
 without the KV cache; every compared step's top-1 / top-2 margin exceeds MARGIN_TOL on both sides, so a near-tie
 cannot pass by luck; seeded sampling gives the same tokens at every layout and cache mode; a stop id ends its row.
-One 4-rank launch (generate_worker.py).
+One 4-rank run (generate_worker.py).
 
     .venv/bin/python -m pytest -q tests/ranks/test_generate.py
 """
@@ -16,7 +16,6 @@ import torch
 
 from convert_fixtures import GQA4, hf_model
 from helpers import RANKS
-from threed.parallel.launch import run_ranks
 
 SEED = 0
 LENGTHS = (5, 11, 3, 8, 1)  # prompt lengths in one batch (left-padded to 11)
@@ -52,7 +51,7 @@ def hf_greedy(model, batch: list[list[int]]) -> tuple[list[list[int]], list[list
 
 
 @pytest.fixture(scope="module")
-def generated(tmp_path_factory):
+def generated(tmp_path_factory, rank_pool):
     out = tmp_path_factory.mktemp("generate")
     batch = prompts()
     with torch.no_grad():
@@ -61,7 +60,9 @@ def generated(tmp_path_factory):
     stop = [hf_tokens[0][2], hf_tokens[3][5]]  # row 0 ends at its 3rd new token, row 3 at its 6th (or sooner)
     spec = {"config": GQA4, "seed": SEED, "prompts": batch, "max_new": MAX_NEW, "stop": stop}
     (out / "spec.json").write_text(json.dumps(spec))
-    run_ranks(4, str(RANKS / "generate_worker.py"), ["--out", str(out), "--spec", str(out / "spec.json")], timeout=900)
+    rank_pool.run(
+        4, str(RANKS / "generate_worker.py"), ["--out", str(out), "--spec", str(out / "spec.json")], timeout=900
+    )
     results = json.loads((out / "generated.json").read_text())
     return results, hf_tokens, hf_margins, stop, (tied_tokens, tied_margins)
 

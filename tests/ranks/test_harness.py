@@ -5,7 +5,7 @@ is-greedy) within 1e-5 of HF's, and the same at tp1 pp1 (dp4), tp2 pp2 and tp1 p
 (through `threed generate`'s loop) giving HF's texts. The same request parity through `threed eval-harness`'s rank
 code for a tied model (Llama 3.2's layout, converted, scored at tp2 pp2) and a checkpoint trained a few steps with
 packed SFT (scored at tp2 pp2), each against HF on its HF directory (the source; `threed export`'s output). One
-4-rank launch (harness_worker.py).
+4-rank run (harness_worker.py).
 
     .venv/bin/python -m pytest -q tests/ranks/test_harness.py
 """
@@ -24,7 +24,6 @@ from convert_fixtures import GQA4, TIED, TIED_DIVISIBLE_BY, save_tied_hf
 from harness_fixtures import GEN_TASK, OFFLINE_ENV, TASKS, add_greedy_choices, model_dir, request_results, write_tasks
 from helpers import RANKS, sft_examples, write_sft_dataset
 from threed.cli.main import main
-from threed.parallel.launch import run_ranks
 
 CONFIG = dict(GQA4, vocab_size=320)  # room for the 300-piece test tokenizer
 REL_TOL = 1e-5
@@ -78,7 +77,7 @@ def exported(ckpt: Path, out: Path, tokenizer_dir: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def harness(tmp_path_factory, tok_dirs, offline):
+def harness(tmp_path_factory, rank_pool, tok_dirs, offline):
     root = tmp_path_factory.mktemp("harness")
     path = model_dir(root / "hf", CONFIG, tok_dirs["plain"])
     include = write_tasks(root / "tasks")
@@ -91,8 +90,8 @@ def harness(tmp_path_factory, tok_dirs, offline):
         "sft_data": sft_data, "sft_ckpt": str(root / "sft_ckpt"),
     }  # fmt: skip
     (root / "spec.json").write_text(json.dumps(spec))
-    run_ranks(4, str(RANKS / "harness_worker.py"), ["--out", str(root), "--spec", str(root / "spec.json")],
-              env=offline, timeout=900)  # fmt: skip
+    rank_pool.run(4, str(RANKS / "harness_worker.py"), ["--out", str(root), "--spec", str(root / "spec.json")],
+                  env=offline, timeout=900)  # fmt: skip
     sft_hf = exported(root / "sft_ckpt", root / "sft_hf", tok_dirs["plain"])
     checkpoints = {
         name: (json.loads((root / f"{name}_harness.json").read_text()), hf_reference(hf, include, TASKS))

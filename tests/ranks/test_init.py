@@ -1,7 +1,7 @@
 """Random initialisation depends only on the seed: the same weights at every (tp, pp), no two blocks alike, and
 exactly `random_hf_state(model, seed)`; and bf16 runs reduce gradients over DP in fp32.
 
-One 4-rank launch (tests/ranks/init_worker.py) builds the model at tp/pp (1,1) (2,1) (1,2) (1,4) (2,2).
+One 4-rank run (tests/ranks/init_worker.py) builds the model at tp/pp (1,1) (2,1) (1,2) (1,4) (2,2).
 """
 
 from __future__ import annotations
@@ -14,16 +14,15 @@ import torch
 from helpers import RANKS, model_config
 from threed.convert.in_memory import random_hf_state
 from threed.convert.mapping import layer_to_hf
-from threed.parallel.launch import run_ranks
 from threed.model.spec import pipeline_layers
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (1, 4), (2, 2)]
 
 
 @pytest.fixture(scope="module")
-def out(tmp_path_factory):
+def out(tmp_path_factory, rank_pool):
     d = tmp_path_factory.mktemp("init")
-    run_ranks(4, str(RANKS / "init_worker.py"), ["--out", str(d)], timeout=900)
+    rank_pool.run(4, str(RANKS / "init_worker.py"), ["--out", str(d)], timeout=900)
     return d
 
 

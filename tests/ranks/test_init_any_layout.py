@@ -5,7 +5,7 @@ after the load and after two training steps (so the optimizer's fp32 masters wer
 do the losses. Cases: tp1 pp1 -> tp2 pp2 in bf16 (vocabulary padding 208 -> 224 rows), tp4 pp1 -> tp1 pp2 dp2 in
 fp32, and a tied head (Llama 3.2) tp1 pp1 -> tp2 pp2, whose last stage's copy of the embedding is read from
 layer_00. The engine `threed generate` / `eval-harness` build holds the same weights and no optimizer state. One
-4-rank launch (layout_worker.py).
+4-rank run (layout_worker.py).
 
     .venv/bin/python -m pytest -q tests/ranks/test_init_any_layout.py
 """
@@ -20,7 +20,6 @@ import torch
 from convert_fixtures import DIVISIBLE_BY, GQA4, TIED_DIVISIBLE_BY, save_hf, save_tied_hf
 from helpers import RANKS
 from threed.cli.main import main
-from threed.parallel.launch import run_ranks
 
 WORLD = 4
 CASES = [
@@ -42,7 +41,7 @@ def reshard(ck: str, out, tp: int, pp: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def loaded(tmp_path_factory):
+def loaded(tmp_path_factory, rank_pool):
     root = tmp_path_factory.mktemp("any_layout")
     hf = {
         "gqa": (save_hf(root / "hf", GQA4), DIVISIBLE_BY),
@@ -55,7 +54,7 @@ def loaded(tmp_path_factory):
         native = reshard(written, root / f"{name}_native", tp, pp)
         cases.append({"name": name, "sliced": written, "native": native, "tp": tp, "pp": pp, "dtype": dtype})
     (root / "cases.json").write_text(json.dumps(cases))
-    run_ranks(WORLD, str(RANKS / "layout_worker.py"), ["--out", str(root), "--cases", str(root / "cases.json")])
+    rank_pool.run(WORLD, str(RANKS / "layout_worker.py"), ["--out", str(root), "--cases", str(root / "cases.json")])
     return root, [c["name"] for c in cases]
 
 

@@ -1,7 +1,7 @@
 """threed.memory under context parallelism (issue 27) against what real CPU ranks hold: one stage's activation peak at
 cp 2 against cp 1 at the same sequence falls by the factor the model predicts (`activation_ratio`), within 5%.
 
-One launch of tests/ranks/memory_worker.py --cp-activations on 2 ranks: tp 1, pp 1 (one stage of four blocks, the
+One run of tests/ranks/memory_worker.py --cp-activations on 2 ranks: tp 1, pp 1 (one stage of four blocks, the
 embedding and the head), micro 2 x 512 tokens, first at cp 1 (every rank the whole rows) and then at cp 2 (every
 rank 2 of each row's 4 chunks, the K/V all-gathered over both). The factor is not 1/2: each block at cp 2 also keeps
 the gathered row's K and V and the chunk x prefix masks (`context_parallel_bytes`), and its backward holds the
@@ -18,7 +18,6 @@ import pytest
 from helpers import RANKS
 from memory_worker import ACT, SP_MODEL
 from threed.memory.model import Stage, activation_ratio, stage_activations
-from threed.parallel.launch import run_ranks
 
 FACTOR_TOL = 0.05  # the issue's: the predicted factor within 5% of the measured one
 # Each side's estimate against its measured peak; measured within 2% (1.010 at cp 1, 1.020 at cp 2), bounded looser
@@ -28,9 +27,9 @@ MICRO, SEQ, CP = ACT["micro"], ACT["seq"], 2  # the worker's shapes; it runs cp 
 
 
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory) -> dict:
+def measured(tmp_path_factory, rank_pool) -> dict:
     out = tmp_path_factory.mktemp("memory_cp")
-    run_ranks(2, str(RANKS / "memory_worker.py"), ["--out", str(out), "--cp-activations"], timeout=900)
+    rank_pool.run(2, str(RANKS / "memory_worker.py"), ["--out", str(out), "--cp-activations"], timeout=900)
     ranks = [json.loads(p.read_text()) for p in sorted(out.glob("cp_activations_rank*.json"))]
     assert len(ranks) == 2
     return {case: [r[case] for r in ranks] for case in ranks[0]}

@@ -1,6 +1,6 @@
 """threed.memory with sequence parallelism and partial recompute (issue 18) against what real CPU ranks hold.
 
-Two launches of tests/ranks/memory_worker.py: 2 ranks (tp 2, one stage of four blocks) measure the activation peak of
+Two runs of tests/ranks/memory_worker.py: 2 ranks (tp 2, one stage of four blocks) measure the activation peak of
 one micro-batch for each of its SP_CASES (the least of three peaks per rank, averaged over the TP ranks: a gloo
 collective's temporaries move single peaks by a few percent, differently on each rank); 4 ranks build a tp 2 pp 2
 engine with sequence parallelism and compare its tensors with the static terms (megatron's all-gather buffer, the
@@ -15,7 +15,6 @@ import pytest
 
 from helpers import RANKS
 from threed.convert.resolve import model_config
-from threed.parallel.launch import run_ranks
 from threed.memory.model import Stage, block_bytes_per_token, stage_activations
 from threed.memory.recompute import Recompute
 
@@ -27,12 +26,11 @@ STATIC_TOL = 0.02  # as tests/ranks/test_memory.py
 
 
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory):
+def measured(tmp_path_factory, rank_pool):
     out = tmp_path_factory.mktemp("memory_sp")
-    run_ranks(2, str(RANKS / "memory_worker.py"), ["--out", str(out), "--stage-activations"], timeout=900)
-    run_ranks(
-        4, str(RANKS / "memory_worker.py"), ["--out", str(out), "--layouts", "2x2", "--sequence-parallel"], timeout=900
-    )
+    rank_pool.run(2, str(RANKS / "memory_worker.py"), ["--out", str(out), "--stage-activations"], timeout=900)
+    sp_static = ["--out", str(out), "--layouts", "2x2", "--sequence-parallel"]
+    rank_pool.run(4, str(RANKS / "memory_worker.py"), sp_static, timeout=900, fresh=True)  # gc cross-check: test_memory
     ranks = [json.loads(p.read_text()) for p in sorted(out.glob("stage_activations_rank*.json"))]
     cases = {
         case: {

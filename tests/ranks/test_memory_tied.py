@@ -3,8 +3,9 @@ engines hold, and its parameter accounting at the real Llama 3.2 shapes.
 
 A tied weight is one parameter of the model but two tensors at pp > 1: DeepSpeed's TiedLayerSpec puts a copy of
 the embedding on the first and on the last stage, each with its own bf16 weight, fp32 gradient buffer, fp32 master
-and AdamW state (ZeRO-1 partitions each over dp like any parameter); at pp = 1 one module serves both. One launch
-of 4 CPU ranks per layout (tests/ranks/memory_worker.py --model tiny-tied) builds tp x pp x dp = 1x2x2, 1x1x4, 2x2x1.
+and AdamW state (ZeRO-1 partitions each over dp like any parameter); at pp = 1 one module serves both. One run of
+4 CPU ranks per layout, each in a launch of its own (tests/ranks/memory_worker.py --model tiny-tied), builds tp x pp x
+dp = 1x2x2, 1x1x4, 2x2x1.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import pytest
 
 from helpers import RANKS
 from threed.convert.resolve import model_config
-from threed.parallel.launch import run_ranks
 from threed.memory.model import estimate, stage_params, stages
 from threed.model.spec import parameter_count
 
@@ -26,16 +26,17 @@ SEQ = 32  # tests/ranks/memory_worker.py's STATIC
 
 
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory):
+def measured(tmp_path_factory, rank_pool):
     out = tmp_path_factory.mktemp("memory_tied")
-    # One launch per layout: a process that built an engine before keeps some of its tensors alive, which the
+    # A fresh launch per layout: a process that built an engine before keeps some of its tensors alive, which the
     # gc cross-check would count against the next one.
     for layout in LAYOUTS.values():
-        run_ranks(
+        rank_pool.run(
             NPROC,
             str(RANKS / "memory_worker.py"),
             ["--out", str(out), "--model", "tiny-tied", "--layouts", layout],
             timeout=900,
+            fresh=True,
         )
     return {
         name: [json.loads(p.read_text()) for p in sorted(out.glob(f"static_{name}_rank*.json"))] for name in LAYOUTS
@@ -64,7 +65,7 @@ def test_tied_static_bytes_match_engine_tensors(measured, layout: str) -> None:
         assert abs(p["static"] - everything) <= 0.02 * everything
 
 
-@pytest.mark.slow  # the same launch
+@pytest.mark.slow  # the same runs
 def test_tied_copy_on_both_end_stages_of_the_measured_engines(measured) -> None:
     """What the engines held, read without the memory model: the last stage's parameters are its untied
     counterpart's (a copy of [V, h] in place of the LM head's [V, h]); at pp = 1 there is one [V, h] fewer."""

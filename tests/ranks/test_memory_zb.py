@@ -1,14 +1,14 @@
 """threed.memory under `--pipeline-schedule zb-h1` against what real CPU ranks hold (the engine: threed.model.wgrad,
 threed.parallel.zero_bubble).
 
-One launch of tests/ranks/memory_zb_worker.py on 2 ranks: a tp1 pp2 ZB-H1 engine's static terms after a step (the same
-as 1F1B's: no W pass may be left queued, nothing kept beside the model states and buffers), and, on one stage of tp 2,
-the bytes one micro-batch's queued weight-gradient passes hold after its input-gradient backward, SP off and on, next to
-`threed.memory.deferred`'s count from the linears' widths; and the CPU peak of a whole train step (pp 2, gas 4) under
-1F1B and under ZB-H1 on each stage, next to the activation estimate: the last stage's extra micro-batch awaiting W and
-the two gradients it sent without waiting are what ZB-H1 adds (measured: 19660800 B more, predicted 19660800 B); stage 0
-(W right after its B) only the copy of the gradient it received (predicted 524288 B; measured 3014656 B more, 4.7% of
-its peak: the rest is not explained).
+One run of tests/ranks/memory_zb_worker.py on 2 ranks, in a launch of its own: a tp1 pp2 ZB-H1 engine's static terms
+after a step (the same as 1F1B's: no W pass may be left queued, nothing kept beside the model states and buffers), and,
+on one stage of tp 2, the bytes one micro-batch's queued weight-gradient passes hold after its input-gradient backward,
+SP off and on, next to `threed.memory.deferred`'s count from the linears' widths; and the CPU peak of a whole train step
+(pp 2, gas 4) under 1F1B and under ZB-H1 on each stage, next to the activation estimate: the last stage's extra
+micro-batch awaiting W and the two gradients it sent without waiting are what ZB-H1 adds (measured: 19660800 B more,
+predicted 19660800 B); stage 0 (W right after its B) only the copy of the gradient it received (predicted 524288 B;
+measured 3014656 B more, 4.7% of its peak: the rest is not explained).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import pytest
 from helpers import RANKS
 from memory_worker import SP_MODEL
 from memory_zb_worker import PEAKS
-from threed.parallel.launch import run_ranks
 
 # a 4-rank launch (~15 s): the memory model against engines at tp / pp stays in make test (test_memory.py)
 pytestmark = pytest.mark.slow
@@ -29,13 +28,14 @@ STATIC_TOL = 0.02  # as tests/ranks/test_memory.py
 
 
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory):
+def measured(tmp_path_factory, rank_pool):
     out = tmp_path_factory.mktemp("memory_zb")
-    run_ranks(
+    rank_pool.run(
         2,
         str(RANKS / "memory_zb_worker.py"),
         ["--out", str(out), "--layouts", "1x2", "--pipeline-schedule", "zb-h1", "--deferred", "--schedule-peaks"],
         timeout=900,
+        fresh=True,  # the gc cross-check of its static bytes: tests/ranks/test_memory.py
     )
     return {
         "static": [json.loads(p.read_text()) for p in sorted(out.glob("static_1x2x1_rank*.json"))],

@@ -12,7 +12,6 @@ import pytest
 from helpers import BENCH, RANKS
 from threed.cli.main import main as cli_main
 from threed.config import ConfigError, MetricsConfig, ModelConfig, RunConfig
-from threed.parallel.launch import run_ranks
 
 MEGATRON_NAMES = (
     "lm loss",
@@ -35,25 +34,25 @@ GLOBAL_BATCH, SEQ = 8, 32  # metrics_worker.train: micro 2 x gas 2 x dp 2, seq 3
 
 
 @pytest.fixture(scope="module")
-def train_run(tmp_path_factory):
+def train_run(tmp_path_factory, rank_pool):
     out = tmp_path_factory.mktemp("metrics")
-    run_ranks(8, str(RANKS / "metrics_worker.py"), ["train", "--out", str(out)], timeout=900)
+    rank_pool.run(8, str(RANKS / "metrics_worker.py"), ["train", "--out", str(out)], timeout=900)
     ranks = [json.loads((out / f"train_rank{r}.json").read_text()) for r in range(8)]
     records = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     return {"dir": out / "run", "ranks": ranks, "records": records}
 
 
 @pytest.fixture(scope="module")
-def bubble_run(tmp_path_factory):
+def bubble_run(tmp_path_factory, rank_pool):
     out = tmp_path_factory.mktemp("bubble")
-    run_ranks(2, str(RANKS / "metrics_worker.py"), ["bubble", "--out", str(out)], timeout=900)
+    rank_pool.run(2, str(RANKS / "metrics_worker.py"), ["bubble", "--out", str(out)], timeout=900)
     return [json.loads((out / f"bubble_rank{r}.json").read_text()) for r in range(2)]
 
 
 @pytest.fixture(scope="module")
-def zb_timing_run(tmp_path_factory):
+def zb_timing_run(tmp_path_factory, rank_pool):
     out = tmp_path_factory.mktemp("zb_timing")
-    run_ranks(2, str(RANKS / "metrics_worker.py"), ["zb_timing", "--out", str(out)], timeout=900)
+    rank_pool.run(2, str(RANKS / "metrics_worker.py"), ["zb_timing", "--out", str(out)], timeout=900)
     return [json.loads((out / f"zb_timing_rank{r}.json").read_text()) for r in range(2)]
 
 
@@ -126,19 +125,19 @@ def bubble_idle(run: list[dict], gas: str) -> float:
 
 
 @pytest.mark.slow
-def test_idle_fraction_falls_with_more_micro_batches(bubble_run, tmp_path_factory):
+def test_idle_fraction_falls_with_more_micro_batches(bubble_run, tmp_path_factory, rank_pool):
     """The pipeline's idle fraction (summed over its stages) falls with more micro-batches. On a shared 2-core
     machine another process can stall a rank and swamp the difference (seen in clean-clone runs, 2026-11-25 and
-    -26), and such noise only ever adds waiting. So the bubble run is launched three times and each micro-batch
-    count is judged by its least disturbed launch (the minimum, as timeit does); an idle fraction that does not
-    fall still fails every launch. The agreement with the wall clock below stays in `make test`."""
+    -26), and such noise only ever adds waiting. So the bubble run is run three times and each micro-batch
+    count is judged by its least disturbed run (the minimum, as timeit does); an idle fraction that does not
+    fall still fails every run. The agreement with the wall clock below stays in `make test`."""
     runs = [bubble_run]
     for k in range(2):
         out = tmp_path_factory.mktemp(f"bubble_again{k}")
-        run_ranks(2, str(RANKS / "metrics_worker.py"), ["bubble", "--out", str(out)], timeout=900)
+        rank_pool.run(2, str(RANKS / "metrics_worker.py"), ["bubble", "--out", str(out)], timeout=900)
         runs.append([json.loads((out / f"bubble_rank{r}.json").read_text()) for r in range(2)])
     idle = {gas: [round(bubble_idle(run, gas), 3) for run in runs] for gas in ("gas2", "gas16")}
-    print(f"idle summed over both stages, per launch: {idle} (ideal: gas2 0.667, gas16 0.118)")
+    print(f"idle summed over both stages, per run: {idle} (ideal: gas2 0.667, gas16 0.118)")
     assert min(idle["gas2"]) > min(idle["gas16"]), idle
 
 

@@ -1,7 +1,7 @@
 """Logits parity with transformers' LlamaForCausalLM at (tp, pp) in {(1,1), (2,1), (1,2), (2,2)}, fp32.
 
 All four layouts (and two model configs: GQA + Llama 3.1 rope scaling, and Llama-2-style MHA) run in one
-4-rank launch; ranks not needed by a layout act as data-parallel replicas.
+4-rank run; ranks not needed by a layout act as data-parallel replicas.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from helpers import RANKS, hf_model
-from threed.parallel.launch import run_ranks
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 MODELS = ["gqa31", "mha2"]
@@ -18,9 +17,9 @@ REL_TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def parity_dir(tmp_path_factory):
+def parity_dir(tmp_path_factory, rank_pool):
     out = tmp_path_factory.mktemp("parity")
-    run_ranks(4, str(RANKS / "dist_worker.py"), ["parity", "--out", str(out)], timeout=900)
+    rank_pool.run(4, str(RANKS / "dist_worker.py"), ["parity", "--out", str(out)], timeout=900)
     return out
 
 

@@ -1,6 +1,6 @@
 """`--pipeline-schedule zb-h1` (issue 20): Zero Bubble's ZB-H1 on DeepSpeed's pipeline engine, against DeepSpeed's
 1F1B. The schedule itself (its orders, what each stage holds, its idle time in unit costs) is checked without
-ranks; the numbers with two launches, tp2 pp2 dp2 (8 ranks) and tp1 pp4 (4 ranks), fp32, HF's gqa31 weights,
+ranks; the numbers with two runs, tp2 pp2 dp2 (8 ranks) and tp1 pp4 (4 ranks), fp32, HF's gqa31 weights,
 6 steps: losses, gradient norms, final weights and evaluation equal 1F1B's, a checkpoint written under one
 schedule resumes under the other, and bf16, sequence parallelism, recompute, packed rows and a tied model change
 nothing either.
@@ -15,7 +15,6 @@ import pytest
 
 from helpers import RANKS, model_config, write_dataset
 from threed.config import ConfigError, ParallelConfig, RunConfig, TrainConfig
-from threed.parallel.launch import run_ranks
 from threed.parallel import zero_bubble
 from threed.parallel.schedule import held, simulate, stage_order
 
@@ -103,36 +102,39 @@ def data(tmp_path_factory) -> str:
     return write_dataset(out / "random", np.random.default_rng(0).integers(0, 200, 5000), 200)
 
 
-def launch(tmp_path_factory, data: str, world: int, args: list[str]) -> list[dict]:
-    out = tmp_path_factory.mktemp("schedule")
-    run_ranks(world, str(RANKS / "schedule_worker.py"), ["--out", str(out), "--data", data, *args], timeout=1200)
-    return [json.loads((out / f"schedule_rank{r}.json").read_text()) for r in range(world)]
+@pytest.fixture(scope="module")
+def run_schedule(tmp_path_factory, rank_pool, data):
+    """schedule_worker.py on `world` ranks with `args`, on the module's data: every rank's results."""
+
+    def run(world: int, args: list[str]) -> list[dict]:
+        out = tmp_path_factory.mktemp("schedule")
+        argv = ["--out", str(out), "--data", data, *args]
+        rank_pool.run(world, str(RANKS / "schedule_worker.py"), argv, timeout=1200)
+        return [json.loads((out / f"schedule_rank{r}.json").read_text()) for r in range(world)]
+
+    return run
 
 
 @pytest.fixture(scope="module")
-def tp2pp2(tmp_path_factory, data) -> list[dict]:
-    return launch(
-        tmp_path_factory, data, 8, ["--tp", "2", "--pp", "2", "--gas", "4,8", "--variants", "sp_block1,packed"]
-    )
+def tp2pp2(run_schedule) -> list[dict]:
+    return run_schedule(8, ["--tp", "2", "--pp", "2", "--gas", "4,8", "--variants", "sp_block1,packed"])
 
 
 @pytest.fixture(scope="module")
-def tp2pp2_more(tmp_path_factory, data) -> list[dict]:
-    return launch(
-        tmp_path_factory, data, 8, ["--tp", "2", "--pp", "2", "--gas", "", "--variants", "bf16,uniform1,selective,tied"]
-    )
+def tp2pp2_more(run_schedule) -> list[dict]:
+    return run_schedule(8, ["--tp", "2", "--pp", "2", "--gas", "", "--variants", "bf16,uniform1,selective,tied"])
 
 
 @pytest.fixture(scope="module")
-def tp1pp4(tmp_path_factory, data) -> list[dict]:
-    return launch(tmp_path_factory, data, 4, ["--tp", "1", "--pp", "4", "--gas", "8,3", "--variants", "tied"])
+def tp1pp4(run_schedule) -> list[dict]:
+    return run_schedule(4, ["--tp", "1", "--pp", "4", "--gas", "8,3", "--variants", "tied"])
 
 
 @pytest.fixture(scope="module")
-def tp2pp4(tmp_path_factory, data) -> list[dict]:
+def tp2pp4(run_schedule) -> list[dict]:
     """TP without sequence parallelism: DeepSpeed partitions the activations between stages (pipe_partitioned), and
     the middle stages keep W passes across received gradients."""
-    return launch(tmp_path_factory, data, 8, ["--tp", "2", "--pp", "4", "--gas", "8", "--variants", ""])
+    return run_schedule(8, ["--tp", "2", "--pp", "4", "--gas", "8", "--variants", ""])
 
 
 def assert_same_run(got: dict, want: dict, what: str, rel: float = REL) -> None:

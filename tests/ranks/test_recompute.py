@@ -1,6 +1,6 @@
 """Partial and selective recomputation (issue 18), Megatron-LM's flags: full recompute of whole blocks (`uniform`:
 every block, in chunks of N; `block`: the first N blocks of each stage) and selective recompute (the core attention
-of every block, megatron-core's own). They change memory, not numbers: one 8-rank launch (tp2 pp2 dp2, fp32, HF's
+of every block, megatron-core's own). They change memory, not numbers: one 8-rank run (tp2 pp2 dp2, fp32, HF's
 gqa31 weights) trains 3 steps each way and counts forward calls to show what is recomputed. Layouts that cannot
 hold N are refused before anything is built, by `threed check-config` as by `threed train`.
 """
@@ -16,7 +16,6 @@ import pytest
 
 from helpers import RANKS, model_config, write_dataset
 from threed.config import ConfigError, ParallelConfig, RunConfig, TrainConfig
-from threed.parallel.launch import run_ranks
 from threed.parallel.dims import resolve_dims
 from threed.parallel.partition import recompute_chunks
 
@@ -25,10 +24,10 @@ BLOCK1 = dict(recompute_granularity="full", recompute_method="block", recompute_
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
+def ranks(tmp_path_factory, rank_pool) -> list[dict]:
     out = tmp_path_factory.mktemp("recompute")
     data = write_dataset(out / "random", np.random.default_rng(0).integers(0, 200, 5000), 200)
-    run_ranks(8, str(RANKS / "recompute_worker.py"), ["--out", str(out), "--data", data], timeout=900)
+    rank_pool.run(8, str(RANKS / "recompute_worker.py"), ["--out", str(out), "--data", data], timeout=900)
     return [json.loads((out / f"recompute_rank{r}.json").read_text()) for r in range(8)]
 
 

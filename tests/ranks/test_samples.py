@@ -1,7 +1,7 @@
 """Generations and lm-eval harness scores during training (--generate-interval / --harness-interval, through the
 training engine itself): logged to metrics.jsonl and TensorBoard at the right steps, by the writer rank (rank 1 at
 tp1 pp2, while lm-eval hands its results to rank 0), and the training losses are bit-identical to the same run
-without them. One 2-rank launch (samples_worker.py), offline, local tasks.
+without them. One 2-rank run (samples_worker.py), offline, local tasks.
 
     .venv/bin/python -m pytest -q tests/ranks/test_samples.py
 """
@@ -16,10 +16,9 @@ import pytest
 from convert_fixtures import GQA4
 from harness_fixtures import OFFLINE_ENV, write_tasks
 from helpers import RANKS, write_dataset
-from threed.parallel.launch import run_ranks
 
 STEPS, INTERVAL = 4, 2
-# Two trainings in a 2-rank launch (~1.5 min on 2 busy cores): `make test-slow`; the refusals are in tests/unit.
+# Two trainings in a 2-rank run (~1.5 min on 2 busy cores): `make test-slow`; the refusals are in tests/unit.
 pytestmark = pytest.mark.slow
 MODEL = dict(
     name="samples", vocab_size=320, hidden_size=GQA4["hidden_size"], num_layers=2, num_heads=8, num_kv_heads=4,
@@ -28,7 +27,7 @@ MODEL = dict(
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, tok_dirs):
+def run(tmp_path_factory, rank_pool, tok_dirs):
     root = tmp_path_factory.mktemp("samples")
     data = write_dataset(root / "data" / "tokens", np.random.default_rng(0).integers(0, 300, 20_000), 320)
     (root / "prompts.jsonl").write_text('{"prompt": "hello world"}\n{"prompt": "the river"}\n')
@@ -41,8 +40,8 @@ def run(tmp_path_factory, tok_dirs):
     }
     (root / "spec.json").write_text(json.dumps(spec))
     env = {**OFFLINE_ENV, "HF_DATASETS_CACHE": str(root / "datasets_cache")}
-    proc = run_ranks(2, str(RANKS / "samples_worker.py"), ["--out", str(root), "--spec", str(root / "spec.json")],
-                     env=env, timeout=900)  # fmt: skip
+    proc = rank_pool.run(2, str(RANKS / "samples_worker.py"), ["--out", str(root), "--spec", str(root / "spec.json")],
+                         env=env, timeout=900)  # fmt: skip
     return root, proc.stdout
 
 

@@ -4,7 +4,7 @@ generation and scoring run whole sequences for their duration (`threed.generate.
 either split (the run's checkpoint, dp2): the greedy tokens are equal and every harness request's log-probability is
 within 1e-5 (is greedy equal); the losses are bit-identical to the same run without the intervals; every module's
 split attributes are the same after each evaluation as before; and the same scoring with the switch left off (or
-half of it) raises or gives other numbers, so these checks can fail. One 4-rank launch (samples_split_worker.py),
+half of it) raises or gives other numbers, so these checks can fail. One 4-rank run (samples_split_worker.py),
 offline, local tasks; the switch itself without ranks: tests/unit/test_whole_sequences.py.
 
     .venv/bin/python -m pytest -q tests/ranks/test_samples_split.py
@@ -20,11 +20,10 @@ import pytest
 from convert_fixtures import GQA4
 from harness_fixtures import OFFLINE_ENV, write_tasks
 from helpers import RANKS, write_dataset
-from threed.parallel.launch import run_ranks
 
 STEPS = 2
 LOGPROB_TOL = 1e-5
-# Three trainings' worth in a 4-rank launch on 2 busy cores: `make test-slow`, like test_samples.py.
+# Three trainings' worth in a 4-rank run on 2 busy cores: `make test-slow`, like test_samples.py.
 pytestmark = pytest.mark.slow
 MODEL = dict(
     name="samples",
@@ -39,7 +38,7 @@ MODEL = dict(
 
 
 @pytest.fixture(scope="module")
-def split(tmp_path_factory, tok_dirs):
+def split(tmp_path_factory, rank_pool, tok_dirs):
     root = tmp_path_factory.mktemp("samples_split")
     data = write_dataset(root / "data" / "tokens", np.random.default_rng(0).integers(0, 300, 20_000), 320)
     prompts = ["hello world", "the river runs under the old stone", "north"]  # 3 over 2 replicas: uneven shares
@@ -53,8 +52,8 @@ def split(tmp_path_factory, tok_dirs):
     }
     (root / "spec.json").write_text(json.dumps(spec))
     env = {**OFFLINE_ENV, "HF_DATASETS_CACHE": str(root / "datasets_cache")}
-    run_ranks(4, str(RANKS / "samples_split_worker.py"), ["--out", str(root), "--spec", str(root / "spec.json")],
-              env=env, timeout=900)  # fmt: skip
+    rank_pool.run(4, str(RANKS / "samples_split_worker.py"), ["--out", str(root), "--spec", str(root / "spec.json")],
+                  env=env, timeout=900)  # fmt: skip
     return json.loads((root / "split.json").read_text())
 
 

@@ -3,7 +3,7 @@ without it and against single-process HF training: losses, gradient norms and fi
 replicated norm weights bit-identical on every TP rank after every step; each rank sends its own [s/tp, b, h] to the
 next stage with no TP all-gather after the receive (counted on DeepSpeed's send and gather paths); packed SFT rows
 through threed.train; checkpoints resume with sequence parallelism switched on or off, natively and through the
-universal checkpoint. One launch of 8 gloo ranks (tests/ranks/sp_worker.py) runs them all."""
+universal checkpoint. One run on 8 gloo ranks (tests/ranks/sp_worker.py) does them all."""
 
 from __future__ import annotations
 
@@ -17,18 +17,17 @@ from helpers import RANKS, hf_model, model_config, sft_examples, write_dataset, 
 from reference import gqa31_reference, sft_reference
 from sft_worker import sft_config
 from sp_worker import MICRO, SAVED_AT, SEQ, SFT_STEPS, STEPS
-from threed.parallel.launch import run_ranks
 
 TOL = 1e-5
 HIDDEN = model_config("gqa31").hidden_size
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory, rank_pool):
     out = tmp_path_factory.mktemp("sp")
     data = write_dataset(out / "random", np.random.default_rng(0).integers(0, 200, 8000), 200)
     chat = write_sft_dataset(out / "chat", sft_examples(400, 200), 200)
-    run_ranks(8, str(RANKS / "sp_worker.py"), ["--out", str(out), "--data", data, "--sft-data", chat], timeout=1500)
+    rank_pool.run(8, str(RANKS / "sp_worker.py"), ["--out", str(out), "--data", data, "--sft-data", chat], timeout=1500)
     final = {
         name: {k: v for s in (0, 1) for k, v in torch.load(out / f"final_{name}_stage{s}.pt").items()}
         for name in ("plain", "sp")

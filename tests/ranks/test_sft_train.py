@@ -8,7 +8,7 @@
   loss) too;
 - the same unpacked (one example per padded row), and packed with activation checkpointing (non-reentrant);
 - a packed run preempted after step 1 and resumed at another layout (tp1 pp2 dp4) continues with the same losses.
-One launch of 8 gloo ranks runs them all (tests/ranks/sft_worker.py).
+One run on 8 gloo ranks does them all (tests/ranks/sft_worker.py).
 """
 
 from __future__ import annotations
@@ -22,16 +22,15 @@ import torch.nn.functional as F
 from helpers import RANKS, hf_model, model_config, sft_examples, write_sft_dataset
 from reference import sft_reference
 from sft_worker import sft_config
-from threed.parallel.launch import run_ranks
 
 FP32_TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory, rank_pool):
     out = tmp_path_factory.mktemp("sft")
     data = write_sft_dataset(out / "chat", sft_examples(400, model_config("gqa31").vocab_size), 200)
-    run_ranks(8, str(RANKS / "sft_worker.py"), ["--out", str(out), "--data", data], timeout=1200)
+    rank_pool.run(8, str(RANKS / "sft_worker.py"), ["--out", str(out), "--data", data], timeout=1200)
     ranks = [json.loads((out / f"sft_rank{r}.json").read_text()) for r in range(8)]
     return {"ranks": ranks, "data": data, "out": out}
 

@@ -2,7 +2,7 @@
 equals single-process training of the same HF model (same AdamW, same batches) in losses, gradient norms and final
 weights; the first and the last stage's copies of the tied weight are bit-identical after every step (fp32, and
 bf16 with fp32 masters); the run resumed at tp1 pp2 dp4 through the universal checkpoint continues the loss curve.
-One launch of 8 gloo ranks (tests/ranks/tied_worker.py) runs them all."""
+One run on 8 gloo ranks (tests/ranks/tied_worker.py) does them all."""
 
 from __future__ import annotations
 
@@ -16,18 +16,19 @@ from helpers import RANKS, sft_examples, write_dataset, write_sft_dataset
 from reference import PARITY, gpt_reference, sft_reference
 from threed.config import RunConfig, TrainConfig
 from threed.convert.in_memory import random_hf_state
-from threed.parallel.launch import run_ranks
 from tied_worker import BF16_STEPS, SAVED_AT, SFT_STEPS, STEPS, tied_hf_model, tied_model_config
 
 TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory, rank_pool):
     out = tmp_path_factory.mktemp("tied")
     data = write_dataset(out / "random", np.random.default_rng(0).integers(0, 200, 8000), 200)
     chat = write_sft_dataset(out / "chat", sft_examples(400, 200), 200)
-    run_ranks(8, str(RANKS / "tied_worker.py"), ["--out", str(out), "--data", data, "--sft-data", chat], timeout=1200)
+    rank_pool.run(
+        8, str(RANKS / "tied_worker.py"), ["--out", str(out), "--data", data, "--sft-data", chat], timeout=1200
+    )
     final = {}
     for stage in (0, 1):
         final.update(torch.load(out / f"final_stage{stage}.pt"))

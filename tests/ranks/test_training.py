@@ -1,5 +1,5 @@
 """8-rank (tp=2, pp=2, dp=2) training against a single-process HuggingFace reference (tests/reference.py), bf16
-against fp32, checkpoint save/resume, and the start-up group check. One launch of 8 gloo ranks runs them all."""
+against fp32, checkpoint save/resume, and the start-up group check. One run on 8 gloo ranks does them all."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import pytest
 from helpers import RANKS, learnable_tokens, model_config, write_dataset
 from reference import gqa31_reference
 from threed.convert.in_memory import random_hf_state
-from threed.parallel.launch import run_ranks
 
 FP32_TOL = 1e-5
 BF16_REL_TOL = 0.05  # bf16 activations/weights (fp32 master + accumulation) stay within 5% of the fp32 loss
@@ -19,12 +18,12 @@ BF16_STEPS = 20
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory, rank_pool):
     out = tmp_path_factory.mktemp("train")
     rng = np.random.default_rng(0)
     data = write_dataset(out / "random", rng.integers(0, 200, 5000), 200)
     learn = write_dataset(out / "learn", learnable_tokens(40000), 200, doc_len=(400, 2000))
-    run_ranks(
+    rank_pool.run(
         8,
         str(RANKS / "dist_worker.py"),
         ["train", "--out", str(out), "--data", data, "--learnable", learn, "--bf16-steps", str(BF16_STEPS)],

@@ -1,0 +1,17 @@
+"""The fixture every multi-rank module shares: `rank_pool`, the session's torchrun launches, one per world size
+(tests/ranks/rank_pool.py), which the module fixtures ask to run their worker scripts. A launch starts when the
+first test that needs its world size runs, so a single file or test starts only the world sizes it uses, and a
+test that takes no rank fixture starts none."""
+
+from __future__ import annotations
+
+import pytest
+
+from rank_pool import RankPool
+
+
+@pytest.fixture(scope="session")
+def rank_pool(tmp_path_factory):
+    pool = RankPool(tmp_path_factory.mktemp("rank_pool"))
+    yield pool
+    pool.close()

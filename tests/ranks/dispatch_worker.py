@@ -1,0 +1,162 @@
+"""One torchrun launch that serves, one after another, every worker run a pytest session asks of its world size
+(tests/ranks/rank_pool.py is the pytest side): each rank pays torch's, DeepSpeed's and megatron-core's start-up
+once, instead of once per module. The ranks join the process group once, then wait for numbered requests in
+--inbox and run each as torchrun would have run the worker script (`runpy`, as `__main__`, the request's argv in
+sys.argv; the worker's run_worker finds the process group made), with the request's environment changes applied
+for its duration. Between two requests they destroy what the worker left (`tear_down`: its engines, megatron-core's
+state, every process group but the world).
+
+Each rank writes its pid as inbox/rank<R>.pid first (torchrun starts each rank in a session of its own, so the
+pytest side kills a hung launch's ranks by pid). Per request NNNN (inbox/NNNN.json) each rank writes
+inbox/NNNN.rank<R>.done (seconds taken, threads and resident memory after the tear-down) or, when the worker raises
+or exits non-zero, inbox/NNNN.rank<R>.error (the traceback) and then ends its process: the other ranks may be
+waiting in a collective that will never complete, so torchrun tears the launch down and the pytest side starts a
+new one for the next request. A request {"stop": true} ends the launch; so does the pytest process (--parent) going
+away. By hand (a request: {"worker": "dist_worker.py", "argv": ["parity", "--out", "/tmp/x"]} as /tmp/in/0000.json):
+
+    python -m torch.distributed.run --nproc-per-node 4 tests/ranks/dispatch_worker.py --inbox /tmp/in --parent $$
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import runpy
+import sys
+import time
+import traceback
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch.distributed as dist
+
+# worker_setup first: it puts tests/ on sys.path, as for any worker
+import worker_setup  # noqa: F401
+from threed.config import RunControlConfig
+from threed.parallel.distributed import init_distributed
+
+HERE = Path(__file__).resolve().parent
+POLL_SECONDS = 0.2
+
+
+def next_request(inbox: Path, seq: int, parent: int) -> Optional[dict]:
+    """Request `seq` once the pytest side has written it; None for a stop, or when the pytest process is gone."""
+    path = inbox / f"{seq:04d}.json"
+    while not path.exists():
+        try:
+            os.kill(parent, 0)
+        except ProcessLookupError:
+            return None
+        time.sleep(POLL_SECONDS)
+    request = json.loads(path.read_text())
+    return None if request.get("stop") else request
+
+
+@contextmanager
+def environment(set_: dict[str, str], unset: list[str]) -> Iterator[None]:
+    """os.environ as the request's caller had it, for the request's duration. A variable a library reads once, when
+    it is imported, only takes effect if this request is the first to import it."""
+    saved = {k: os.environ.get(k) for k in [*set_, *unset]}
+    os.environ.update(set_)
+    for k in unset:
+        os.environ.pop(k, None)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def run_script(request: dict) -> int:
+    """The worker script as `python SCRIPT ARGV...` would run it: its exit status."""
+    script = HERE / request["worker"]
+    saved_argv = sys.argv
+    sys.argv = [str(script), *request["argv"]]
+    try:
+        with environment(request.get("set", {}), request.get("unset", [])):
+            runpy.run_path(str(script), run_name="__main__")
+        return 0
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr)  # SystemExit("message"): what the interpreter would print, exit 1
+        return 1
+    finally:
+        sys.argv = saved_argv
+
+
+def tear_down() -> None:
+    """What the next request must not inherit: megatron-core's state, the engines the worker built, and every
+    process group but the world. Each engine makes its own groups (megatron-core's, DeepSpeed's grid and pipeline
+    groups) and each gloo group keeps three threads for as long as it exists, yet no engine is ever freed: DeepSpeed's
+    gradient hooks and the backward hooks on its outputs, held by torch's autograd, point back at it. A launch that
+    served a dozen workers would hold thousands of threads per rank (a machine's pid_max is often 32768)."""
+    import deepspeed.comm  # heavy: imported by every worker already
+    from deepspeed.runtime.engine import DeepSpeedEngine  # heavy: as deepspeed above
+    from megatron.core import parallel_state  # heavy: as deepspeed above
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    gc.collect()
+    for engine in [o for o in gc.get_objects() if isinstance(o, DeepSpeedEngine)]:
+        engine.destroy()  # removes its gradient hooks
+        engine.__dict__.clear()  # what the hooks still reach is an empty shell: its module, groups, buffers go
+    gc.collect()
+    world = dist.group.WORLD
+    # torch lists its groups nowhere public; tests/ranks/test_resume_path.py reads the same map. DeepSpeed's
+    # destroy_process_group also drops the references DeepSpeed keeps to a group (its cloned world group).
+    for group in [g for g in dist.distributed_c10d._world.pg_map if g is not world]:
+        deepspeed.comm.destroy_process_group(group)
+    gc.collect()
+
+
+def process_status() -> dict[str, int]:
+    """This rank's thread count and resident memory (kB) after a request, from /proc where there is one: what a
+    launch accumulates over the requests it serves."""
+    try:
+        lines = Path("/proc/self/status").read_text().splitlines()
+    except OSError:
+        return {}
+    fields = dict(line.split(":", 1) for line in lines if ":" in line)
+    return {"threads": int(fields["Threads"]), "rss_kb": int(fields["VmRSS"].split()[0])}
+
+
+def serve(inbox: Path, parent: int) -> int:
+    # Before joining: a rank that hangs in the rendezvous must be killable too.
+    (inbox / f"rank{os.environ['RANK']}.pid").write_text(str(os.getpid()))
+    init_distributed(RunControlConfig().dist_timeout_minutes)
+    rank = dist.get_rank()
+    seq = 0
+    while (request := next_request(inbox, seq, parent)) is not None:
+        started = time.perf_counter()
+        try:
+            rc = run_script(request)
+            if rc != 0:
+                raise RuntimeError(f"{request['worker']} exited {rc}")
+            tear_down()
+        except BaseException:
+            (inbox / f"{seq:04d}.rank{rank}.error").write_text(traceback.format_exc())
+            sys.stdout.flush()
+            sys.stderr.flush()
+            # A peer may be waiting for this rank in a collective: end the launch (torchrun stops the others).
+            os._exit(1)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        done = {"seconds": round(time.perf_counter() - started, 3), **process_status()}
+        (inbox / f"{seq:04d}.rank{rank}.done").write_text(json.dumps(done))
+        seq += 1
+    return 0
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--inbox", required=True, type=Path)
+    p.add_argument("--parent", required=True, type=int, help="the pytest process: the ranks end when it does")
+    args = p.parse_args()
+    raise SystemExit(serve(args.inbox, args.parent))

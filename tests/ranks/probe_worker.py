@@ -1,0 +1,40 @@
+"""Scenarios that misbehave on purpose, for tests/ranks/test_rank_pool.py: `ok` writes each rank's rank and world size
+as OUT/probe_rank<R>.json, `raise` makes the last rank raise while the others wait for it in a barrier (a collective
+that will never complete), `sleep` outlives any short timeout, `exit3` exits 3 on every rank.
+
+    python -m torch.distributed.run --nproc-per-node 2 tests/ranks/probe_worker.py raise --out /tmp/p
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch.distributed as dist
+
+# worker_setup first: the shared start of every worker
+from worker_setup import rank_json, run_worker
+from threed.parallel.distributed import Runtime
+
+
+def ok(args: argparse.Namespace, rt: Runtime) -> None:
+    dist.barrier()
+    rank_json(args.out, "probe", {"rank": rt.rank, "world": rt.world_size})
+
+
+def raise_on_last(args: argparse.Namespace, rt: Runtime) -> None:
+    if rt.rank == rt.world_size - 1:
+        raise ValueError(f"planted failure on rank {rt.rank}")
+    dist.barrier()
+
+
+def sleep(args: argparse.Namespace, rt: Runtime) -> None:
+    time.sleep(3600)
+
+
+def exit3(args: argparse.Namespace, rt: Runtime) -> int:
+    return 3
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_worker({"ok": ok, "raise": raise_on_last, "sleep": sleep, "exit3": exit3}))

@@ -1,0 +1,65 @@
+"""The session's shared launches (tests/ranks/rank_pool.py) keep a failure to its own run: a worker that raises on one
+rank while the others wait for it in a collective fails with its traceback and ends its launch, and the next run
+starts a fresh one; a run that outlives its timeout is killed within it, ranks included; a worker's non-zero exit
+status fails its run; `fresh=True` gets a launch that has run nothing. A pool of its own on 2 ranks
+(tests/ranks/probe_worker.py), not the session's."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import RANKS
+from rank_pool import RankPool
+from threed.parallel.launch import RanksFailed
+
+PROBE = RANKS / "probe_worker.py"
+SLEEP_TIMEOUT = 20
+
+
+def rank_processes(inbox: Path) -> list[int]:
+    """The live processes started for the launch whose inbox is `inbox` (its path is on their command line)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and str(inbox).encode() in (proc / "cmdline").read_bytes():
+                pids.append(int(proc.name))
+        except OSError:  # gone meanwhile
+            pass
+    return pids
+
+
+@pytest.mark.slow  # four 2-rank launches (~1 min on 2 busy cores); every rank test uses the pool's good path
+def test_a_failure_ends_only_its_own_run(tmp_path):
+    pool = RankPool(tmp_path / "pool")
+    try:
+        pool.run(2, PROBE, ["ok", "--out", str(tmp_path / "ok1")], timeout=300)
+        assert [json.loads((tmp_path / "ok1" / f"probe_rank{r}.json").read_text()) for r in (0, 1)] == [
+            {"rank": 0, "world": 2},
+            {"rank": 1, "world": 2},
+        ]
+        first = pool.current[2]
+        with pytest.raises(RanksFailed, match="probe_worker.py raise") as failed:
+            pool.run(2, PROBE, ["raise", "--out", str(tmp_path / "raise")], timeout=300)
+        assert "ValueError: planted failure on rank 1" in str(failed.value)
+        assert not first.alive() and not rank_processes(first.inbox)
+
+        pool.run(2, PROBE, ["ok", "--out", str(tmp_path / "ok2")], timeout=300)  # a new launch
+        pool.run(2, PROBE, ["ok", "--out", str(tmp_path / "ok3")], timeout=300, fresh=True)  # and another
+        assert pool.launches == 3 and pool.current[2].seq == 1
+
+        hung = pool.current[2]
+        start = time.monotonic()
+        with pytest.raises(RanksFailed, match=f"did not finish in {SLEEP_TIMEOUT} s"):
+            pool.run(2, PROBE, ["sleep", "--out", str(tmp_path / "sleep")], timeout=SLEEP_TIMEOUT)
+        assert time.monotonic() - start < SLEEP_TIMEOUT + 10
+        assert not hung.alive() and not rank_processes(hung.inbox)
+
+        with pytest.raises(RanksFailed, match="probe_worker.py exited 3"):
+            pool.run(2, PROBE, ["exit3", "--out", str(tmp_path / "exit3")], timeout=300)
+        assert pool.launches == 4
+    finally:
+        pool.close()
