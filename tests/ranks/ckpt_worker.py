@@ -208,6 +208,7 @@ def main(a: argparse.Namespace, rt: Runtime) -> None:
             guard.saved(ckpt.save(engine, cfg, rt.rank, {"consumed_samples": (step + 1) * glob}).seconds)
         if late:
             break
+    guard.close()  # its watchdog thread: a shared launch (tests/ranks/rank_pool.py) runs other workers after this one
     torch.save(local_weights(engine, cfg.model), out / f"weights_rank{rt.rank}.pt")
 
 

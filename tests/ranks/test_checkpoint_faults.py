@@ -3,9 +3,10 @@ a save, then the same command resumes, and the losses and final weights are bit-
 run; a diverging run stops with exit 3 naming the step and the last good checkpoint and saves nothing after it;
 --skip-nonfinite skips the batch; the watchdog prints every rank's stacks and exits 4.
 
-`make test` runs the reference, one kill point, divergence and the watchdog (5 launches, ~1 min on 2 idle cores);
-the other kill points and --skip-nonfinite are marked slow (`make test-slow`); tests/unit/test_checkpoint_guard.py
-checks the guard's skip / stop / time-budget logic without ranks."""
+`make test` runs the reference (in the session's 2-rank launch, tests/ranks/rank_pool.py) and the checks on its
+checkpoint; the kill points, divergence, --skip-nonfinite and the watchdog are marked slow (`make test-slow`), each
+starting torchrun of its own, whose exit status and output it judges; tests/unit/test_checkpoint_guard.py checks the
+guard's skip / stop / time-budget logic without ranks."""
 
 from __future__ import annotations
 
@@ -51,10 +52,10 @@ def weights(out: Path, nproc: int = 2) -> list[dict[str, torch.Tensor]]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(tmp_path_factory, rank_pool):
+    """The uninterrupted run, in the session's 2-rank launch (the fault tests judge their own runs' exit status)."""
     root = tmp_path_factory.mktemp("reference")
-    p = worker(2, root / "out", "--save", str(root / "save"), *RUN)
-    assert p.returncode == 0, p.stdout[-4000:]
+    rank_pool.run(2, WORKER, ["--out", str(root / "out"), "--save", str(root / "save"), *RUN], timeout=240)
     return {"losses": losses(root / "out"), "weights": weights(root / "out"), "save": root / "save"}
 
 

@@ -13,6 +13,7 @@ import shutil
 
 import pytest
 
+from helpers import RANKS
 from test_checkpoint_faults import losses, worker
 
 TOL = 1e-5
@@ -20,10 +21,10 @@ RUN = ["--steps", "4", "--save-interval", "2", "--global-batch", "8"]
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(tmp_path_factory, rank_pool):
     root = tmp_path_factory.mktemp("universal")
-    p = worker(8, root / "out", "--save", str(root / "save"), "--tp", "2", "--pp", "2", *RUN, timeout=400)
-    assert p.returncode == 0, p.stdout[-4000:]
+    argv = ["--out", str(root / "out"), "--save", str(root / "save"), "--tp", "2", "--pp", "2", *RUN]
+    rank_pool.run(8, str(RANKS / "ckpt_worker.py"), argv, timeout=400)  # the session's 8-rank launch
     # What a job killed after its step-2 checkpoint leaves behind.
     requeued = root / "at_step2"
     shutil.copytree(root / "save", requeued)
