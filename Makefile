@@ -25,16 +25,21 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	bash tools/demo.sh
 
+# DURATIONS_DIR=dir (`.ci/run` sets it): each test target's pytest also writes every test's time there, as JUnit XML
+# named after the target; tools/test_durations.py turns them into docs/performance.md's "Test suite times". Unset (by
+# hand), nothing is written.
+junit = $(if $(DURATIONS_DIR),--junitxml=$(DURATIONS_DIR)/$(1).xml)
+
 # The house first (pyproject.toml's import-linter layers and ruff's format and lint rules: seconds), then the suite.
 test: $(STAMP)
 	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -x -q --durations=15 tests
+	$(PY) -m pytest -x -q --durations=15 $(call junit,test) tests
 
 # The slow tests that are not Slurm jobs (those are test-slurm's).
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m "slow and not slurm" tests
+	$(PY) -m pytest -q -m "slow and not slurm" $(call junit,test-slow) tests
 
 # CUDA/NCCL: parity, training parity + resume, SDPA attention vs the math kernel, context parallelism's attention per
 # rank (test_cp_gpu.py). Skips, with its reason, without GPUs.
@@ -49,7 +54,7 @@ gpu-bundle:
 	$(PYTHON) tools/gpu_bundle.py --out gpu-bundle
 
 test-slurm: $(STAMP)
-	$(PY) -m pytest -q -s --durations=0 -m "slurm and slow" tests
+	$(PY) -m pytest -q -s --durations=0 -m "slurm and slow" $(call junit,test-slurm) tests
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_model.py

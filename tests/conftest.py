@@ -33,9 +33,10 @@ def own_process_group():
             os.environ[k] = v
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tiny_corpus(tmp_path_factory) -> str:
-    """20,000 random token ids below 500 (vocabulary 512: the tiny preset's) as a megatron dataset; its prefix."""
+    """20,000 random token ids below 500 (vocabulary 512: the tiny preset's) as a megatron dataset; its prefix. Built
+    once per test run (its users only read it, as the session-scoped fixtures below)."""
     d = tmp_path_factory.mktemp("tiny_corpus")
     return write_dataset(d / "corpus", np.random.default_rng(0).integers(0, 500, 20000), 512)
 
@@ -50,7 +51,7 @@ def _paragraphs(text: str) -> list[str]:
     return docs
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> dict[str, Any]:
     """The demo text, a 512-piece sentencepiece model trained on it, a Llama-3-style tokenizer.json, and the text's
     first 700 paragraphs as documents (plus a non-ASCII one and two that tokenize to nothing)."""
@@ -82,7 +83,7 @@ def corpus(tmp_path_factory) -> dict[str, Any]:
     return {"dir": d, "sp": sp_model, "hf": str(d / "hf" / "tokenizer.json"), "docs": docs}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tok_dirs(tmp_path_factory) -> dict[str, str]:
     """chat_fixtures' tokenizers saved as HF directories: llama3, llama2 (both with a chat template) and plain
     (llama2's without one)."""

@@ -89,7 +89,10 @@ def hf_model(name: str, seed: int = 0):
 
 
 def model_config(name: str) -> ModelConfig:
-    hf = hf_model(name).config.to_dict()
+    """threed's config of `hf_model(name)`, read from its LlamaConfig kwargs (what the model is built from) without
+    importing transformers: ~1.5 s of CPU in every rank of a worker that needs no HF weights. test_model_spec.py
+    checks that it equals the config read from transformers' own `LlamaConfig.to_dict()`."""
+    hf = dict(HF_CONFIGS[name], tie_word_embeddings=False)
     return dataclasses.replace(from_hf_config(hf, name=name), make_vocab_size_divisible_by=16)
 
 

@@ -14,6 +14,7 @@ import re
 import pytest
 import torch
 
+from helpers import HF_CONFIGS, hf_model, model_config
 from threed.parallel import partition
 from threed.memory import model as memory
 from threed.config import ModelConfig, ParallelConfig
@@ -33,7 +34,7 @@ from threed.model.spec import (
     stage_parameters,
     universal_patterns,
 )
-from threed.hf.config import to_hf_config
+from threed.hf.config import from_hf_config, to_hf_config
 from threed.model.presets import PRESETS
 
 # A vocabulary of 1000 pads to 1024 at tp 1 (multiple 128) and to 1024 at tp 2 (256) / tp 4 (512): padding rows
@@ -89,6 +90,14 @@ def test_counts_and_hf_shapes_equal_hf_llama(name, cfg, device):
     assert parameter_count(cfg) == sum(torch.Size(s).numel() for s in hf.values())
     ours = {n: s for layer in pipeline_layers(cfg) for n, s in hf_shapes(cfg, layer).items()}
     assert ours == hf  # every HF tensor is some row's, with its shape, and nothing else
+
+
+@pytest.mark.parametrize("name", sorted(HF_CONFIGS))
+def test_the_tests_model_config_is_what_transformers_reads(name):
+    """helpers.model_config reads the test models' LlamaConfig kwargs itself (no transformers in a rank): the same
+    config as from transformers' own LlamaConfig of the model the tests build (its defaults, its rope layout)."""
+    hf = hf_model(name).config.to_dict()
+    assert model_config(name) == dataclasses.replace(from_hf_config(hf, name=name), make_vocab_size_divisible_by=16)
 
 
 @pytest.mark.parametrize("name,cfg,device", CASES, ids=[c[0] for c in CASES])

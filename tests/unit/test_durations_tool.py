@@ -1,0 +1,60 @@
+"""tools/test_durations.py, which turns the JUnit XML files `.ci/run` keeps into docs/performance.md's "Test suite
+times": a test's time lands in its file and folder, the slowest come first, and the page's section is replaced
+(not appended twice) while the rest of the page stays.
+
+    .venv/bin/python -m pytest -q tests/unit/test_durations_tool.py
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+XML = """<?xml version="1.0" encoding="utf-8"?><testsuites name="pytest tests"><testsuite name="pytest" errors="0"
+ failures="1" skipped="1" tests="4" time="30.5" timestamp="2026-11-28T10:00:00+00:00" hostname="vm">
+<testcase classname="tests.ranks.test_parity" name="test_logits[gqa31-2-2]" time="20.25" />
+<testcase classname="tests.unit.test_config" name="test_a" time="1.5" />
+<testcase classname="tests.unit.test_config.TestGroup" name="test_b" time="0.5"><failure message="x" /></testcase>
+<testcase classname="tests.cli.test_recipes" name="test_c" time="0.1"><skipped message="y" /></testcase>
+</testsuite></testsuites>"""
+
+
+def _tool():
+    """tools/test_durations.py as a module (tools/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("test_durations", ROOT / "tools" / "test_durations.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_times_land_in_their_file_and_folder_slowest_first(tmp_path) -> None:
+    tool = _tool()
+    (tmp_path / "test.xml").write_text(XML)
+    runs = tool.read_runs([tmp_path])
+    assert [(c.file, c.outcome) for c in runs[0].cases] == [
+        ("tests/ranks/test_parity.py", "passed"),
+        ("tests/unit/test_config.py", "passed"),
+        ("tests/unit/test_config.py", "failed"),
+        ("tests/cli/test_recipes.py", "skipped"),
+    ]
+    text = tool.markdown(runs, slowest=2)
+    assert text.startswith(tool.SECTION + "\n\nMeasured 2026-11-28")
+    assert "| `test` | 2 | 30 | 22 |" in text  # 2 passed, pytest's 30.5 s, 22.35 s in the tests
+    assert "| `tests/unit` | 2 | 2.0 |" in text
+    slowest = text.split("slowest tests:")[1]
+    assert slowest.index("test_parity.py::test_logits[gqa31-2-2]") < slowest.index("test_config.py::test_a")
+    assert "test_recipes" not in slowest  # only the 2 slowest
+
+
+def test_the_section_is_replaced_and_the_page_kept(tmp_path) -> None:
+    tool = _tool()
+    page = "# Perf\n\nintro\n\n## Test suite times\n\nold table\n\n## Later\n\nkept\n"
+    once = tool.replace_section(page, "## Test suite times\n\nnew table\n")
+    assert once == "# Perf\n\nintro\n\n## Test suite times\n\nnew table\n\n## Later\n\nkept\n"
+    assert tool.replace_section(once, "## Test suite times\n\nnew table\n") == once
+    appended = tool.replace_section("# Perf\n", "## Test suite times\n\nt\n")
+    assert appended == "# Perf\n\n## Test suite times\n\nt\n"
