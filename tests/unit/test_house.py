@@ -256,10 +256,6 @@ def function_lengths() -> list[tuple[str, int, int]]:
     return out
 
 
-# Its cut into steps (1fc4d98) hung test_divergence's fp32 ZeRO-0 rank test; reverted until it is cut again correctly.
-NOT_YET_CUT = {"train/guard.py:after_step"}
-
-
 def test_no_function_is_over_sixty_lines():
     # A function that reads in one screen can be checked in one reading: a longer one is cut into named steps.
     lengths = function_lengths()
@@ -267,7 +263,6 @@ def test_no_function_is_over_sixty_lines():
     bad = [
         f"src/threed/{where.split(':')[0]}:{line}: {where.split(':')[1]}() is {n} lines (at most {MAX_FUNCTION_LINES})"
         for where, line, n in long
-        if where not in NOT_YET_CUT
     ]
     assert not bad, "functions over the limit: cut them into named steps\n" + "\n".join(bad)
 

@@ -443,10 +443,34 @@ class RunGuard:
         `grad_norm` None: not reported (never read as non-finite; the dead-model check is off, said once).
         `sources`: the batch's make-up (`; batch sources: ...`, or a function that returns it), named when its loss
         spikes."""
+        self._tick(step)
+        absent = grad_norm is None
+        norm = self._norm(grad_norm)
+        applied = getattr(self.engine, "was_step_applied", lambda: True)()
+        bad = not (math.isfinite(loss) and (absent or math.isfinite(norm)) and applied)
+        late = self._near_budget()
+        stop = self.stop is not None and self.stop.requested()
+        jump = self._weight_jump()
+        dead = bool(self.dead_grad_norm) and has_loss_tokens and not bad and not absent and norm <= self.dead_grad_norm
+        stop, bad, late, jump, dead = self._agree(stop, bad, late, jump, dead)
+        stop, bad, late = bool(stop), bool(bad), bool(late)
+        if bad:
+            self._skip_nonfinite(step, loss, norm)
+        else:
+            self._stop_if_diverged(step, loss, norm, bool(dead), jump, sources)
+        if late and not self.out_of_time:
+            self._out_of_time()
+        return stop or late
+
+    def _tick(self, step: int) -> None:
+        """The step's duration (the time budget keeps room for one more), and the watchdog's step number."""
         now = time.monotonic()
         self.step_seconds, self.last_step_time = now - self.last_step_time, now
         if self.watchdog is not None:
             self.watchdog.step = step
+
+    def _norm(self, grad_norm: Optional[float]) -> float:
+        """The gradient norm as a float, NaN when the engine reports none (said once: the checks on it are off)."""
         absent = grad_norm is None
         if absent and not self.norm_missing_said:
             self.norm_missing_said = True
@@ -454,53 +478,57 @@ class RunGuard:
                 "threed: the engine reports no gradient norm: the guard's non-finite and dead-model checks on it "
                 "are off (the loss, the weights and DeepSpeed's skipped steps are still checked)"
             )
-        norm = math.nan if absent else float(grad_norm)
-        applied = getattr(self.engine, "was_step_applied", lambda: True)()
-        bad = not (math.isfinite(loss) and (absent or math.isfinite(norm)) and applied)
+        return math.nan if absent else float(grad_norm)
+
+    def _near_budget(self) -> bool:
+        """One more step and one more save would pass --exit-duration-in-mins (False without a budget)."""
         budget = self.exit_duration_in_mins * 60
-        late = bool(budget) and (time.time() - _STARTED) + self.step_seconds + self.save_seconds >= budget
-        stop = self.stop is not None and self.stop.requested()
-        jump = self._weight_jump()
-        dead = bool(self.dead_grad_norm) and has_loss_tokens and not bad and not absent and norm <= self.dead_grad_norm
-        stop, bad, late, jump, dead = self._agree(stop, bad, late, jump, dead)
-        stop, bad, late = bool(stop), bool(bad), bool(late)
-        if bad:
-            self.skipped += 1
-            what = f"loss {loss} / grad norm {norm} at step {step}"
-            allowed = self.skip_nonfinite
-            if self.skipped > allowed:
-                last = self.last_checkpoint()
-                self._log(
-                    f"threed: error: non-finite {what}: stopping without saving (the run diverged; "
-                    f"{self.skipped} non-finite step(s), --skip-nonfinite {allowed}). Last good checkpoint: "
-                    f"{last}. {self.restart(last)} with a lower --lr or more --warmup-steps, or allow "
-                    f"skipping such batches with --skip-nonfinite N"
-                )
-                raise RunAborted(EXIT_DIVERGED)
+        return bool(budget) and (time.time() - _STARTED) + self.step_seconds + self.save_seconds >= budget
+
+    def _skip_nonfinite(self, step: int, loss: float, norm: float) -> None:
+        """A non-finite step (DeepSpeed skipped its optimizer step): a warning within --skip-nonfinite, else the
+        run stops without saving (RunAborted, exit 3)."""
+        self.skipped += 1
+        what = f"loss {loss} / grad norm {norm} at step {step}"
+        allowed = self.skip_nonfinite
+        if self.skipped > allowed:
+            last = self.last_checkpoint()
             self._log(
-                f"threed: warning: non-finite {what}: the optimizer step was skipped (weights unchanged); "
-                f"{self.skipped} of --skip-nonfinite {allowed}"
+                f"threed: error: non-finite {what}: stopping without saving (the run diverged; "
+                f"{self.skipped} non-finite step(s), --skip-nonfinite {allowed}). Last good checkpoint: "
+                f"{last}. {self.restart(last)} with a lower --lr or more --warmup-steps, or allow "
+                f"skipping such batches with --skip-nonfinite N"
             )
-        else:
-            seen = self._diverged(step, loss, norm, bool(dead), jump, sources)
-            if seen is not None:
-                last = self.last_checkpoint()
-                began = self.spike.start if self.spike is not None else step
-                if not seen.startswith("the step") and last.endswith(f"/global_step{began - 1}"):
-                    when = "this step" if began == step else f"step {began}, where the spike began"
-                    last += f" (saved just before {when}: its weights gave this loss; an earlier one may be safer)"
-                self._log(
-                    f"threed: error: the run diverged at step {step}: {seen}; stopping without saving. Last "
-                    f"good checkpoint: {last}. {self.restart(last)} with a lower --lr or more --warmup-steps; "
-                    f"if the run was healthy, raise the flag named above (0 turns its check off)"
-                )
-                raise RunAborted(EXIT_DIVERGED)
-        if late and not self.out_of_time:
-            self.out_of_time = True
-            self._log(
-                f"threed: --exit-duration-in-mins {self.exit_duration_in_mins:g} is near "
-                f"({(time.time() - _STARTED) / 60:.1f} min elapsed): saving and exiting"
-            )
-            if self.stop is not None:
-                self.stop.flag = True
-        return stop or late
+            raise RunAborted(EXIT_DIVERGED)
+        self._log(
+            f"threed: warning: non-finite {what}: the optimizer step was skipped (weights unchanged); "
+            f"{self.skipped} of --skip-nonfinite {allowed}"
+        )
+
+    def _stop_if_diverged(self, step: int, loss: float, norm: float, dead: bool, jump: float, sources: Sources) -> None:
+        """A finite step that diverged (`_diverged`) stops the run without saving (RunAborted, exit 3), naming the
+        last good checkpoint, and whether its weights already gave the loss that stopped it."""
+        seen = self._diverged(step, loss, norm, dead, jump, sources)
+        if seen is None:
+            return
+        last = self.last_checkpoint()
+        began = self.spike.start if self.spike is not None else step
+        if not seen.startswith("the step") and last.endswith(f"/global_step{began - 1}"):
+            when = "this step" if began == step else f"step {began}, where the spike began"
+            last += f" (saved just before {when}: its weights gave this loss; an earlier one may be safer)"
+        self._log(
+            f"threed: error: the run diverged at step {step}: {seen}; stopping without saving. Last "
+            f"good checkpoint: {last}. {self.restart(last)} with a lower --lr or more --warmup-steps; "
+            f"if the run was healthy, raise the flag named above (0 turns its check off)"
+        )
+        raise RunAborted(EXIT_DIVERGED)
+
+    def _out_of_time(self) -> None:
+        """The time budget is near: said once, and the run's stop request raised, so it saves and exits 0."""
+        self.out_of_time = True
+        self._log(
+            f"threed: --exit-duration-in-mins {self.exit_duration_in_mins:g} is near "
+            f"({(time.time() - _STARTED) / 60:.1f} min elapsed): saving and exiting"
+        )
+        if self.stop is not None:
+            self.stop.flag = True
