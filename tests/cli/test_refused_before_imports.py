@@ -44,3 +44,16 @@ def test_a_refusal_imports_no_heavy_library(case: str, tmp_path) -> None:
     assert report["rc"] == 2, out.stdout + out.stderr
     assert says in out.stderr and out.stderr.count("configuration error") == 1, out.stderr
     assert report["heavy"] == [], f"{case}: imported {report['heavy']} before refusing"
+
+
+@pytest.mark.parametrize("model", ["tiny", "llama3.1-70b"])
+def test_check_config_answers_without_the_heavy_libraries(model: str) -> None:
+    # The launcher runs it before every start and every dry run (recipes/launch.sh): its answer, the memory
+    # model's line included, needs no torch.
+    argv = ["check-config", "--world", "8", "--model", model, "--tp", "2", "--pp", "2", "--seq-length", "64"]
+    env = {"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", PROBE, *argv], capture_output=True, text=True, env=env, timeout=60)
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["rc"] == 0, out.stdout + out.stderr
+    assert "config ok:" in out.stdout and "\nmemory: ~" in out.stdout, out.stdout
+    assert report["heavy"] == [], f"check-config imported {report['heavy']}"

@@ -93,7 +93,7 @@ def test_cuda_only_switches_stay_off_on_cpu(out):
 
 
 def test_device_policy_refuses_cuda_without_a_gpu(monkeypatch):
-    from threed.parallel.distributed import DeviceError, cuda_only, device_and_backend
+    from threed.parallel.distributed import DeviceError, cuda_only, device_and_backend  # cuda_only: re-exported
 
     monkeypatch.setenv("THREED_DEVICE", "cuda")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

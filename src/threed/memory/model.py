@@ -84,6 +84,7 @@ from threed.convert.resolve import model_config
 from threed.model.spec import LayerKind, largest_parameter, stage_parameters
 from threed.memory.deferred import awaiting_w_bytes, deferred_bytes_per_token
 from threed.memory.recompute import Recompute
+from threed.parallel.device_policy import CudaOnly, cuda_only
 from threed.parallel.partition import resolve_partition
 from threed.parallel.schedule import held_before_backward
 
@@ -188,13 +189,8 @@ class Memory:
         )
 
 
-def _switches(device: Device):
-    # torch: only for the estimate itself, so `threed --help` stays fast.
-    import torch
-
-    from threed.parallel.distributed import cuda_only  # the one place that decides the CUDA-only kernels
-
-    return cuda_only(torch.device(device))
+def _switches(device: Device) -> CudaOnly:
+    return cuda_only(device)  # the one place that decides the CUDA-only kernels
 
 
 def _norm_bytes(h: int, device: Device) -> int:

@@ -33,6 +33,7 @@ from torch.distributed import distributed_c10d
 
 from threed.parallel import megatron_device
 from threed.parallel.build_lock import lock_candidates, stale_lock
+from threed.parallel.device_policy import CudaOnly, cuda_only
 from threed.config import ConfigError
 
 
@@ -54,22 +55,6 @@ def torch_too_old(version: Optional[str] = None) -> Optional[str]:
         f"torch {version} is older than threed supports (torch >= {floor}, docs/torch-versions.md); install torch "
         f"{floor} or newer in this environment (the tested pin is 2.13.0)"
     )
-
-
-@dataclass(frozen=True)
-class CudaOnly:
-    """Switches that exist only on CUDA. On CPU every one is False, so a CPU run is the GPU code path minus these
-    (`cuda_only` is the one function that decides them)."""
-
-    fused_adamw: bool  # torch AdamW(fused=True): one kernel, no full-size foreach temporary
-    fused_swiglu: bool  # megatron's bias_activation_fusion: fused SwiGLU kernel in the MLP
-    gloo_process_groups: bool  # megatron's extra gloo groups beside the nccl ones; unused here, a hang risk on
-    # multi-NIC nodes, so never created on CUDA
-
-
-def cuda_only(device: torch.device) -> CudaOnly:
-    on = device.type == "cuda"
-    return CudaOnly(fused_adamw=on, fused_swiglu=on, gloo_process_groups=not on)
 
 
 @dataclass(frozen=True)

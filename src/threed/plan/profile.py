@@ -30,6 +30,7 @@ import statistics
 import time
 from typing import Any, Callable, Iterator, Optional
 
+from threed.parallel.device_policy import cuda_only
 from threed.config import ConfigError, ModelConfig, RunConfig
 from threed.parallel.layer_costs import COSTS_PREFIX, format_costs, parse_costs
 from threed.model.spec import LAYER_KINDS, LayerKind, PipelineLayer, pipeline_layers
@@ -128,9 +129,8 @@ def _measure(cfg: RunConfig, warmup: int, repeats: int) -> dict[LayerKind, float
 
 def megatron_config_as_trained(cfg: RunConfig, device) -> Any:
     """megatron's config for the profiled layers, at tp=1, with the CUDA-only kernels training uses on `device`
-    (`threed.parallel.distributed.cuda_only`: on CUDA the fused SwiGLU, which is not the unfused one's cost)."""
+    (`threed.parallel.device_policy.cuda_only`: on CUDA the fused SwiGLU, which is not the unfused one's cost)."""
     # torch, megatron: heavy, only here
-    from threed.parallel.distributed import cuda_only
     from threed.parallel.pipeline import run_megatron_config
 
     return run_megatron_config(
