@@ -27,7 +27,7 @@ from threed.convert.resolve import model_config
 from threed.model.context import attend_prefix, chunk_index
 from threed.plan.layout import context_parallel_verdict
 from threed.plan.planner import MIN_CP_TOKENS, Hardware, plan, recipe_lines
-from threed.plan.steptime import cp_collective_s, pass_times, step_time
+from threed.plan.steptime import Rates, cp_collective_s, pass_times, step_time
 
 M70, M8 = model_config("llama3.1-70b"), model_config("llama3.1-8b")
 NODE = Hardware(nodes=1, gpus_per_node=8, gpu_memory_gb=80)
@@ -116,13 +116,16 @@ def test_zero1_shards_over_dp_times_cp() -> None:
 
 
 def test_cp_divides_compute_and_adds_one_kv_exchange_per_block_each_way() -> None:
-    """One stage, tp 1: with free links cp 2 halves every pass (the zigzag chunks balance causal work); with real
-    links F adds one all-gather per block and B one reduce-scatter per block, plus one more all-gather per
-    recomputed block."""
+    """One stage, tp 1: with free links cp 2 halves every pass's compute (the zigzag chunks balance causal work)
+    and keeps the per-micro-batch cost whole (each rank runs every micro-batch); with real links F adds one
+    all-gather per block and B one reduce-scatter per block, plus one more all-gather per recomputed block."""
     seq, cp = 65536, 2
-    free1, free2 = (pass_times(M8, FREE_LINKS, 1, 1, 4, 1, seq, False, cp=c) for c in (1, cp))
-    for one, two in zip(free1, free2):
+    flat = dataclasses.replace(FREE_LINKS, rates=Rates.flat(400))  # no per-micro-batch cost
+    for one, two in zip(*(pass_times(M8, flat, 1, 1, 4, 1, seq, False, cp=c) for c in (1, cp))):
         assert two == pytest.approx(one / cp, rel=1e-6)
+    free1, free2 = (pass_times(M8, FREE_LINKS, 1, 1, 4, 1, seq, False, cp=c) for c in (1, cp))
+    c = FREE_LINKS.rates.micro_s
+    assert c > 0 and sum(free2) == pytest.approx((sum(free1) - c) / cp + c, rel=1e-6)
     x = cp_collective_s(M8, NODE, 1, cp, seq, 1)
     assert x == pytest.approx((cp - 1) / cp * kv_row_bytes(M8, 1, seq, 1) / (NODE.nvlink_gbps * 1e9))
     f, b, w = pass_times(M8, NODE, 1, 1, 4, 1, seq, False, cp=cp)

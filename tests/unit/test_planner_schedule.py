@@ -14,24 +14,25 @@ from threed.model.spec import matmul_parameters
 from threed.cli.plan import main
 from threed.plan.planner import Hardware, plan, recipe_lines
 from threed.plan.layout import Layout, schedule_verdict
-from threed.plan.steptime import pass_times, step_time
+from threed.plan.steptime import Rates, pass_times, step_time
 
 M70, M8 = model_config("llama3.1-70b"), model_config("llama3.1-8b")
 HW = Hardware(nodes=4, gpus_per_node=8, gpu_memory_gb=80)
+FLAT = Hardware(nodes=4, gpus_per_node=8, gpu_memory_gb=80, rates=Rates.flat(400))  # one rate, no per-micro cost
 
 
 def test_backward_split_dgrad_equals_wgrad_attention_in_b() -> None:
     """One stage, tp 1 (no collectives, no p2p): F = 2 M + 4 s h per block, B = F + the attention scores'
     backward (another 4 s h), W = 2 M (M: matmul parameters; the LM head's too)."""
-    seq, tokens, rate = 4096, 4096 * 2, HW.tflops * 1e12
-    f, b, w = pass_times(M8, HW, 1, 1, 8, 2, seq, False)
+    seq, tokens, rate = 4096, 4096 * 2, FLAT.rates.mm_tflops * 1e12
+    f, b, w = pass_times(M8, FLAT, 1, 1, 8, 2, seq, False)
     layers, h = M8.num_layers, M8.hidden_size
     m_blocks, m_head = layers * matmul_parameters(M8, "block"), matmul_parameters(M8, "lm_head")
     assert w == pytest.approx(tokens * 2 * (m_blocks + m_head) / rate, rel=1e-12)
     assert f == pytest.approx(tokens * (2 * (m_blocks + m_head) + layers * 4 * seq * h) / rate, rel=1e-12)
     assert b - f == pytest.approx(tokens * layers * 4 * seq * h / rate, rel=1e-12)
     # Every block recomputed: the blocks' forward (F less the LM head's) runs again in B; F and W are unchanged.
-    f2, b2, w2 = pass_times(M8, HW, 1, 1, 8, 2, seq, True)
+    f2, b2, w2 = pass_times(M8, FLAT, 1, 1, 8, 2, seq, True)
     assert (f2, w2) == (f, w) and b2 == pytest.approx(b + f - tokens * 2 * m_head / rate, rel=1e-12)
 
 
@@ -63,7 +64,7 @@ def test_1f1b_hides_backward_tp_collectives_behind_gemms_zb_h1_does_not(sp: bool
     allreduce = 2 * (tp - 1) / tp * 2 * tokens * M70.hidden_size / (HW.nvlink_gbps * 1e9)
     slowest = max(stages(M70, pp, tp, seq), key=lambda st: (st.blocks, st.last))  # the LM head's stage
     hidden_b, hidden_w = hidden_behind_gemms(
-        M70, tp, tokens, HW.tflops * 1e12, allreduce, sp, slowest.blocks, slowest.last
+        M70, tp, tokens, HW.rates.mm_tflops * 1e12, allreduce, sp, slowest.blocks, slowest.last
     )
     assert hidden_b > 0 and (hidden_w > 0) == sp
     assert one[0] == zb[0]

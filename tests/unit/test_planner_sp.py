@@ -12,7 +12,7 @@ from threed.memory.model import GB, estimate, heaviest
 from threed.memory.recompute import Recompute
 from threed.model.spec import layer_training_flops
 from threed.plan.planner import Hardware, full_recompute_verdict, plan, recipe_lines
-from threed.plan.steptime import step_time
+from threed.plan.steptime import Rates, step_time
 
 FLAGSHIP = dict(nodes=4, gpus_per_node=8, gpu_memory_gb=80)
 
@@ -62,18 +62,19 @@ def test_fewest_recomputed_blocks_is_the_least_that_fits(flagship) -> None:
 
 def test_recompute_adds_one_forward_per_recomputed_block() -> None:
     m = model_config("llama3.1-70b")
-    hw = Hardware(nodes=1, gpus_per_node=8, gpu_memory_gb=80, nvlink_gbps=1e12, network_gbps=1e12)
+    flat = Rates.flat(400)  # one rate over the full square, no per-micro-batch cost: a block's FLOPs at one rate
+    hw = Hardware(nodes=1, gpus_per_node=8, gpu_memory_gb=80, rates=flat, nvlink_gbps=1e12, network_gbps=1e12)
     args = (m, hw, 8, 1, 1, 1, 1, 8192)  # pp 1: one stage of 80 blocks, communication made free
     none, four = step_time(*args, False, 10**9), step_time(*args, Recompute.first_blocks(4), 10**9)
     every = step_time(*args, True, 10**9)
-    block = 8192 * layer_training_flops(m, "block", 8192, 8) / (8 * hw.tflops * 1e12)
+    block = 8192 * layer_training_flops(m, "block", 8192, 8) / (8 * flat.mm_tflops * 1e12)
     assert four - none == pytest.approx(4 * block / 3, rel=1e-6)
     assert every - none == pytest.approx(80 * block / 3, rel=1e-6)
 
 
 def test_sp_communication_is_the_ring_bytes_plus_the_backward_regather() -> None:
     m = model_config("llama3.1-70b")
-    hw = Hardware(nodes=1, gpus_per_node=8, gpu_memory_gb=80, tflops=1e12)  # compute made free
+    hw = Hardware(nodes=1, gpus_per_node=8, gpu_memory_gb=80, rates=Rates.flat(1e12))  # compute made free
     args = (m, hw, 8, 1, 1, 1, 1, 8192, False, 0)
     allreduce = 2 * 7 / 8 * 2 * 8192 * 8192 / (hw.nvlink_gbps * 1e9)
     extra = step_time(*args, sequence_parallel=True) - step_time(*args)

@@ -2,7 +2,11 @@
 what it searches and how).
 
     threed plan --model llama3.1-70b --nodes 4 --gpus-per-node 8 --gpu-memory 80 --seq-length 8192 \
-        --global-batch-size 512 [--tp 8] [--pp 4] [--cp 2] [--micro-batch-size 1] [--sequence-parallel true]
+        --global-batch-size 512 [--tp 8] [--pp 4] [--cp 2] [--micro-batch-size 1] [--sequence-parallel true] \
+        [--calibrate benchmarks/measured/2026-11-28-h200.json | gpu_check.json]
+
+The step time's compute rates are fitted to measured GPU runs (`threed.plan.calibration`): by default to the
+committed H200 runs (the first line printed says so), with --calibrate FILE to the runs of FILE.
 
 Training's flag names (`threed.cli.flags`), with the earlier short ones (--seq, --global-batch, --micro,
 --act-ckpt) kept as aliases; the hardware flags (--nodes, --gpu-memory, ...) are the planner's own.
@@ -11,8 +15,10 @@ Training's flag names (`threed.cli.flags`), with the earlier short ones (--seq, 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
+from pathlib import Path
 from typing import Optional
 
 from threed.cli.flags import add_command, add_field_flag, add_model_flag, field_value, standalone
@@ -22,7 +28,8 @@ from threed.convert.resolve import model_config
 from threed.plan.layout import context_parallel_verdict, full_recompute_verdict, schedule_verdict, table
 from threed.plan import planner
 from threed.plan.planner import FILTER_FIELDS, FILTER_FLAGS, candidates, plan, recipe_lines
-from threed.plan.steptime import Hardware
+from threed.plan.calibration import calibrate, predict, read_measured
+from threed.plan.steptime import DEFAULT_RATES, Hardware, Rates
 
 # The search's filters (threed.plan.planner.FILTER_FIELDS: keyword -> config field): earlier names, what each keeps.
 FILTERS = {
@@ -46,7 +53,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         p, "train", "global_batch_size", required=True, old=("--global-batch",), help="sequences per optimizer step"
     )
     p.add_argument("--reserve", type=float, default=Hardware.reserve_gb, help="GB kept free per GPU (CUDA, NCCL)")
-    p.add_argument("--tflops", type=float, default=Hardware.tflops, help="sustained bf16 TFLOP/s per GPU")
+    p.add_argument(
+        "--calibrate",
+        type=Path,
+        metavar="FILE",
+        help="fit the compute rates to these measured runs (benchmarks/measured/*.json or gpu_check.json); "
+        f"default: {DEFAULT_RATES.fitted_to}",
+    )
+    p.add_argument(
+        "--tflops", type=float, help="one sustained bf16 TFLOP/s over the full attention square instead (no fit)"
+    )
     p.add_argument("--nvlink-gbps", type=float, default=Hardware.nvlink_gbps, help="intra-node GB/s")
     p.add_argument("--network-gbps", type=float, default=Hardware.network_gbps, help="inter-node GB/s per GPU")
     p.add_argument("--hbm-gbps", type=float, default=Hardware.hbm_gbps, help="GPU memory bandwidth, GB/s")
@@ -58,15 +74,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(ns: argparse.Namespace) -> int:
     model = model_config(ns.model)
-    hw = Hardware(
-        ns.nodes, ns.gpus_per_node, ns.gpu_memory, ns.reserve, ns.tflops, ns.nvlink_gbps, ns.network_gbps, ns.hbm_gbps
-    )
     if ns.top < 1:
         raise ConfigError(f"--top must be a positive number, got {ns.top}")
     for flag in ("--gpu-memory", "--reserve", "--tflops", "--nvlink-gbps", "--network-gbps", "--hbm-gbps"):
         value = getattr(ns, flag[2:].replace("-", "_"))
-        if not math.isfinite(value):  # nan passes every comparison, inf every lower bound: neither is a size
+        if value is not None and not math.isfinite(value):  # nan passes every comparison, inf every lower bound
             raise ConfigError(f"{flag} must be a finite number, got {value:g}; e.g. {flag} 80")
+    if ns.tflops is not None and ns.calibrate:
+        raise ConfigError("--tflops and --calibrate both set the compute rates; give one")
+    rates = Rates.flat(ns.tflops) if ns.tflops is not None else DEFAULT_RATES
+    hw = Hardware(
+        ns.nodes, ns.gpus_per_node, ns.gpu_memory, ns.reserve, rates, ns.nvlink_gbps, ns.network_gbps, ns.hbm_gbps
+    )
+    hw, fitted = calibrated(hw, ns.calibrate) if ns.calibrate else (hw, [hw.rates.line()])
     seq, global_batch = field_value(ns, "train", "seq_length"), field_value(ns, "train", "global_batch_size")
     only = {key: field_value(ns, *FILTER_FIELDS[key]) for key in FILTERS}
     try:
@@ -89,6 +109,7 @@ def run(ns: argparse.Namespace) -> int:
     print(full_recompute_verdict(every))
     print(f"pipeline schedule: {schedule_verdict(best, every)}")
     print(context_parallel_verdict(best, every))
+    print("\n".join(fitted))
     print(
         f"\nbest: {best.name()}: {best.step_s:.1f} s/step predicted ({tokens / best.step_s:,.0f} tokens/s), "
         f"bubble {best.bubble:.1%}, {best.memory.line(best.pp)}"
@@ -100,6 +121,22 @@ def run(ns: argparse.Namespace) -> int:
         f"(or sbatch --nodes={hw.nodes} slurm/train.sh RECIPE)"
     )
     return 0
+
+
+def calibrated(hw: Hardware, path: Path) -> tuple[Hardware, list[str]]:
+    """`hw` with the rates fitted to the runs in `path`, and the lines that say so: the rates, how the fit was
+    constrained, and each run's measured step beside what the fitted model predicts for it."""
+    measured = read_measured(path)
+    rates, how = calibrate(measured, hw)
+    hw = dataclasses.replace(hw, rates=rates)
+    lines = [f"{rates.line()} ({how}; torch {measured.torch})"]
+    for run in measured.runs:
+        predicted = predict(run, hw)
+        lines.append(
+            f"  {run.model} {run.name()}: measured {run.step_s:.3f} s/step, fitted model {predicted:.3f} s/step "
+            f"({predicted / run.step_s - 1:+.1%})"
+        )
+    return hw, lines
 
 
 def refuse_empty_filters(model, hw: Hardware, seq: int, global_batch: int, only: dict) -> None:

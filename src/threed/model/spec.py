@@ -268,11 +268,18 @@ def matmul_parameters(model: ModelConfig, kind: LayerKind, tp: int = 1) -> int:
     return n
 
 
+def attention_training_flops(model: ModelConfig, seq_length: int, causal: bool = False) -> float:
+    """Training FLOPs per token of one block's attention scores, QK^T and AV (forward 4·s·h, x3 for training): over
+    the full s x s square (the convention above), or causal, the half below the diagonal that a causal kernel
+    computes (the step-time model's attention rate is fitted on these: `threed.plan.calibration`)."""
+    return 3.0 * 4.0 * seq_length * model.hidden_size / (2.0 if causal else 1.0)
+
+
 def layer_training_flops(model: ModelConfig, kind: LayerKind, seq_length: int, tp: int = 1) -> float:
     """Training FLOPs per token of one pipeline layer, the whole layer (all TP ranks): see the module docstring."""
     flops = 6.0 * matmul_parameters(model, kind, tp)
     if kind == "block":
-        flops += 3.0 * 4.0 * seq_length * model.hidden_size  # QK^T and AV, forward 4·s·h, x3 for training
+        flops += attention_training_flops(model, seq_length)
     return flops
 
 

@@ -223,7 +223,7 @@ def plan(model: ModelConfig, hw: Hardware, seq: int, global_batch: int, **only) 
         ("--seq-length", seq),
         ("--global-batch-size", global_batch),
         ("--gpu-memory", hw.gpu_memory_gb),
-        ("--tflops", hw.tflops),
+        ("--tflops", hw.rates.mm_tflops),
         ("--nvlink-gbps", hw.nvlink_gbps),
         ("--network-gbps", hw.network_gbps),
         ("--hbm-gbps", hw.hbm_gbps),

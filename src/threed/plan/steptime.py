@@ -4,14 +4,19 @@ compute/communication overlap the engine has (below: megatron's linear backward 
 
     step = pipeline(schedule, pp, gas; F, B, W of the slowest stage)  + t_dp + t_tied + t_optimizer
     t_micro(stage) = F + B + W
-                   = tokens x (blocks x F_block + recomputed x F_block / 3 + last x F_head) / (tp x R)     compute
+                   = tokens x (blocks x M_block + recomputed x M_block / 3 + last x M_head) / (tp x R_mm)  compute
+                   + tokens x (blocks + recomputed / 3) x A_block / (tp x R_attn)  +  c
                    + n_tp x 2 (tp - 1) / tp x 2 s b h / B_tp                                          TP collectives
                    + 2 x 2 s b h / tp / B_pp  (+ 2 x all-gather of it over TP without SP)               PP p2p (pp > 1)
 
-  F_block, F_head: training FLOPs per token of a block and of the LM head, `threed.model.spec.layer_training_flops`
-  (the repo's one FLOPs convention: 6 x matmul parameters, attention scores over the full seq x seq square, so
-  causal attention's cost is overstated by 6 s h per block, as in every MFU figure). A recomputed block runs its
-  forward once more: F_block / 3 (`threed.memory.recompute` says which blocks of a stage are recomputed).
+  M_block, M_head: training matmul FLOPs per token of a block and of the LM head (6 x matmul parameters,
+  `threed.model.spec.matmul_parameters`); A_block: a block's causal attention FLOPs per token (QK^T and AV below
+  the diagonal, `threed.model.spec.attention_training_flops`: half the full square of the MFU convention). A
+  recomputed block runs its forward once more: a third of its FLOPs (`threed.memory.recompute` says which blocks of
+  a stage are recomputed). Rates: R_mm (matmuls), R_attn (causal attention) and c (seconds per micro-batch per
+  stage, spread over F, B and W as their compute) are `Rates`, fitted to measured GPU runs by
+  `threed.plan.calibration` (by default those of one H200, `DEFAULT_RATES`); `Rates.flat(R)` is the earlier model:
+  one rate over the full square, no per-micro-batch cost.
   The passes (`threed.parallel.schedule`): F is a third of the FLOPs; of the backward, W (weight gradients) is the
   matmuls' forward FLOPs again (2 x matmul parameters per token) and B the rest (input gradients, the attention
   scores' backward, the recompute forward). Collectives: the forward ones and the p2p send are F's, the backward
@@ -57,8 +62,8 @@ from threed.memory.model import GB, kv_row_bytes, stages
 from threed.memory.recompute import Recompute
 from threed.model.spec import (
     LayerKind,
+    attention_training_flops,
     layer_parameters,
-    layer_training_flops,
     matmul_parameters,
     shard_shape,
     split_axis,
@@ -69,13 +74,40 @@ from threed.parallel.schedule import simulate
 
 
 @dataclass(frozen=True)
+class Rates:
+    """The compute part of the step-time model (the module docstring), and what it was fitted to."""
+
+    mm_tflops: float  # sustained bf16 matmul TFLOP/s per GPU
+    attn_tflops: float  # sustained TFLOP/s of the attention kernel, on causal attention FLOPs
+    micro_s: float  # seconds each micro-batch costs a stage besides its FLOPs (host, launches, memory-bound work)
+    fitted_to: str  # the device, the date and the measurements (or the flag) the rates come from
+
+    @classmethod
+    def flat(cls, tflops: float) -> "Rates":
+        """One rate over the full attention square (causal FLOPs at half of it), no per-micro-batch cost."""
+        return cls(tflops, tflops / 2, 0.0, f"no run (--tflops {tflops:g} over the full attention square, no c)")
+
+    def line(self) -> str:
+        return (
+            f"step-time model fitted to {self.fitted_to}: matmuls {self.mm_tflops:.0f} TFLOP/s, attention "
+            f"{self.attn_tflops:.0f} TFLOP/s on causal FLOPs, {1e3 * self.micro_s:.1f} ms per micro-batch"
+        )
+
+
+# `threed.plan.calibration.fit` of benchmarks/measured/2026-11-28-h200.json with the default Hardware below
+# (tests/unit/test_calibration.py checks these are that fit): R_attn tied to R_mm / 2, as those runs cannot tell them
+# apart (docs/performance.md).
+DEFAULT_RATES = Rates(622.9, 311.4, 0.03606, "NVIDIA H200, 2026-11-28, bench_gpu.py (tp1, Llama-3.2-1B, seq 4K-8K)")
+
+
+@dataclass(frozen=True)
 class Hardware:
     nodes: int
     gpus_per_node: int
     gpu_memory_gb: float
     # Defaults: an H100 SXM node with one 400 Gb/s NIC per GPU.
     reserve_gb: float = 5.0  # CUDA context, NCCL buffers, allocator fragmentation
-    tflops: float = 400.0  # sustained bf16 matmul TFLOP/s per GPU (~40% of the dense peak)
+    rates: Rates = DEFAULT_RATES  # the compute model's rates (threed.plan.calibration fits them)
     nvlink_gbps: float = 370.0  # NCCL all-reduce bus bandwidth inside a node, GB/s
     network_gbps: float = 50.0  # per-GPU share of the inter-node network, GB/s
     hbm_gbps: float = 3350.0  # GPU memory bandwidth, GB/s
@@ -116,16 +148,9 @@ def pass_times(
     tokens = seq * micro // cp  # this rank's share of each row; FLOPs per token stay those of the whole row
     kv_exchange = cp_collective_s(model, hw, tp, cp, seq, micro)
     act_bytes = 2 * tokens * h
-    rate = hw.tflops * 1e12
+    rate = hw.rates.mm_tflops * 1e12
     allreduce = 2 * (tp - 1) / tp * act_bytes / (hw.nvlink_gbps * 1e9) if tp > 1 else 0.0
 
-    def passes(kind: str) -> tuple[float, float, float]:
-        """Training FLOPs per token of one layer as (F, B, W): dgrad = wgrad = forward for the matmuls."""
-        total = layer_training_flops(model, kind, seq, tp)  # type: ignore[arg-type]
-        w = 2.0 * matmul_parameters(model, kind, tp)  # type: ignore[arg-type]
-        return total / 3, total - total / 3 - w, w
-
-    block, head = passes("block"), passes("lm_head")
     deferred = schedule != "1f1b" and pp > 1  # ZB-H1 splits the backward (at pp 1 it is refused: 1F1B's backward)
     slowest = (0.0, 0.0, 0.0)
     for st in stages(model, pp, tp, seq):
@@ -135,11 +160,10 @@ def pass_times(
         # megatron's re-gather of the column-parallel inputs; a deferred W (threed.model.wgrad) also re-gathers
         # the row-parallel output gradients it kept as sequence parts (two all-gathers: one all-reduce's worth)
         w_tp = sp * (st.blocks + st.last / 2 + deferred * st.blocks)
-        f, b, w = (
-            tokens * (st.blocks * x + st.last * y) / (tp * rate) + n * allreduce
-            for x, y, n in zip(block, head, (f_tp, b_tp, w_tp))
-        )
-        b += tokens * recomputed * block[0] / (tp * rate)  # a recomputed block's forward runs again in B
+        flops = stage_flops(model, tp, seq, tokens, st.blocks, st.last, recomputed)
+        compute = [mm / rate + attn / (hw.rates.attn_tflops * 1e12) for mm, attn in flops]
+        stretch = 1 + hw.rates.micro_s / sum(compute) if sum(compute) else 1.0  # c spread over the passes' compute
+        f, b, w = (t * stretch + n * allreduce for t, n in zip(compute, (f_tp, b_tp, w_tp)))
         # CP: K/V all-gathered in each block's forward (again in a recomputed block's), dK/dV reduce-scattered in B
         f, b = f + st.blocks * kv_exchange, b + (st.blocks + recomputed) * kv_exchange
         if not deferred and tp > 1:  # ZB-H1's B and W run their collectives alone (threed.model.wgrad)
@@ -153,6 +177,24 @@ def pass_times(
         if f + b + w > sum(slowest):
             slowest = (f, b, w)
     return slowest
+
+
+def stage_flops(
+    model: ModelConfig, tp: int, seq: int, tokens: int, blocks: int, last: int, recomputed: int
+) -> tuple[tuple[float, float], ...]:
+    """(matmul, causal attention) FLOPs on one TP rank of a stage's F, B and W passes for `tokens` tokens of rows of
+    `seq`: F a third of the training FLOPs; W the matmuls' forward again (2 x matmul parameters per token, dgrad =
+    wgrad = forward); B the rest, plus the recomputed blocks' forward. What `pass_times` divides by the rates and
+    `threed.plan.calibration` fits them on."""
+    m_block, m_head = (2.0 * matmul_parameters(model, kind, tp) for kind in ("block", "lm_head"))  # forward
+    attn = attention_training_flops(model, seq, causal=True) / 3  # forward
+    mm_fwd, attn_fwd = blocks * m_block + last * m_head, blocks * attn
+    scale = tokens / tp
+    return (
+        (scale * mm_fwd, scale * attn_fwd),
+        (scale * (mm_fwd + recomputed * m_block), scale * (2 * attn_fwd + recomputed * attn)),
+        (scale * mm_fwd, 0.0),
+    )
 
 
 def cp_in_node(hw: Hardware, tp: int, cp: int) -> bool:
@@ -225,10 +267,15 @@ def step_time(
     `cp`: context parallelism (gradients reduce and ZeRO-1 shards over dp x cp)."""
     passes = passes or pass_times(model, hw, tp, pp, dp, micro, seq, recompute, sequence_parallel, schedule, cp)
     pipeline, _ = simulate(schedule, pp, gas, *passes)
-    shards = dp * cp  # CP ranks hold the same weights: they reduce gradients with the DP ranks
+    return pipeline + once_per_step_s(model, hw, tp, pp, dp * cp, params)
+
+
+def once_per_step_s(model: ModelConfig, hw: Hardware, tp: int, pp: int, shards: int, params: int) -> float:
+    """What a step costs besides its micro-batches: t_dp + t_tied + t_optimizer (the module docstring); `shards`:
+    dp x cp (CP ranks hold the same weights: they reduce gradients with the DP ranks)."""
     t_dp = (2 * 4 * params + 2 * params) * (shards - 1) / shards / link_bytes_per_s(hw, tp)  # ranks tp apart
     t_opt = (36 * params / shards + 12 * params) / (hw.hbm_gbps * 1e9)
-    return pipeline + t_dp + tied_allreduce_s(model, hw, tp, pp, shards) + t_opt
+    return t_dp + tied_allreduce_s(model, hw, tp, pp, shards) + t_opt
 
 
 def tied_allreduce_s(model: ModelConfig, hw: Hardware, tp: int, pp: int, dp: int) -> float:
