@@ -13,10 +13,10 @@
 #          SP without recompute needs ~74 GB, over the 72 GB this recipe allows itself; recomputing every block
 #          ~42 GB. At DP=4 the ZeRO-1 optimizer shard halves: ~61 GB/GPU.
 # Speed    predicted by `threed plan --model llama3.1-405b --nodes 32 --gpu-memory 80 --seq-length 4096 --global-batch-size 1024
-#          --tp 8 --pp 16 --micro-batch-size 1 --reserve 8` (a ranking model, threed.plan.steptime; it chooses this): 121 s/step,
-#          against 155 s recomputing every block (ACT_CKPT=true, no SP) and 150 s recomputing 7 of 8 without SP.
-#          SEQ=8192: the same command with --seq-length 8192 chooses RECOMPUTE_NUM_LAYERS=5 (~69 GB, 294 s/step
-#          against 326 s recomputing every block).
+#          --tp 8 --pp 16 --micro-batch-size 1 --reserve 8` (a ranking model, threed.plan.steptime; it chooses this): 100 s/step,
+#          against 123 s recomputing every block (ACT_CKPT=true, no SP) and 120 s recomputing 7 of 8 without SP.
+#          SEQ=8192: the same command with --seq-length 8192 chooses RECOMPUTE_NUM_LAYERS=5 (~69 GB, 216 s/step
+#          against 238 s recomputing every block).
 # Data     DATA: a megatron .bin/.idx prefix or a blend "W1 PREFIX1 W2 PREFIX2" 
 #          made by `threed preprocess --append-eod --tokenizer $TOKENIZER` or Megatron-LM (the HF Llama 3 tokenizer directory, 128256 pieces).
 # Weights  random init; INIT_FROM=<`threed convert` output of HF Llama-3.1-405B> starts from the HF weights.

@@ -12,9 +12,11 @@
 #          Without SP (no recompute) stage 0 needs ~104 GB (activations 62.9): it would have to recompute 12 of its
 #          21 blocks (73 GB) or all of them (53 GB). At DP=2 the ZeRO-1 optimizer shard halves: ~53 GB/GPU.
 # Speed    predicted by `threed plan --model llama3.1-70b --nodes 4 --gpu-memory 80 --seq-length 8192 --global-batch-size 512
-#          --tp 8 --pp 4 --micro-batch-size 1` (a ranking model, threed.plan.steptime): 185 s/step with SP and no recompute,
-#          against 250 s recomputing every block (ACT_CKPT=true, no SP) and 220 s recomputing 12 blocks per stage
-#          without SP. Without --tp/--pp/--micro-batch-size it ranks every layout; this one comes first.
+#          --tp 8 --pp 4 --micro-batch-size 1` (a ranking model, threed.plan.steptime, its rates fitted to one H200):
+#          146 s/step with SP and no recompute, against 191 s recomputing every block (ACT_CKPT=true, no SP) and 170 s
+#          recomputing 12 blocks per stage without SP. Without --tp/--pp/--micro-batch-size it ranks every layout;
+#          tp8 pp2 dp2 recomputing 10 of 41 blocks comes first by 0.3% (145.5 s: half the micro-batches per step,
+#          each paying the fitted 36 ms), well inside the model's error; this one recomputes nothing.
 # Data     DATA: a megatron .bin/.idx prefix or a blend "W1 PREFIX1 W2 PREFIX2" 
 #          made by `threed preprocess --append-eod --tokenizer $TOKENIZER` or Megatron-LM (the HF Llama 3 tokenizer directory, 128256 pieces).
 # Weights  random init; INIT_FROM=<`threed convert` output of HF Llama-3.1-70B> starts from the HF weights.

@@ -19,8 +19,8 @@
 #          The CP memory terms are the model's count of threed.model.context's tensors, checked against CP
 #          engines on CPU ranks (tests/ranks/test_memory_cp.py); not yet measured on GPUs.
 # Speed    predicted by `threed plan --model llama3.1-70b --nodes 8 --gpu-memory 80 --seq-length 65536
-#          --global-batch-size 64 --reserve 8` (a ranking model, threed.plan.steptime; it chooses this): 196 s/step,
-#          against 231 s for the best layout without CP (tp8 pp2 dp4, gas 16, 37 of 40 blocks recomputed): with
+#          --global-batch-size 64 --reserve 8` (a ranking model, threed.plan.steptime; it chooses this): 135 s/step,
+#          against 156 s for the best layout without CP (tp8 pp2 dp4, gas 16, 37 of 40 blocks recomputed): with
 #          a quarter of each sequence per rank it recomputes 18 blocks instead of 37, and gas 64 leaves a 1.5%
 #          bubble instead of 5.9%.
 # Data     DATA: a megatron .bin/.idx prefix or a blend "W1 PREFIX1 W2 PREFIX2" of long documents

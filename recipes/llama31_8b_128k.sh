@@ -17,8 +17,8 @@
 #          model's count of threed.model.context's tensors, checked against CP engines on CPU ranks
 #          (tests/ranks/test_memory_cp.py); not yet measured on GPUs.
 # Speed    predicted by `threed plan --model llama3.1-8b --nodes 1 --gpu-memory 80 --seq-length 131072
-#          --global-batch-size 16 --reserve 8` (a ranking model, threed.plan.steptime; it chooses this): 211 s/step,
-#          against 214 s for the best layout without CP (tp8, 22 of 32 blocks recomputed). On one node tp x cp <= 8
+#          --global-batch-size 16 --reserve 8` (a ranking model, threed.plan.steptime; it chooses this): 138 s/step,
+#          against 143 s for the best layout without CP (tp8, 22 of 32 blocks recomputed). On one node tp x cp <= 8
 #          either way, so each rank holds 1/8 of the activations both ways: CP's gain here is smaller TP
 #          collectives, not less recompute. More nodes (DP) or 16 GPUs per sample (cp 4 x tp 4) recompute less.
 # Data     DATA: a megatron .bin/.idx prefix or a blend "W1 PREFIX1 W2 PREFIX2" of long documents
