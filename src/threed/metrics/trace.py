@@ -6,7 +6,7 @@ The same code reads a CUDA trace (the intervals are kernels, copies and memsets 
 nest) and a CPU trace (the intervals are aten ops on their threads; they nest, so each op is charged its self
 time, its duration less its children's). A `Span`'s lane is its stream or thread: spans nest only within a lane.
 
-    top_kernels(spans)             name, total ms, count, share of the device time, by self time
+    top_kernels(spans)             name, total ms and count over all the spans, share of the device time
     idle_gaps(spans, windows)      per step window: busy time, the holes between the first and the last kernel
 """
 
