@@ -8,19 +8,27 @@ memory): threed at tp1 pp1 dp1 (bf16, fp32
 master weights and gradient accumulation, ZeRO-1, fused AdamW; `threed.engine.build.build_engine`, a world of one
 without torchrun) and HF of the same shape (built from the config, random init, fp32 weights under bf16 autocast,
 loss on fp32 logits, gradient clipping, fused AdamW). Llama-3.2-1B's shape (preset `llama3.2-1b`, random init,
-nothing downloaded), seq 4096 and 8192, 32K tokens per step (micro 1, gas = 32K / seq), with and without
+nothing downloaded), seq 4096 and 8192, 32K tokens per step (micro 1, gas = 32K / seq), and micro-batch 2 at seq
+4096 (gas 4: the same tokens and FLOPs per step as micro 1's gas 8, half the micro-batches, so the two differ only
+by the per-micro-batch cost; `threed.plan.fit` splits the step into that cost and a FLOP rate), with and without
 activation checkpointing (threed: every block recomputed; HF: gradient_checkpointing_enable, non-reentrant).
 
-Reported per run: tokens/s, TFLOP/s and MFU in threed's one FLOP convention
-(`threed.model.spec.training_flops_per_token`: model FLOPs, recompute not credited, as Megatron-LM's MFU) against
-the GPU's dense bf16 peak (`threed.metrics.flops`' table, or --peak-tflops); the peak of
-`torch.cuda.max_memory_allocated` over the timed steps above what was allocated before the run, next to the
-memory model's estimate for the same layout (`threed.memory.model.estimate`, what `threed memory` prints); and
-which kernels ran (the SDPA ops of a profiled step, megatron's fused SwiGLU compiled or not). Ratios come from one
-run; nothing is asserted.
+Reported per run: tokens/s, TFLOP/s and MFU in both of threed's FLOP conventions
+(`threed.model.spec.training_flops_per_token`: model FLOPs, recompute not credited; attention over the full square
+as torchtitan, and `_causal` over its half as Megatron-LM today) against the GPU's dense bf16 peak
+(`threed.metrics.flops`' table, or --peak-tflops); the peak of `torch.cuda.max_memory_allocated` over the timed
+steps above what was allocated before the run, next to the memory model's estimate for the same layout
+(`threed.memory.model.estimate`, what `threed memory` prints); and which kernels ran (the SDPA ops of a profiled
+step, megatron's fused SwiGLU compiled or not). Ratios come from one run; nothing is asserted. After every run,
+the step-time fit (`fit`: per-micro-batch cost, sustained TFLOP/s) over the threed runs without recompute so far.
+
+`--profile` (the profile phase of `tools/gpu_check.sh`) instead builds threed at the shortest length, micro 1, and
+runs `torch.profiler` (CPU, and CUDA on a GPU) over `--profile-steps` steps after the warm-up: the top kernels by
+device time and the device's idle holes within a step (`threed.metrics.trace`), written to --json.
 
     python benchmarks/bench_gpu.py [--json out.json] [--budget-s 180] [--peak-tflops 989] [--runs hf:8192:off,...]
     python benchmarks/bench_gpu.py --tiny           (CPU, the `tiny` preset at seq 64 / 128; also with DRY=1)
+    python benchmarks/bench_gpu.py --profile [--tiny] [--profile-steps 2] --json profile.json
 """
 
 from __future__ import annotations
@@ -47,26 +55,40 @@ from threed.memory.model import estimate
 from threed.memory.recompute import Recompute
 from threed.metrics.flops import peak_tflops_per_device
 from threed.convert.resolve import model_config
-from threed.model.spec import training_flops_per_token
+from threed.metrics.trace import Span, idle_gaps, top_kernels
+from threed.model.spec import ATTENTION, training_flops_per_token
+from threed.plan.fit import Run, fit_step_time
 
 FULL = dict(model="llama3.2-1b", seqs=(4096, 8192), tokens=32768, steps=3, warmup=2)
 TINY = dict(model="tiny", seqs=(64, 128), tokens=512, steps=2, warmup=1)
 SDPA_OPS = re.compile(r"scaled_dot_product|flash_attention|efficient_attention|cudnn_attention|varlen", re.I)
 COMPILED = re.compile(r"Torch-Compiled Region|CompiledFunction")
+STEP_MARK = "threed_profile_step"  # the record_function around each profiled step: the step windows
+WORK = {"cpu_op", "kernel", "gpu_memcpy", "gpu_memset"}  # the profiler's activity types that are device work
 
 
-def plan(seqs: tuple[int, ...], only: str = "") -> list[tuple[str, int, bool]]:
-    """(impl, seq, activation checkpointing), the most telling first: a budget cuts the tail. `only` keeps the runs
-    it names, `impl:seq:on|off` comma-separated (a rerun of what a first call missed)."""
-    runs = [(impl, seq, ac) for ac in (False, True) for seq in seqs for impl in ("threed", "hf")]
+def plan(seqs: tuple[int, ...], only: str = "") -> list[tuple[str, int, bool, int]]:
+    """(impl, seq, activation checkpointing, micro), the most telling first: a budget cuts the tail. threed's
+    micro-batch 2 at the shortest length (the step-time fit's third point: never measured before, where HF's at the
+    longest was) comes before HF's longest run; HF's micro 2 only when named. `only` keeps the runs it names,
+    `impl:seq:on|off[:mb2]` comma-separated (a rerun of what a first call missed)."""
+    off = [(impl, seq, False, 1) for seq in seqs for impl in ("threed", "hf")]
+    off.insert(len(off) - 1 if len(seqs) > 1 else len(off), ("threed", min(seqs), False, 2))
+    runs = off + [(impl, seq, True, 1) for seq in seqs for impl in ("threed", "hf")]
     if not only:
         return runs
+    runs.append(("hf", min(seqs), False, 2))
     keep = {run_key(*run) for run in runs} & set(only.split(","))
     return [run for run in runs if run_key(*run) in keep]
 
 
-def run_key(impl: str, seq: int, ac: bool) -> str:
-    return f"{impl}:{seq}:{'on' if ac else 'off'}"
+def run_key(impl: str, seq: int, ac: bool, micro: int = 1) -> str:
+    return f"{impl}:{seq}:{'on' if ac else 'off'}" + (f":mb{micro}" if micro != 1 else "")
+
+
+def parse_key(key: str) -> tuple[str, int, bool, int]:
+    impl, seq, ac, *mb = key.split(":")
+    return impl, int(seq), ac == "on", int(mb[0].removeprefix("mb")) if mb else 1
 
 
 def global_batch(vocab: int, rows: int, seq: int) -> torch.Tensor:
@@ -207,8 +229,9 @@ def hf_run(m: ModelConfig, seq: int, micro: int, gas: int, ac: bool, device: tor
     return {**info, "step": step, "engine": (model, opt)}
 
 
-def one_run(impl: str, seq: int, ac: bool, a: argparse.Namespace, m: ModelConfig, rt: Runtime) -> dict[str, Any]:
-    micro = a.micro
+def one_run(
+    impl: str, seq: int, ac: bool, micro: int, a: argparse.Namespace, m: ModelConfig, rt: Runtime
+) -> dict[str, Any]:
     gas = max(1, a.tokens // (seq * micro))
     tokens = global_batch(m.vocab_size, micro * gas, seq)
     cuda = rt.device.type == "cuda"
@@ -223,9 +246,12 @@ def one_run(impl: str, seq: int, ac: bool, a: argparse.Namespace, m: ModelConfig
     r.update(measure(step, a.steps, a.warmup, rt.device))
     r["kernels"] = kernels_of(step)
     tokens_per_s = micro * gas * seq / r["median_step_s"]
-    tflops = training_flops_per_token(m, seq, 1) * tokens_per_s / 1e12
-    r.update(tokens_per_s=round(tokens_per_s, 1), tflops=float(f"{tflops:.4g}"))
-    r["mfu"] = round(tflops / a.peak, 4) if a.peak else None
+    r["tokens_per_s"] = round(tokens_per_s, 1)
+    for attention in ATTENTION:  # tflops, mfu: the full square; tflops_causal, mfu_causal: its half
+        tflops = training_flops_per_token(m, seq, 1, attention) * tokens_per_s / 1e12
+        suffix = "" if attention == "full" else f"_{attention}"
+        r["tflops" + suffix] = float(f"{tflops:.4g}")
+        r["mfu" + suffix] = round(tflops / a.peak, 4) if a.peak else None
     if cuda:
         r["peak_above_start_bytes"] = r["peak_bytes"] - before
     if hasattr(owner, "destroy"):
@@ -239,28 +265,31 @@ def one_run(impl: str, seq: int, ac: bool, a: argparse.Namespace, m: ModelConfig
 
 
 def line(r: dict[str, Any]) -> str:
+    head = (
+        f"{r['impl']:>6} seq {r['seq']} mb {r.get('micro', 1)} ac {'on ' if r['activation_checkpointing'] else 'off'}: "
+    )
     if "error" in r or "skipped" in r:
-        return f"{r['impl']:>6} seq {r['seq']} ac {'on ' if r['activation_checkpointing'] else 'off'}: " + str(
-            r.get("error") or r.get("skipped")
-        )
+        return head + str(r.get("error") or r.get("skipped"))
     gb = r.get("peak_above_start_bytes")
     mem = f", peak {gb / 2**30:.1f} GiB" if gb is not None else ""
     if "estimate" in r:
         mem += f" (estimate {r['estimate']['peak_bytes'] / 2**30:.1f} GiB)"
-    mfu = f", MFU {r['mfu']:.3f}" if r.get("mfu") is not None else ""
+    mfu = f", MFU {r['mfu']:.3f} (causal {r['mfu_causal']:.3f})" if r.get("mfu") is not None else ""
     return (
-        f"{r['impl']:>6} seq {r['seq']} ac {'on ' if r['activation_checkpointing'] else 'off'}: "
-        f"{r['tokens_per_s']:.0f} tokens/s, {r['tflops']:.3g} TFLOP/s{mfu}{mem}; sdpa {r['kernels']['sdpa_ops']}"
+        f"{head}{r['tokens_per_s']:.0f} tokens/s, {r['tflops']:.3g} TFLOP/s (causal {r['tflops_causal']:.3g})"
+        f"{mfu}{mem}; sdpa {r['kernels']['sdpa_ops']}"
     )
 
 
 def ratios(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """threed / HF per (seq, activation checkpointing): tokens/s and peak memory; threed's peak / its estimate."""
-    done = {(r["impl"], r["seq"], r["activation_checkpointing"]): r for r in runs if "tokens_per_s" in r}
+    done = {
+        (r["impl"], r["seq"], r["activation_checkpointing"], r.get("micro", 1)): r for r in runs if "tokens_per_s" in r
+    }
     out: dict[str, Any] = {}
-    for (impl, seq, ac), r in done.items():
-        key = f"seq{seq}_ac{'on' if ac else 'off'}"
-        hf = done.get(("hf", seq, ac))
+    for (impl, seq, ac, micro), r in done.items():
+        key = f"seq{seq}_ac{'on' if ac else 'off'}" + (f"_mb{micro}" if micro != 1 else "")
+        hf = done.get(("hf", seq, ac, micro))
         if impl == "threed" and hf:
             out[f"{key}_threed_over_hf_tokens_per_s"] = round(r["tokens_per_s"] / hf["tokens_per_s"], 3)
             if r.get("peak_above_start_bytes") and hf.get("peak_above_start_bytes"):
@@ -274,16 +303,41 @@ def ratios(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def step_fit(result: dict[str, Any]) -> dict[str, Any]:
+    """step = gas x c + FLOPs / R (`threed.plan.fit`) over the threed runs without recompute measured so far, in
+    each FLOP convention: c in ms, R as the sustained TFLOP/s; or why there is no fit yet."""
+    done = [r for r in result["runs"] if r["impl"] == "threed" and not r["activation_checkpointing"]]
+    done = [r for r in done if "median_step_s" in r]
+    out: dict[str, Any] = {"runs": [run_key("threed", r["seq"], False, r.get("micro", 1)) for r in done]}
+    for attention in ATTENTION:
+        per_token = result["flops_per_token" + ("" if attention == "full" else f"_{attention}")]
+        runs = [
+            Run(r["gas"], per_token[str(r["seq"])] * r["micro"] * r["gas"] * r["seq"], r["median_step_s"]) for r in done
+        ]
+        try:
+            fit = fit_step_time(runs)
+        except ValueError as e:
+            out[attention] = {"error": str(e)}
+            continue
+        out[attention] = {
+            "per_micro_batch_ms": round(fit.per_micro_batch_s * 1e3, 2),
+            "sustained_tflops": float(f"{fit.flops_per_s / 1e12:.4g}"),
+            "relative_errors": [round(x, 4) for x in fit.relative_errors],
+        }
+    return out
+
+
 def arguments(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="CPU-sized: the tiny preset at seq 64/128 (also DRY=1)")
     p.add_argument("--json", type=Path, help="write the results here (after every run)")
     p.add_argument("--budget-s", type=float, default=0, help="skip the runs that would end past this (0: none)")
     p.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak (default: threed.metrics.flops)")
-    p.add_argument("--micro", type=int, default=1, help="sequences per micro-batch (gas = tokens / (seq x micro))")
     p.add_argument("--seqs", help="comma-separated sequence lengths (default 4096,8192; tiny 64,128)")
-    p.add_argument("--runs", default="", help="only these runs, impl:seq:on|off comma-separated (default all)")
-    p.add_argument("--child", help=argparse.SUPPRESS)  # impl:seq:on|off: one run in this process, its JSON to --json
+    p.add_argument("--runs", default="", help="only these runs, impl:seq:on|off[:mb2] comma-separated (default all)")
+    p.add_argument("--profile", action="store_true", help="profile threed at the shortest length instead (--json)")
+    p.add_argument("--profile-steps", type=int, default=2, help="steps under torch.profiler after the warm-up")
+    p.add_argument("--child", help=argparse.SUPPRESS)  # impl:seq:on|off[:mbN]: one run here, its JSON to --json
     a = p.parse_args(argv)
     shape = TINY if a.tiny or os.environ.get("DRY") == "1" else FULL
     a.tiny = shape is TINY
@@ -291,31 +345,34 @@ def arguments(argv: Optional[list[str]] = None) -> argparse.Namespace:
     a.seqs = tuple(int(s) for s in a.seqs.split(",")) if a.seqs else shape["seqs"]
     if not a.tiny and not torch.cuda.is_available():
         p.error("no CUDA GPU visible: the 1B shape is for a GPU; use --tiny (or DRY=1) on CPU")
-    if min(a.seqs) < 1 or a.micro < 1:
-        p.error("--seqs and --micro must be positive integers")
+    if min(a.seqs) < 1 or a.profile_steps < 1:
+        p.error("--seqs and --profile-steps must be positive integers")
+    if a.profile and not a.json:
+        p.error("--profile writes its result to --json: name the file")
     return a
 
 
 def child(a: argparse.Namespace) -> int:
-    """One run in this process (`--child impl:seq:on|off`); its result, or its error, to --json."""
-    impl, seq, ac = a.child.split(":")
-    stub = {"impl": impl, "seq": int(seq), "activation_checkpointing": ac == "on"}
+    """One run in this process (`--child impl:seq:on|off[:mbN]`); its result, or its error, to --json."""
+    impl, seq, ac, micro = parse_key(a.child)
+    stub = {"impl": impl, "seq": seq, "activation_checkpointing": ac, "micro": micro}
     rt = init_distributed()
     a.peak = a.peak_tflops or peak_tflops_per_device()
     try:
-        r = one_run(impl, int(seq), ac == "on", a, model_config(a.model), rt)
+        r = one_run(impl, seq, ac, micro, a, model_config(a.model), rt)
     except Exception as e:  # an OOM or a kernel missing on this GPU: say which; the parent goes on with the next run
         r = {**stub, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
     a.json.write_text(json.dumps(r) + "\n")
     return 0
 
 
-def spawn(impl: str, seq: int, ac: bool, a: argparse.Namespace, argv: list[str], limit: Optional[float]) -> dict:
+def spawn(key: str, a: argparse.Namespace, argv: list[str], limit: Optional[float]) -> dict:
     """One run in a fresh process: nothing a previous run left allocated (DeepSpeed's engine, compiled graphs)
     weighs on its memory or speed."""
-    stub = {"impl": impl, "seq": seq, "activation_checkpointing": ac}
-    out = Path(a.json or "bench_gpu.json").with_suffix(f".{impl}-{seq}-{'on' if ac else 'off'}.json")
-    cmd = [sys.executable, __file__, *argv, "--child", run_key(impl, seq, ac), "--json", str(out)]
+    impl, seq, ac, micro = parse_key(key)
+    stub = {"impl": impl, "seq": seq, "activation_checkpointing": ac, "micro": micro}
+    out = Path(a.json or "bench_gpu.json").with_suffix("." + key.replace(":", "-") + ".json")
+    cmd = [sys.executable, __file__, *argv, "--child", key, "--json", str(out)]
     try:
         proc = subprocess.run(cmd, timeout=limit, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     except subprocess.TimeoutExpired:
@@ -328,11 +385,89 @@ def spawn(impl: str, seq: int, ac: bool, a: argparse.Namespace, argv: list[str],
     return r
 
 
+def profiled_spans(prof: Any, device_type: str) -> tuple[list[Span], list[tuple[float, float]]]:
+    """The device's work (kernels, copies and memsets on a GPU; aten ops on the CPU) as spans in µs, and the
+    windows of the steps marked STEP_MARK. Annotations (ours, DeepSpeed's, their GPU-side copies) are left out by
+    activity type and by name, so that they neither count as work nor cover the device's idle holes."""
+    from torch.autograd import DeviceType  # heavy: torch's profiler enums, imported with torch already
+
+    want = DeviceType.CUDA if device_type == "cuda" else DeviceType.CPU
+    events = prof.profiler.kineto_results.events()
+    marks = {e.name() for e in events if e.is_user_annotation()}
+    windows = [
+        (e.start_ns() / 1e3, e.end_ns() / 1e3)
+        for e in events
+        if e.name() == STEP_MARK and e.device_type() == DeviceType.CPU
+    ]
+    spans = [
+        Span(e.name(), e.start_ns() / 1e3, e.end_ns() / 1e3, (e.device_index(), e.device_resource_id()))
+        for e in events
+        if e.device_type() == want and e.name() not in marks and getattr(e, "activity_type", lambda: "cpu_op")() in WORK
+    ]
+    return spans, sorted(windows)
+
+
+def profile_run(a: argparse.Namespace) -> dict[str, Any]:
+    """threed at the shortest length, micro 1, as the bench builds it: warm-up steps, then `profile_steps` steps
+    under torch.profiler, each marked and ended by a device sync; the trace read by `threed.metrics.trace`."""
+    from torch.profiler import ProfilerActivity, profile, record_function  # heavy: torch's profiler
+
+    rt = init_distributed()
+    m, seq = model_config(a.model), min(a.seqs)
+    gas = max(1, a.tokens // seq)
+    built = threed_run(m, seq, 1, gas, False, rt, global_batch(m.vocab_size, gas, seq))
+    step = built["step"]
+    warm = [step() for _ in range(a.warmup)]
+    sync(rt.device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if rt.device.type == "cuda" else [])
+    times = []
+    with profile(activities=activities) as prof:
+        for _ in range(a.profile_steps):
+            t = time.perf_counter()
+            with record_function(STEP_MARK):
+                step()
+                sync(rt.device)
+            times.append(round(time.perf_counter() - t, 4))
+    t0 = time.perf_counter()
+    spans, windows = profiled_spans(prof, rt.device.type)
+    gaps = idle_gaps(spans, windows)
+    return {
+        "model": a.model,
+        "seq": seq,
+        "micro": 1,
+        "gas": gas,
+        "device": torch.cuda.get_device_name() if rt.device.type == "cuda" else "cpu",
+        "warmup_losses": [round(x, 4) for x in warm],
+        "profiled_step_s": times,  # under the profiler: slower than the bench's timed steps
+        "device_spans": len(spans),
+        "spans_per_micro_batch": round(len(spans) / max(1, len(windows)) / gas, 1),
+        "top_kernels": top_kernels(spans),
+        "gaps": gaps,
+        "analysis_s": round(time.perf_counter() - t0, 2),
+    }
+
+
+def profile_main(a: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    try:
+        r = profile_run(a)
+    except Exception as e:  # an OOM or a profiler failure: say which in the JSON, the summary shows it
+        r = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
+    r["seconds"] = round(time.perf_counter() - t0, 1)
+    a.json.write_text(json.dumps(r, indent=1) + "\n")
+    for k in r.get("top_kernels", [])[:10]:
+        print(f"  {k['share'] * 100:5.1f}%  {k['total_ms']:9.2f} ms  x{k['count']:<6} {k['name'][:100]}")
+    print(json.dumps({k: v for k, v in r.items() if k != "top_kernels"}, indent=1), flush=True)
+    return 0 if "error" not in r else 1
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = arguments(argv)
     if a.child:
         return child(a)
+    if a.profile:
+        return profile_main(a)
     a.peak = a.peak_tflops or peak_tflops_per_device()
     m = model_config(a.model)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and not a.tiny else "cpu"
@@ -343,28 +478,31 @@ def main(argv: Optional[list[str]] = None) -> int:
         "tokens_per_step": a.tokens,
         "peak_tflops": a.peak,
         "flops_per_token": {str(s): training_flops_per_token(m, s, 1) for s in a.seqs},
-        "flops_convention": "threed.model.spec.training_flops_per_token (model FLOPs; recompute not credited)",
+        "flops_per_token_causal": {str(s): training_flops_per_token(m, s, 1, "causal") for s in a.seqs},
+        "flops_convention": "threed.model.spec.training_flops_per_token (model FLOPs; recompute not credited): "
+        "tflops and mfu over the full attention square, tflops_causal and mfu_causal over its causal half",
         "isolation": "each run in its own process",
         "runs": [],
     }
     print(f"bench_gpu: {a.model} on {device} (peak {a.peak} TFLOP/s), {a.tokens} tokens per step", flush=True)
     start, took = time.perf_counter(), {}  # impl -> seconds of its last run: what the next one is expected to take
-    for impl, seq, ac in plan(a.seqs, a.runs):
+    for impl, seq, ac, micro in plan(a.seqs, a.runs):
         expect = took.get(impl, max(took.values(), default=0.0))
         left = a.budget_s - (time.perf_counter() - start) if a.budget_s else None
         if left is not None and left < expect:
-            r = {"impl": impl, "seq": seq, "activation_checkpointing": ac}
+            r = {"impl": impl, "seq": seq, "activation_checkpointing": ac, "micro": micro}
             r["skipped"] = f"the {a.budget_s:.0f} s budget would run out (a run takes ~{expect:.0f} s)"
         else:
             t0 = time.perf_counter()
-            r = spawn(impl, seq, ac, a, argv, left)
+            r = spawn(run_key(impl, seq, ac, micro), a, argv, left)
             took[impl] = r["seconds"] = round(time.perf_counter() - t0, 1)
         result["runs"].append(r)
         result["ratios"] = ratios(result["runs"])
+        result["fit"] = step_fit(result)
         print(line(r), flush=True)
         if a.json:
             a.json.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result.get("ratios", {}), indent=1))
+    print(json.dumps({"ratios": result.get("ratios", {}), "fit": result.get("fit", {})}, indent=1))
     return 0
 
 

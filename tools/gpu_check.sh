@@ -2,14 +2,18 @@
 # tools/gpu_check.sh OUTDIR: the one call on the lent GPU machine (docs/gpu.md). Why one script: a task that draws a
 # GPU gets 15 minutes of device time in all, starts included, so everything that needs the GPU runs in one command
 # that ends by itself within 8 minutes on one H100 and leaves its results where the device tool brings them back
-# (OUTDIR, at most 8 files: env.log, tests.log, bench.log, one_gpu.log and gpu_check.json, which sums them up).
+# (OUTDIR, at most 8 files: env.log, bench.log, profile.log, tests.log, one_gpu.log and gpu_check.json, which
+# sums them up). The phases run in the order of what their results are worth, so a budget cut takes the least:
 #
 #   1. install  gpu-bundle/ (make gpu-bundle, carried with the tree) with pip --no-index --no-deps --target
 #   2. env      python, torch, CUDA, the GPU, every version and where it is imported from, capability probes
-#   3. tests    every GPU test one GPU can run: `pytest -m gpu tests/gpu` with THREED_DEVICE=cuda (test_one_gpu.py
+#   3. bench    benchmarks/bench_gpu.py: threed against HF at Llama-3.2-1B's shape, seq 4096 and 8192, and threed
+#               at micro-batch 2 (the step-time fit: per-micro-batch cost, sustained TFLOP/s); MFU both ways
+#   4. profile  bench_gpu.py --profile: torch.profiler on 2 steps of threed at seq 4096: the top kernels by
+#               device time, the device's idle holes between kernels (PROFILE_CAP_S, default 90 s)
+#   5. tests    every GPU test one GPU can run: `pytest -m gpu tests/gpu` with THREED_DEVICE=cuda (test_one_gpu.py
 #               apart; only tests/gpu, whose imports the image has: tests/unit's need the dev extras, e.g. grimp)
-#   4. bench    benchmarks/bench_gpu.py: threed against HF at Llama-3.2-1B's shape, seq 4096 and 8192
-#   5. one_gpu  with the time left: tests/gpu/test_one_gpu.py (training against HF, resume, recompute, ZB-H1, SFT)
+#   6. one_gpu  with the time left: tests/gpu/test_one_gpu.py (training against HF, resume, recompute, ZB-H1, SFT)
 #
 # Each phase runs under `timeout` with what is left of GPU_CHECK_BUDGET_S (default 470 s), so the script ends in
 # time whatever hangs; a phase that no longer fits is skipped and says so. DRY=1 runs the same phases on CPU at a
@@ -20,8 +24,9 @@
 #   DRY=1 tools/gpu_check.sh /tmp/dry    here
 #
 # A second call reruns only what the first missed (docs/gpu.md, "A second call"):
-#   GPU_CHECK_PHASES  the phases after env (default "tests bench one_gpu")
-#   BENCH_RUNS        the benchmark's runs, impl:seq:on|off comma-separated (default all); BENCH_CAP_S its cap (200)
+#   GPU_CHECK_PHASES  the phases after env (default "bench profile tests one_gpu")
+#   BENCH_RUNS        the benchmark's runs, impl:seq:on|off[:mb2] comma-separated (default all); BENCH_CAP_S its
+#                     cap (260); PROFILE_CAP_S the profile phase's (90), PROFILE_STEPS its profiled steps (2)
 #   ONE_GPU_ONLY      the one-GPU scenarios (tests/gpu/one_gpu_worker.py's names, or "universal"; default all)
 set -uo pipefail
 OUT=${1:?usage: tools/gpu_check.sh OUTDIR (DRY=1 for the CPU dry run)}
@@ -59,14 +64,14 @@ limit_for() { # limit_for CAP: the seconds a phase may take, CAP or what is left
   echo $(($1 < l ? $1 : l))
 }
 
-PICK=" ${GPU_CHECK_PHASES:-tests bench one_gpu} "
+PICK=" ${GPU_CHECK_PHASES:-bench profile tests one_gpu} "
 export ONE_GPU_ONLY=${ONE_GPU_ONLY:-}
 BENCH_RUNS=${BENCH_RUNS:-}
 
 phase() { # phase NAME LIMIT LOG CMD...: CMD under timeout, its output appended to LOG, a row in phases.tsv
   local name=$1 limit=$2 log=$3 t0 rc=0
   shift 3
-  if [[ $name =~ ^(tests|bench|one_gpu)$ && $PICK != *" $name "* ]]; then
+  if [[ $name =~ ^(tests|bench|profile|one_gpu)$ && $PICK != *" $name "* ]]; then
     echo "gpu_check: $name skipped: not in GPU_CHECK_PHASES=${PICK# }" | tee -a "$log"
     printf '%s\tskipped\t0\t%s\t%s\n' "$name" "$limit" "$(basename "$log")" >>"$PHASES"
     return 0
@@ -114,17 +119,26 @@ phase env "$(limit_for 60)" "$ENV_LOG" "$PY" tools/gpu_check_report.py env --jso
 grep -E '"(python|torch|deepspeed|megatron-core|transformers|name|cuda_build|threed_imports|varlen_attn_enable_gqa)"' \
   "$ENV_LOG" | tr -s ' ' | head -20
 
-# 3. every GPU test one GPU can run, test_one_gpu.py apart (phase 5)
-phase tests "$(limit_for 150)" "$OUT/tests.log" "$PY" -m pytest -q -s -ra --durations=10 -p no:cacheprovider \
-  -m gpu tests/gpu --ignore-glob='*test_one_gpu.py' --junitxml="$TMP/tests.xml"
-
-# 4. the benchmark; it starts no run that would end past its own budget
-# DRY: each of the 4 tiny runs starts its own python (imports: ~10 s on an idle core), so its cap is larger
-BENCH_LIMIT=$(limit_for "${BENCH_CAP_S:-$([ "$DRY" = 1 ] && echo 360 || echo 200)}")
+# 3. the benchmark; it starts no run that would end past its own budget. 260 s: 5 runs without recompute (threed
+# and HF at 4096 and 8192, threed at micro-batch 2) took 45-51 s each on the H100 and the H200 (process start,
+# build, compile, 6 steps). DRY: each of the 5 tiny runs starts its own python (imports: ~10 s on an idle core)
+BENCH_LIMIT=$(limit_for "${BENCH_CAP_S:-$([ "$DRY" = 1 ] && echo 300 || echo 260)}")
 phase bench "$BENCH_LIMIT" "$OUT/bench.log" "$PY" benchmarks/bench_gpu.py --json "$TMP/bench.json" \
   --budget-s $((BENCH_LIMIT - 25)) --runs "$BENCH_RUNS" "${BENCH_ARGS[@]}"
 
-# 5. the one-GPU checks, with the time left
+# 4. where a step's time goes: torch.profiler over 2 steps of threed at seq 4096 (DRY: the tiny shape, seq 64).
+# 90 s: python and the imports ~15 s (the env phase took 15 s on the H200), the build and the first step's compile
+# ~20-30 s as in a bench run, 2 warm-up and 2 profiled steps ~5 s, the trace's ~150K events read back ~10-20 s.
+# DRY: 34 s on 2 cores under a load of ~40 (2026-11-29), so 150 s leaves the tests and one_gpu their turn.
+PROFILE_LIMIT=$(limit_for "${PROFILE_CAP_S:-$([ "$DRY" = 1 ] && echo 150 || echo 90)}")
+phase profile "$PROFILE_LIMIT" "$OUT/profile.log" "$PY" benchmarks/bench_gpu.py --profile --json "$TMP/profile.json" \
+  --profile-steps "${PROFILE_STEPS:-2}" "${BENCH_ARGS[@]}"
+
+# 5. every GPU test one GPU can run, test_one_gpu.py apart (phase 6)
+phase tests "$(limit_for 150)" "$OUT/tests.log" "$PY" -m pytest -q -s -ra --durations=10 -p no:cacheprovider \
+  -m gpu tests/gpu --ignore-glob='*test_one_gpu.py' --junitxml="$TMP/tests.xml"
+
+# 6. the one-GPU checks, with the time left
 ONE_GPU=$(find tests -name test_one_gpu.py | head -1)
 phase one_gpu "$(limit_for 600)" "$OUT/one_gpu.log" "$PY" -m pytest -q -s -ra --durations=10 -p no:cacheprovider \
   -m gpu "${ONE_GPU:-tests/gpu/test_one_gpu.py}" --junitxml="$TMP/one_gpu.xml"

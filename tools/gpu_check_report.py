@@ -188,7 +188,11 @@ def summary(tmp: Path, out: Path, dry: bool, budget: int, elapsed: int) -> int:
         "tests": junit(tmp / "tests.xml"),
         "one_gpu": junit(tmp / "one_gpu.xml"),
         "bench": read_json(tmp / "bench.json"),
+        "profile": read_json(tmp / "profile.json"),
     }
+    # the step-time fit over the benchmark's threed runs (bench_gpu.py writes it after every run): on top, the
+    # number the planner's calibration reads
+    result["fit"] = (result["bench"] or {}).get("fit")
     result["files"] = sorted(p.name for p in out.iterdir() if p.is_file()) + [SUMMARY]
     (out / SUMMARY).write_text(json.dumps(result, indent=1) + "\n")
     print(f"gpu_check: {SUMMARY} written ({elapsed} s of {budget} s)")
@@ -203,7 +207,32 @@ def summary(tmp: Path, out: Path, dry: bool, budget: int, elapsed: int) -> int:
                     print(f"    {c['outcome']}: {c['id']}: {c['message']}")
     for key, value in ((result["bench"] or {}).get("ratios") or {}).items():
         print(f"  bench {key}: {value}")
+    for line in profile_lines(result["profile"], result["fit"]):
+        print(line)
     return 0
+
+
+def profile_lines(profile: Optional[dict[str, Any]], fit: Optional[dict[str, Any]]) -> list[str]:
+    """The profile's headline (top kernels, the device's idle time per step) and the step-time fit, for stdout."""
+    out = []
+    if profile and "error" in profile:
+        out.append(f"  profile: {profile['error']}")
+    elif profile:
+        g = profile["gaps"]
+        out.append(
+            f"  profile: {g['wall_ms_per_step']:.1f} ms a step, device busy {g['busy_ms_per_step']:.1f} ms, idle "
+            f"{g['idle_between_kernels_ms_per_step']:.1f} ms between kernels in {g['holes_per_step']:.0f} holes"
+        )
+        for k in profile["top_kernels"][:5]:
+            out.append(f"    {k['share'] * 100:5.1f}% {k['total_ms']:9.1f} ms x{k['count']:<6} {k['name'][:90]}")
+    for convention in ("full", "causal"):
+        f = (fit or {}).get(convention)
+        if f and "error" not in f:
+            out.append(
+                f"  fit ({convention} attention): {f['per_micro_batch_ms']} ms per micro-batch, "
+                f"{f['sustained_tflops']} TFLOP/s sustained, errors {f['relative_errors']}"
+            )
+    return out
 
 
 def main(argv: Optional[list[str]] = None) -> int:

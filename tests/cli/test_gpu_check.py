@@ -2,7 +2,8 @@
 (`tools/gpu_bundle.py`, `make gpu-bundle`), checked where CI runs: no GPU, no network.
 
 - The dry run (DRY=1: every phase on CPU at a tiny shape; the GPU tests skip) leaves at most 8 files, the device
-  tool's limit, and one JSON holding every phase, the environment, the test outcomes and the benchmark.
+  tool's limit, and one JSON holding every phase, the environment, the test outcomes, the benchmark, the profile
+  (top kernels, idle holes: on CPU the aten ops, through the same code) and the step-time fit.
 - The bundle's spec names exactly the packages the image lacks, each pinned and explained; the manifest and size
   checks refuse a missing, extra, duplicated, mispinned, uninstallable, altered or oversized wheel in one line.
 - A bundle built here (`make gpu-bundle`, git-ignored) matches its manifest and the spec; skipped when absent.
@@ -36,7 +37,7 @@ EXPECTED = {
     "typing-extensions": "4.16.0",
     "hjson": "3.1.0",
 }
-SUMMARY_KEYS = {"dry", "budget_s", "elapsed_s", "phases", "env", "tests", "one_gpu", "bench", "files"}
+SUMMARY_KEYS = {"dry", "budget_s", "elapsed_s", "phases", "env", "tests", "one_gpu", "bench", "profile", "fit", "files"}
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,7 @@ def dry(tmp_path_factory) -> dict:
     return {"proc": proc, "out": out}
 
 
-@pytest.mark.slow  # the dry run of every phase (~100 s): make test-slow
+@pytest.mark.slow  # the dry run of every phase (~250 s on 2 loaded cores): make test-slow
 def test_dry_run_passes_and_leaves_at_most_8_files(dry):
     proc, out = dry["proc"], dry["out"]
     assert proc.returncode == 0, proc.stdout[-6000:]
@@ -64,18 +65,19 @@ def test_dry_run_passes_and_leaves_at_most_8_files(dry):
     assert all((out / f).is_file() and re.fullmatch(r"[A-Za-z0-9._-]+", f) for f in files), files
     assert len(files) <= 8, files
     assert [f for f in files if f.endswith(".json")] == ["gpu_check.json"], files
-    assert {"env.log", "tests.log", "bench.log", "one_gpu.log"} <= set(files)
+    assert {"env.log", "tests.log", "bench.log", "profile.log", "one_gpu.log"} <= set(files)
 
 
-@pytest.mark.slow  # the dry run of every phase (~100 s): make test-slow
+@pytest.mark.slow  # the dry run of every phase (~250 s on 2 loaded cores): make test-slow
 def test_dry_run_summary_holds_every_phase(dry):
     s = json.loads((dry["out"] / "gpu_check.json").read_text())
     assert SUMMARY_KEYS <= set(s), sorted(s)
     assert s["dry"] is True and s["elapsed_s"] <= s["budget_s"]
-    assert [(p["name"], p["status"]) for p in s["phases"]] == [
+    assert [(p["name"], p["status"]) for p in s["phases"]] == [  # the most valuable first: a budget cuts the tail
         ("env", "ok"),
-        ("tests", "ok"),
         ("bench", "ok"),
+        ("profile", "ok"),
+        ("tests", "ok"),
         ("one_gpu", "ok"),
     ]
     assert s["env"]["threed_imports"] == "ok" and s["env"]["versions"]["deepspeed"] == "0.19.8"
@@ -87,23 +89,52 @@ def test_dry_run_summary_holds_every_phase(dry):
     assert sorted(s["files"]) == sorted(p.name for p in dry["out"].iterdir())
 
 
-@pytest.mark.slow  # the dry run of every phase (~100 s): make test-slow
+@pytest.mark.slow  # the dry run of every phase (~250 s on 2 loaded cores): make test-slow
 def test_dry_run_benchmark_measured_both_sides(dry):
     bench = json.loads((dry["out"] / "gpu_check.json").read_text())["bench"]
     runs = bench["runs"]
-    assert sorted((r["impl"], r["activation_checkpointing"]) for r in runs) == [
-        ("hf", False),
-        ("hf", True),
-        ("threed", False),
-        ("threed", True),
+    assert [(r["impl"], r["activation_checkpointing"], r["micro"], r["gas"]) for r in runs] == [
+        ("threed", False, 1, 8),
+        ("hf", False, 1, 8),
+        ("threed", False, 2, 4),  # the same 512 tokens per step in half the micro-batches
+        ("threed", True, 1, 8),
+        ("hf", True, 1, 8),
     ]
     for r in runs:
         assert "error" not in r and "skipped" not in r, r
         assert r["tokens_per_s"] > 0 and r["kernels"]["sdpa_ops"], r
+        # the causal convention counts half the attention square: fewer FLOPs for the same step
+        assert 0 < r["tflops_causal"] < r["tflops"], r
     threed = [r for r in runs if r["impl"] == "threed"]
     assert all(r["estimate"]["peak_bytes"] > 0 and r["optimizer"] == "BF16_Optimizer" for r in threed)
     assert bench["flops_convention"].startswith("threed.model.spec.training_flops_per_token")
     assert "seq64_acoff_threed_over_hf_tokens_per_s" in bench["ratios"]
+    assert bench["flops_per_token_causal"]["64"] < bench["flops_per_token"]["64"]
+
+
+@pytest.mark.slow  # the dry run of every phase (~250 s on 2 loaded cores): make test-slow
+def test_dry_run_profile_says_where_the_time_goes(dry):
+    s = json.loads((dry["out"] / "gpu_check.json").read_text())
+    p = s["profile"]
+    assert "error" not in p, p
+    assert (p["seq"], p["micro"], p["gas"]) == (64, 1, 8) and len(p["profiled_step_s"]) == 2
+    top = p["top_kernels"]
+    assert top and any(k["name"].startswith("aten::") for k in top), top  # on CPU the device's work is aten ops
+    assert all(k["total_ms"] > 0 and k["count"] > 0 and 0 < k["share"] <= 1 for k in top), top
+    assert [k["total_ms"] for k in top] == sorted((k["total_ms"] for k in top), reverse=True)
+    g = p["gaps"]
+    assert g["steps"] == 2 and 0 < g["busy_ms_per_step"] <= g["wall_ms_per_step"], g
+    idle = g["idle_between_kernels_ms_per_step"] + g["idle_before_first_ms_per_step"] + g["idle_after_last_ms_per_step"]
+    assert g["busy_ms_per_step"] + idle == pytest.approx(g["wall_ms_per_step"], abs=1e-2), g
+    assert g["largest"] and all(h["ms"] > 0 and h["after"] and h["before"] for h in g["largest"]), g
+    # the step-time fit over the bench's threed runs without recompute (micro 1 and 2), in both conventions
+    fit = s["fit"]
+    assert fit["runs"] == ["threed:64:off", "threed:64:off:mb2"], fit
+    for convention in ("full", "causal"):
+        f = fit[convention]
+        assert "error" in f or (
+            {"per_micro_batch_ms", "sustained_tflops"} <= set(f) and len(f["relative_errors"]) == 2
+        ), f
 
 
 def test_gpu_check_without_an_outdir_says_how_to_call_it():

@@ -181,10 +181,11 @@ def summary_lines(run: Run) -> list[str]:
             f"{v.get('lm loss validation ppl', float('nan')):.2f}"
         )
     it, tok, tfl = (_median([r.get(k) for r in run.train]) for k in ("iteration-time", "tokens-per-sec", "throughput"))
-    mfu = _median([r.get("mfu") for r in run.train])
+    mfu, causal = (_median([r.get(k) for r in run.train]) for k in ("mfu", "mfu-causal"))
     lines.append(
         f"   median: {it * 1000:.0f} ms/step, {tok:,.0f} tokens/s, {tfl:.3g} TFLOP/s/GPU, MFU "
         + (f"{mfu * 100:.1f}%" if mfu is not None else "n/a (peak unknown)")
+        + (f" (causal {causal * 100:.1f}%)" if causal is not None else "")
     )
     for st in run.stages():
         idle = _median([r.get(f"stage{st}/idle-fraction") for r in run.train])

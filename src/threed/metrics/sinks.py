@@ -111,6 +111,8 @@ def stdout_line(record: dict[str, Any], total_steps: int, eta_s: Optional[float]
     """Today's readable line, plus the per-stage part in compact form (stage values joined by '/')."""
     r = record
     mfu = f"{r['mfu'] * 100:.1f}%" if r.get("mfu") is not None else "n/a"
+    if r.get("mfu-causal") is not None:  # the same step counted with causal attention's half square
+        mfu += f" (causal {r['mfu-causal'] * 100:.1f}%)"
     parts = [
         f"step {r['iteration']}/{total_steps}",
         f"loss {r['lm loss']:.4f}",

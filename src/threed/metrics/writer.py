@@ -84,6 +84,7 @@ def run_summary(cfg: RunConfig, dims: RunDims, start_iteration: int, ds_config: 
         "global_batch_size": dims.global_batch,
         "start_iteration": start_iteration,
         "flops_per_token": flops_per_token(cfg.model, dims.seq_length, dims.tp),
+        "flops_per_token_causal": flops_per_token(cfg.model, dims.seq_length, dims.tp, attention="causal"),
         "peak_tflops_per_device": peak_tflops_per_device(),
         "deepspeed_config": ds_config,
         "versions": {
@@ -119,7 +120,8 @@ class RunMetrics:
         self.engine = engine
         self.ds_config = ds_config
         self.is_writer = rt.rank == loss_rank(dims.tp, dims.pp, dims.dp, cp=dims.cp)
-        self.flops_per_token = flops_per_token(cfg.model, self.seq, dims.tp)
+        self.flops_per_token = flops_per_token(cfg.model, self.seq, dims.tp)  # the full attention square
+        self.flops_per_token_causal = flops_per_token(cfg.model, self.seq, dims.tp, attention="causal")
         self.peak_tflops = peak_tflops_per_device()
         self.timer = StageTimer(engine, rt.device, instructions=cfg.metrics.stage_timing)
         self.timer.install()
@@ -222,11 +224,13 @@ class RunMetrics:
             "batch-size": self.batch,
             "tokens-per-sec": tokens_per_s,
             "throughput": tflops,
+            "throughput-causal": tflops * self.flops_per_token_causal / self.flops_per_token,
             "mem-allocated-bytes": mem_now,
             "mem-max-allocated-bytes": mem_peak,
         }
-        if self.peak_tflops:
+        if self.peak_tflops:  # both conventions (threed.model.spec): full attention square, and its causal half
             record["mfu"] = tflops / self.peak_tflops
+            record["mfu-causal"] = record["throughput-causal"] / self.peak_tflops
         return record
 
     def log(self, iteration: int, values: dict[str, Any], samples: Optional[int] = None, line: bool = True) -> None:

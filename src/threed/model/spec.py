@@ -8,7 +8,7 @@ that table, so adding a parameter kind is one row:
     tp_segments(split, n, tp, rank)    which rows / columns of the unsharded tensor are rank r's (convert, init)
     parameter_count(model)             the HF model's count (tokens/s, MFU, logs, checkpoint size)
     stage_parameters(model, tp, ...)   per-rank (matrices, norms) of a stage (memory model, optimizer groups)
-    layer_training_flops(...)          FLOPs per token, one convention (partition, planner, metrics)
+    layer_training_flops(...)          FLOPs per token, full or causal attention (partition, planner, metrics)
     universal_checkpoint_info(model)   DeepSpeed's patterns to merge / split TP shards (resume at another layout)
 
 Where a layer lives among the stages is `threed.parallel.partition`'s job (from this layer list); the HF names of each
@@ -16,9 +16,15 @@ row are `threed.hf.names`' (the one table used in both directions).
 
 FLOPs convention (stated once, used everywhere): training = forward + backward = 3 x forward; forward = 2 FLOPs
 per multiply-accumulate of every matmul parameter (the LM head over the padded vocabulary: that is the matmul
-that runs; the input embedding is a lookup and counts zero), plus the attention scores QK^T and AV over the full
-seq x seq square, 4 * seq * hidden per token per block (Megatron-LM's and PaLM's MFU convention, no causal
-halving, no recompute).
+that runs; the input embedding is a lookup and counts zero), plus the attention scores QK^T and AV, no recompute.
+The attention scores come in two conventions (`ATTENTION`), both reported wherever MFU is:
+  full    the whole seq x seq square, 4 * seq * hidden per token per block forward (12 * seq * hidden in training):
+          torchtitan's `get_num_flop_per_token` (12 * l * h * q * t, "do not account for sparsity in causal
+          attention"), PaLM's appendix B and Megatron-LM's `num_floating_point_operations` until mid-2025. The
+          default: the planner, the partitioner and every figure measured before 2026-11-29 use it.
+  causal  half the square (a causal mask leaves s/2 keys per query on average): Megatron-LM's formula since mid-2025
+          ("causal mask (only half of the mask is non-zero)"), MaxText's since July 2025, FlashAttention's
+          benchmarks. Closer to the work a causal kernel does (s(s+1)/2 entries, not s^2/2: the +s/2 is dropped).
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ from typing import Literal, Optional
 from threed.config import ModelConfig
 
 LayerKind = Literal["embedding", "block", "final_norm", "lm_head"]
+# How the attention scores are counted (module docstring): the full seq x seq square, or its causal half.
+Attention = Literal["full", "causal"]
+ATTENTION: tuple[Attention, ...] = ("full", "causal")
 LAYER_KINDS: tuple[LayerKind, ...] = ("embedding", "block", "final_norm", "lm_head")
 
 # How tensor parallelism splits a parameter (megatron-core's layers decide; this names what they do):
@@ -268,24 +277,30 @@ def matmul_parameters(model: ModelConfig, kind: LayerKind, tp: int = 1) -> int:
     return n
 
 
-def attention_training_flops(model: ModelConfig, seq_length: int, causal: bool = False) -> float:
-    """Training FLOPs per token of one block's attention scores, QK^T and AV (forward 4·s·h, x3 for training): over
-    the full s x s square (the convention above), or causal, the half below the diagonal that a causal kernel
-    computes (the step-time model's attention rate is fitted on these: `threed.plan.calibration`)."""
-    return 3.0 * 4.0 * seq_length * model.hidden_size / (2.0 if causal else 1.0)
+def attention_training_flops(model: ModelConfig, seq_length: int, attention: Attention = "full") -> float:
+    """Training FLOPs per token of one block's attention scores (QK^T and AV, every head): forward 2 matmuls x 2
+    FLOPs x seq x hidden over the full square, x 3 for training; half of it in the causal convention (what a causal
+    kernel computes: the step-time model's attention rate is fitted on these, `threed.plan.calibration`)."""
+    if attention not in ATTENTION:
+        raise ValueError(f"attention convention {attention!r}: one of {', '.join(ATTENTION)}")
+    full = 3.0 * 4.0 * seq_length * model.hidden_size
+    return full / 2 if attention == "causal" else full
 
 
-def layer_training_flops(model: ModelConfig, kind: LayerKind, seq_length: int, tp: int = 1) -> float:
+def layer_training_flops(
+    model: ModelConfig, kind: LayerKind, seq_length: int, tp: int = 1, attention: Attention = "full"
+) -> float:
     """Training FLOPs per token of one pipeline layer, the whole layer (all TP ranks): see the module docstring."""
     flops = 6.0 * matmul_parameters(model, kind, tp)
     if kind == "block":
-        flops += attention_training_flops(model, seq_length)
+        flops += attention_training_flops(model, seq_length, attention)
     return flops
 
 
-def training_flops_per_token(model: ModelConfig, seq_length: int, tp: int = 1) -> float:
-    """The whole model's training FLOPs per token (what MFU divides by)."""
-    return sum(layer_training_flops(model, layer.kind, seq_length, tp) for layer in pipeline_layers(model))
+def training_flops_per_token(model: ModelConfig, seq_length: int, tp: int = 1, attention: Attention = "full") -> float:
+    """The whole model's training FLOPs per token (what MFU divides by), in one attention convention."""
+    layers = pipeline_layers(model)
+    return sum(layer_training_flops(model, layer.kind, seq_length, tp, attention) for layer in layers)
 
 
 # ------------------------------------------------------------------------------ DeepSpeed universal checkpoint

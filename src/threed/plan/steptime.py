@@ -187,7 +187,7 @@ def stage_flops(
     wgrad = forward); B the rest, plus the recomputed blocks' forward. What `pass_times` divides by the rates and
     `threed.plan.calibration` fits them on."""
     m_block, m_head = (2.0 * matmul_parameters(model, kind, tp) for kind in ("block", "lm_head"))  # forward
-    attn = attention_training_flops(model, seq, causal=True) / 3  # forward
+    attn = attention_training_flops(model, seq, "causal") / 3  # forward
     mm_fwd, attn_fwd = blocks * m_block + last * m_head, blocks * attn
     scale = tokens / tp
     return (
