@@ -15,6 +15,9 @@ import pytest
 import torch
 
 import threed.train.host_gc as host_gc
+from threed.config import RunConfig
+from threed.engine.resolved import resolve
+from threed.model.presets import PRESETS
 from threed.data.loader import collate, on_device
 from threed.parallel.device_policy import cuda_only
 
@@ -107,3 +110,11 @@ def test_step_collector_says_when_a_collection_frees_a_lot(monkeypatch):
         cycle(torch.ones(64 << 20, dtype=torch.uint8))  # 64 MiB held only by a cycle
         line = collector.after_step(3, Metrics())
     assert line is not None and line.startswith("python gc after step 3:")
+
+
+def test_deepspeeds_throughput_timer_never_synchronizes():
+    """Its start() in every micro-batch's forward pass would synchronize the device (DeepSpeed's default)."""
+    from deepspeed.utils.config import get_timers_config  # deepspeed: heavy, only this test reads its config
+
+    timer = get_timers_config(resolve(RunConfig(model=PRESETS["tiny"]), 1).ds_config)
+    assert not timer.enabled and not timer.synchronized
