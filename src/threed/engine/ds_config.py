@@ -34,6 +34,11 @@ def deepspeed_config(dims: RunDims, train: TrainConfig, parallel: ParallelConfig
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,  # we log ourselves, with tokens/s and MFU
         "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer, started in every micro-batch's forward pass, synchronizes the device there
+        # once its step count reaches 2 (`synchronized`, on by default): a host wait per micro-batch. The pipeline
+        # engine never advances that count (only DeepSpeedEngine.step does), and threed times steps itself
+        # (threed.metrics.stages), so it is off rather than left to that detail.
+        "timers": {"throughput": {"enabled": False, "synchronized": False}},
     }
     if train.dtype == "bf16":
         ds["bf16"] = {

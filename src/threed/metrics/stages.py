@@ -58,13 +58,20 @@ def memory_bytes(device: torch.device) -> tuple[float, float]:
     if device.type == "cuda":
         return float(torch.cuda.memory_allocated(device)), float(torch.cuda.max_memory_allocated(device))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0  # Linux reports KiB
-    try:
-        with open("/proc/self/statm") as f:  # pages: size resident shared ...
-            now = int(f.read().split()[1]) * resource.getpagesize()
-    except OSError:  # not Linux: the high-water mark is the best reading there is
+    now = resident_bytes()
+    if now is None:  # not Linux: the high-water mark is the best reading there is
         now = peak
     # ru_maxrss is refreshed lazily by the kernel and can trail the current reading for a moment.
     return float(now), max(peak, float(now))
+
+
+def resident_bytes() -> Optional[float]:
+    """This process's resident set size now (Linux's /proc/self/statm), None where there is no such file."""
+    try:
+        with open("/proc/self/statm") as f:  # pages: size resident shared ...
+            return float(int(f.read().split()[1]) * resource.getpagesize())
+    except OSError:
+        return None
 
 
 def reset_peak_memory(device: torch.device) -> None:

@@ -17,8 +17,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from threed.data.loader import SampleCounter, micro_batches
+from threed.data.loader import SampleCounter, micro_batches, on_device
 from threed.model.context import share_batches
+from threed.parallel.device_policy import cuda_only
 
 
 @dataclass
@@ -52,12 +53,15 @@ def evaluate(
     if engine.is_first_stage() or engine.is_last_stage():
         batches = valid_batches(valid_dataset, eval_index * eval_iters, micro, gas, vocab_size, n, counter)
     totals = torch.zeros(2 + 2 * n, dtype=torch.float64, device=device)
+    pin = cuda_only(device).pinned_batches
     for _ in range(eval_iters):
         # DeepSpeed 0.19's eval_batch adds each micro-batch loss into `total_loss`, which only train_batch resets:
         # after a training step it still holds that step's scalar, and our loss vector cannot be added to it.
         engine.total_loss = None
+        # The batch's micro-batches reach the device together, as a training step's do (threed.train.loop).
+        staged = None if batches is None else iter(on_device([next(batches) for _ in range(gas)], device, pin))
         outputs = engine.eval_batch(
-            batches, compute_loss=True, reduce_output=None, bcast_loss=False, num_micro_batches=gas
+            staged, compute_loss=True, reduce_output=None, bcast_loss=False, num_micro_batches=gas
         )
         if engine.is_last_stage():
             totals += torch.stack([o.detach().to(device, torch.float64) for o in outputs]).sum(dim=0)

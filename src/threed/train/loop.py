@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
 
-import torch
 import torch.distributed as dist
 
 from threed.checkpoint.lock import SaveLock
@@ -33,13 +32,14 @@ from threed.checkpoint.start import StartDecision, start as checkpoint_start
 from threed.config import ConfigError, RunConfig
 from threed.data.checks import check_cache_visible
 from threed.data.datasets import build_datasets
-from threed.data.loader import SampleCounter, micro_batches, token_weighted
+from threed.data.loader import SampleCounter, micro_batches, on_device, token_weighted
 from threed.data.splits import DataSplits, read_data_flags
 from threed.model.context import preflight, share_batches
 from threed.parallel.distributed import Runtime, context_rank, grid_coordinates, init_distributed, loss_rank
 from threed.engine.build import build_engine
 from threed.engine.resolved import ResolvedRun, resolve
 from threed.train.guard import RunGuard, StopRequest
+from threed.train.host_gc import StepCollector
 from threed.train.preflight import check_run
 from threed.train.samples import after_step as samples_after_step, prepare as prepare_samples
 from threed.train.evaluate import evaluate
@@ -89,17 +89,19 @@ def checked_data_splits(run: ResolvedRun, rank: int):
     return read_data_flags(run.cfg)  # the flags' reading of the splits: cheap, the same on every rank
 
 
-def step_batches(batches, gas: int, sft: bool, engine, device: torch.device) -> tuple[Optional[object], Optional[int]]:
-    """What DeepSpeed reads for one step, and (SFT, last stage) the global batch's loss-token count. SFT: the step's
-    micro-batches are read first so that the last stage can weigh every response token of the global batch alike
-    (`token_weighted`, one all-reduce over data parallel)."""
-    if batches is None or not sft:
-        return batches, None
+def step_batches(batches, gas: int, sft: bool, engine, rt: Runtime) -> tuple[Optional[object], Optional[int]]:
+    """What DeepSpeed reads for one step, and (SFT, last stage) the global batch's loss-token count. The step's
+    micro-batches are read first and reach the device together (threed.data.loader.on_device: one pinned,
+    non-blocking copy per step), so DeepSpeed's per-micro-batch `.to(device)` finds them there and the host never
+    waits for a copy inside the step. SFT: before they move, the last stage weighs every response token of the global
+    batch alike (`token_weighted`, one all-reduce over data parallel, at the step's start)."""
+    if batches is None:
+        return None, None
     step = [next(batches) for _ in range(gas)]
     loss_tokens = None
-    if engine.is_last_stage():
-        step, loss_tokens = token_weighted(step, engine.grid.get_data_parallel_group(), device)
-    return iter(step), loss_tokens
+    if sft and engine.is_last_stage():
+        step, loss_tokens = token_weighted(step, engine.grid.get_data_parallel_group(), rt.device)
+    return iter(on_device(step, rt.device, rt.cuda_only.pinned_batches)), loss_tokens
 
 
 def batch_sources(dataset, first: int, count: int) -> str:
@@ -185,9 +187,15 @@ class Running:
 def _train(run: ResolvedRun, rt: Runtime, splits: DataSplits, start_decision: StartDecision) -> TrainResult:
     """The run, from the start rank 0 decided and prepared: build, step until the last step or a stop, close."""
     r = _begin(run, rt, splits, start_decision)
-    for step in range(r.result.start_step, run.cfg.train.steps):
-        if _step(r, step):
-            break
+    # Python's garbage collector runs between steps only, never inside a micro-batch (threed.train.host_gc).
+    with StepCollector(rt.device, run.cfg.train.log_interval) as collector:
+        for step in range(r.result.start_step, run.cfg.train.steps):
+            stop = _step(r, step)
+            loud = collector.after_step(step + 1, r.metrics)
+            if loud:
+                log(r.logger, loud)
+            if stop:
+                break
     r.guard.close()
     r.metrics.close()
     r.result.samples_read = r.counter.samples
@@ -269,7 +277,7 @@ def start_line(run: ResolvedRun, rt: Runtime, resumed_from, start: int, consumed
 def _step(r: Running, step: int) -> bool:
     """One training step and what is due after it (guard, validation, samples, save); True: stop after it."""
     cfg, d = r.run.cfg, r.run.dims
-    step_iter, loss_tokens = step_batches(r.batches, d.gas, r.splits.sft, r.engine, r.rt.device)
+    step_iter, loss_tokens = step_batches(r.batches, d.gas, r.splits.sft, r.engine, r.rt)
     loss = r.engine.train_batch(data_iter=step_iter).item()
     first_sample, r.consumed = r.consumed, r.consumed + d.global_batch
     reported = r.engine.get_global_grad_norm()  # None: not reported, which the guard never reads as non-finite
