@@ -254,7 +254,7 @@ def test_zb_h1_weight_gradient_split_at_pp1_equals_1f1b(runs, dtype):
     r = section(runs, "zb")
     zb, plain = r[f"{dtype}_zb-h1"], r[f"{dtype}_1f1b"]
     print(dtype, "zb-h1", zb["losses"], "1f1b", plain["losses"])
-    assert zb["class"] == "ZeroBubbleEngine" and plain["class"] == "PipelineEngine"
+    assert zb["class"] == "ZeroBubbleEngine" and plain["class"] == "LeanPipelineEngine"
     assert zb["split_linears"] > 0 and zb["deferred_per_micro_batch"] == zb["split_linears"]
     assert plain["deferred_per_micro_batch"] == 0
     close(zb["losses"], plain["losses"], SELF_TOL[dtype], f"{dtype} zb-h1 loss")

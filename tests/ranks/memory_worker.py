@@ -118,7 +118,7 @@ def measure_static(engine) -> dict[str, int]:
     memory_buffer = getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None)
     for t in memory_buffer.buffer.values() if memory_buffer is not None else []:
         c.add("buffers", t)
-    for key in ("outputs", "output_tensors"):  # the last stage's logits stay here after backward
+    for key in ("outputs", "output_tensors"):  # DeepSpeed's last stage kept its logits here (lean_engine: none)
         for t in engine.pipe_buffers[key]:
             c.add("buffers", t)
     out: dict = dict(c.bytes, model_states=model_states)

@@ -151,7 +151,7 @@ def check_parity(ranks: list[dict], runs: list[str]) -> None:
     for rank, r in enumerate(ranks):
         for run in runs:
             one, zb = r[run.replace("SCHED", "1f1b")], r[run.replace("SCHED", "zb-h1")]
-            assert one["class"] == "PipelineEngine" and zb["class"] == "ZeroBubbleEngine"
+            assert one["class"] == "LeanPipelineEngine" and zb["class"] == "ZeroBubbleEngine"
             assert one["grad_norms"][0] > 0.5, "a run that learns something"
             assert_same_run(zb, one, f"rank {rank} {run}")
             assert zb["deferred_per_micro_batch"] == zb["split_linears"] > 0, (

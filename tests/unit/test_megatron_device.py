@@ -26,11 +26,12 @@ PROBE = """
 import json, sys
 import threed.parallel.pipeline
 from megatron.core import jit
-from megatron.core.fusions import fused_bias_swiglu
+from megatron.core.fusions import fused_bias_swiglu, fused_cross_entropy
 print(json.dumps({
     "inductor": "torch._inductor" in sys.modules,
     "noop_fuser": jit.jit_fuser is jit.noop_decorator,
     "plain_swiglu": not hasattr(fused_bias_swiglu.swiglu, "__wrapped__"),  # torch.compile's wrapper has one
+    "plain_cross_entropy": not hasattr(fused_cross_entropy.calculate_logits_max, "__wrapped__"),  # bf16 loss's
 }))
 """
 
@@ -40,7 +41,7 @@ def test_a_cpu_rank_never_imports_the_compiler() -> None:
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", PROBE], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr
     seen = json.loads(out.stdout.strip().splitlines()[-1])
-    assert seen == {"inductor": False, "noop_fuser": True, "plain_swiglu": True}, seen
+    assert seen == {"inductor": False, "noop_fuser": True, "plain_swiglu": True, "plain_cross_entropy": True}, seen
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ import torch
 
 from threed.checkpoint.start import StartDecision, start
 from threed.engine.ds_config import engine_config
+from threed.engine import fp32_accumulate
 from threed.engine.load import load_start
 from threed.engine.optimizer import make_optimizer
 from threed.engine.resolved import ResolvedRun
@@ -73,10 +74,12 @@ def build_engine(
             make_optimizer(module, cfg.train, fused=rt.cuda_only.fused_adamw) if train else (None, None)
         )
         ds_config = engine_config(run.ds_config, load_universal=decision.universal, train=train)
+        fp32_accumulate.install()  # BF16_Optimizer adds each bf16 grad into fp32 without an fp32 copy of it
         engine, _, _, _ = deepspeed.initialize(
             model=module, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
         )
-        # 6. The pipeline schedule (1F1B, ZB-H1): installed on the engine DeepSpeed returned, which runs it.
+        # 6. The pipeline schedule (1F1B, ZB-H1): installed on the engine DeepSpeed returned, which runs it (both
+        # engines' last stage lets go of its logits once the loss is computed: threed.parallel.lean_engine).
         use_schedule(engine, dims.schedule)
     # 7. What the run starts from: a full resume, weights (at this layout or sliced from another), or nothing.
     client_state = load_start(engine, cfg.model, dims.tp, decision)

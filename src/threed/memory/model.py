@@ -25,10 +25,9 @@ cp 2 against cp 1 (`activation_ratio`).
   optimizer    12 B/param / dp: the fp32 master partition and AdamW's exp_avg and exp_avg_sq (ZeRO-1).
   buffers      the RoPE angle cache (fp32 [s, d] per block); the pipeline's one p2p buffer (receive and gradient
                buffers are both `_grad_layer_buf`), [s, b, h] / tp as DeepSpeed partitions what crosses stages
-               over TP (pipe_partitioned, grad_partitioned); on the last stage the logits [s, b, V/tp] of the
-               last two micro-batches: `_exec_backward_pass` returns before clearing `pipe_buffers['outputs']`
-               there, so each of the two buffer slots keeps its logits until reused (between steps too), and
-               through the logits' autograd graph the received input and its gradient (2 x 2h).
+               over TP (pipe_partitioned, grad_partitioned). The last stage keeps no logits between micro-batches
+               (`threed.parallel.lean_engine` drops them once the loss is computed; DeepSpeed's own engine kept
+               the last two micro-batches' [s, b, V/tp], with their received inputs and gradients).
                Sequence parallelism: nothing crosses stages partitioned (DeepSpeed's pipe_partitioned is off, each
                rank's [s/tp, b, h] is its own part), so the p2p buffer is [s/tp, b, h] without a meta tensor and
                the last stage's input and gradient 2 x 2h / tp; and megatron's global memory buffer, into which
@@ -322,8 +321,9 @@ def stage_activations(
     chunk_input = BF16 * (part if sp else h) * tokens  # what a checkpointed chunk keeps
     kept_blocks = (stage.blocks - recomputed) * full_block + rc.kept_inputs(stage.blocks) * chunk_input
     extras = _edge_bytes(stage, h, part, tokens, tp, sp, device, recomputed)
-    # Last stage: final norm (on [s/tp] under sequence parallelism), fp32 softmax, labels (the logits themselves
-    # are in `buffers`).
+    # Last stage: final norm (on [s/tp] under sequence parallelism), fp32 softmax, labels. The bf16 logits live
+    # through the loss's forward only (threed.parallel.lean_engine): 2V/tp, as much as their gradient in the loss's
+    # backward (`head_phase`), which is the larger phase.
     head = (_norm_bytes(h, device) // (tp if sp else 1) + 4 * v + 8) * tokens if stage.last else 0.0
     per_micro = kept_blocks + extras + head
     grad = BF16 * max_param  # one parameter's bf16 .grad before the hook adds it to the fp32 buffer
@@ -376,7 +376,7 @@ def stage_memory(
     cp: int = 1,
 ) -> Memory:
     h, d = model.hidden_size, model.head_dim
-    tokens, v = seq * micro // cp, model.padded_vocab_size(tp) // tp  # this rank's tokens (seq / cp of each row)
+    tokens = seq * micro // cp  # this rank's tokens (seq / cp of each row)
     sp = sequence_parallel and tp > 1
     groups = [n for n in stage_params(model, tp, stage) if n]  # make_optimizer drops empty groups
     # CP ranks hold the same weights and reduce gradients with the DP ranks: ZeRO-1 shards over dp x cp.
@@ -386,8 +386,6 @@ def stage_memory(
     buffers = 4 * seq // cp * d * stage.blocks  # RoPE angles cached per block (fp32), the rank's positions
     if not (stage.first and stage.last):  # p2p buffer: a TP partition of [s, b, h] and its meta tensor
         buffers += BF16 * tokens * h if tp == 1 else BF16 * tokens * (h // tp) + (0 if sp else 72)
-    if stage.last:  # stale logits + input (and its gradient)
-        buffers += min(2, gas) * BF16 * tokens * (v + (0 if stage.first else 2 * h // (tp if sp else 1)))
     if sp and (stage.blocks or stage.last):  # megatron's all-gather buffer of the column-parallel linears' input
         buffers += BF16 * tokens * h
     max_param = largest_parameter(model, tp, stage_kinds(stage))

@@ -40,6 +40,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
 
 from threed.config import ModelConfig
 from threed.model.attention import SDPACoreAttention, document_segments, reuse_per_tensor
@@ -380,8 +381,21 @@ def _stage_modules(layers: Iterable[Any]) -> Iterator[torch.nn.Module]:
 
 def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Next-token cross entropy `[b, s]` in fp32 from vocab-parallel logits `[s, b, v/tp]` and labels `[b, s]`,
-    without gathering the vocabulary."""
-    return vocab_parallel_cross_entropy(logits.float(), labels.transpose(0, 1).contiguous()).transpose(0, 1)
+    without gathering the vocabulary.
+
+    bf16 logits go to megatron-core's fused cross-entropy as they are. It upcasts them inside its first kernel (on
+    CUDA megatron's `jit_fuser` compiles cast and max into one pass, where the unfused path writes an fp32 copy and
+    reads it back), sums the TP partial sums in one all-reduce instead of two, and returns the logits' gradient in
+    bf16, as the cast's backward did. Its one fp32 tensor, the softmax kept for backward, is the unfused path's
+    too: fewer passes over the logits, not less memory. Off CUDA its steps run eagerly, the unfused path's
+    operations in the same order, so on CPU both give the same bits (tests/unit/test_loss_bytes.py). Other dtypes
+    keep the unfused path: the fused backward casts the gradient to bf16, which an fp32 run must not (for fp32
+    logits `.float()` is the tensor itself, no copy)."""
+    target = labels.transpose(0, 1).contiguous()
+    if logits.dtype == torch.bfloat16:
+        group = parallel_state.get_tensor_model_parallel_group()
+        return fused_vocab_parallel_cross_entropy(logits, target, group).transpose(0, 1)
+    return vocab_parallel_cross_entropy(logits.float(), target).transpose(0, 1)
 
 
 def token_weighted_loss(logits: torch.Tensor, targets) -> torch.Tensor:

@@ -3,7 +3,8 @@ when, is the pure `threed.parallel.schedule`).
 
 DeepSpeed 0.19.8's `deepspeed.initialize` picks the engine class from the module's type alone (PipelineEngine, or
 DualPipeVEngine for a DualPipeVModule), so `use_schedule` re-classes the engine it returns: `ZeroBubbleEngine` adds
-methods, and no state of its own beyond the deferral queue and its sends in flight. The F/B order and every send
+methods, and no state of its own beyond the deferral queue and its sends in flight. Both schedules' engines build on
+`threed.parallel.lean_engine` (the last stage's logits let go after the loss). The F/B order and every send
 and receive are DeepSpeed's own TrainSchedule, so ZB-H1 cannot deadlock where 1F1B does not; the W passes are
 local and slot in between. The weight-gradient split is `threed.model.wgrad`, on megatron-core's
 Column/RowParallelLinear.
@@ -21,9 +22,9 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe import p2p
 from deepspeed.runtime.pipe import schedule as ds_schedule
-from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from threed.model.wgrad import DEFERRED
+from threed.parallel.lean_engine import LeanPipelineEngine
 from threed.parallel.schedule import stage_order
 
 
@@ -64,7 +65,7 @@ class ZeroBubbleSchedule(ds_schedule.TrainSchedule):
         assert not after and not due, (after, due)
 
 
-class ZeroBubbleEngine(PipelineEngine):
+class ZeroBubbleEngine(LeanPipelineEngine):
     """B computes input gradients only (`threed.model.wgrad`); WeightPass runs the deferred weight gradients."""
 
     def train_batch(self, *args, **kwargs):
@@ -147,7 +148,7 @@ class ZeroBubbleEngine(PipelineEngine):
 
     # DeepSpeed dispatches through this map of functions, not through methods: the overrides go in it too.
     _INSTRUCTION_MAP = {
-        **PipelineEngine._INSTRUCTION_MAP,
+        **LeanPipelineEngine._INSTRUCTION_MAP,
         ds_schedule.BackwardPass: _exec_backward_pass,
         ds_schedule.SendActivation: _exec_send_activations,
         ds_schedule.SendGrad: _exec_send_grads,
@@ -157,7 +158,6 @@ class ZeroBubbleEngine(PipelineEngine):
 
 
 def use_schedule(engine: Any, schedule: str) -> Any:
-    """Make a DeepSpeed PipelineEngine run `schedule` (1f1b: DeepSpeed's own, unchanged)."""
-    if schedule == "zb-h1":
-        engine.__class__ = ZeroBubbleEngine
+    """Make a DeepSpeed PipelineEngine run `schedule` (1f1b: DeepSpeed's own, in `LeanPipelineEngine`)."""
+    engine.__class__ = ZeroBubbleEngine if schedule == "zb-h1" else LeanPipelineEngine
     return engine

@@ -1,0 +1,117 @@
+"""Fewer bytes per micro-batch, over a real pipeline (tests/ranks/test_bytes.py): 2 ranks, tp 1 pp 2, bf16 with fp32
+accumulation (BF16_Optimizer), micro 2 x gas 3, the tiny preset, 3 steps. Run twice in one launch:
+
+- "before": DeepSpeed's own `_update_hp_grad` (an fp32 copy of each bf16 gradient) and DeepSpeed's own
+  PipelineEngine (the last stage keeps its logits and the loss's graph);
+- "after": what threed.engine.build installs (threed.engine.fp32_accumulate, threed.parallel.lean_engine).
+
+Each run reports its losses, gradient norms and the fp32 master weights' sums (the same bits in both runs), what the
+last stage holds after each step, and whether the engine, a parameter and an AdamW state tensor are still alive after
+`destroy()`, `del` and garbage collection (`collect_all`).
+
+    python -m torch.distributed.run --nproc-per-node 2 tests/ranks/bytes_worker.py --out /tmp/b
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import weakref
+from typing import Iterator
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+
+# worker_setup first: it puts tests/ on sys.path (helpers, reference)
+from worker_setup import build_engine, rank_json, reads_data, run_worker, synthetic_batches
+from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+from threed.config import ParallelConfig, RunConfig, TrainConfig
+from threed.convert.resolve import model_config
+from threed.engine import build as engine_build, fp32_accumulate
+from threed.parallel.distributed import Runtime
+
+MICRO, GAS, SEQ, STEPS = 2, 3, 32, 3
+
+
+@contextlib.contextmanager
+def deepspeeds_own() -> Iterator[None]:
+    """DeepSpeed's `_update_hp_grad` and its PipelineEngine class, as before threed installed its own."""
+    current = BF16_Optimizer._update_hp_grad
+    with (
+        mock.patch.object(BF16_Optimizer, "_update_hp_grad", getattr(current, "deepspeed", current)),
+        mock.patch.object(fp32_accumulate, "install", lambda: False),
+        mock.patch.object(engine_build, "use_schedule", lambda engine, schedule: engine),
+    ):
+        yield
+
+
+def last_stage_holds(engine) -> dict:
+    outputs = [t for t in engine.pipe_buffers["outputs"] if t is not None]
+    return {
+        "outputs": len(outputs),
+        "output_bytes": sum(t.untyped_storage().nbytes() for t in outputs if torch.is_tensor(t)),
+        "loss_graph": torch.is_tensor(engine.loss) and engine.loss.grad_fn is not None,
+    }
+
+
+def one_run(rt: Runtime, variant: str) -> dict:
+    cfg = RunConfig(
+        model=model_config("tiny"),
+        parallel=ParallelConfig(tp=1, pp=2),
+        train=TrainConfig(dtype="bf16", micro_batch_size=MICRO, grad_accum_steps=GAS, seq_length=SEQ, steps=STEPS),
+    )
+    with deepspeeds_own() if variant == "before" else contextlib.nullcontext():
+        engine = build_engine(cfg, rt).engine
+    data = synthetic_batches(cfg.model.vocab_size, MICRO, SEQ, seed=0, n=GAS * STEPS)
+    losses, norms, held = [], [], []
+    for _ in range(STEPS):
+        losses.append(engine.train_batch(data_iter=data if reads_data(engine) else None).item())
+        norms.append(float(engine.get_global_grad_norm()))
+        held.append(last_stage_holds(engine))
+    opt = engine.optimizer
+    result = {
+        "variant": variant,
+        "stage": engine.stage_id,
+        "last": engine.is_last_stage(),
+        "optimizer": type(opt).__name__,
+        "update_hp_grad": BF16_Optimizer._update_hp_grad.__name__,
+        "class": type(engine).__name__,
+        "losses": losses,
+        "grad_norms": norms,
+        "master": [float(t.double().sum()) for t in opt.fp32_groups_flat_partition],
+        "held": held,
+    }
+    state = next(iter(opt.optimizer.state.values()))["exp_avg"]
+    refs = {"engine": weakref.ref(engine), "parameter": weakref.ref(next(engine.module.parameters()))}
+    refs["adamw state"] = weakref.ref(state)
+    del opt, state, data
+    engine.destroy()
+    del engine
+    result["gc_passes"] = collect_all()
+    result["alive_after_destroy"] = {name: ref() is not None for name, ref in refs.items()}
+    return result
+
+
+def collect_all(most: int = 10) -> int:
+    """gc.collect() until a pass finds nothing: its number of passes. One is not enough for the parameters: torch
+    skips a tensor that C++ still holds (it could be resurrected) during a pass, and each of DeepSpeed's bf16
+    parameters is in a cycle with its own bound methods (`get_full_hp_param`, ...), so it goes a pass after what held
+    it (measured: freed on the second pass, not the first)."""
+    for passes in range(1, most + 1):
+        if gc.collect() == 0:
+            return passes
+    return most
+
+
+def compare(args: argparse.Namespace, rt: Runtime) -> None:
+    results = {}
+    for variant in ("before", "after"):
+        results[variant] = one_run(rt, variant)
+        dist.barrier()
+    rank_json(args.out, "", results)
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_worker({"compare": compare}))
