@@ -62,8 +62,14 @@ def one_run(rt: Runtime, variant: str) -> dict:
         parallel=ParallelConfig(tp=1, pp=2),
         train=TrainConfig(dtype="bf16", micro_batch_size=MICRO, grad_accum_steps=GAS, seq_length=SEQ, steps=STEPS),
     )
+    # the whole run, not only the build: a worker that ran earlier in this process may have installed threed's
+    # accumulation already (it is process-wide), and "before" must train with DeepSpeed's own
     with deepspeeds_own() if variant == "before" else contextlib.nullcontext():
-        engine = build_engine(cfg, rt).engine
+        return measured_run(build_engine(cfg, rt).engine, cfg, variant)
+
+
+def measured_run(engine, cfg: RunConfig, variant: str) -> dict:
+    """Train `engine` STEPS steps; its numbers, what its last stage holds, and what is alive after destroy()."""
     data = synthetic_batches(cfg.model.vocab_size, MICRO, SEQ, seed=0, n=GAS * STEPS)
     losses, norms, held = [], [], []
     for _ in range(STEPS):

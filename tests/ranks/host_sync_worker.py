@@ -24,6 +24,7 @@ gradient norms and validation losses must be bit-identical.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import traceback
 from typing import Any, Callable
 from unittest import mock
@@ -218,25 +219,16 @@ def counted_run(cfg: RunConfig) -> dict[str, Any]:
     """`train(cfg)` with the syncs inside micro-batches logged and DeepSpeed's loads inspected."""
     from deepspeed.accelerator import get_accelerator  # deepspeed: heavy, as above
     from deepspeed.runtime.pipe.engine import PipelineEngine  # deepspeed: heavy, as above
-    from deepspeed.runtime.pipe.schedule import OptimizerStep  # deepspeed: heavy, as above
 
     log = SyncLog()
-    handlers = {
-        cmd: watched(PipelineEngine._INSTRUCTION_MAP[cmd], cmd.__name__, log) for cmd in micro_batch_instructions()
-    }
-    step = OptimizerStep
-    handlers[step] = stepped(PipelineEngine._INSTRUCTION_MAP[step], log)
     loads = Loads(PipelineEngine._next_batch)
     reads = {name: counted(getattr(torch.Tensor, name), log, f"Tensor.{name}") for name in PYTHON_READS}
     accelerator = get_accelerator()
-    with (
-        mock.patch.dict(PipelineEngine._INSTRUCTION_MAP, handlers),
-        mock.patch.object(PipelineEngine, "_next_batch", loads.method()),
-        mock.patch.multiple(torch.Tensor, **reads),
-        mock.patch.object(torch.cuda, "synchronize", counted(torch.cuda.synchronize, log, "torch.cuda.synchronize")),
-        mock.patch.object(accelerator, "synchronize", counted(accelerator.synchronize, log, "accelerator.synchronize")),
-    ):
-        r = train(cfg)
+    with contextlib.ExitStack() as maps:
+        # threed's engines (threed.parallel.lean_engine, zero_bubble) dispatch through maps of their own
+        for engine_class in engine_classes(PipelineEngine):
+            maps.enter_context(mock.patch.dict(engine_class._INSTRUCTION_MAP, watched_map(engine_class, log)))
+        r = _counted_train(cfg, log, loads, reads, accelerator)
     return {
         "syncs": log.seen,
         "loaded": loads.batches,
@@ -245,6 +237,38 @@ def counted_run(cfg: RunConfig) -> dict[str, Any]:
         "grad_norms": r.grad_norms,
         "evals": r.evals,
     }
+
+
+def engine_classes(base: type) -> list[type]:
+    """`base` and its subclasses that hold an instruction map of their own."""
+    found, todo = [], [base]
+    while todo:
+        cls = todo.pop()
+        found += [cls] if "_INSTRUCTION_MAP" in vars(cls) else []
+        todo += cls.__subclasses__()
+    return found
+
+
+def watched_map(engine_class: type, log: SyncLog) -> dict:
+    """`engine_class`'s micro-batch instructions logged, and its optimizer step marking the step boundary."""
+    from deepspeed.runtime.pipe.schedule import OptimizerStep  # deepspeed: heavy, as above
+
+    table = engine_class._INSTRUCTION_MAP
+    handlers = {cmd: watched(table[cmd], cmd.__name__, log) for cmd in micro_batch_instructions()}
+    handlers[OptimizerStep] = stepped(table[OptimizerStep], log)
+    return handlers
+
+
+def _counted_train(cfg: RunConfig, log: SyncLog, loads: "Loads", reads: dict, accelerator: Any) -> Any:
+    from deepspeed.runtime.pipe.engine import PipelineEngine  # deepspeed: heavy, as above
+
+    with (
+        mock.patch.object(PipelineEngine, "_next_batch", loads.method()),
+        mock.patch.multiple(torch.Tensor, **reads),
+        mock.patch.object(torch.cuda, "synchronize", counted(torch.cuda.synchronize, log, "torch.cuda.synchronize")),
+        mock.patch.object(accelerator, "synchronize", counted(accelerator.synchronize, log, "accelerator.synchronize")),
+    ):
+        return train(cfg)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
