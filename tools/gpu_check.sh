@@ -8,7 +8,8 @@
 #   1. install  gpu-bundle/ (make gpu-bundle, carried with the tree) with pip --no-index --no-deps --target
 #   2. env      python, torch, CUDA, the GPU, every version and where it is imported from, capability probes
 #   3. bench    benchmarks/bench_gpu.py: threed against HF at Llama-3.2-1B's shape, seq 4096 and 8192, and threed
-#               at micro-batch 2 (the step-time fit: per-micro-batch cost, sustained TFLOP/s); MFU both ways
+#               at micro-batch 2 (the planner's step-time model fitted to them: rates, cost per micro-batch);
+#               MFU both ways
 #   4. profile  bench_gpu.py --profile: torch.profiler on 2 steps of threed at seq 4096: the top kernels by
 #               device time, the device's idle holes between kernels (PROFILE_CAP_S, default 90 s)
 #   5. tests    every GPU test one GPU can run: `pytest -m gpu tests/gpu` with THREED_DEVICE=cuda (test_one_gpu.py

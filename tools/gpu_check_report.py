@@ -190,8 +190,8 @@ def summary(tmp: Path, out: Path, dry: bool, budget: int, elapsed: int) -> int:
         "bench": read_json(tmp / "bench.json"),
         "profile": read_json(tmp / "profile.json"),
     }
-    # the step-time fit over the benchmark's threed runs (bench_gpu.py writes it after every run): on top, the
-    # number the planner's calibration reads
+    # the planner's step-time model fitted to the benchmark's threed runs (bench_gpu.py writes it after every run,
+    # as `threed plan --calibrate gpu_check.json` would fit them): on top, where a reader looks first
     result["fit"] = (result["bench"] or {}).get("fit")
     result["files"] = sorted(p.name for p in out.iterdir() if p.is_file()) + [SUMMARY]
     (out / SUMMARY).write_text(json.dumps(result, indent=1) + "\n")
@@ -213,7 +213,8 @@ def summary(tmp: Path, out: Path, dry: bool, budget: int, elapsed: int) -> int:
 
 
 def profile_lines(profile: Optional[dict[str, Any]], fit: Optional[dict[str, Any]]) -> list[str]:
-    """The profile's headline (top kernels, the device's idle time per step) and the step-time fit, for stdout."""
+    """The profile's headline (top kernels, the device's idle time per step) and the step-time model's fit (or why
+    there is none), for stdout."""
     out = []
     if profile and "error" in profile:
         out.append(f"  profile: {profile['error']}")
@@ -225,13 +226,13 @@ def profile_lines(profile: Optional[dict[str, Any]], fit: Optional[dict[str, Any
         )
         for k in profile["top_kernels"][:5]:
             out.append(f"    {k['share'] * 100:5.1f}% {k['total_ms']:9.1f} ms x{k['count']:<6} {k['name'][:90]}")
-    for convention in ("full", "causal"):
-        f = (fit or {}).get(convention)
-        if f and "error" not in f:
-            out.append(
-                f"  fit ({convention} attention): {f['per_micro_batch_ms']} ms per micro-batch, "
-                f"{f['sustained_tflops']} TFLOP/s sustained, errors {f['relative_errors']}"
-            )
+    if fit and "error" in fit:
+        out.append(f"  fit: {fit['error']}")
+    elif fit:
+        out.append(
+            f"  fit ({fit['how']}): matmuls {fit['mm_tflops']} TFLOP/s, attention {fit['attn_tflops']} TFLOP/s on "
+            f"causal FLOPs, {fit['per_micro_batch_ms']} ms per micro-batch; errors {fit['relative_errors']}"
+        )
     return out
 
 

@@ -3,7 +3,8 @@
 
 - The dry run (DRY=1: every phase on CPU at a tiny shape; the GPU tests skip) leaves at most 8 files, the device
   tool's limit, and one JSON holding every phase, the environment, the test outcomes, the benchmark, the profile
-  (top kernels, idle holes: on CPU the aten ops, through the same code) and the step-time fit.
+  (top kernels, idle holes: on CPU the aten ops, through the same code) and the planner's step-time model fitted
+  to the benchmark's runs (the rates `threed plan --calibrate gpu_check.json` fits).
 - The bundle's spec names exactly the packages the image lacks, each pinned and explained; the manifest and size
   checks refuse a missing, extra, duplicated, mispinned, uninstallable, altered or oversized wheel in one line.
 - A bundle built here (`make gpu-bundle`, git-ignored) matches its manifest and the spec; skipped when absent.
@@ -22,6 +23,9 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from threed.plan.calibration import calibrate, predict, read_measured
+from threed.plan.steptime import Hardware
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
@@ -127,14 +131,26 @@ def test_dry_run_profile_says_where_the_time_goes(dry):
     idle = g["idle_between_kernels_ms_per_step"] + g["idle_before_first_ms_per_step"] + g["idle_after_last_ms_per_step"]
     assert g["busy_ms_per_step"] + idle == pytest.approx(g["wall_ms_per_step"], abs=1e-2), g
     assert g["largest"] and all(h["ms"] > 0 and h["after"] and h["before"] for h in g["largest"]), g
-    # the step-time fit over the bench's threed runs without recompute (micro 1 and 2), in both conventions
-    fit = s["fit"]
-    assert fit["runs"] == ["threed:64:off", "threed:64:off:mb2"], fit
-    for convention in ("full", "causal"):
-        f = fit[convention]
-        assert "error" in f or (
-            {"per_micro_batch_ms", "sustained_tflops"} <= set(f) and len(f["relative_errors"]) == 2
-        ), f
+
+
+@pytest.mark.slow  # the dry run of every phase (~250 s on 2 loaded cores): make test-slow
+def test_dry_run_fit_is_the_planners(dry):
+    """`fit` on top of gpu_check.json is the planner's step-time model fitted to the bench's threed runs (micro 1
+    and 2, and recomputed): the very rates `threed plan --calibrate gpu_check.json` fits, each run's error the
+    planner's prediction against its measured step; the summary prints it."""
+    path = dry["out"] / "gpu_check.json"
+    fit = json.loads(path.read_text())["fit"]
+    assert "error" not in fit, fit
+    assert fit["runs"] == ["threed:64:off", "threed:64:off:mb2", "threed:64:on"], fit
+    measured = read_measured(path)
+    rates, how = calibrate(measured, Hardware(nodes=1, gpus_per_node=8, gpu_memory_gb=80))
+    assert fit["how"] == how and fit["mm_tflops"] == pytest.approx(rates.mm_tflops, rel=1e-3), fit
+    assert fit["attn_tflops"] == pytest.approx(rates.attn_tflops, rel=1e-3), fit
+    assert fit["per_micro_batch_ms"] == pytest.approx(rates.micro_s * 1e3, abs=1e-3), fit
+    hw = Hardware(nodes=1, gpus_per_node=1, gpu_memory_gb=80, rates=rates)
+    errors = [predict(r, hw) / r.step_s - 1 for r in measured.runs]
+    assert fit["relative_errors"] == pytest.approx(errors, abs=1e-4), fit
+    assert f"  fit ({how}): matmuls {fit['mm_tflops']} TFLOP/s" in dry["proc"].stdout
 
 
 def test_gpu_check_without_an_outdir_says_how_to_call_it():
