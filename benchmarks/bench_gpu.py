@@ -57,6 +57,8 @@ from threed.memory.model import estimate
 from threed.memory.recompute import Recompute
 from threed.metrics.flops import peak_tflops_per_device
 from threed.convert.resolve import model_config
+from threed.data.loader import on_device
+from threed.train.host_gc import StepCollector
 from threed.metrics.trace import Span, idle_gaps, top_kernels
 from threed.model.spec import ATTENTION, training_flops_per_token
 from threed.plan import calibration
@@ -107,6 +109,16 @@ def global_batch(vocab: int, rows: int, seq: int) -> torch.Tensor:
 
 def micro_batches(tokens: torch.Tensor, micro: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens.split(micro)]
+
+
+class NoMetrics:
+    """Where the bench's StepCollector sends its per-step figures: nowhere (the bench writes its own JSON)."""
+
+    def log(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+NO_METRICS = NoMetrics()
 
 
 def sync(device: torch.device) -> None:
@@ -174,9 +186,15 @@ def threed_run(m: ModelConfig, seq: int, micro: int, gas: int, ac: bool, rt: Run
     engine = build_engine(resolve(cfg, rt.world_size), rt).engine
     build_s = time.perf_counter() - t0
     batches = micro_batches(tokens, micro)
+    # As the training loop steps (threed.train.loop): the step's micro-batches reach the device in one pinned,
+    # non-blocking copy per tensor, and Python's collector runs at step boundaries only (off and frozen between).
+    collector = StepCollector(rt.device, log_interval=1).__enter__()
 
     def step() -> float:
-        return float(engine.train_batch(data_iter=iter(batches)))
+        staged = on_device(batches, rt.device, rt.cuda_only.pinned_batches)
+        loss = float(engine.train_batch(data_iter=iter(staged)))
+        collector.after_step(1, NO_METRICS)
+        return loss
 
     blocks = [f for f in engine.module.forward_funcs if type(f).__name__ == "LlamaBlock"]
     from megatron.core.fusions import fused_bias_swiglu  # heavy: megatron, already imported by the engine
@@ -195,7 +213,7 @@ def threed_run(m: ModelConfig, seq: int, micro: int, gas: int, ac: bool, rt: Run
         "phase_bytes": mem.phase[1],
         "line": mem.line(1),
     }
-    return {**info, "step": step, "engine": engine}
+    return {**info, "step": step, "engine": engine, "collector": collector}
 
 
 def hf_run(m: ModelConfig, seq: int, micro: int, gas: int, ac: bool, device: torch.device, tokens) -> dict[str, Any]:
@@ -250,7 +268,7 @@ def one_run(
         if impl == "threed"
         else hf_run(m, seq, micro, gas, ac, rt.device, tokens)
     )
-    step, owner = built.pop("step"), built.pop("engine")
+    step, owner, collector = built.pop("step"), built.pop("engine"), built.pop("collector", None)
     r = {"impl": impl, "seq": seq, "micro": micro, "gas": gas, "activation_checkpointing": ac, **built}
     r.update(measure(step, a.steps, a.warmup, rt.device))
     r["kernels"] = kernels_of(step)
@@ -266,6 +284,8 @@ def one_run(
     if hasattr(owner, "destroy"):
         owner.destroy()  # DeepSpeed: its gradient hooks hold the parameters otherwise
     del owner, step
+    if collector is not None:
+        collector.__exit__(None, None, None)  # the collector back on for the next run
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
