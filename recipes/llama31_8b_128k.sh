@@ -11,9 +11,9 @@
 #          `threed memory --model llama3.1-8b --tp 4 --pp 1 --cp 2 --dp 1 --micro-batch-size 1 --grad-accum-steps 16
 #          --seq-length 131072 --sequence-parallel --recompute-granularity full --recompute-method block
 #          --recompute-num-layers 24` (its docstring lists every term, the gathered K/V included):
-#          ~71 GB/GPU = weights 4.0 + grads 8.0 + optimizer 12.0 + buffers 10.0 + activations 37.1
+#          ~63 GB/GPU = weights 4.0 + grads 8.0 + optimizer 12.0 + buffers 1.6 + activations 37.1
 #          (stage 0 of 1, 2.01B params; plus CUDA/NCCL overhead)
-#          Buffers: mostly the last two micro-batches' logits [s/cp, V/tp] (8.4 GB). The CP memory terms are the
+#          (The last stage keeps no logits between micro-batches: threed.parallel.lean_engine.) The CP memory terms are the
 #          model's count of threed.model.context's tensors, checked against CP engines on CPU ranks
 #          (tests/ranks/test_memory_cp.py); not yet measured on GPUs.
 # Speed    predicted by `threed plan --model llama3.1-8b --nodes 1 --gpu-memory 80 --seq-length 131072

@@ -8,9 +8,9 @@
 #          At 2 nodes DP = 16 and GAS = 32: the same batch. GLOBAL must stay a multiple of MICRO x DP.
 # Memory   per GPU at 1 node (DP=8), activation checkpointing off, from
 #          `threed memory --model llama3.2-1b --tp 1 --pp 1 --dp 8 --micro-batch-size 1 --grad-accum-steps 64 --seq-length 8192`:
-#          ~31 GB/GPU = weights 2.5 + grads 4.9 + optimizer 1.9 + buffers 4.2 + activations 17.6
-#          (stage 0 of 1, 1.24B params; plus CUDA/NCCL overhead). buffers: mostly the logits of the last two
-#          micro-batches ([8192, 128256] bf16 each). At DP=16 the ZeRO-1 optimizer shard halves: ~30 GB/GPU.
+#          ~27 GB/GPU = weights 2.5 + grads 4.9 + optimizer 1.9 + buffers 0.0 + activations 17.6
+#          (stage 0 of 1, 1.24B params; plus CUDA/NCCL overhead; the last stage keeps no logits between
+#          micro-batches: threed.parallel.lean_engine). At DP=16 the ZeRO-1 optimizer shard halves: ~26 GB/GPU.
 #          Other layouts, ranked by predicted step time:
 #          threed plan --model llama3.2-1b --nodes 1 --gpu-memory 80 --seq-length 8192 --global-batch-size 512
 # Data     DATA: a megatron .bin/.idx prefix or a blend "W1 PREFIX1 W2 PREFIX2"

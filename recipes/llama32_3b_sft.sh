@@ -11,9 +11,9 @@
 #          multiple of MICRO x DP.
 # Memory   per GPU at 1 node (DP=4), activation checkpointing off, from
 #          `threed memory --model llama3.2-3b --tp 2 --pp 1 --dp 4 --micro-batch-size 1 --grad-accum-steps 16 --seq-length 8192`:
-#          ~35 GB/GPU = weights 3.2 + grads 6.4 + optimizer 4.8 + buffers 2.2 + activations 18.0
+#          ~33 GB/GPU = weights 3.2 + grads 6.4 + optimizer 4.8 + buffers 0.1 + activations 18.0
 #          (stage 0 of 1, 1.61B params; plus CUDA/NCCL overhead; packed attention on CUDA is varlen flash: no s x s
-#          mask). At DP=8 the ZeRO-1 optimizer shard halves: ~32 GB/GPU. Other layouts:
+#          mask). At DP=8 the ZeRO-1 optimizer shard halves: ~30 GB/GPU. Other layouts:
 #          threed plan --model llama3.2-3b --nodes 1 --gpu-memory 80 --seq-length 8192 --global-batch-size 64
 # Loss     sum of the response tokens' losses / their count over the whole global batch (every answer token weighs
 #          the same wherever it landed); validation on the SPLIT's held-out 2% reports the same masked loss.
