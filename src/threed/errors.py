@@ -5,6 +5,7 @@ Bad input (a flag out of range, a missing file, a checkpoint of another model, a
 threed.train`, `threed plan`, ...) runs through `guarded`, the one exit policy:
 
     ThreedError        one line `<prog>: <prefix><message>` on stderr, from rank 0 only under torchrun, exit 2
+                       (another rank first waits for rank 0 to fail alike: `_after_rank_0`)
     KeyboardInterrupt  one line `<prog>: interrupted...`, exit 130 (the shell's code for SIGINT)
 
 Anything else is a bug and keeps its traceback. This module imports nothing of threed: it is the floor.
@@ -13,11 +14,15 @@ Anything else is a bug and keeps its traceback. This module imports nothing of t
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import time
 from typing import Callable, Optional
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
+# How long a rank other than 0 waits for rank 0 to fail alike before it speaks itself (`_after_rank_0`).
+PEER_WAIT_S = 15.0
 
 
 class ThreedError(ValueError):
@@ -42,8 +47,24 @@ def guarded(
     except ThreedError as e:
         if is_first_rank():
             print(f"{prog}: {prefix}{e}", file=sys.stderr, flush=True)
+        else:
+            _after_rank_0()
+            print(f"{prog}: rank {os.environ.get('RANK')}: {prefix}{e}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         if is_first_rank():
             print(f"{prog}: {interrupted}", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
+
+
+def _after_rank_0() -> None:
+    """A rank other than 0 that meets bad input waits for rank 0 to say it. Under torchrun every rank
+    checks the same config, so rank 0 fails alike and says it; but the rank that exits first makes torchrun stop
+    the others, and a quick refusal (a config checked before the heavy imports) could stop rank 0 before its line.
+    So this rank waits, and torchrun ends it (SIGTERM, back to its default action here) once rank 0 has failed.
+    Still running after PEER_WAIT_S: rank 0 did not fail alike (a problem local to this rank's node), so it speaks."""
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a training run's stop handler would only set a flag
+    except ValueError:  # not the main thread: signals stay as they are
+        pass
+    time.sleep(PEER_WAIT_S)
