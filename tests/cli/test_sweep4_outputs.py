@@ -95,7 +95,12 @@ ROWS = [
     ("variant-harness-limit-negative", HAR + ["--limit", "-3"], [], r"--limit -3 cannot be scored"),
     ("variant-harness-limit-2.5", HAR + ["--limit", "2.5"], [], r"--limit 2.5 cannot be scored"),
     ("gen-prompts-not-utf8", GEN + ["--prompts", "{w}/latin1.jsonl"], [], r"latin1.jsonl:1: not UTF-8 .*iconv"),
-    ("variant-gen-prompts-utf16", GEN + ["--prompts", "{w}/utf16.jsonl"], [], r"utf16.jsonl:1: not UTF-8 .*0xff"),
+    (
+        "variant-gen-prompts-utf16",
+        GEN + ["--prompts", "{w}/utf16.jsonl"],
+        [],
+        r"utf16.jsonl:1: not UTF-8 .*0xff.*iconv -f utf-16",
+    ),
     ("train-prompts-not-utf8", TRAIN + ["--tokenizer", "{w}/ck/hf"] + SAMPLES + ["{w}/latin1.jsonl"], [], r"not UTF"),
     (
         "train-sentencepiece-with-harness",

@@ -147,9 +147,10 @@ def read_utf8(path: Path, flag: str) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         line = data[: e.start].count(b"\n") + 1
+        source = "utf-16" if data[:2] in (b"\xff\xfe", b"\xfe\xff") else "latin1"  # a BOM says UTF-16
         raise ThreedError(
             f"{flag} {path}:{line}: not UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start}); save it as UTF-8, "
-            f"e.g. `iconv -f latin1 -t utf-8 {path} > {path.stem}.utf8{path.suffix}`"
+            f"e.g. `iconv -f {source} -t utf-8 {path} > {path.stem}.utf8{path.suffix}`"
         ) from None
 
 
