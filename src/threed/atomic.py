@@ -12,7 +12,7 @@ import contextlib
 import os
 import shutil
 from pathlib import Path
-from typing import Iterator, Union
+from typing import Iterator, Optional, Union
 
 PathLike = Union[str, os.PathLike]
 
@@ -35,6 +35,17 @@ def temp_name(path: PathLike, what: str = "tmp") -> Path:
     """A hidden name beside `path`, unique per process: `.<name>.<what>-<pid>`."""
     p = Path(path)
     return p.with_name(f".{p.name}.{what}-{os.getpid()}")
+
+
+def unwritable(folder: PathLike) -> Optional[str]:
+    """Why no file can be made in the existing directory `folder` ("not writable", "full"), None when one can:
+    checked before the work that would write there, so a refusal costs nothing."""
+    st = os.statvfs(folder)
+    if not os.access(folder, os.W_OK | os.X_OK) or st.f_flag & os.ST_RDONLY:
+        return "not writable"
+    if st.f_bavail * st.f_frsize == 0:
+        return "full"
+    return None
 
 
 def write_atomic(path: PathLike, data: Union[str, bytes]) -> None:

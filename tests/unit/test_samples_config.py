@@ -47,7 +47,7 @@ def test_a_missing_tokenizer_or_prompts_file_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"need the run's tokenizer: pass --tokenizer"):
         prepare(cfg)
     (tmp_path / "tok.json").write_text("{}")
-    with pytest.raises(ConfigError, match=r"--prompts .*none.jsonl: no such file"):
+    with pytest.raises(ConfigError, match=r"--generate-prompts .*none.jsonl: no such file"):
         prepare(cfg)
 
 

@@ -30,21 +30,23 @@ from threed.parallel.launch import refuse_nested_launch as refuse_launched_ranks
 def prepare(ns: argparse.Namespace) -> "tuple[GenerateRequest, Tokenizer]":
     """The request and its tokenizer, or one ThreedError line; nothing heavy is built."""
     # the checks and the tokenizer (transformers) load only when the command runs, not for `threed --help`
-    from threed.generate.prompts import GenerateRequest, Tokenizer, check_checkpoint, check_lengths
-    from threed.generate.prompts import read_prompts, sampling_of, tokenizer_path
+    from threed.generate.prompts import GenerateRequest, Tokenizer, check_lengths, check_output, check_tokenizer
+    from threed.generate.prompts import pinned_checkpoint, read_prompts, sampling_of, tokenizer_path
 
     sampling = sampling_of(ns.greedy, ns.temperature, ns.top_p, ns.seed)
     texts = read_prompts(ns.prompt, ns.prompts)
-    model, tp, pp = check_checkpoint(ns.load, ns.tp, ns.pp)
+    check_output(ns.output, "--output")
+    model, tp, pp, tag = pinned_checkpoint(ns.load, ns.tp, ns.pp)
     tok_path = tokenizer_path(ns.load, ns.tokenizer, "an HF directory or .model file")
     if not os.path.exists(tok_path):
         raise ThreedError(f"--tokenizer {tok_path}: no such file or directory")
     tokenizer = Tokenizer(tok_path)
+    check_tokenizer(ns.load, ns.tokenizer, model, ns.allow_other_tokenizer)
     ids = [tokenizer.encode(t) for t in texts]
     check_lengths(ids, ns.max_new_tokens, model)
     check_world(ns.nproc_per_node, model, tp, pp)
     request = GenerateRequest(
-        **request_fields(ns, model, tp, pp),
+        **request_fields(ns, model, tp, pp, tag),
         texts=texts,
         prompt_ids=ids,
         max_new_tokens=ns.max_new_tokens,
@@ -54,11 +56,13 @@ def prepare(ns: argparse.Namespace) -> "tuple[GenerateRequest, Tokenizer]":
     return request, tokenizer
 
 
-def request_fields(ns: argparse.Namespace, model: ModelConfig, tp: int, pp: int) -> dict[str, Any]:
+def request_fields(ns: argparse.Namespace, model: ModelConfig, tp: int, pp: int, tag: str) -> dict[str, Any]:
     """What every request to the ranks carries (GenerateRequest, threed.harness.run.HarnessRequest): the
-    checkpoint and its model, the layout it runs at, where the output goes, the batch size and the compute dtype."""
+    checkpoint, its tag pinned at the start, its model, the layout it runs at, where the output goes, the batch size
+    and the compute dtype."""
     return {
         "load": ns.load,
+        "tag": tag,
         "model": model,
         "tp": tp,
         "pp": pp,
@@ -116,6 +120,9 @@ def checkpoint_parser(
     p = sub.add_parser(name, help=about, allow_abbrev=False)
     p.add_argument("--load", required=True, help="checkpoint directory (threed train --save, or threed convert)")
     p.add_argument("--tokenizer", default=None, help=f"{tokenizer} (default: the ckpt's)")
+    p.add_argument(
+        "--allow-other-tokenizer", action="store_true", help="a --tokenizer that is not the checkpoint's is intended"
+    )
     return p
 
 

@@ -9,15 +9,19 @@ checkpoint holds), the lengths against the model's context, and the sampling set
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from threed.atomic import temp_name, unwritable, write_atomic
 from threed.checkpoint.format import has_checkpoint, open_checkpoint, read_run_json
 from threed.config import ModelConfig
 from threed.errors import ThreedError
 
 HF_SIDE_DIR = "hf"  # where `threed convert` keeps the HF source's tokenizer files (threed.checkpoint.format)
+ALLOW_OTHER_TOKENIZER = "--allow-other-tokenizer"  # the flag that says a tokenizer not the checkpoint's is intended
 
 
 @dataclass(frozen=True)
@@ -109,29 +113,45 @@ def tokenizer_path(load: str, given: Optional[str], kinds: str) -> str:
     return tok
 
 
-def read_prompts(prompt: Optional[str], prompts_file: Optional[str]) -> list[str]:
-    """`--prompt TEXT` or `--prompts FILE.jsonl` (exactly one), as a list of texts."""
+def read_prompts(prompt: Optional[str], prompts_file: Optional[str], flag: str = "--prompts") -> list[str]:
+    """`--prompt TEXT` or `--prompts FILE.jsonl` (exactly one), as a list of texts. `flag`: how the file was given
+    (training's is --generate-prompts)."""
     if (prompt is None) == (prompts_file is None):
-        raise ThreedError("give exactly one of --prompt TEXT and --prompts FILE.jsonl")
+        raise ThreedError(f"give exactly one of --prompt TEXT and {flag} FILE.jsonl")
     if prompt is not None:
         return [prompt]
     path = Path(prompts_file)
     if not path.is_file():
-        raise ThreedError(f'--prompts {path}: no such file; give a JSONL file of {{"prompt": ...}} lines')
+        raise ThreedError(f'{flag} {path}: no such file; give a JSONL file of {{"prompt": ...}} lines')
     texts = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(read_utf8(path, flag).splitlines(), 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ThreedError(f'--prompts {path}:{n}: not JSON ({e.msg}); each line is {{"prompt": ...}}') from None
+            raise ThreedError(f'{flag} {path}:{n}: not JSON ({e.msg}); each line is {{"prompt": ...}}') from None
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise ThreedError(f'--prompts {path}:{n}: no "prompt" string; each line is {{"prompt": ...}}')
+            raise ThreedError(f'{flag} {path}:{n}: no "prompt" string; each line is {{"prompt": ...}}')
         texts.append(row["prompt"])
     if not texts:
-        raise ThreedError(f"--prompts {path}: no prompts in it")
+        raise ThreedError(f"{flag} {path}: no prompts in it")
     return texts
+
+
+def read_utf8(path: Path, flag: str) -> str:
+    """A text file's content, or one line naming the first byte that is not UTF-8 (a file saved as Latin-1 or
+    UTF-16 by an editor) and how to convert it."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        source = "utf-16" if data[:2] in (b"\xff\xfe", b"\xfe\xff") else "latin1"  # a BOM says UTF-16
+        raise ThreedError(
+            f"{flag} {path}:{line}: not UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start}); save it as UTF-8, "
+            f"e.g. `iconv -f {source} -t utf-8 {path} > {path.stem}.utf8{path.suffix}`"
+        ) from None
 
 
 @dataclass
@@ -148,27 +168,41 @@ class GenerateRequest:
     batch_size: int = 8
     no_kv_cache: bool = False
     dtype: str = "fp32"
+    tag: Optional[str] = None  # the checkpoint's tag, pinned when the command started (`pinned_checkpoint`)
 
 
 def check_checkpoint(load: str, tp: Optional[int], pp: Optional[int]) -> tuple[ModelConfig, int, int]:
     """The checkpoint's model and the layout to run it at (its own unless --tp / --pp say otherwise)."""
+    return pinned_checkpoint(load, tp, pp)[:3]
+
+
+def pinned_checkpoint(load: str, tp: Optional[int], pp: Optional[int]) -> tuple[ModelConfig, int, int, str]:
+    """`check_checkpoint` and the tag `latest` names now, read once: a run that is still training may save a newer
+    one while this command works, and every later step (the weights loaded, the results' name) uses this tag."""
     if not Path(load).is_dir():
         raise ThreedError(f"--load {load}: no such directory; give a checkpoint `threed train` or `convert` wrote")
     if not has_checkpoint(load):
         raise ThreedError(f"--load {load}: holds no checkpoint (no `latest` file); give a checkpoint directory")
     ck = open_checkpoint(load)
-    return ck.model, tp or ck.tp, pp or ck.pp
+    return ck.model, tp or ck.tp, pp or ck.pp, ck.tag
 
 
 def check_lengths(prompt_ids: list[list[int]], max_new_tokens: int, model: ModelConfig) -> None:
     for i, ids in enumerate(prompt_ids):
         if not ids:
             raise ThreedError(f"prompt {i + 1} is empty after tokenizing; give some text")
-        if len(ids) + max_new_tokens > model.max_position_embeddings:
+        context = model.max_position_embeddings
+        if len(ids) >= context:  # no --max-new-tokens fits: the prompt itself must be cut
+            raise ThreedError(
+                f"prompt {i + 1} has {len(ids)} tokens, the model's context is {context}: no new token fits; "
+                f"shorten the prompt to at most {context - 1} tokens (then --max-new-tokens <= {context} minus its "
+                f"length)"
+            )
+        if len(ids) + max_new_tokens > context:
             raise ThreedError(
                 f"prompt {i + 1} has {len(ids)} tokens; with --max-new-tokens {max_new_tokens} that is "
-                f"{len(ids) + max_new_tokens}, past the model's context of {model.max_position_embeddings}: "
-                f"use --max-new-tokens <= {model.max_position_embeddings - len(ids)}"
+                f"{len(ids) + max_new_tokens}, past the model's context of {context}: "
+                f"use --max-new-tokens <= {context - len(ids)}"
             )
         bad = [t for t in ids if not 0 <= t < model.vocab_size]
         if bad:
@@ -187,3 +221,75 @@ def sampling_of(greedy: bool, temperature: Optional[float], top_p: Optional[floa
     if top_p is not None and not 0 < top_p <= 1:
         raise ThreedError(f"--top-p must be in (0, 1], got {top_p}")
     return Sampling(temperature=temperature, top_p=1.0 if top_p is None else top_p, seed=seed or 0)
+
+
+def check_tokenizer(load: str, given: Optional[str], model: ModelConfig, allow: bool) -> None:
+    """A --tokenizer that is not the checkpoint's: its ids would mean other tokens (garbage text, plausible-looking
+    scores). Compared as the data sidecar compares (threed.data.sidecar: vocabulary size and a hash of every piece
+    by id) against the tokenizer the checkpoint records (`checkpoint_tokenizer`); where it records none that is
+    still there, against the model's vocabulary size. One line unless `allow` (--allow-other-tokenizer)."""
+    if given is None or allow:
+        return
+    from threed.data.sidecar import run_tokenizer_identity  # sentencepiece / transformers: loads the tokenizers
+
+    mine = run_tokenizer_identity(given)
+    fix = f"leave --tokenizer out to use the checkpoint's, or pass {ALLOW_OTHER_TOKENIZER} if this is intended"
+    recorded = checkpoint_tokenizer(load)
+    if recorded is not None and os.path.realpath(recorded) != os.path.realpath(given):
+        theirs = run_tokenizer_identity(recorded)
+        same = theirs["vocab_size"] == mine["vocab_size"] and theirs["vocab_sha256"] == mine["vocab_sha256"]
+        if theirs["vocab_sha256"] and not same:
+            raise ThreedError(
+                f"--tokenizer {given} (vocab {mine['vocab_size']}, hash {(mine['vocab_sha256'] or '?')[:12]}) is "
+                f"not the tokenizer --load {load} records ({recorded}: vocab {theirs['vocab_size']}, hash "
+                f"{theirs['vocab_sha256'][:12]}): its ids would mean other tokens; {fix}"
+            )
+    elif recorded is None and (mine["vocab_size"] or 0) > model.vocab_size:
+        raise ThreedError(
+            f"--tokenizer {given} has {mine['vocab_size']} tokens, more than the vocabulary of {model.vocab_size} "
+            f"the checkpoint {load} was trained with: not its tokenizer; {fix}"
+        )
+
+
+def check_output(path: Optional[str], flag: str, makes_parent: bool = False) -> None:
+    """An output file that can be written, checked before any engine is built: not a directory, its folder there
+    (or, `makes_parent`, creatable) and writable by this user, on a file system with free space."""
+    if path is None:
+        return
+    out = Path(path)
+    if out.is_dir():
+        raise ThreedError(f"{flag} {out} is a directory; give a file path, e.g. {out / 'out.json'}")
+    folder = out.parent
+    if not folder.exists() and not makes_parent:
+        raise ThreedError(f"{flag} {out}: its folder {folder} does not exist; create it (mkdir -p {folder}) first")
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        raise ThreedError(f"{flag} {out}: {folder} is a file, not a directory; choose another path")
+    why = unwritable(folder)
+    if why == "not writable":
+        raise ThreedError(f"{flag} {out}: {folder} is not writable by this user; choose a path you can write to")
+    if why:
+        raise ThreedError(f"{flag} {out}: the file system of {folder} is full; free space or choose another path")
+
+
+def keep_output(path: str, text: str, what: str) -> Optional[str]:
+    """Write `text` to `path` atomically (threed.atomic: a temporary file beside it, then a rename). When that
+    fails late (the folder made read-only or full while the work ran), the text is kept in a file of the temporary
+    directory (else the working directory) and the one line to say is returned; None when `path` was written."""
+    out = Path(path)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(out, text)
+        return None
+    except OSError as e:
+        temp_name(out).unlink(missing_ok=True)
+        why = e.strerror or type(e).__name__
+    name = f"threed-{out.stem}-{os.getpid()}{out.suffix}"
+    for folder in (tempfile.gettempdir(), os.getcwd()):
+        try:
+            write_atomic(Path(folder) / name, text)
+        except OSError:
+            continue
+        return f"could not write {path} ({why}); the {what} are kept in {Path(folder) / name}: move it into place"
+    return f"could not write {path} ({why}), nor a copy in {tempfile.gettempdir()} or {os.getcwd()}: {what} lost"

@@ -11,16 +11,17 @@ from __future__ import annotations
 import json
 import sys
 import time
-from pathlib import Path
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from threed.atomic import write_atomic
+from threed.checkpoint.start import start
 from threed.config import CheckpointConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
+from threed.errors import ThreedError
 from threed.parallel.distributed import Runtime  # before megatron-core (decode's): the device policy's setup
 from threed.generate.decode import generate_all
-from threed.generate.prompts import GenerateRequest, Tokenizer
+from threed.generate.prompts import GenerateRequest, Tokenizer, keep_output
 from threed.engine.build import build_engine
 from threed.engine.resolved import resolve
 
@@ -35,6 +36,24 @@ def engine_config(load: str, model: ModelConfig, tp: int, pp: int, dtype: str = 
     )
 
 
+def pinned_engine(request: Any, rt: Runtime) -> Any:
+    """The engine holding the weights of `request.tag`, the tag the command read when it started: a training run
+    that saves meanwhile moves `latest`, not what this command loads (every rank loads that one tag)."""
+    run = resolve(engine_config(request.load, request.model, request.tp, request.pp, request.dtype), rt.world_size)
+    decision = start(run.cfg, run.dims, rt.rank)
+    if request.tag:
+        decision.tag = request.tag
+    return build_engine(run, rt, decision, train=False).engine  # the weights alone: no optimizer state
+
+
+def end_on_rank0(rt: Runtime, problem: Optional[str]) -> int:
+    """Every rank meets at the barrier, then rank 0 says a late failure (`problem`) in one line, exit 2."""
+    dist.barrier()
+    if problem and rt.rank == 0:
+        raise ThreedError(problem)
+    return 0
+
+
 def output_lines(request: GenerateRequest, tokenizer: Tokenizer, results: list) -> list[str]:
     return [
         json.dumps({"prompt": request.texts[r.index], "text": tokenizer.decode(r.tokens), "tokens": r.tokens})
@@ -44,8 +63,7 @@ def output_lines(request: GenerateRequest, tokenizer: Tokenizer, results: list) 
 
 def run_generate(request: GenerateRequest, tokenizer: Tokenizer, rt: Runtime) -> int:
     """One rank of `threed generate` (every rank of the world calls it, under torchrun or alone)."""
-    cfg = engine_config(request.load, request.model, request.tp, request.pp, request.dtype)
-    engine = build_engine(resolve(cfg, rt.world_size), rt, train=False).engine  # the weights alone: no optimizer state
+    engine = pinned_engine(request, rt)
     if rt.device.type == "cuda":
         torch.cuda.synchronize()
     dist.barrier()
@@ -61,6 +79,7 @@ def run_generate(request: GenerateRequest, tokenizer: Tokenizer, rt: Runtime) ->
         batch_size=request.batch_size,
     )
     seconds = time.perf_counter() - t0
+    problem = None
     if rt.rank == 0:
         lines = output_lines(request, tokenizer, results)
         new = sum(len(r.tokens) for r in results)
@@ -70,10 +89,9 @@ def run_generate(request: GenerateRequest, tokenizer: Tokenizer, rt: Runtime) ->
             f"dp={engine.grid.get_data_parallel_world_size()}, {'no ' if request.no_kv_cache else ''}KV cache)"
         )
         if request.output:
-            write_atomic(Path(request.output), "".join(line + "\n" for line in lines))
-            print(f"{summary}; wrote {request.output}", flush=True)
+            problem = keep_output(request.output, "".join(line + "\n" for line in lines), "continuations")
+            print(summary if problem else f"{summary}; wrote {request.output}", flush=True)
         else:
             print("\n".join(lines), flush=True)
             print(summary, file=sys.stderr, flush=True)
-    dist.barrier()
-    return 0
+    return end_on_rank0(rt, problem)

@@ -14,19 +14,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-import torch.distributed as dist
 from lm_eval import evaluator
 from lm_eval.utils import handle_non_serializable
 
-from threed.atomic import write_atomic
-from threed.checkpoint.format import read_latest
+from threed.checkpoint.format import read_latest, step_of
 from threed.config import ModelConfig
-from threed.generate.run import engine_config
+from threed.generate.prompts import keep_output
+from threed.generate.run import end_on_rank0, pinned_engine
 from threed.harness.lm import ThreedLM
-from threed.harness.tasks import quiet_lm_eval, task_manager
+from threed.harness.tasks import default_output, quiet_lm_eval, task_manager
 from threed.parallel.distributed import Runtime
-from threed.engine.build import build_engine
-from threed.engine.resolved import resolve
 
 
 @dataclass
@@ -44,6 +41,7 @@ class HarnessRequest:
     batch_size: int = 16
     log_samples: bool = False
     dtype: str = "fp32"
+    tag: Optional[str] = None  # the checkpoint's tag, pinned when the command started
 
 
 def evaluate(lm: ThreedLM, request: HarnessRequest, manager: Any) -> dict:
@@ -71,28 +69,29 @@ def scores_line(results: dict) -> str:
     return "; ".join(parts)
 
 
-def default_output(load: str) -> Path:
-    """CKPT/harness/<tag>_<time>.json: the scores of the checkpoint `latest` names, beside it."""
-    tag = read_latest(load) or "checkpoint"
-    return Path(load) / "harness" / f"{tag}_{time.strftime('%Y%m%d-%H%M%S')}.json"
+def scored(request: HarnessRequest) -> dict:
+    """What the scores are of, kept in the results: the checkpoint's path, its tag and step (pinned at the start)."""
+    tag = request.tag or read_latest(request.load)
+    return {"checkpoint": str(Path(request.load).resolve()), "tag": tag, "step": step_of(tag) if tag else None}
 
 
 def run_harness(request: HarnessRequest, tokenizer: Any, rt: Runtime) -> int:
     """One rank of `threed eval-harness` (every rank of the world calls it, under torchrun or alone)."""
     manager = task_manager(request.tasks, request.include_path)  # the command checked the tasks and their data
-    cfg = engine_config(request.load, request.model, request.tp, request.pp, request.dtype)
-    engine = build_engine(resolve(cfg, rt.world_size), rt, train=False).engine  # the weights alone: no optimizer state
+    engine = pinned_engine(request, rt)  # the tag read at the start, whatever `latest` names by now
     lm = ThreedLM(engine, request.model, tokenizer, batch_size=request.batch_size)
     t0 = time.perf_counter()
     results = evaluate(lm, request, manager)
+    problem = None
     if rt.rank == 0:
-        out = Path(request.output) if request.output else default_output(request.load)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(out, json.dumps(results, indent=2, default=handle_non_serializable))
+        what = scored(request)
+        results["threed"] = what
+        out = request.output or str(default_output(request.load, request.tag))  # the command resolved it
+        problem = keep_output(out, json.dumps(results, indent=2, default=handle_non_serializable), "scores")
         print(
             f"threed eval-harness: {scores_line(results)} ({time.perf_counter() - t0:.1f} s, tp={request.tp} "
-            f"pp={request.pp} dp={engine.grid.get_data_parallel_world_size()}); wrote {out}",
+            f"pp={request.pp} dp={engine.grid.get_data_parallel_world_size()}); scored {what['checkpoint']}/"
+            f"{what['tag']} (step {what['step']})" + ("" if problem else f"; wrote {out}"),
             flush=True,
         )
-    dist.barrier()
-    return 0
+    return end_on_rank0(rt, problem)

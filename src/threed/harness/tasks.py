@@ -16,8 +16,12 @@ import contextlib
 import io
 import logging
 import os
+import re
+import time
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from threed.checkpoint.format import read_latest
 from threed.errors import ThreedError
 
 EXTRA = "pip install 'threed[eval]'"  # the optional extra that installs lm-eval (pyproject.toml)
@@ -25,6 +29,13 @@ PREDOWNLOAD = (
     'on a machine with network access run `python -c "from lm_eval.tasks import TaskManager, get_task_dict; '
     "get_task_dict(['TASK'], TaskManager())\"` with the same HF_DATASETS_CACHE / HF_HOME, then rerun offline"
 )
+
+
+def default_output(load: str, tag: Optional[str] = None) -> Path:
+    """CKPT/harness/<tag>_<time>.json: the scores of the checkpoint `tag` (default: the one `latest` names), beside
+    it."""
+    tag = tag or read_latest(load) or "checkpoint"
+    return Path(load) / "harness" / f"{tag}_{time.strftime('%Y%m%d-%H%M%S')}.json"
 
 
 def require_lm_eval() -> None:
@@ -55,8 +66,15 @@ def task_manager(names: Sequence[str], include_path: Optional[str]) -> Any:
             local = TaskManager(include_defaults=False, include_path=include_path)
             if all(n in local.all_tasks for n in names):
                 return local
+            for name in (n for n in names if n not in local.all_tasks):  # before the stock index (~18 s)
+                broken = broken_yaml(name, include_path, mentioned_only=True)
+                if broken:
+                    raise ThreedError(broken)
         manager = TaskManager(include_path=include_path)
     unknown = [n for n in names if n not in manager.all_tasks]
+    broken = broken_yaml(unknown[0], include_path) if unknown and include_path is not None else None
+    if broken:
+        raise ThreedError(broken)
     if unknown:
         where = f" or under --include-path {include_path}" if include_path else " (local tasks: --include-path DIR)"
         raise ThreedError(f"unknown task {unknown[0]!r}: not an lm-eval task{where}; `lm-eval ls tasks` lists them")
@@ -69,6 +87,9 @@ def load_tasks(names: Sequence[str], manager: Any) -> dict:
     # lm-eval: the optional extra (threed[eval]); only the harness commands import it
     from lm_eval.tasks import get_task_dict
 
+    missing = missing_data_file(names, manager)
+    if missing:
+        raise ThreedError(missing)
     try:
         with quiet_lm_eval():
             return get_task_dict(list(names), manager)
@@ -80,6 +101,52 @@ def load_tasks(names: Sequence[str], manager: Any) -> dict:
             f"the data of task(s) {', '.join(names)} could not be loaded{why} ({first[:200]}); "
             f"{PREDOWNLOAD.replace('TASK', names[0])}"
         ) from None
+
+
+def broken_yaml(name: str, include_path: str, mentioned_only: bool = False) -> Optional[str]:
+    """Why a task of --include-path is not in lm-eval's index: lm-eval skips a YAML file it cannot load (bad
+    syntax, an `include:` that is not there) without a word, so the task looks unknown. The line names the file
+    that mentions `name` (else, unless `mentioned_only`, the first broken one) and what is wrong with it; None when
+    there is none."""
+    # lm-eval: the optional extra (threed[eval]); its own loader, so the error is the one its index swallowed
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    found = []
+    for path in sorted(Path(include_path).glob("**/*.yaml")):
+        try:
+            load_yaml(path, resolve_func=False, recursive=True)
+        except Exception as e:  # yaml.YAMLError, FileNotFoundError of an include, ValueError (not a mapping)
+            text = path.read_text(encoding="utf-8", errors="replace")
+            mentions = path.stem == name or re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", text)
+            found.insert(0 if mentions else len(found), (path, e, mentions))
+    if not found or (mentioned_only and not found[0][2]):
+        return None
+    path, e, mentions = found[0]
+    if isinstance(e, FileNotFoundError):
+        why = f"its include: {e.filename} does not exist; fix the include: path (relative to {path.parent})"
+    else:
+        first = " ".join(str(e).split())[:200]
+        why = f"lm-eval cannot read it ({type(e).__name__}: {first}); fix the file"
+    about = f"task {name!r} is in {path}, which" if mentions else f"task {name!r} is not indexed; {path}"
+    return f"{about} does not load: {why}"
+
+
+def missing_data_file(names: Sequence[str], manager: Any) -> Optional[str]:
+    """A local task (`dataset_path: json`, csv, ...) whose `dataset_kwargs.data_files` is not there: one line naming
+    the file and the YAML that names it (nothing to download: the path is wrong)."""
+    for name in names:
+        entry = manager.task_index.get(name)
+        cfg = getattr(entry, "cfg", None) or {}
+        files = (cfg.get("dataset_kwargs") or {}).get("data_files") if isinstance(cfg, dict) else None
+        values = files.values() if isinstance(files, dict) else [files]
+        for value in values:
+            for f in value if isinstance(value, list) else [value]:
+                if isinstance(f, str) and "://" not in f and not any(c in f for c in "*?[") and not os.path.exists(f):
+                    return (
+                        f"task {name!r}: its data file {f} (dataset_kwargs.data_files in {entry.yaml_path}) does not "
+                        f"exist; fix the path (a relative one is read from the working directory, {os.getcwd()})"
+                    )
+    return None
 
 
 @contextlib.contextmanager

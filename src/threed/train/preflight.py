@@ -4,7 +4,8 @@ runs the very same ones and its exit status means "the run would start".
     check_config(cfg, world)    the flags alone: ranges, layout, batch arithmetic, recompute, stage partition;
                                 returns the run resolved once (threed.engine.resolved), which training hands down
     check_run(run)              then what is on disk and installed: the metrics sinks (a writable
-                                --tensorboard-dir, wandb installed for --wandb-project), every dataset (paths,
+                                --tensorboard-dir, wandb installed for --wandb-project), --generate-prompts and
+                                --harness-interval's tokenizer, every dataset (paths,
                                 duplicate prefixes, validation splits, .bin/.idx, sidecars, vocabulary, cache)
 
 `threed train` runs check_run on rank 0 before any dataset, lock, save directory or engine exists (all ranks stop
@@ -14,11 +15,12 @@ with its one line); the checkpoint directories are decided next by `threed.check
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from threed.atomic import unwritable
 from threed.config import ConfigError, RunConfig, TrainConfig
+from threed.errors import ThreedError
 from threed.data.splits import DataSplits
 from threed.engine.resolved import ResolvedRun, resolve
 
@@ -49,6 +51,7 @@ def check_steps(train: TrainConfig) -> None:
 def check_run(run: ResolvedRun) -> RunCheck:
     """After check_config: the metrics sinks and the data, as ConfigError (one line naming the fix)."""
     check_metrics_sinks(run.cfg)
+    check_sample_inputs(run.cfg)
     # torch, megatron: threed.data.checks imports them (check-config without --paths runs without either)
     from threed.data.checks import check_data
 
@@ -78,11 +81,36 @@ def check_metrics_sinks(cfg: RunConfig) -> None:
         existing = existing.parent
     if not existing.is_dir():
         raise ConfigError(f"{name}: {existing} is a file, not a directory; {fix}")
-    st = os.statvfs(existing)
-    if not os.access(existing, os.W_OK | os.X_OK) or st.f_flag & os.ST_RDONLY:
+    why = unwritable(existing)
+    if why == "not writable":
         raise ConfigError(f"{name} is not writable ({existing} does not let this user write); {fix}")
-    if st.f_bavail * st.f_frsize == 0:
+    if why:
         raise ConfigError(f"{name}: {_shown(existing)} has no free space; {fix}")
+
+
+def check_sample_inputs(cfg: RunConfig) -> None:
+    """What --generate-interval / --harness-interval read, before anything is built: --generate-prompts a UTF-8
+    JSONL file, and an HF tokenizer for the harness (lm-eval's requests are HF tokenizer calls, so a sentencepiece
+    .model would stop the run at its first harness step, or at the engine's start)."""
+    t = cfg.train
+    if not t.generate_interval and not t.harness_interval:
+        return
+    # torch (threed.train.samples imports it; check_run's data checks do too), transformers: only with these flags
+    from threed.generate.prompts import read_prompts
+    from threed.train.samples import run_tokenizer
+
+    if t.generate_interval:
+        try:
+            read_prompts(None, t.generate_prompts, "--generate-prompts")
+        except ThreedError as e:  # said as the configuration error it is
+            raise ConfigError(str(e)) from None
+    tok = run_tokenizer(cfg)
+    if t.harness_interval and Path(tok).is_file() and Path(tok).suffix == ".model":
+        raise ConfigError(
+            f"--harness-interval needs an HF tokenizer (lm-eval's requests are HF tokenizer calls), and the run's "
+            f"tokenizer {tok} is a sentencepiece .model: `threed export` writes an HF one (tokenizer.json) from it; "
+            f"pass that as --tokenizer, or drop --harness-interval / --harness-tasks"
+        )
 
 
 def _shown(p: Path) -> str:

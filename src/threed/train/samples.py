@@ -77,7 +77,7 @@ def _prepare(cfg: RunConfig) -> DuringTraining:
     t = cfg.train
     try:
         tok_path = run_tokenizer(cfg)
-        texts = read_prompts(None, t.generate_prompts) if t.generate_interval else []
+        texts = read_prompts(None, t.generate_prompts, "--generate-prompts") if t.generate_interval else []
         tokenizer = Tokenizer(tok_path) if texts else None
         ids = [tokenizer.encode(x) for x in texts] if tokenizer else []
         for i, p in enumerate(ids):
