@@ -274,8 +274,18 @@ run+=(-m threed.cli train "${args[@]}")
 # B/param in bf16 where training holds ~16, so a layout sized for training fits on fewer GPUs; whether it fits that
 # node is not checked here). Checked here, so the dry run refuses a recipe whose harness job could not run.
 harness=()
+if [ -z "${HARNESS_TASKS:-}" ] && [ -n "${HARNESS_LIMIT:-}" ]; then
+    echo "threed launch: warning: HARNESS_LIMIT=$HARNESS_LIMIT without HARNESS_TASKS does nothing (no harness job" \
+         "is submitted); set HARNESS_TASKS=a,b to score SAVE after training, or unset HARNESS_LIMIT" >&2
+fi
 if [ -n "${HARNESS_TASKS:-}" ]; then
     [ -n "${SAVE:-}" ] || die "HARNESS_TASKS=$HARNESS_TASKS needs SAVE: the harness job scores the saved checkpoint"
+    # The job reads the tokenizer the checkpoint records (TOKENIZER): `threed eval-harness` refuses a sentencepiece
+    # .model (lm-eval needs an HF tokenizer), so every job would fail after every save.
+    [[ "${TOKENIZER:-}" != *.model ]] || die "HARNESS_TASKS=$HARNESS_TASKS with TOKENIZER=$TOKENIZER, a" \
+        "sentencepiece .model: every harness job would refuse it (lm-eval needs an HF tokenizer, a directory or" \
+        "tokenizer.json); set TOKENIZER to the HF tokenizer of the same vocabulary, or drop HARNESS_TASKS and" \
+        "score with \`threed eval-harness --load SAVE --tokenizer HF_DIR\`"
     htp=$TP hpp=$PP
     if ((TP * PP > GPUS_PER_NODE)); then
         htp=$GPUS_PER_NODE

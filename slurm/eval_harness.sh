@@ -18,6 +18,10 @@
 #SBATCH --output=slurm/logs/%x-%j.out
 
 set -euo pipefail
+# Outside Slurm its own line, not bash's "SLURM_SUBMIT_DIR: unbound variable" from `set -u`.
+[ -n "${THREED_ROOT:-${SLURM_SUBMIT_DIR:-}}" ] || { echo "threed harness: error: not under Slurm" \
+    "(SLURM_SUBMIT_DIR is not set): submit it with \`sbatch slurm/eval_harness.sh --load CKPT --tasks a,b\`," \
+    "or run it here with THREED_ROOT=<the threed checkout> (or \`threed eval-harness\` directly)" >&2; exit 2; }
 ROOT=${THREED_ROOT:-$SLURM_SUBMIT_DIR}
 [ -d "$ROOT/src/threed" ] || { echo "submit from the threed checkout, or set THREED_ROOT" >&2; exit 2; }
 cd "$ROOT"

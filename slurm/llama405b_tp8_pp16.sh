@@ -19,7 +19,7 @@
 #SBATCH --open-mode=append
 #SBATCH --output=slurm/logs/%x-%j.out
 
-ROOT=${THREED_ROOT:-$SLURM_SUBMIT_DIR}
+ROOT=${THREED_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}}  # outside Slurm: common.sh says to use sbatch
 [ -f "$ROOT/slurm/common.sh" ] || { echo "submit from the threed checkout, or set THREED_ROOT" >&2; exit 2; }
 RECIPE=${RECIPE:-recipes/llama31_405b.sh}
 # shellcheck source=slurm/common.sh

@@ -104,6 +104,16 @@ class ModelConfig:
             )
 
 
+def check_sequence_parallel(tp: Optional[int], sequence_parallel: Optional[bool]) -> None:
+    """Megatron's sequence parallelism splits the sequence over the tensor-parallel ranks: at tp 1 it has nothing to
+    split (the rule of train, check-config, memory and plan, in one wording)."""
+    if sequence_parallel and tp == 1:
+        raise ConfigError(
+            "--sequence-parallel needs tp > 1 (it splits the sequence over the tensor-parallel "
+            "group); drop it or raise --tp"
+        )
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """Degrees of parallelism, and which stage holds which layers. dp is derived: dp = world / (tp * pp * cp)."""
@@ -181,11 +191,7 @@ class ParallelConfig:
                 f"--pipeline-schedule {self.pipeline_schedule} needs pp > 1 (one stage has no pipeline "
                 f"bubble to fill); drop it or use --pipeline-model-parallel-size 2 or more"
             )
-        if self.sequence_parallel and tp == 1:
-            raise ConfigError(
-                "--sequence-parallel needs tp > 1 (it splits the sequence over the tensor-parallel "
-                "group); drop it or raise --tp"
-            )
+        check_sequence_parallel(tp, self.sequence_parallel)
         if pp > model.num_layers:
             raise ConfigError(
                 f"pp={pp} is larger than num_layers={model.num_layers}: a pipeline stage would hold no "

@@ -108,6 +108,76 @@ def test_only_the_all_gather_deprecation_is_ignored():
     assert [str(w.message) for w in caught] == ["`torch.something_else` is deprecated."]
 
 
+def test_the_sequence_parallel_and_barrier_warnings_are_ignored_and_their_neighbours_pass():
+    """--sequence-parallel: megatron-core's reduce-scatter warned per rank (a FutureWarning); on CUDA, torch's
+    barrier() device warning (a UserWarning) at generate's and eval-harness's barriers (issue 39)."""
+    from threed.parallel.distributed import quiet_libraries
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # below ours: every other warning shows
+        quiet_libraries()
+        warnings.warn(
+            "`torch.distributed.reduce_scatter_tensor` is deprecated. Please use "
+            "`torch.distributed.reduce_scatter_single` instead.",
+            FutureWarning,
+        )
+        warnings.warn(
+            "barrier(): using the device under current context. You can specify `device_id` in "
+            "`init_process_group` to mute this warning."
+        )
+        warnings.warn("Transformer Engine and Apex are not installed. Falling back to Torch optimizers.")
+        warnings.warn("`torch.distributed.reduce_scatter` is deprecated.", FutureWarning)
+        warnings.warn("barrier() timed out")
+    assert [str(w.message) for w in caught] == [
+        "`torch.distributed.reduce_scatter` is deprecated.",
+        "barrier() timed out",
+    ]
+
+
+def test_lm_evals_progress_bars_are_dropped_and_other_stderr_lines_pass():
+    """--harness-interval: lm-eval's tqdm bars (one per task and stage) went into the training log (issue 39)."""
+    from tqdm import tqdm
+
+    from threed.parallel.distributed import library_bars
+
+    err = io.StringIO()
+    sys_stderr, sys.stderr = sys.stderr, err
+    try:
+        with library_bars():
+            for _ in tqdm(range(3), desc="Tokenizing inputs"):
+                pass
+            for _ in tqdm(range(1200)):
+                pass
+            print("a real warning | with bars | 3/4 in it", file=sys.stderr)
+            print("100% sure", file=sys.stderr)
+    finally:
+        sys.stderr = sys_stderr
+    assert err.getvalue().splitlines() == ["a real warning | with bars | 3/4 in it", "100% sure"]
+
+
+@pytest.mark.parametrize(
+    "imports",
+    [
+        "from threed.generate.prompts import check_checkpoint; from threed.generate.run import run_generate",
+        "from threed.harness.run import HarnessRequest, run_harness",
+    ],
+    ids=["generate", "eval-harness"],
+)
+def test_the_generate_and_harness_ranks_import_without_library_warnings(imports):
+    """A rank of `threed generate` / `threed eval-harness` imports the CLI, then its command's code (megatron-core,
+    DeepSpeed, lm-eval): megatron-core's four "Transformer Engine and Apex" warnings per rank stay out (issue 39)."""
+    out = subprocess.run(
+        [sys.executable, "-c", f"import threed.cli.main; {imports}"],
+        env={**os.environ, **SRC_ENV, "THREED_DEVICE": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    noise = [line for line in (out.stdout + out.stderr).splitlines() if any(n in line for n in NOISE)]
+    assert not noise, "\n".join(noise)
+
+
 # ---------------------------------------------------------------------------------------------- 2 ranks
 
 

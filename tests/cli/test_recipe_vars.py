@@ -31,7 +31,7 @@ COMMON = {
     "SEQ": "64", "LR": "0.002", "MIN_LR": "0.0002", "WARMUP": "3", "STEPS": "7", "DTYPE": "fp32",
     "SEQUENCE_PARALLEL": "true", "DATA": "0.25 /data/a_text_document 0.75 /data/b_text_document",
     "SPLIT": "90,5,5", "DATA_CACHE_PATH": "/data/cache", "PACK": "false", "EVAL_INTERVAL": "5", "EVAL_ITERS": "2",
-    "TOKENIZER": "/data/tok.model", "SAVE": "/ckpt/save", "SAVE_INTERVAL": "5", "LOG_INTERVAL": "2",
+    "TOKENIZER": "/data/tokenizer.json", "SAVE": "/ckpt/save", "SAVE_INTERVAL": "5", "LOG_INTERVAL": "2",
     "KEEP_LAST": "2", "SKIP_NONFINITE": "3", "EXIT_DURATION": "30",
     # the slurm job's (tests/cli/test_harness_job.py): no training flag
     "HARNESS_TASKS": "arc_easy", "HARNESS_LIMIT": "50",

@@ -50,7 +50,7 @@ def check(ns: argparse.Namespace) -> str:
     start = check_paths(cfg, d) if ns.paths else unchecked_start(cfg)
     summary = (
         f"config ok: {cfg.model.name} ({parameter_count(cfg.model) / 1e6:.1f}M params), world {ns.world} = "
-        f"tp {cfg.parallel.tp} x pp {cfg.parallel.pp} x dp {dp}, global batch {glob} = micro {micro} x gas "
+        f"{d.layout}, global batch {glob} = micro {micro} x gas "
         f"{gas} x dp {dp}, seq {cfg.train.seq_length}, {cfg.train.steps} steps; {stages}recompute: {recompute}; "
         f"start: {start}; {checkpoints(cfg)}"
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import re
 import typing
 from typing import Any, Optional, Sequence
@@ -163,6 +164,29 @@ def dash_values(argv: Sequence[str]) -> list[str]:
         else:
             out.append(a)
     return out
+
+
+def did_you_mean(word: str, options: Sequence[str]) -> Optional[str]:
+    """The flag of `options` an unknown `word` most likely meant: the same name under the other command's spelling
+    (training's `--harness-include-path` is eval-harness's `--include-path`, and back), else the closest name."""
+    flag = word.split("=", 1)[0]
+    if not flag.startswith("--"):
+        return None
+    plain = flag[len("--harness-") :] if flag.startswith("--harness-") else None
+    for spelling in (f"--harness-{flag[2:]}", f"--{plain}" if plain else None):
+        if spelling in options:
+            return spelling
+    close = difflib.get_close_matches(flag, [o for o in options if o.startswith("--")], n=1, cutoff=0.75)
+    return close[0] if close else None
+
+
+def unknown_flags_line(prog: str, unknown: Sequence[str], options: Sequence[str]) -> str:
+    """argparse's "unrecognized arguments" as one line with the flag each unknown one most likely meant."""
+    near = [(w.split("=", 1)[0], did_you_mean(w, options)) for w in unknown]
+    several = sum(w.startswith("--") for w in unknown) > 1
+    hints = [f"{meant} (for {flag})" if several else meant for flag, meant in near if meant]
+    said = f"; did you mean {', '.join(hints)}?" if hints else ""
+    return f"{prog}: error: unrecognized arguments: {' '.join(unknown)}{said} (`{prog} --help` lists its flags)"
 
 
 def run_config_from_args(ns: argparse.Namespace) -> RunConfig:

@@ -24,7 +24,7 @@ from threed.cli.preprocess import register as register_preprocess
 from threed.data.tokenizer import train_tokenizer
 from threed.data.demo_text import write_demo_text
 from threed.errors import guarded
-from threed.cli.flags import add_run_flags, dash_values, run_config_from_args
+from threed.cli.flags import add_run_flags, dash_values, run_config_from_args, unknown_flags_line
 from threed.cli.generate import register as register_generate
 from threed.cli.eval_harness import register as register_eval_harness
 from threed.train.preflight import check_config, check_steps
@@ -124,7 +124,13 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = dash_values(sys.argv[1:] if argv is None else argv)
-    ns = parser().parse_args(args)
+    p = parser()
+    ns, unknown = p.parse_known_args(args)
+    if unknown:  # argparse's usage dump, as one line naming the flag meant (eval-harness's name given to train, ...)
+        command = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction)).choices[ns.command]
+        options = [o for a in command._actions for o in a.option_strings]
+        print(unknown_flags_line(f"threed {ns.command}", unknown, options), file=sys.stderr)
+        return 2
     return guarded("threed", lambda: _command(ns, args), prefix="configuration error: ")
 
 

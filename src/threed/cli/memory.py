@@ -15,7 +15,7 @@ import argparse
 import sys
 
 from threed.cli.flags import add_command, add_field_flag, add_model_flag, field_value, standalone
-from threed.config import ConfigError, TrainConfig
+from threed.config import ConfigError, TrainConfig, check_sequence_parallel
 from threed.errors import guarded
 from threed.memory import model as memory_model
 from threed.memory.model import estimate, heaviest
@@ -67,11 +67,7 @@ def lines(ns: argparse.Namespace) -> list[str]:
             "integers"
         )
     sp = field_value(ns, "parallel", "sequence_parallel")
-    if sp and tp == 1:
-        raise ConfigError(
-            "--sequence-parallel needs tp > 1 (it splits the sequence over the tensor-parallel "
-            "group); drop it or raise --tp"
-        )
+    check_sequence_parallel(tp, sp)
     cp = field_value(ns, "parallel", "cp")
     if cp > 1:  # the CP layout's own rule and message (2 x cp chunks, x tp under sequence parallelism)
         check_cp(seq, cp, tp, sp)

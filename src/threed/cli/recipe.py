@@ -31,7 +31,7 @@ import sys
 from dataclasses import dataclass
 from typing import Literal, Optional, Sequence
 
-from threed.config import flag_name
+from threed.config import field_meta, flag_name
 from threed.cli.flags import config_field, field_value_error
 
 Form = Literal["layout", "value", "bare", "words", "env", "job"]
@@ -133,8 +133,26 @@ def value_error(var: RecipeVar, value: str) -> Optional[str]:
         return None
     why = field_value_error(*var.field.split("."), value)
     if why is None:
-        return None
+        return job_range_error(var, value)
     return f"{var.name}={value} {why} (it becomes {var.flag} {value}); fix {var.name}, or leave it empty for no flag"
+
+
+def job_range_error(var: RecipeVar, value: str) -> Optional[str]:
+    """A job variable's number below its field's range (HARNESS_LIMIT=0): training never reads it, so no training
+    check would say so, and every harness job would refuse it, after every save."""
+    if var.form != "job":
+        return None
+    least = field_meta(config_field(*var.field.split("."))).at_least
+    try:
+        low = float(value) < least
+    except ValueError:  # not a number: a text field (HARNESS_TASKS)
+        return None
+    if not low:
+        return None
+    return (
+        f"{var.name}={value} is below {least:g}: every harness job (threed eval-harness {var.flag} {value}) would "
+        f"refuse it after every save; set {var.name} to {least:g} or more, or leave it empty for no limit"
+    )
 
 
 def check(assignments: Sequence[str]) -> int:

@@ -121,12 +121,42 @@ def read_sidecar(prefix: str) -> Optional[dict[str, Any]]:
         raise ConfigError(f"dataset {prefix}: cannot read {path} ({type(e).__name__}: {e}); {fix}") from None
     if not isinstance(record, dict) or record.get("format") != FORMAT or not isinstance(record.get("bin"), dict):
         raise ConfigError(f"dataset {prefix}: {path} is not a threed dataset sidecar; {fix}")
-    if record.get("version", 0) > VERSION:
+    bad = field_problem(record)
+    if bad:
+        raise ConfigError(f"dataset {prefix}: {path}: {bad} (edited by hand, or damaged); {fix}")
+    if record["version"] > VERSION:
         raise ConfigError(
             f"dataset {prefix}: {path} is version {record['version']}, newer than this threed reads "
-            f"({VERSION}); update threed"
+            f"({VERSION}); update threed, or {fix}"
         )
     return record
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def field_problem(record: dict[str, Any]) -> Optional[str]:
+    """What is wrong with a field the checks read, by its name (a sidecar edited by hand: a missing `version`, a
+    string `bytes`), or None. Before, the refusal's own f-string raised on them (a traceback, not a line)."""
+    tok = record.get("tokenizer")
+    sha = tok.get("vocab_sha256") if isinstance(tok, dict) else None
+    checks = (
+        ("version", record.get("version"), _whole(record.get("version")), "a whole number"),
+        ("bin.bytes", record["bin"].get("bytes"), _whole(record["bin"].get("bytes")), "a whole number of bytes"),
+        (
+            "bin.fingerprint",
+            record["bin"].get("fingerprint"),
+            isinstance(record["bin"].get("fingerprint"), str),
+            "text",
+        ),
+        ("tokenizer", tok, tok is None or isinstance(tok, dict), "an object"),
+        ("tokenizer.vocab_sha256", sha, sha is None or isinstance(sha, str), "text"),
+    )
+    for name, value, ok, what in checks:
+        if not ok:
+            return f"{name} is missing" if value is None else f"{name} is {value!r}, not {what}"
+    return None
 
 
 @functools.lru_cache(maxsize=8)

@@ -163,8 +163,10 @@ def summary_lines(run: Run) -> list[str]:
     lines = [f"== {run.label}"]
     if s:
         c = s["config"]
+        cp = s.get("cp", c.get("parallel", {}).get("cp", 1))  # runs summarised before "cp" was written: the config's
         lines.append(
-            f"   {c['model']['name']}: tp {s['tp']} x pp {s['pp']} x dp {s['dp']} = {s['world_size']} "
+            f"   {c['model']['name']}: tp {s['tp']} x pp {s['pp']} x {f'cp {cp} x ' if cp > 1 else ''}dp {s['dp']} = "
+            f"{s['world_size']} "
             f"rank(s); global batch {s['global_batch_size']} = micro {s['micro_batch_size']} x gas "
             f"{s['grad_accum_steps']} x dp {s['dp']}; seq {c['train']['seq_length']}; {c['train']['dtype']}"
         )

@@ -78,6 +78,7 @@ def run_summary(cfg: RunConfig, dims: RunDims, start_iteration: int, ds_config: 
         "world_size": dims.world,
         "tp": dims.tp,
         "pp": dims.pp,
+        "cp": dims.cp,
         "dp": dims.dp,
         "micro_batch_size": dims.micro,
         "grad_accum_steps": dims.gas,

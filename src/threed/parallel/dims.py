@@ -37,6 +37,12 @@ class RunDims:
     schedule: str  # --pipeline-schedule
 
     @property
+    def layout(self) -> str:
+        """`tp 2 x pp 2 x cp 2 x dp 1`: the factors of the world (cp named when it splits the sequences), for the
+        summaries of train, check-config and the launcher, which must multiply to the world they print."""
+        return f"tp {self.tp} x pp {self.pp} x " + (f"cp {self.cp} x " if self.cp > 1 else "") + f"dp {self.dp}"
+
+    @property
     def tokens_per_step(self) -> int:
         return self.global_batch * self.seq_length
 

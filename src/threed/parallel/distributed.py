@@ -135,9 +135,16 @@ QUIET_WARNINGS = (
     r"Transformer Engine and Apex are not installed",
     # megatron-core's TransformerConfig default (cuda_graph_scope="full"); we capture no CUDA graphs
     r"full scope is deprecated",
+    # torch, on CUDA, at the first barrier of a group made without device_id (DeepSpeed's and megatron-core's
+    # groups; generate's and eval-harness's barriers): the device is the rank's own, set by device_and_backend
+    r"barrier\(\): using the device under current context",
 )
-# FutureWarnings from inside a library, about its own calls (twice per rank from DeepSpeed's comm layer at dp > 1)
-QUIET_FUTURE_WARNINGS = (r"`torch\.distributed\.all_gather_into_tensor` is deprecated",)
+# FutureWarnings from inside a library, about its own calls: DeepSpeed's comm layer at dp > 1 (twice per rank),
+# megatron-core's sequence-parallel reduce-scatter (--sequence-parallel, every rank)
+QUIET_FUTURE_WARNINGS = (
+    r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
+    r"`torch\.distributed\.reduce_scatter_tensor` is deprecated",
+)
 # What DeepSpeed print()s on start-up (rank 0 or every rank), dropped by `library_prints`: its process groups and
 # PipelineModule, and BF16_Optimizer's memory reports (`see_memory_usage(..., force=True)`, on rank 0: a message,
 # then "MA ... GB  Max_MA ..." and "CPU Virtual Memory: ...", around each parameter group; no config turns them off).
@@ -149,6 +156,9 @@ QUIET_PRINTS = re.compile(
     # BF16_Optimizer's load prints this on every rank at every resume, before threed's own start-up lines
     r"|_load_legacy_checkpoint current_rank_sd\[BASE_OPTIMIZER_STATE\]$)"
 )
+# A progress bar's lines as tqdm draws them (`desc: 40%|####      | 4/10 [00:01<00:02, 3.1it/s]`), dropped by
+# `library_bars` around lm-eval during training (--harness-interval): the training log holds threed's lines.
+QUIET_BARS = re.compile(r"^.*\d+%\|.*\| *[\d.]+[kMG]?/[\d.?]+[kMG]? \[")
 # What megatron-core logs at WARNING that is expected here, by logger: the blend and dataset indexes are built in
 # memory when no cache path is given (we give none: they take seconds). Other warnings of these loggers still print.
 QUIET_LOGS = {
@@ -202,6 +212,12 @@ class _DropLines(io.TextIOBase):
         return len(s)
 
     def flush(self) -> None:
+        # A line not yet ended stays pending: tqdm flushes after each redraw, before the bar's line ends, and the
+        # whole line is what the pattern decides on.
+        self.target.flush()
+
+    def finish(self) -> None:
+        """At the end of the block: the last, unended line (unless it matches), then the target's flush."""
         if self.pending and not self.pattern.match(self.pending):
             self.target.write(self.pending)
         self.pending = ""
@@ -209,15 +225,26 @@ class _DropLines(io.TextIOBase):
 
 
 @contextlib.contextmanager
-def library_prints() -> Iterator[None]:
-    """Around DeepSpeed calls that print() start-up lines (process groups, the PipelineModule, the engine): drops
-    the QUIET_PRINTS lines and passes everything else through."""
-    out = _DropLines(sys.stdout, QUIET_PRINTS)
+def _dropping(stream: str, pattern: re.Pattern) -> Iterator[None]:
+    """sys.stdout or sys.stderr (`stream`) without the lines matching `pattern`, for the block."""
+    out = _DropLines(getattr(sys, stream), pattern)
     try:
-        with contextlib.redirect_stdout(out):
+        with (contextlib.redirect_stdout if stream == "stdout" else contextlib.redirect_stderr)(out):
             yield
     finally:
-        out.flush()
+        out.finish()
+
+
+def library_prints() -> contextlib.AbstractContextManager[None]:
+    """Around DeepSpeed calls that print() start-up lines (process groups, the PipelineModule, the engine): drops
+    the QUIET_PRINTS lines and passes everything else through."""
+    return _dropping("stdout", QUIET_PRINTS)
+
+
+def library_bars() -> contextlib.AbstractContextManager[None]:
+    """Around a library call that draws tqdm progress bars on stderr (lm-eval's scoring inside a training run):
+    drops the QUIET_BARS lines and passes every other line (a warning, an error) through."""
+    return _dropping("stderr", QUIET_BARS)
 
 
 quiet_libraries()

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from threed.config import SECTIONS, ConfigError, ModelConfig, flag_name
+from threed.config import SECTIONS, ConfigError, ModelConfig, check_sequence_parallel, flag_name
 from threed.memory.model import GB, estimate, heaviest, stages
 from threed.memory.recompute import Recompute
 
@@ -238,6 +238,8 @@ def plan(model: ModelConfig, hw: Hardware, seq: int, global_batch: int, **only) 
             f"--seq-length {seq} exceeds {model.name}'s max_position_embeddings "
             f"{model.max_position_embeddings}; use --seq-length <= {model.max_position_embeddings}"
         )
+    # a rule the filters break by themselves: named, not "no valid layout" (tp 1 has no sequence to split)
+    check_sequence_parallel(restricted.get("tp"), restricted.get("sequence_parallel"))
     if restricted.get("cp", 1) > 1:  # a degree the world or the sequence cannot take: one line, before the search
         cp = restricted["cp"]
         if hw.world % cp:

@@ -261,11 +261,9 @@ def start_line(run: ResolvedRun, rt: Runtime, resumed_from, start: int, consumed
         else ""
     )
     return (
-        f"threed: world {rt.world_size} = tp {d.tp} x pp {d.pp} x "
-        + (f"cp {d.cp} x " if d.cp > 1 else "")
-        + f"dp {d.dp} on {rt.device.type}/{rt.backend}; global batch {d.global_batch} = micro {d.micro} x gas "
-        f"{d.gas} x dp {d.dp}; {cfg.model.name} {parameter_count(cfg.model) / 1e6:.1f}M params; dtype "
-        f"{cfg.train.dtype}; "
+        f"threed: world {rt.world_size} = {d.layout} on {rt.device.type}/{rt.backend}; global batch "
+        f"{d.global_batch} = micro {d.micro} x gas {d.gas} x dp {d.dp}; {cfg.model.name} "
+        f"{parameter_count(cfg.model) / 1e6:.1f}M params; dtype {cfg.train.dtype}; "
         + (f"pipeline schedule {d.schedule}; " if d.pp > 1 else "")
         + f"recompute: {d.recompute_phrase}; "
         + where

@@ -32,6 +32,7 @@ from threed.config import ConfigError, RunConfig
 from threed.errors import ThreedError
 from threed.generate.decode import generate_all
 from threed.generate.prompts import Sampling, Tokenizer, checkpoint_tokenizer, hf_tokenizer, read_prompts
+from threed.parallel.distributed import library_bars
 
 SHOWN = 3  # generations printed in the log at each interval (all of them go to metrics.jsonl)
 
@@ -156,7 +157,7 @@ def _harness(state: DuringTraining, step: int, engine, metrics, speaks: bool) ->
 
     t = state.cfg.train
     lm = ThreedLM(engine, state.cfg.model, state.harness_tokenizer)
-    with quiet_lm_eval():
+    with quiet_lm_eval(), library_bars():  # lm-eval's tqdm bars stay out of the training log
         out = evaluator.simple_evaluate(
             model=lm, tasks=state.harness_tasks, limit=t.harness_limit, bootstrap_iters=0, log_samples=False,
             task_manager=task_manager(state.harness_tasks, t.harness_include_path),
