@@ -135,34 +135,55 @@ def easy_and_hard(tmp_path_factory) -> tuple[str, str]:
 SMALL = ["--micro-batch-size", "2", "--global-batch-size", "2", "--lr", "3e-3", "--warmup-steps", "0"]
 
 
-@pytest.mark.slow  # two runs (~45 s)
-def test_a_resume_onto_new_harder_data_is_not_stopped(easy_and_hard, tmp_path):
-    """Only the data changes: the first run's step-30 checkpoint is resumed with the same schedule (--steps 60)."""
-    easy, hard = easy_and_hard
-    save = tmp_path / "s"
-    healthy(train("--data-path", easy, *SMALL, "--steps", "60", "--save", str(save), "--save-interval", "30"))
+@pytest.fixture(scope="module")
+def easy_run(easy_and_hard, tmp_path_factory) -> Path:
+    """60 steps on the easy source, saved at 30 and 60, with step 60's checkpoint removed: a checkpoint to resume at
+    step 30 with the same schedule (--steps 60), so that a resume onto other data changes the data only."""
+    save = tmp_path_factory.mktemp("easy_run") / "s"
+    healthy(
+        train("--data-path", easy_and_hard[0], *SMALL, "--steps", "60", "--save", str(save), "--save-interval", "30")
+    )
     shutil.rmtree(save / "global_step60")
     (save / "latest").write_text("global_step30")
-    out = healthy(train("--data-path", hard, *SMALL, "--steps", "60", "--save", str(save)))
+    return save
+
+
+def resume_onto_hard(easy_and_hard, easy_run: Path, tmp_path: Path, *flags: str):
+    """A copy of `easy_run` resumed at step 30 onto the hard source (only the data changed); the run and its
+    one line saying so."""
+    save = tmp_path / "s"
+    shutil.copytree(easy_run, save)
+    p = train("--data-path", easy_and_hard[1], *SMALL, "--steps", "60", "--save", str(save), *flags)
+    out = p.stdout + p.stderr
     said = [line for line in out.splitlines() if line.startswith("threed: the resume at step 30 changed")]
+    easy, hard = easy_and_hard
     assert len(said) == 1 and said[0].startswith(
-        f"threed: the resume at step 30 changed the training data ({easy} -> "
-        f"{hard}): the loss-spike check starts a new window"
+        f"threed: the resume at step 30 changed the training data ({easy} -> {hard}): the loss-spike check starts a "
+        f"new window"
     ), out[-3000:]
+    return p, save
+
+
+@pytest.mark.slow  # a 60-step run (shared) and a 30-step resume (~40 s)
+def test_a_resume_onto_new_harder_data_is_not_stopped(easy_and_hard, easy_run, tmp_path):
+    p, save = resume_onto_hard(easy_and_hard, easy_run, tmp_path)
+    healthy(p)
     assert (save / "latest").read_text() == "global_step60"
 
 
-@pytest.mark.slow  # two runs (~35 s)
-def test_a_divergence_right_after_a_data_change_is_still_stopped(easy_and_hard, tmp_path):
-    easy, hard = easy_and_hard
-    save = tmp_path / "s"
-    healthy(train("--data-path", easy, *SMALL, "--steps", "30", "--save", str(save)))
-    p = train("--data-path", hard, *SMALL[:-4], "--lr", "1e3", "--steps", "60", "--save", str(save))
+@pytest.mark.slow  # the shared 60-step run and a one-step resume
+def test_a_divergence_right_after_a_data_change_is_still_stopped(easy_and_hard, easy_run, tmp_path):
+    """A check that fires at the first step after the change still stops the run, naming the change as the cause
+    (here the dead-gradient check, made to fire by a threshold above any norm: the data alone never diverges)."""
+    p, save = resume_onto_hard(easy_and_hard, easy_run, tmp_path, "--dead-grad-norm", "1e9")
     out = p.stdout + p.stderr
     assert p.returncode == 3 and "Traceback" not in out, out[-3000:]
     errors = [line for line in out.splitlines() if line.startswith("threed: error")]
-    assert len(errors) == 1 and "the run diverged at step 31: the step multiplied the weight norm" in errors[0], out
-    assert (
-        f"The resume at step 30 changed the training data ({easy} -> {hard}); the learning-rate schedule" in (errors[0])
+    assert len(errors) == 1 and "the run diverged at step 31: gradient norm" in errors[0], out[-3000:]
+    assert "The resume at step 30 changed the training data (" in errors[0]
+    assert "the likely cause: Resume from it with the previous data, or check the new data" in errors[0]
+    assert errors[0].endswith(
+        "if the run was healthy, lower --dead-grad-norm: the check stops a step whose gradient "
+        "norm is at most it (0 turns it off)"
     )
     assert (save / "latest").read_text() == "global_step30" and not (save / "global_step31").exists()
