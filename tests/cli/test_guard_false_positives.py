@@ -2,7 +2,9 @@
 divergence it was meant to catch. Each is a single-process `threed train` of the tiny preset that must finish with
 exit 0 and no guard error: clipping off, ZeRO 0 (fp32: DeepSpeed reports no gradient norm there), fp32 and bf16,
 a blend of an easy and a normal source (0.97 / 0.03) at a global batch of 1 and lr 3e-3, a high but sane lr
-without warm-up, SFT with one- or two-token responses, and a resume.
+without warm-up, SFT with one- or two-token responses, a resume, and a resume onto new, harder data (issue 39: the
+loss is higher but falling; the spike window saved from the old data must not judge it, while a divergence right
+after the change is still stopped).
 
 The blend is the issue's false positive, reproduced: its normal batches spike 25-40x above the easy median (one
 batch each), and with `--spike-confirm-steps 1` (the old guard: the first spike stops) it stops at step 68. The
@@ -12,6 +14,7 @@ model, a weight jump still exit 3): tests/ranks/test_divergence.py."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -112,5 +115,75 @@ def test_a_resumed_blend_keeps_the_guard_history_and_is_not_stopped(blend, tmp_p
     manifest = json.loads(Path(save / "global_step80" / "threed_manifest.json").read_text())
     guard = manifest["client_state"]["guard"]
     assert len(guard["losses"]) == 50 and guard["spike"] is None  # the window a resume judges against
-    healthy(train(*blend, *SMALL_BLEND, "--steps", "150", "--save", str(save), "--save-interval", "20"))
+    assert guard["identity"]["schedule"]["decay_end"] == 80  # what the window's losses depended on
+    out = healthy(train(*blend, *SMALL_BLEND, "--steps", "150", "--save", str(save), "--save-interval", "20"))
+    # Extending --steps stretches the cosine decay (the lr at step 80 rises again): a new window, said once.
+    said = [line for line in out.splitlines() if line.startswith("threed: the resume at step 80 changed")]
+    assert len(said) == 1 and "the learning-rate schedule (--steps (the cosine decay's end) 80 -> 150)" in said[0]
     assert (save / "latest").read_text() == "global_step150"
+
+
+@pytest.fixture(scope="module")
+def easy_and_hard(tmp_path_factory) -> tuple[str, str]:
+    """An easy source (a 4-token bigram pattern: its loss falls below 1) and a hard one (uniform over 500 ids: ~6.2)."""
+    d = tmp_path_factory.mktemp("easy_hard")
+    easy = write_dataset(d / "easy", learnable_tokens(30_000, alphabet=4, seed=1), 512, seed=1)
+    hard = write_dataset(d / "hard", np.random.default_rng(4).integers(0, 500, 20_000), 512, seed=4)
+    return easy, hard
+
+
+SMALL = ["--micro-batch-size", "2", "--global-batch-size", "2", "--lr", "3e-3", "--warmup-steps", "0"]
+
+
+@pytest.fixture(scope="module")
+def easy_run(easy_and_hard, tmp_path_factory) -> Path:
+    """60 steps on the easy source, saved at 30 and 60, with step 60's checkpoint removed: a checkpoint to resume at
+    step 30 with the same schedule (--steps 60), so that a resume onto other data changes the data only."""
+    save = tmp_path_factory.mktemp("easy_run") / "s"
+    healthy(
+        train("--data-path", easy_and_hard[0], *SMALL, "--steps", "60", "--save", str(save), "--save-interval", "30")
+    )
+    shutil.rmtree(save / "global_step60")
+    (save / "latest").write_text("global_step30")
+    return save
+
+
+def resume_onto_hard(easy_and_hard, easy_run: Path, tmp_path: Path, *flags: str):
+    """A copy of `easy_run` resumed at step 30 onto the hard source (only the data changed); the run and its
+    one line saying so."""
+    save = tmp_path / "s"
+    shutil.copytree(easy_run, save)
+    p = train("--data-path", easy_and_hard[1], *SMALL, "--steps", "60", "--save", str(save), *flags)
+    out = p.stdout + p.stderr
+    said = [line for line in out.splitlines() if line.startswith("threed: the resume at step 30 changed")]
+    easy, hard = easy_and_hard
+    assert len(said) == 1 and said[0].startswith(
+        f"threed: the resume at step 30 changed the training data ({easy} -> {hard}): the loss-spike check starts a "
+        f"new window"
+    ), out[-3000:]
+    return p, save
+
+
+@pytest.mark.slow  # a 60-step run (shared) and a 30-step resume (~40 s)
+def test_a_resume_onto_new_harder_data_is_not_stopped(easy_and_hard, easy_run, tmp_path):
+    p, save = resume_onto_hard(easy_and_hard, easy_run, tmp_path)
+    healthy(p)
+    assert (save / "latest").read_text() == "global_step60"
+
+
+@pytest.mark.slow  # the shared 60-step run and a one-step resume
+def test_a_divergence_right_after_a_data_change_is_still_stopped(easy_and_hard, easy_run, tmp_path):
+    """A check that fires at the first step after the change still stops the run, naming the change as the cause
+    (here the dead-gradient check, made to fire by a threshold above any norm: the data alone never diverges)."""
+    p, save = resume_onto_hard(easy_and_hard, easy_run, tmp_path, "--dead-grad-norm", "1e9")
+    out = p.stdout + p.stderr
+    assert p.returncode == 3 and "Traceback" not in out, out[-3000:]
+    errors = [line for line in out.splitlines() if line.startswith("threed: error")]
+    assert len(errors) == 1 and "the run diverged at step 31: gradient norm" in errors[0], out[-3000:]
+    assert "The resume at step 30 changed the training data (" in errors[0]
+    assert "the likely cause: Resume from it with the previous data, or check the new data" in errors[0]
+    assert errors[0].endswith(
+        "if the run was healthy, lower --dead-grad-norm: the check stops a step whose gradient "
+        "norm is at most it (0 turns it off)"
+    )
+    assert (save / "latest").read_text() == "global_step30" and not (save / "global_step31").exists()

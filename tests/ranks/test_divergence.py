@@ -464,3 +464,103 @@ def test_a_spike_over_a_zero_median_is_said_not_crashed(tmp_path, capsys):
     assert g.after_step(20, 2.0, 0.5) is False
     err = capsys.readouterr().err
     assert "loss spike at step 20: loss 2.0000 is infx the median 0.0000" in err
+
+
+def identity(data: str = "/d/easy", lr: float = 3e-3, init=None, content: str = "sha256:a") -> dict:
+    """A `guard.run_identity` as a checkpoint records it: one dataset, the cosine schedule, the init."""
+    return {
+        "data": {"split": "100,0,0", "blend": [[None, data, content]]},
+        "schedule": {"kind": "cosine", "lr": lr, "min_lr": 3e-5, "warmup_steps": 0, "decay_end": 100},
+        "init": init,
+    }
+
+
+def resumed(tmp_path, state: dict, now: dict, **control) -> guard.RunGuard:
+    engine = Engine()
+    engine.global_steps = 40
+    cfg = RunConfig(model=PRESETS["tiny"], checkpoint=CheckpointConfig(save=str(tmp_path)))
+    g = guard.RunGuard(RunControlConfig(watchdog_factor=0, **control), cfg.checkpoint.save, 0, engine, None, None, now)
+    g.load_state(state)
+    return g
+
+
+def easy_history(tmp_path) -> dict:
+    """40 steps of an easy source (loss ~0.3), saved: the window a resume would judge against."""
+    g = guard.RunGuard(RunControlConfig(watchdog_factor=0), str(tmp_path), 0, Engine(), None, None, identity())
+    for step in range(1, 41):
+        g.after_step(step, 0.3 + 0.01 * (step % 3), 0.3)
+    return g.state()
+
+
+def test_a_resume_onto_new_harder_data_starts_a_new_window_and_is_not_stopped(tmp_path, capsys):
+    """Issue 39: the loss of new, harder data is 20x the old median while it falls; the old window would stop it."""
+    state = easy_history(tmp_path)
+    assert state["identity"] == identity()
+    stale = resumed(tmp_path, state, identity(), spike_confirm_steps=3)  # the same data: the old window stops it
+    stale.after_step(41, 6.0, 1.0)
+    stale.after_step(42, 5.9, 1.0)
+    capsys.readouterr()
+    assert "diverged at step 43: loss 5.8000 is" in aborted(capsys, lambda: stale.after_step(43, 5.8, 1.0))
+    g = resumed(tmp_path, state, identity(data="/d/hard"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "threed: the resume at step 40 changed the training data (/d/easy -> /d/hard): the loss-spike check starts a "
+        "new window (the first 10 steps' losses) instead of judging the new losses against the old; the weight-jump, "
+        "dead-gradient and non-finite checks stay on"
+    ]
+    for step in range(41, 101):
+        assert g.after_step(step, 6.0 - 0.03 * (step - 41), 1.0) is False
+    assert capsys.readouterr().err == ""
+    assert g.state()["identity"] == identity(data="/d/hard")
+
+
+def test_a_divergence_right_after_a_data_change_is_still_stopped_and_named(tmp_path, capsys):
+    g = resumed(tmp_path, easy_history(tmp_path), identity(content="sha256:b"), spike_confirm_steps=3)
+    assert "changed the training data (the content of /d/easy changed (its fingerprint))" in capsys.readouterr().err
+    for step in range(41, 53):
+        g.after_step(step, 6.0, 1.0)
+    g.after_step(53, 60.0, 9.0)
+    g.after_step(54, 61.0, 9.0)
+    assert "loss spike at step 53" in capsys.readouterr().err
+    line = aborted(capsys, lambda: g.after_step(55, 62.0, 9.0))
+    assert "the run diverged at step 55: loss 62.0000 is 10.3x the median 6.0000 of the last 12 steps" in line
+    assert "saved just before" not in line  # the change gave this loss, not the checkpoint
+    assert (
+        "The resume at step 40 changed the training data (the content of /d/easy changed (its fingerprint)), the "
+        "likely cause: Start again with the previous data, or check the new data" in line
+    )
+    assert line.endswith(
+        "if the run was healthy, raise --spike-factor or --spike-confirm-steps (--spike-factor 0 turns the check off)"
+    )
+
+
+@pytest.mark.parametrize(
+    "now, said, fix",
+    [
+        (identity(lr=1e-2), "the learning-rate schedule (--lr 0.003 -> 0.01)", "the previous learning-rate schedule"),
+        (identity(init="/ck/a"), "the model's init (--init-from none -> /ck/a)", "the previous --init-from weights"),
+    ],
+    ids=["lr", "init"],
+)
+def test_a_schedule_or_init_change_resets_the_window_and_is_named_by_a_stop(tmp_path, capsys, now, said, fix):
+    g = resumed(tmp_path, easy_history(tmp_path), now, skip_nonfinite=0)
+    assert f"changed {said}: the loss-spike check starts a new window" in capsys.readouterr().err
+    assert g.losses == [] and not g.holding()
+    line = aborted(capsys, lambda: g.after_step(41, float("nan"), 1.0))
+    assert f"The resume at step 40 changed {said}, the likely cause: Start again with {fix}" in line
+    assert line.endswith("or allow skipping such batches with --skip-nonfinite N")
+
+
+def test_a_checkpoint_without_an_identity_keeps_its_window(tmp_path, capsys):
+    state = easy_history(tmp_path)
+    del state["identity"]  # saved before the guard recorded what the losses depend on
+    g = resumed(tmp_path, state, identity(data="/d/hard"))
+    assert len(g.losses) == 40 and capsys.readouterr().err == ""
+
+
+def test_the_stop_hints_say_which_way_makes_each_check_less_sensitive(tmp_path, capsys):
+    g, _ = make(tmp_path)
+    g.after_step(1, 5.0, 1.0)
+    line = aborted(capsys, lambda: g.after_step(2, 5.0, 0.0))
+    assert "lower --dead-grad-norm: the check stops a step whose gradient norm is at most it (0 turns it off)" in line
+    assert "raise" not in line.split("if the run was healthy")[1]

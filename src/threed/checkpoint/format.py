@@ -122,6 +122,30 @@ def read_latest(path: str | os.PathLike) -> Optional[str]:
     return f.read_text().strip() if f.is_file() else None
 
 
+def empty_latest(path: str | os.PathLike) -> Optional[str]:
+    """Why `path/latest` names no checkpoint although it exists (empty: a write cut short by another tool, or a
+    truncation by hand), with the fix: the newest tag there, or deleting the file; None when it names one or is
+    absent. Said instead of the missing layer files a reader would otherwise find under the tag ''."""
+    if read_latest(path) != "":
+        return None
+    tags = list_tags(path)
+    fix = (
+        f"write the tag of the checkpoint to use into it (the newest there: `echo {tags[0]} > {path}/{LATEST}`) "
+        f"or delete it"
+        if tags
+        else "delete it (no global_step<N> directory is there either)"
+    )
+    return f"{path}/{LATEST} is empty: it names no checkpoint (a write cut short, or emptied by hand); {fix}"
+
+
+def latest_tag(path: str | os.PathLike) -> Optional[str]:
+    """The tag `latest` names, None without the file; CheckpointError for an empty one (`empty_latest`)."""
+    empty = empty_latest(path)
+    if empty:
+        raise CheckpointError(empty)
+    return read_latest(path)
+
+
 def has_checkpoint(path: Optional[str]) -> bool:
     return bool(path) and (Path(path) / LATEST).is_file()
 
@@ -187,7 +211,7 @@ def layout_of_files(tag: str, names: list[str]) -> CheckpointLayout:
 
 
 def checkpoint_layout(path: str | os.PathLike, tag: Optional[str] = None) -> CheckpointLayout:
-    tag = tag or read_latest(path)
+    tag = tag or latest_tag(path)
     if tag is None:
         raise CheckpointError(f"{path} {NO_CHECKPOINT}")
     step_dir = Path(path) / tag
@@ -315,7 +339,7 @@ def open_checkpoint(
     """Find the tag (the one `latest` names unless `tag` says), TP size and layer files of a DeepSpeed pipeline
     checkpoint written by this repo."""
     p = Path(path)
-    tag = tag or read_latest(p)
+    tag = tag or latest_tag(p)
     if tag is None:
         raise CheckpointError(f"{p} {NO_CHECKPOINT}")
     step_dir = p / tag

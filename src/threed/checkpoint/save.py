@@ -29,6 +29,7 @@ from threed.atomic import write_atomic
 from threed.checkpoint.format import LATEST, RUN_JSON, free_bytes, read_latest
 from threed.checkpoint.manifest import prune, remove_checkpoint, write_manifest
 from threed.config import RunConfig
+from threed.errors import torch_write_failed, write_failure
 from threed.parallel.distributed import is_multi_rank
 from threed.units import human_bytes
 
@@ -147,7 +148,7 @@ def save(engine, cfg: RunConfig, rank: int, client_state: Optional[dict] = None)
     except (OSError, RuntimeError) as e:  # a full disk, a quota, a vanished mount: said once, by rank 0, below
         if isinstance(e, RuntimeError) and not torch_write_failed(e):
             raise  # a bug: its traceback
-        failed = f"rank {rank}: {write_error(e, step_dir)}"
+        failed = write_error(e, step_dir, rank)
         if is_multi_rank():
             dist.barrier()  # DeepSpeed's save ends in a barrier, where the ranks that wrote their files now wait
     # Each rank reports the files it wrote, at the size it sees: on a network file system only the writer is
@@ -164,7 +165,7 @@ def save(engine, cfg: RunConfig, rank: int, client_state: Optional[dict] = None)
         if rank == 0:
             publish(engine, cfg, step_dir, {n: s for view, _ in views for n, s in view.items()}, client_state, t0)
     except OSError as e:
-        failed = f"rank 0: {write_error(e, step_dir)}"
+        failed = write_error(e, step_dir, 0)
     verdict = [failed if rank == 0 else None]
     if is_multi_rank():  # also the save's closing barrier: no rank goes on before `latest` is written
         dist.broadcast_object_list(verdict, src=0)
@@ -174,41 +175,39 @@ def save(engine, cfg: RunConfig, rank: int, client_state: Optional[dict] = None)
 
 
 LOW_SPACE = 64 * 2**20  # a file system with less free than this after a failed write is full
+FREE_SPACE = "Free space on --save's file system (the torn directory too)"  # the fix of a full disk, the default
 
 
-def torch_write_failed(e: RuntimeError) -> bool:
-    """torch.save's C++ writer reports a failed write (a full disk among others) as a RuntimeError without an
-    errno: "[enforce fail at inline_container.cc] . unexpected pos ..." or "PytorchStreamWriter failed writing"."""
-    return any(s in str(e) for s in ("inline_container", "PytorchStreamWriter"))
+def write_error(e: Exception, step_dir: Path, rank: int) -> tuple[str, str]:
+    """A failed checkpoint write on `rank`: (one clause naming its errno and the file where known, the fix), from
+    threed.errors.write_failure (EFBIG is a per-file size limit, not a full disk). torch's writer gives no errno:
+    without a file-size limit, a file system left (nearly) without free space says it was ENOSPC."""
+    what, fix = write_failure(e, writing=True)
+    if not isinstance(e, OSError) and not fix:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        try:
+            free = free_bytes(step_dir if step_dir.exists() else step_dir.parent)
+        except OSError:
+            free = None
+        if free is not None and free < LOW_SPACE:
+            what = f"No space left on device (ENOSPC): {human_bytes(free)} free (torch's writer: {first})"
+        else:
+            what = f"torch's checkpoint writer failed: {first}"
+    full = not fix or getattr(e, "errno", None) == errno.ENOSPC  # the default fix says where to free space
+    return f"rank {rank}: {what}", FREE_SPACE if full else fix[0].upper() + fix[1:]
 
 
-def write_error(e: Exception, step_dir: Path) -> str:
-    """A failed checkpoint write as one line naming its errno (ENOSPC, EDQUOT, ...) and the file where known.
-    torch's writer gives no errno: a file system left (nearly) without free space says it was ENOSPC."""
-    if isinstance(e, OSError):
-        code = errno.errorcode.get(e.errno or 0, "")
-        where = f" writing {e.filename}" if e.filename else ""
-        return f"{e.strerror or e} ({code}){where}" if code else f"{e}{where}"
-    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    try:
-        free = free_bytes(step_dir if step_dir.exists() else step_dir.parent)
-    except OSError:
-        free = None
-    if free is not None and free < LOW_SPACE:
-        return f"No space left on device (ENOSPC): {human_bytes(free)} free (torch's writer: {first})"
-    return f"torch's checkpoint writer failed: {first}"
-
-
-def save_failed(cfg: RunConfig, rank: int, step: int, step_dir: Path, why: str) -> None:
+def save_failed(cfg: RunConfig, rank: int, step: int, step_dir: Path, failure: tuple[str, str]) -> None:
     """Every rank: a save that could not be written ends the run with EXIT_SAVE_FAILED and one line from rank 0
-    naming the error and the torn directory. `latest` was not moved: it still names the previous checkpoint."""
+    naming the error, the torn directory and the fix (`write_error`). `latest` was not moved: it still names the
+    previous checkpoint."""
+    why, fix = failure
     if rank == 0:
         latest = read_latest(cfg.checkpoint.save)
         kept = f"{cfg.checkpoint.save}/{latest}" if latest is not None else "none (no checkpoint yet)"
         print(
             f"threed: error: saving step {step} failed: {why}. The torn directory {step_dir} is not a checkpoint; "
-            f"`latest` still names {kept}. Free space on --save's file system (the torn directory too), then "
-            f"run the same command to resume",
+            f"`latest` still names {kept}. {fix}, then run the same command to resume",
             file=sys.stderr,
             flush=True,
         )

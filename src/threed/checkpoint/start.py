@@ -49,6 +49,7 @@ from threed.checkpoint.format import (
     check_loadable,
     check_model,
     checkpoint_bytes,
+    empty_latest,
     free_bytes,
     list_tags,
     read_latest,
@@ -120,8 +121,15 @@ def _find(path: str, what: str, notes: list[str]) -> Found:
         )
     found, warnings = find_resumable(path)
     notes.extend(warnings)
+    empty = empty_latest(path)
     if found is None:
-        raise ConfigError(f"{what}={path} holds no complete checkpoint ({'; '.join(warnings) or 'none found'})")
+        raise ConfigError(
+            f"{what}={path}: {empty}"
+            if empty
+            else f"{what}={path} holds no complete checkpoint ({'; '.join(warnings) or 'none found'})"
+        )
+    if empty:
+        notes.append(f"warning: {empty}; using the newest complete checkpoint there, {found.tag}")
     return found
 
 
@@ -160,12 +168,17 @@ def _run_in_save(ck: CheckpointConfig, decision: StartDecision) -> Optional[Foun
             f"would train from scratch and overwrite it. Resume it (drop --auto-resume false), choose a new "
             f"--save, or pass --overwrite true to delete its checkpoints and start over"
         )
+    empty = empty_latest(ck.save)
+    if save_found is None and empty:
+        raise ConfigError(f"--save {ck.save}: {empty}, or pass --overwrite true to start over")
     if save_found is None and read_latest(ck.save) is not None:
         raise ConfigError(
             f"--save {ck.save} holds no complete checkpoint ({'; '.join(warnings)}); restore the "
             f"missing files, or pass --overwrite true to delete them and start over"
         )
     decision.notes.extend(warnings)
+    if empty:  # the save's own manifests vouch for the newest complete one; the next save rewrites `latest`
+        decision.notes.append(f"warning: {empty}; resuming from the newest complete checkpoint, {save_found.tag}")
     return save_found
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable
 
-from threed.errors import ThreedError, guarded
+from threed.errors import ThreedError, guarded, os_error_line, torch_write_failed
 
 
 def _guard(name: str, fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -25,8 +25,10 @@ def _guard(name: str, fn: Callable[[argparse.Namespace], int]) -> Callable[[argp
     def command(ns: argparse.Namespace) -> int:
         try:
             return fn(ns)
-        except OSError as e:  # disk full, permissions, a file vanishing meanwhile: one line, as bad input
-            raise ThreedError(str(e)) from e
+        except (OSError, RuntimeError) as e:  # disk full, a file-size limit, permissions: one line, as bad input
+            if isinstance(e, RuntimeError) and not torch_write_failed(e):
+                raise  # a bug: its traceback
+            raise ThreedError(os_error_line(e)) from e
 
     return lambda ns: guarded(
         f"threed {name}", lambda: command(ns), interrupted="interrupted; no output was left behind"

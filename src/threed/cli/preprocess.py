@@ -27,7 +27,7 @@ from threed.data.chunks import PreprocessError
 from threed.data.formats import FORMAT_CHOICES, TEXT_UNITS
 from threed.data.preprocess import preprocess
 from threed.data.sft import preprocess_sft
-from threed.errors import guarded
+from threed.errors import guarded, os_error_line
 
 PROG = "threed preprocess"
 
@@ -65,8 +65,8 @@ def _main(ns: argparse.Namespace) -> int:
                 force=ns.force,
                 show_progress=not ns.quiet,
             )
-    except OSError as e:  # disk full, permissions, a file vanishing meanwhile: bad input here, not a bug
-        raise PreprocessError(str(e)) from None
+    except OSError as e:  # disk full, a file-size limit, permissions: bad input here, not a bug
+        raise PreprocessError(os_error_line(e)) from None
     if not ns.quiet:
         print(summary.line())
     return 0

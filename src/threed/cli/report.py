@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from threed.errors import guarded
+from threed.errors import guarded, os_error_line
 from threed.metrics.report import ReportError, report
 
 
@@ -18,7 +18,7 @@ def _report(ns: argparse.Namespace) -> None:
     try:
         report(ns.run_dirs, ns.out)
     except OSError as e:  # a file vanishing or unreadable meanwhile, a disk full: bad input, one line
-        raise ReportError(str(e)) from e
+        raise ReportError(os_error_line(e)) from e
 
 
 def _run(ns: argparse.Namespace) -> int:

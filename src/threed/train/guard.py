@@ -23,7 +23,8 @@ run on request (a signal, a STOP file, the time budget) with a checkpoint first.
   gradient norm of 0). Three checks stop it with exit status 3, before the step is saved, naming the step, what
   was seen and the last good checkpoint: a gradient norm at most `--dead-grad-norm` on a step with loss tokens (a
   dead, saturated model), a step that multiplies a rank's weight norm by more than `--weight-jump-factor` (one
-  pass over the rank's parameters per step), and a loss spike that lasts. 0 turns each off.
+  pass over the rank's parameters per step), and a loss spike that lasts. 0 turns each off; the message says
+  which way makes its check less sensitive (a lower --dead-grad-norm, a higher factor).
 - A loss spike alone never stops a run: a loss above `--spike-factor` x the median of the last 50 finite losses
   (after 10 steps; Megatron-LM's spiky-loss check compares against 10x) is logged with the step and the batch's
   sources, and it stops the run only when the loss stays above that bound for `--spike-confirm-steps` steps in a
@@ -34,6 +35,12 @@ run on request (a signal, a STOP file, the time budget) with a checkpoint first.
   is unconfirmed, interval saves wait (`holding`), so `latest` never names weights the spike may have ruined.
 - The guard's history (the recent losses, an unconfirmed spike, the skipped-batch count) is saved in each
   checkpoint (`state` / `load_state`), so a resume judges against the run's history, not a 10-step window.
+- ... unless the resume changed what the losses depend on (`run_identity`, saved beside the history): the training
+  data (the blend, its paths, each dataset's sidecar fingerprint or size), the learning-rate schedule (its kind,
+  --lr, --min-lr, --warmup-steps and --steps, where the cosine decay ends) or the model's init (--init-from). New,
+  harder data makes the loss higher while it falls, so the old window would read it as a lasting spike: the spike
+  window starts afresh, said in one line, and a stop names the change as the likely cause. The weight-jump,
+  dead-gradient and non-finite checks need no history and stay on through the change.
 - Every save also refuses weights that are not finite or beyond `--max-weight` (threed.checkpoint.save).
   A loss is computed with the previous step's weights: when the checkpoint just before a loss-based stop is the
   latest, the message says so.
@@ -69,7 +76,9 @@ import torch.distributed as dist
 
 from threed.checkpoint.format import read_latest
 from threed.checkpoint.save import EXIT_DIVERGED, weight_norm  # exit 3 (a save refuses diverged weights too)
-from threed.config import RunControlConfig
+from threed.config import ConfigError, RunConfig, RunControlConfig
+from threed.data.sidecar import read_sidecar
+from threed.data.splits import DataSplits
 from threed.parallel.distributed import is_multi_rank
 
 EXIT_HUNG = 4
@@ -78,6 +87,22 @@ SPIKE_WINDOW = 50  # the loss spike check compares against the median of this ma
 SPIKE_WARMUP = 10  # ... once it has seen this many
 SPIKE_MIN_NATS = 1.0  # ... and only a rise of at least this much counts (a near-zero median loss is noisy)
 Sources = Union[str, Callable[[], str]]  # a batch's make-up for the spike warning, or how to look it up
+# The learning-rate schedule's fields in `run_identity`, by the flag that sets each (threed.engine.optimizer: linear
+# warm-up, then a cosine decay that ends at --steps).
+SCHEDULE_FLAGS = {"kind": "schedule", "lr": "--lr", "min_lr": "--min-lr", "warmup_steps": "--warmup-steps"}
+SCHEDULE_FLAGS["decay_end"] = "--steps (the cosine decay's end)"
+# What a resume can change (`identity_changes`), and the way back a stop after it names.
+CHANGE_FIXES = {
+    "data": "the previous data, or check the new data (its tokenizer and content: `threed check-config --paths`)",
+    "schedule": "the previous learning-rate schedule, or a lower --lr or more --warmup-steps",
+    "init": "the previous --init-from weights",
+}
+# If the run was healthy: the way each finite-divergence check becomes less sensitive.
+HINTS = {
+    "jump": "raise --weight-jump-factor (0 turns its check off)",
+    "dead": "lower --dead-grad-norm: the check stops a step whose gradient norm is at most it (0 turns it off)",
+    "spike": "raise --spike-factor or --spike-confirm-steps (--spike-factor 0 turns the check off)",
+}
 
 
 @dataclass
@@ -137,6 +162,81 @@ def report_grad_norm(engine) -> bool:
 
     engine._take_model_step = take_model_step
     return True
+
+
+def _content(prefix: str) -> str:
+    """What a dataset's content is known by: its sidecar's fingerprint (threed.data.sidecar), else its `.bin`'s
+    size; neither reads the data."""
+    try:
+        record = read_sidecar(prefix)
+        if record is not None and isinstance(record["bin"].get("fingerprint"), str):
+            return record["bin"]["fingerprint"]
+    except (ConfigError, OSError, KeyError, TypeError, AttributeError):
+        pass  # a damaged sidecar is the preflight's to refuse; the size still tells a rewritten file apart
+    try:
+        return f"bytes:{os.path.getsize(prefix + '.bin')}"
+    except OSError:
+        return "unknown"
+
+
+def run_identity(cfg: RunConfig, splits: DataSplits) -> dict:
+    """What the run's losses depend on besides the weights, kept in each checkpoint beside the guard's history and
+    compared on resume (`identity_changes`): the training blend (weights, absolute paths, content), --split, the
+    learning-rate schedule and --init-from."""
+    t, blend = cfg.train, splits.blends[0]
+    weights = blend.weights or (None,) * len(blend.prefixes)
+    init = cfg.checkpoint.init_from
+    return {
+        "data": {
+            "split": splits.split,
+            "blend": [[w, os.path.abspath(p), _content(p)] for w, p in zip(weights, blend.prefixes)],
+        },
+        "schedule": {
+            "kind": "cosine",
+            "lr": t.lr,
+            "min_lr": t.min_lr,
+            "warmup_steps": t.warmup_steps,
+            "decay_end": t.steps,
+        },
+        "init": os.path.abspath(init) if init else None,
+    }
+
+
+def _data_change(old: dict, new: dict) -> str:
+    """How the training data changed, in a few words: the paths, the blend weights, --split, or a dataset's content."""
+    ob, nb = old.get("blend", []), new.get("blend", [])
+    paths = [[b[1] for b in ob], [b[1] for b in nb]]
+    if paths[0] != paths[1]:
+        return " -> ".join(" ".join(p[:3]) + (" ..." if len(p) > 3 else "") for p in paths)
+    if [b[0] for b in ob] != [b[0] for b in nb]:
+        return "blend weights " + " -> ".join(
+            " ".join("-" if b[0] is None else f"{b[0]:g}" for b in x) for x in (ob, nb)
+        )
+    if old.get("split") != new.get("split"):
+        return f"--split {old.get('split')} -> {new.get('split')}"
+    changed = [n[1] for o, n in zip(ob, nb) if o[2] != n[2]]
+    more = f" and {len(changed) - 1} more" if len(changed) > 1 else ""
+    return f"the content of {changed[0] if changed else 'a dataset'}{more} changed (its fingerprint)"
+
+
+def _g(value) -> str:
+    """A schedule value as a flag takes it: 0.003, 1000, cosine."""
+    return f"{value:g}" if isinstance(value, (int, float)) else str(value)
+
+
+def identity_changes(old: dict, new: dict) -> dict[str, str]:
+    """What a resume changed of `run_identity` (the checkpoint's `old`, this run's `new`): kind (data, schedule,
+    init) -> the change in words. A part the checkpoint did not record counts as unchanged."""
+    changes = {}
+    if old.get("data") is not None and old["data"] != new.get("data"):
+        changes["data"] = f"the training data ({_data_change(old['data'], new['data'])})"
+    was, now = old.get("schedule"), new.get("schedule") or {}
+    if was is not None and was != now:
+        parts = [f"{SCHEDULE_FLAGS.get(k, k)} {_g(was.get(k))} -> {_g(v)}" for k, v in now.items() if was.get(k) != v]
+        changes["schedule"] = f"the learning-rate schedule ({', '.join(parts)})"
+    if "init" in old and old["init"] != new.get("init"):
+        changes["init"] = f"the model's init (--init-from {old['init'] or 'none'} -> {new.get('init') or 'none'})"
+    return changes
 
 
 class RunAborted(SystemExit):
@@ -267,9 +367,14 @@ class RunGuard:
         engine,
         stop: Optional[StopRequest] = None,
         device: Optional[torch.device] = None,
+        identity: Optional[dict] = None,
     ):
-        """`ctl`: the run-control fields (thresholds, time budget, watchdog); `save`: --save, named in messages."""
+        """`ctl`: the run-control fields (thresholds, time budget, watchdog); `save`: --save, named in messages;
+        `identity`: the run's `run_identity`, kept in its checkpoints and compared on resume (None: not compared)."""
         self.save_dir, self.rank, self.engine, self.stop = save, rank, engine, stop
+        self.identity = identity
+        self.changes: dict[str, str] = {}  # what the resume changed (`identity_changes`), named when a check stops
+        self.changed_at = 0  # the step the run resumed at, when it changed something
         self.skip_nonfinite = ctl.skip_nonfinite
         self.exit_duration_in_mins = ctl.exit_duration_in_mins
         self.device = device or torch.device("cpu")
@@ -326,15 +431,28 @@ class RunGuard:
             "losses": list(self.losses),
             "spike": self.spike.to_dict() if self.spike else None,
             "skipped": self.skipped,
+            "identity": self.identity,
         }
 
     def load_state(self, state: Optional[dict]) -> None:
-        """The history a checkpoint kept (`state`); None (a checkpoint from before it was saved): a fresh one."""
+        """The history a checkpoint kept (`state`); None (a checkpoint from before it was saved): a fresh one. A
+        resume that changed the data, the schedule or the init (`identity_changes`) keeps the skipped-batch count
+        only: the spike window starts afresh, said in one line."""
         if not state:
+            return
+        self.skipped = int(state.get("skipped", 0))
+        old = state.get("identity")
+        self.changes = identity_changes(old, self.identity) if old and self.identity else {}
+        if self.changes:
+            self.changed_at = int(getattr(self.engine, "global_steps", 0))
+            self._log(
+                f"threed: the resume at step {self.changed_at} changed {'; '.join(self.changes.values())}: the "
+                f"loss-spike check starts a new window (the first {SPIKE_WARMUP} steps' losses) instead of judging "
+                f"the new losses against the old; the weight-jump, dead-gradient and non-finite checks stay on"
+            )
             return
         self.losses = [float(x) for x in state.get("losses", [])][-SPIKE_WINDOW:]
         self.spike = Spike(**state["spike"]) if state.get("spike") else None
-        self.skipped = int(state.get("skipped", 0))
 
     def holding(self) -> bool:
         """A loss spike is unconfirmed: interval saves wait, so that `latest` never names weights it may have
@@ -367,23 +485,24 @@ class RunGuard:
 
     def _diverged(
         self, step: int, loss: float, norm: float, dead: bool, jump: float, sources: Sources
-    ) -> Optional[str]:
-        """What makes this finite step untrustworthy, from values every rank agrees on (`dead` and `jump` went
-        through the all-reduce; loss and gradient norm are global), or None. A healthy step's loss joins the
-        spike check's history. `sources`: what the batch was made of, for the spike warning."""
+    ) -> Optional[tuple[str, str]]:
+        """What makes this finite step untrustworthy and the check's HINTS key, from values every rank agrees on
+        (`dead` and `jump` went through the all-reduce; loss and gradient norm are global), or None. A healthy
+        step's loss joins the spike check's history. `sources`: what the batch was made of, for the spike warning."""
         if self.weight_jump_factor and jump > self.weight_jump_factor:
             return (
                 "the step made the weights non-finite"
                 if math.isinf(jump)
                 else f"the step multiplied the weight norm by {jump:.3g} (--weight-jump-factor "
                 f"{self.weight_jump_factor:g})"
-            )
+            ), "jump"
         if dead:
             return (
                 f"gradient norm {norm:.3g} on a step with loss tokens (loss {loss:.4f}): the model is dead, its "
                 f"weights saturated (--dead-grad-norm {self.dead_grad_norm:g})"
-            )
-        return self._spiked(step, loss, sources)
+            ), "dead"
+        spiked = self._spiked(step, loss, sources)
+        return (spiked, "spike") if spiked else None
 
     def _spiked(self, step: int, loss: float, sources: Sources) -> Optional[str]:
         """The loss spike check: None while the run is healthy or a spike is unconfirmed (said once, with the
@@ -496,8 +615,7 @@ class RunGuard:
             self._log(
                 f"threed: error: non-finite {what}: stopping without saving (the run diverged; "
                 f"{self.skipped} non-finite step(s), --skip-nonfinite {allowed}). Last good checkpoint: "
-                f"{last}. {self.restart(last)} with a lower --lr or more --warmup-steps, or allow "
-                f"skipping such batches with --skip-nonfinite N"
+                f"{last}. {self._advice(last)}, or allow skipping such batches with --skip-nonfinite N"
             )
             raise RunAborted(EXIT_DIVERGED)
         self._log(
@@ -508,20 +626,32 @@ class RunGuard:
     def _stop_if_diverged(self, step: int, loss: float, norm: float, dead: bool, jump: float, sources: Sources) -> None:
         """A finite step that diverged (`_diverged`) stops the run without saving (RunAborted, exit 3), naming the
         last good checkpoint, and whether its weights already gave the loss that stopped it."""
-        seen = self._diverged(step, loss, norm, dead, jump, sources)
-        if seen is None:
+        found = self._diverged(step, loss, norm, dead, jump, sources)
+        if found is None:
             return
+        seen, check = found
         last = self.last_checkpoint()
         began = self.spike.start if self.spike is not None else step
-        if not seen.startswith("the step") and last.endswith(f"/global_step{began - 1}"):
+        # After a resume that changed the data or the schedule, the change gave this loss, not the checkpoint.
+        if not self.changes and check != "jump" and last.endswith(f"/global_step{began - 1}"):
             when = "this step" if began == step else f"step {began}, where the spike began"
             last += f" (saved just before {when}: its weights gave this loss; an earlier one may be safer)"
         self._log(
             f"threed: error: the run diverged at step {step}: {seen}; stopping without saving. Last "
-            f"good checkpoint: {last}. {self.restart(last)} with a lower --lr or more --warmup-steps; "
-            f"if the run was healthy, raise the flag named above (0 turns its check off)"
+            f"good checkpoint: {last}. {self._advice(last)}; if the run was healthy, {HINTS[check]}"
         )
         raise RunAborted(EXIT_DIVERGED)
+
+    def _advice(self, last: str) -> str:
+        """How to go on from `last` (`last_checkpoint()`'s answer): with the previous data / schedule / init when
+        the resume changed them (the cause the guard can see), else with a gentler learning rate."""
+        if not self.changes:
+            return f"{self.restart(last)} with a lower --lr or more --warmup-steps"
+        fixes = "; or with ".join(CHANGE_FIXES[k] for k in self.changes)
+        return (
+            f"The resume at step {self.changed_at} changed {'; '.join(self.changes.values())}, the likely cause: "
+            f"{self.restart(last)} with {fixes}"
+        )
 
     def _out_of_time(self) -> None:
         """The time budget is near: said once, and the run's stop request raised, so it saves and exits 0."""

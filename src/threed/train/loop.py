@@ -38,7 +38,7 @@ from threed.model.context import preflight, share_batches
 from threed.parallel.distributed import Runtime, context_rank, grid_coordinates, init_distributed, loss_rank
 from threed.engine.build import build_engine
 from threed.engine.resolved import ResolvedRun, resolve
-from threed.train.guard import RunGuard, StopRequest
+from threed.train.guard import RunGuard, StopRequest, run_identity
 from threed.train.host_gc import StepCollector
 from threed.train.preflight import check_run
 from threed.train.samples import after_step as samples_after_step, prepare as prepare_samples
@@ -218,10 +218,9 @@ def _begin(run: ResolvedRun, rt: Runtime, splits: DataSplits, start_decision: St
     samples = prepare_samples(cfg)  # --generate-interval / --harness-interval: prompts, tokenizer, tasks checked
     built = build_engine(run, rt, start_decision, token_weighted=splits.sft)
     engine = built.engine
-    guard = RunGuard(
-        cfg.control, cfg.checkpoint.save, rt.rank, engine, stop, rt.device
-    )  # stop request, non-finite steps, time budget, watchdog
-    guard.load_state(built.client_state.get("guard"))  # the loss history a resume judges against
+    # Stop request, non-finite steps, time budget, watchdog; what the losses depend on, compared on resume.
+    guard = RunGuard(cfg.control, cfg.checkpoint.save, rt.rank, engine, stop, rt.device, run_identity(cfg, splits))
+    guard.load_state(built.client_state.get("guard"))  # the loss history a resume judges against, unless it changed
     start = engine.global_steps
     # Consumed samples position the sampler; a checkpoint from before they were recorded had a constant batch.
     consumed = int(built.client_state.get("consumed_samples", start * d.global_batch))
