@@ -3,8 +3,16 @@
 once, instead of once per module. The ranks join the process group once, then wait for numbered requests in
 --inbox and run each as torchrun would have run the worker script (`runpy`, as `__main__`, the request's argv in
 sys.argv; the worker's run_worker finds the process group made), with the request's environment changes applied
-for its duration. Between two requests they destroy what the worker left (`tear_down`: its engines, megatron-core's
-state, every process group but the world).
+for its duration. Between two requests they destroy what the worker left (`tear_down`: its engines and
+megatron-core's state).
+
+Process groups are shared by membership (`share_groups_by_membership`): a `new_group` call for ranks, backend and
+timeout that an earlier call of this launch already made returns that group. One process of a real job builds one
+engine and so makes each group once; a launch here builds dozens (several per request: 1F1B then ZB-H1, a run then
+its resume), and each made afresh ~20 gloo groups per rank, each with three threads, one of them waking 100 times a
+second (gloo's event loop polls with a 10 ms timeout). At 8 ranks on 2 cores those idle wake-ups took a third of
+the CPU (`strace -c`: 155k epoll_wait calls in 20 s on one rank holding 475 threads; `perf stat -a`: 130k context
+switches a second). Shared, test_context_parallel.py's launch went from 149 s to 79 s, with the same results.
 
 Each rank writes its pid as inbox/rank<R>.pid first (torchrun starts each rank in a session of its own, so the
 pytest side kills a hung launch's ranks by pid). Per request NNNN (inbox/NNNN.json) each rank writes
@@ -32,6 +40,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 # worker_setup first: it puts tests/ on sys.path, as for any worker
 import worker_setup  # noqa: F401
@@ -91,14 +100,34 @@ def run_script(request: dict) -> int:
         sys.argv = saved_argv
 
 
+def share_groups_by_membership() -> None:
+    """`torch.distributed.new_group` returns the group an earlier call made for the same ranks, backend, timeout and
+    options, instead of a new one (megatron-core and DeepSpeed both call it through the module attribute, at call
+    time). Every rank calls new_group in the same order with the same arguments (torch requires it), so every rank
+    finds or makes the same groups in step. Collectives of two users of one group run in their order on this
+    rank's one thread, as they would on two groups."""
+    made: dict[str, object] = {}
+    make = distributed_c10d.new_group
+
+    def new_group(ranks=None, timeout=None, backend=None, pg_options=None, **kw):
+        settings = {k: v for k, v in kw.items() if k != "group_desc"}  # a group's name does not change what it is
+        key = repr(
+            (sorted(ranks) if ranks is not None else None, timeout, backend, pg_options, sorted(settings.items()))
+        )
+        if key not in made:
+            made[key] = make(ranks=ranks, timeout=timeout, backend=backend, pg_options=pg_options, **kw)
+        return made[key]
+
+    distributed_c10d.new_group = dist.new_group = new_group
+
+
 def tear_down() -> None:
-    """What the next request must not inherit: megatron-core's state, the engines the worker built, and every
-    process group but the world. Each engine makes its own groups (megatron-core's, DeepSpeed's grid and pipeline
-    groups) and each gloo group keeps three threads for as long as it exists, yet no engine is ever freed: DeepSpeed's
-    gradient hooks and the backward hooks on its outputs, held by torch's autograd, point back at it. A launch that
-    served a dozen workers would hold thousands of threads per rank (a machine's pid_max is often 32768)."""
-    import deepspeed.comm  # heavy: imported by every worker already
-    from deepspeed.runtime.engine import DeepSpeedEngine  # heavy: as deepspeed above
+    """What the next request must not inherit: megatron-core's state and the engines the worker built. No engine is
+    ever freed on its own: DeepSpeed's gradient hooks and the backward hooks on its outputs, held by torch's
+    autograd, point back at it. The process groups stay, shared by membership for the next request
+    (`share_groups_by_membership`): a launch holds at most one group per membership it was asked for, ~70 threads
+    per rank at 8 ranks, however many requests it serves."""
+    from deepspeed.runtime.engine import DeepSpeedEngine  # heavy: imported by every worker already
     from megatron.core import parallel_state  # heavy: as deepspeed above
 
     if parallel_state.model_parallel_is_initialized():
@@ -107,12 +136,6 @@ def tear_down() -> None:
     for engine in [o for o in gc.get_objects() if isinstance(o, DeepSpeedEngine)]:
         engine.destroy()  # removes its gradient hooks
         engine.__dict__.clear()  # what the hooks still reach is an empty shell: its module, groups, buffers go
-    gc.collect()
-    world = dist.group.WORLD
-    # torch lists its groups nowhere public; tests/ranks/test_resume_path.py reads the same map. DeepSpeed's
-    # destroy_process_group also drops the references DeepSpeed keeps to a group (its cloned world group).
-    for group in [g for g in dist.distributed_c10d._world.pg_map if g is not world]:
-        deepspeed.comm.destroy_process_group(group)
     gc.collect()
 
 
@@ -130,6 +153,7 @@ def process_status() -> dict[str, int]:
 def serve(inbox: Path, parent: int) -> int:
     # Before joining: a rank that hangs in the rendezvous must be killable too.
     (inbox / f"rank{os.environ['RANK']}.pid").write_text(str(os.getpid()))
+    share_groups_by_membership()
     init_distributed(RunControlConfig().dist_timeout_minutes)
     rank = dist.get_rank()
     seq = 0

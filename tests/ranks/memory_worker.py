@@ -9,7 +9,9 @@
 tokens, then add up the storages of the module's parameters and grads and of BF16_Optimizer's tensors (flat
 groups, fp32 master partitions, fp32 gradient buffers, AdamW state), and separately the RoPE caches and the
 pipeline's receive/gradient buffers. Also every tensor the garbage collector can see, as a cross-check that
-nothing else (e.g. the fp32 parameters DeepSpeed cast to bf16) stays alive. One JSON per rank and layout.
+nothing else (e.g. the fp32 parameters DeepSpeed cast to bf16) stays alive: every tensor but those that were alive
+before the first engine was built (what earlier requests of the launch left, tests/ranks/dispatch_worker.py). One
+JSON per rank and layout.
 
 --activations (one process): the CPU allocator's peak during the forward and backward of one micro-batch through
 a whole one-stage model (the profiler's memory events), with and without activation checkpointing, next to
@@ -32,6 +34,7 @@ import dataclasses
 import gc
 import json
 import warnings
+import weakref
 from pathlib import Path
 
 import torch
@@ -89,7 +92,16 @@ class StorageCounter:
         self.bytes[category] = self.bytes.get(category, 0) + st.nbytes()
 
 
-def measure_static(engine) -> dict[str, int]:
+def live_tensors() -> list[torch.Tensor]:
+    """Every strided, non-meta tensor the garbage collector can see."""
+    with warnings.catch_warnings():  # isinstance() on deprecated torch objects warns
+        warnings.simplefilter("ignore")
+        return [
+            o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.layout == torch.strided and not o.is_meta
+        ]
+
+
+def measure_static(engine, before: list[weakref.ref]) -> dict[str, int]:
     c = StorageCounter()
     opt = engine.optimizer
     for p in engine.module.parameters():
@@ -122,16 +134,13 @@ def measure_static(engine) -> dict[str, int]:
         for t in engine.pipe_buffers[key]:
             c.add("buffers", t)
     out: dict = dict(c.bytes, model_states=model_states)
-    # Cross-check: every other tensor the garbage collector knows about (none should be large).
+    # Cross-check: every other tensor the garbage collector knows about (none should be large), but those alive
+    # before the engine was built. Those still alive hold their storages, so no new tensor can share their address.
     counted = sum(c.bytes.values())
+    earlier = {t.untyped_storage().data_ptr() for ref in before if (t := ref()) is not None}
     largest = []
-    with warnings.catch_warnings():  # isinstance() on deprecated torch objects warns
-        warnings.simplefilter("ignore")
-        tensors = [
-            o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.layout == torch.strided and not o.is_meta
-        ]
-    for t in tensors:
-        if t.untyped_storage().data_ptr() not in c.seen:
+    for t in live_tensors():
+        if t.untyped_storage().data_ptr() not in c.seen | earlier:
             c.add("unaccounted", t)
             largest.append((t.untyped_storage().nbytes(), list(t.shape), str(t.dtype)))
     out["unaccounted"] = sum(c.bytes.values()) - counted
@@ -141,6 +150,8 @@ def measure_static(engine) -> dict[str, int]:
 
 def static(args: argparse.Namespace, rt: Runtime) -> None:
     mc = model_config(args.model)
+    gc.collect()
+    before = [weakref.ref(t) for t in live_tensors()]  # what the launch's earlier requests left: not this engine's
     for layout in args.layouts:
         tp, pp = (int(x) for x in layout.split("x"))
         dp = rt.world_size // (tp * pp)
@@ -184,7 +195,7 @@ def static(args: argparse.Namespace, rt: Runtime) -> None:
             "predicted_parts": list(stage_bounds(mc, pp, tp, STATIC["seq"])),
             "optimizer": type(engine.optimizer).__name__,
             "engine": type(engine).__name__,
-            "measured": measure_static(engine),
+            "measured": measure_static(engine, before),
             "predicted": {
                 "weights": mem.weights,
                 "grads": mem.grads,

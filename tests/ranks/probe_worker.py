@@ -1,6 +1,8 @@
 """Scenarios that misbehave on purpose, for tests/ranks/test_rank_pool.py: `ok` writes each rank's rank and world size
 as OUT/probe_rank<R>.json, `raise` makes the last rank raise while the others wait for it in a barrier (a collective
-that will never complete), `sleep` outlives any short timeout, `exit3` exits 3 on every rank.
+that will never complete), `sleep` outlives any short timeout, `exit3` exits 3 on every rank. `groups` (no
+misbehaviour: the launch's group sharing) makes megatron-core's groups and a pair group twice, named differently,
+and writes whether the second calls returned the first calls' groups, and the process's thread count.
 
     python -m torch.distributed.run --nproc-per-node 2 tests/ranks/probe_worker.py raise --out /tmp/p
 """
@@ -9,12 +11,14 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 # worker_setup first: the shared start of every worker
 from worker_setup import rank_json, run_worker
-from threed.parallel.distributed import Runtime
+from threed.parallel.distributed import Runtime, init_megatron_parallel_state
 
 
 def ok(args: argparse.Namespace, rt: Runtime) -> None:
@@ -32,9 +36,18 @@ def sleep(args: argparse.Namespace, rt: Runtime) -> None:
     time.sleep(3600)
 
 
+def groups(args: argparse.Namespace, rt: Runtime) -> None:
+    made = []
+    for name in ("first", "second"):
+        init_megatron_parallel_state(tp=rt.world_size, pp=1)
+        made.append((parallel_state.get_tensor_model_parallel_group(), dist.new_group([0, 1], group_desc=name)))
+    threads = len(list(Path("/proc/self/task").iterdir()))
+    rank_json(args.out, "groups", {"same": [a is b for a, b in zip(*made)], "threads": threads})
+
+
 def exit3(args: argparse.Namespace, rt: Runtime) -> int:
     return 3
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_worker({"ok": ok, "raise": raise_on_last, "sleep": sleep, "exit3": exit3}))
+    raise SystemExit(run_worker({"ok": ok, "raise": raise_on_last, "sleep": sleep, "exit3": exit3, "groups": groups}))

@@ -34,10 +34,9 @@ def measured(tmp_path_factory, rank_pool):
     out = tmp_path_factory.mktemp("memory")
     for name, (ranks, layout) in LAYOUTS.items():
         extra = ["--activations"] if ranks == 1 else []
-        # fresh: the gc cross-check counts every tensor of the process, and a launch that ran other workers holds a
-        # few KB of theirs (1% of the 2x2x2 engine's, half the tolerance, measured after recompute and metrics)
+        # the gc cross-check counts every tensor of the process but those earlier requests of the launch left
         args = ["--out", str(out), "--layouts", layout, *extra]
-        rank_pool.run(ranks, str(RANKS / "memory_worker.py"), args, timeout=900, fresh=True)
+        rank_pool.run(ranks, str(RANKS / "memory_worker.py"), args, timeout=900)
     results = {
         name: [json.loads(p.read_text()) for p in sorted(out.glob(f"static_{name}_rank*.json"))] for name in LAYOUTS
     }

@@ -30,7 +30,7 @@ def measured(tmp_path_factory, rank_pool):
     out = tmp_path_factory.mktemp("memory_sp")
     rank_pool.run(2, str(RANKS / "memory_worker.py"), ["--out", str(out), "--stage-activations"], timeout=900)
     sp_static = ["--out", str(out), "--layouts", "2x2", "--sequence-parallel"]
-    rank_pool.run(4, str(RANKS / "memory_worker.py"), sp_static, timeout=900, fresh=True)  # gc cross-check: test_memory
+    rank_pool.run(4, str(RANKS / "memory_worker.py"), sp_static, timeout=900)
     ranks = [json.loads(p.read_text()) for p in sorted(out.glob("stage_activations_rank*.json"))]
     cases = {
         case: {

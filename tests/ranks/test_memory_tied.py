@@ -28,15 +28,14 @@ SEQ = 32  # tests/ranks/memory_worker.py's STATIC
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory, rank_pool):
     out = tmp_path_factory.mktemp("memory_tied")
-    # A fresh launch per layout: a process that built an engine before keeps some of its tensors alive, which the
-    # gc cross-check would count against the next one.
+    # A request per layout: what one layout's engine leaves alive is not counted against the next one's
+    # (memory_worker counts only the tensors made after its request started).
     for layout in LAYOUTS.values():
         rank_pool.run(
             NPROC,
             str(RANKS / "memory_worker.py"),
             ["--out", str(out), "--model", "tiny-tied", "--layouts", layout],
             timeout=900,
-            fresh=True,
         )
     return {
         name: [json.loads(p.read_text()) for p in sorted(out.glob(f"static_{name}_rank*.json"))] for name in LAYOUTS

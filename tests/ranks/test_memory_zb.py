@@ -35,7 +35,6 @@ def measured(tmp_path_factory, rank_pool):
         str(RANKS / "memory_zb_worker.py"),
         ["--out", str(out), "--layouts", "1x2", "--pipeline-schedule", "zb-h1", "--deferred", "--schedule-peaks"],
         timeout=900,
-        fresh=True,  # the gc cross-check of its static bytes: tests/ranks/test_memory.py
     )
     return {
         "static": [json.loads(p.read_text()) for p in sorted(out.glob("static_1x2x1_rank*.json"))],

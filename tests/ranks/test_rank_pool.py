@@ -2,7 +2,8 @@
 rank while the others wait for it in a collective fails with its traceback and ends its launch, and the next run
 starts a fresh one; a run that outlives its timeout is killed within it, ranks included; a worker's non-zero exit
 status fails its run; `fresh=True` gets a launch that has run nothing. A pool of its own on 2 ranks
-(tests/ranks/probe_worker.py), not the session's."""
+(tests/ranks/probe_worker.py), not the session's. And on the session's pool: a launch makes each group once, however
+many engines its requests build (dispatch_worker.share_groups_by_membership)."""
 
 from __future__ import annotations
 
@@ -63,3 +64,16 @@ def test_a_failure_ends_only_its_own_run(tmp_path):
         assert pool.launches == 4
     finally:
         pool.close()
+
+
+def test_a_launch_makes_each_group_once(tmp_path, rank_pool):
+    """A request that makes megatron-core's groups twice gets the first ones back, and a second request adds no thread:
+    the threads of the groups made afresh per engine build were what made 8-rank launches slow."""
+    for run in ("one", "two"):
+        rank_pool.run(2, PROBE, ["groups", "--out", str(tmp_path / run)], timeout=300)
+    got = {
+        run: [json.loads((tmp_path / run / f"groups_rank{r}.json").read_text()) for r in (0, 1)]
+        for run in ("one", "two")
+    }
+    assert all(r["same"] == [True, True] for runs in got.values() for r in runs), got
+    assert [r["threads"] for r in got["two"]] == [r["threads"] for r in got["one"]], got
