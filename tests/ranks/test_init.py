@@ -87,9 +87,10 @@ def test_bf16_gradients_are_reduced_in_fp32(out):
 
 
 def test_cuda_only_switches_stay_off_on_cpu(out):
-    """The CPU run is the GPU code path minus the switches of `threed.parallel.distributed.cuda_only`."""
+    """The CPU run is the GPU code path minus the switches of `threed.parallel.distributed.cuda_only`; megatron's gloo
+    copies of its data-parallel groups are made on neither (`init_megatron_parallel_state`)."""
     got = json.loads((out / "cpu_switches.json").read_text())
-    assert got == {"fused_adamw": False, "fused_swiglu": False, "device": "cpu", "megatron_gloo_groups": True}
+    assert got == {"fused_adamw": False, "fused_swiglu": False, "device": "cpu", "megatron_gloo_groups": False}
 
 
 def test_device_policy_refuses_cuda_without_a_gpu(monkeypatch):
@@ -105,8 +106,8 @@ def test_device_policy_refuses_cuda_without_a_gpu(monkeypatch):
     monkeypatch.setenv("THREED_DEVICE", "auto")
     assert device_and_backend() == (torch.device("cpu"), "gloo")
     on_cpu, on_gpu = cuda_only(torch.device("cpu")), cuda_only(torch.device("cuda", 0))
-    assert not (on_cpu.fused_adamw or on_cpu.fused_swiglu) and on_cpu.gloo_process_groups
-    assert on_gpu.fused_adamw and on_gpu.fused_swiglu and not on_gpu.gloo_process_groups
+    assert not (on_cpu.fused_adamw or on_cpu.fused_swiglu or on_cpu.pinned_batches)
+    assert on_gpu.fused_adamw and on_gpu.fused_swiglu and on_gpu.pinned_batches
 
 
 def test_device_policy_refuses_more_ranks_than_gpus(monkeypatch):

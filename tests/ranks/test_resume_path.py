@@ -161,7 +161,7 @@ import torch, torch.distributed as dist
 from threed.parallel.distributed import init_distributed, init_megatron_parallel_state
 rt = init_distributed(7.0)
 import deepspeed
-init_megatron_parallel_state(1, 1, True)
+init_megatron_parallel_state(1, 1)
 deepspeed.comm.new_group([0])
 timeouts = {}
 for pg in list(dist.distributed_c10d._world.pg_map):

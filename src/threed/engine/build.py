@@ -55,7 +55,7 @@ def build_engine(
         decision = start(cfg, dims, rt.rank)
     torch.manual_seed(cfg.train.seed)
     # 1. Process groups: megatron-core's tp-cp-dp-pp groups, which its layers use for TP, SP and CP collectives.
-    init_megatron_parallel_state(dims.tp, dims.pp, rt.cuda_only.gloo_process_groups, cp=dims.cp)
+    init_megatron_parallel_state(dims.tp, dims.pp, cp=dims.cp)
     with library_prints():  # DeepSpeed's PipelineModule and engine print() their start-up lines on rank 0
         # 2-4. Layers with TP / SP / CP (megatron-core's block, our attention), cut into the stages of dims.bounds
         # (each rank builds only its own), with full recompute's chunks: one PipelineModule.

@@ -16,8 +16,6 @@ class CudaOnly:
 
     fused_adamw: bool  # torch AdamW(fused=True): one kernel, no full-size foreach temporary
     fused_swiglu: bool  # megatron's bias_activation_fusion: fused SwiGLU kernel in the MLP
-    gloo_process_groups: bool  # megatron's extra gloo groups beside the nccl ones; unused here, a hang risk on
-    # multi-NIC nodes, so never created on CUDA
     pinned_batches: bool  # a step's micro-batches staged in page-locked host memory (threed.data.loader.on_device):
     # pinning exists only where a CUDA driver does, and only a copy to a device needs it
 
@@ -25,4 +23,4 @@ class CudaOnly:
 def cuda_only(device) -> CudaOnly:
     """`device`: "cuda" / "cpu", or a torch.device (its type is read)."""
     on = getattr(device, "type", device) == "cuda"
-    return CudaOnly(fused_adamw=on, fused_swiglu=on, gloo_process_groups=not on, pinned_batches=on)
+    return CudaOnly(fused_adamw=on, fused_swiglu=on, pinned_batches=on)

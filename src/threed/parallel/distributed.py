@@ -364,12 +364,16 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
-def init_megatron_parallel_state(tp: int, pp: int, gloo_process_groups: bool = True, cp: int = 1) -> None:
+def init_megatron_parallel_state(tp: int, pp: int, cp: int = 1) -> None:
     """megatron-core's groups, in its default order tp-cp-ep-dp-pp: tp fastest, then cp, then dp, then pp, which is
     the rank order of DeepSpeed's PipeModelDataParallelTopology (axes pipe, data, model) when its data axis holds
     dp x cp ranks (`threed.parallel.pipeline.make_topology`): CP ranks hold the same weights, so DeepSpeed reduces
     gradients and shards ZeRO-1 state over dp x cp, megatron's data-parallel group "with context parallel". Their
-    collective timeout is the world's (--dist-timeout-minutes, `collective_timeout`), not megatron's 30 minutes."""
+    collective timeout is the world's (--dist-timeout-minutes, `collective_timeout`), not megatron's 30 minutes.
+
+    Without megatron's gloo copies of its data-parallel groups: nothing here uses them (DeepSpeed's ZeRO, not
+    megatron's distributed optimizer, holds the optimizer state); on CUDA they are a hang risk on multi-NIC nodes, and
+    on a gloo world they only duplicate its groups, each with three threads, one waking 100 times a second."""
     from megatron.core import parallel_state  # heavy: as deepspeed above
 
     if parallel_state.model_parallel_is_initialized():
@@ -378,7 +382,7 @@ def init_megatron_parallel_state(tp: int, pp: int, gloo_process_groups: bool = T
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         context_parallel_size=cp,
-        create_gloo_process_groups=gloo_process_groups,
+        create_gloo_process_groups=False,
         # megatron makes timedelta(minutes=this): a float keeps a fractional --dist-timeout-minutes
         distributed_timeout_minutes=collective_timeout().total_seconds() / 60,
     )
