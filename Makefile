@@ -30,16 +30,22 @@ demo: $(STAMP)
 # hand), nothing is written.
 junit = $(if $(DURATIONS_DIR),--junitxml=$(DURATIONS_DIR)/$(1).xml)
 
+# pytest-xdist workers of `make test` and `make test-slow`: a test module to a worker, all of tests/ranks to one (one
+# rank pool: tests/conftest.py's RanksInOneWorker), the single-process tests on the other core meanwhile. 2: the CI
+# machine's cores.
+TEST_WORKERS ?= 2
+xdist = -n $(TEST_WORKERS) --dist loadscope
+
 # The house first (pyproject.toml's import-linter layers and ruff's format and lint rules: seconds), then the suite.
 test: $(STAMP)
 	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -x -q --durations=15 $(call junit,test) tests
+	$(PY) -m pytest -x -q $(xdist) --durations=15 $(call junit,test) tests
 
 # The slow tests that are not Slurm jobs (those are test-slurm's).
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m "slow and not slurm" $(call junit,test-slow) tests
+	$(PY) -m pytest -q $(xdist) -m "slow and not slurm" $(call junit,test-slow) tests
 
 # CUDA/NCCL: parity, training parity + resume, SDPA attention vs the math kernel, context parallelism's attention per
 # rank (test_cp_gpu.py). Skips, with its reason, without GPUs.

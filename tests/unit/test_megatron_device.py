@@ -1,6 +1,8 @@
 """megatron-core's fusers off CUDA (threed.parallel.megatron_device.skip_fuser_compile): a CPU rank decorates with
 the plain function and never imports torch's compiler (inductor: ~1.5 s of every rank's start), while on CUDA the
-decorators stay megatron's `torch.compile`.
+decorators stay megatron's `torch.compile`. And DeepSpeed's Muon, which its engine start-up imports and which
+decorates with `torch.compile` at import, is imported with plain functions (`threed.parallel.distributed.
+import_muon_uncompiled`: ~1.5 s of CPU per rank), DeepSpeed's decorator put back after.
 
     PYTHONPATH=src .venv/bin/python -m pytest -q tests/unit/test_megatron_device.py
 """
@@ -82,3 +84,25 @@ def test_late_call_changes_nothing(monkeypatch) -> None:
     before = _finders()
     skip_fuser_compile("cpu")
     assert _finders() == before
+
+
+MUON_PROBE = """
+import json
+from threed.parallel.distributed import init_distributed
+init_distributed()
+from deepspeed.runtime import compiler
+from deepspeed.runtime.zero.muon import original_muon
+import torch
+print(json.dumps({
+    "plain_muon": not hasattr(original_muon.zeropower_via_newtonschulz5, "__wrapped__"),  # torch.compile's has one
+    "decorator_back": compiler.compile() is torch.compile,
+}))
+"""
+
+
+def test_deepspeeds_muon_is_imported_uncompiled() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["THREED_DEVICE"] = "cpu"
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", MUON_PROBE], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"plain_muon": True, "decorator_back": True}

@@ -275,6 +275,7 @@ def init_distributed(timeout_minutes: Optional[float] = None) -> Runtime:
     set_cuda_environment()
     device, backend = device_and_backend()
     _use_device_policy_accelerator(device)
+    import_muon_uncompiled()
     megatron_device.use_device(device)
     if not dist.is_initialized():
         os.environ.setdefault("RANK", "0")
@@ -336,6 +337,29 @@ def collective_timeout(backend: Optional[str] = None) -> timedelta:
     if backend is None:
         backend = dist.get_backend() if dist.is_initialized() else "gloo"
     return distributed_c10d._get_default_timeout(backend)
+
+
+MUON = "deepspeed.runtime.zero.muon.original_muon"
+
+
+def import_muon_uncompiled() -> None:
+    """DeepSpeed's engine start-up imports its Muon optimizer (`is_zero_supported_optimizer` asks whether ours is one),
+    and that module decorates three functions with torch.compile as it is imported, which loads dynamo and inductor:
+    1.5 s of CPU in every rank, for an optimizer threed never runs (AdamW: threed.engine.optimizer). So it is
+    imported here, once, with DeepSpeed's own decorator for a torch without compile (`compiler.dummy_decorator`,
+    the plain function). A DeepSpeed without that module or decorator is left as it is (asked, not its version)."""
+    from deepspeed.runtime import compiler  # heavy: as deepspeed above
+
+    if MUON in sys.modules or not hasattr(compiler, "dummy_decorator"):
+        return
+    compile_ = compiler.compile
+    compiler.compile = lambda: compiler.dummy_decorator
+    try:
+        from deepspeed.runtime.zero.muon import original_muon  # noqa: F401  (heavy: as deepspeed above)
+    except ImportError:  # no Muon in this DeepSpeed: nothing to spare
+        pass
+    finally:
+        compiler.compile = compile_
 
 
 def _use_device_policy_accelerator(device: torch.device) -> None:
