@@ -31,10 +31,10 @@ demo: $(STAMP)
 junit = $(if $(DURATIONS_DIR),--junitxml=$(DURATIONS_DIR)/$(1).xml)
 
 # pytest-xdist workers of `make test` and `make test-slow`: a test module to a worker, all of tests/ranks to one (one
-# rank pool: tests/conftest.py's RanksInOneWorker), the single-process tests on the other core meanwhile. 2: the CI
-# machine's cores.
+# rank pool: tests/xdist_scheduling.py), the single-process tests on the other core meanwhile. 2: the CI machine's
+# cores.
 TEST_WORKERS ?= 2
-xdist = -n $(TEST_WORKERS) --dist loadscope
+xdist = -n $(TEST_WORKERS) --dist loadscope -p xdist_scheduling
 
 # The house first (pyproject.toml's import-linter layers and ruff's format and lint rules: seconds), then the suite.
 test: $(STAMP)

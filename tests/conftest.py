@@ -2,13 +2,7 @@
 a process's own world of one undone after a test, the small random corpus `threed train` runs read, the demo corpus
 and tokenizers `threed preprocess` reads, and saved chat tokenizers for `threed preprocess --sft`. What is shared
 but is not a fixture lives in helpers.py, reference.py, convert_fixtures.py and chat_fixtures.py beside this file.
-
-And how pytest-xdist shares tests between its workers (`make test` and `make test-slow`: `-n 2 --dist loadscope`):
-a module each, as loadscope does, except that all of tests/ranks is one unit, run by one worker. Its one rank pool
-(tests/ranks/conftest.py) then serves every multi-rank test, where modules spread over two workers would start each
-world size's launch twice (~7 s of CPU per rank to import and join) and run two 8-rank launches on the same cores;
-the other worker takes the single-process tests of tests/unit and tests/cli meanwhile. (xdist's own `xdist_group`
-does not group under pytest 9: it renames `item._nodeid`, which pytest 9 no longer reads.)"""
+"""
 
 from __future__ import annotations
 
@@ -18,25 +12,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from xdist.scheduler import LoadScopeScheduling
 
 from chat_fixtures import llama2_tokenizer, llama3_tokenizer
 from helpers import TORCHRUN_ENV, write_dataset
-
-
-RANKS_SCOPE = "tests/ranks/"
-
-
-class RanksInOneWorker(LoadScopeScheduling):
-    """xdist's loadscope (a test module to a worker), with every test of tests/ranks in one scope."""
-
-    def _split_scope(self, nodeid: str) -> str:
-        return RANKS_SCOPE if nodeid.startswith(RANKS_SCOPE) else super()._split_scope(nodeid)
-
-
-@pytest.hookimpl(optionalhook=True)  # xdist's hook: known only where xdist is loaded
-def pytest_xdist_make_scheduler(config, log):
-    return RanksInOneWorker(config, log) if config.getvalue("dist") == "loadscope" else None
 
 
 @pytest.fixture

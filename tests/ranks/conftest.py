@@ -2,7 +2,7 @@
 (tests/ranks/rank_pool.py), which the module fixtures ask to run their worker scripts. A launch starts when the
 first test that needs its world size runs, so a single file or test starts only the world sizes it uses, and a
 test that takes no rank fixture starts none. Under pytest-xdist every test here runs in one worker, so that one pool
-serves them all (tests/conftest.py, `RanksInOneWorker`)."""
+serves them all (tests/xdist_scheduling.py)."""
 
 from __future__ import annotations
 
