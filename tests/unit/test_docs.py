@@ -153,6 +153,7 @@ EXTERNAL = {
     "srun": {"--kill-on-bad-exit"},
     "pip": {"--no-deps", "--no-index", "--target", "--no-build-isolation"},
     "ruff": {"--check"},
+    "pytest": {"--dist"},  # pytest-xdist's
 }
 # Paths a page's own commands create (`cp recipes/llama31_8b.sh recipes/my_recipe.sh`): not in the tree.
 CREATED = {"recipes/my_recipe.sh", "recipes/my_8b.sh"}
