@@ -140,7 +140,8 @@ def measure_static(engine, before: list[weakref.ref]) -> dict[str, int]:
     earlier = {t.untyped_storage().data_ptr() for ref in before if (t := ref()) is not None}
     largest = []
     for t in live_tensors():
-        if t.untyped_storage().data_ptr() not in c.seen | earlier:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in c.seen and ptr not in earlier:
             c.add("unaccounted", t)
             largest.append((t.untyped_storage().nbytes(), list(t.shape), str(t.dtype)))
     out["unaccounted"] = sum(c.bytes.values()) - counted
