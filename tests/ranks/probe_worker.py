@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 import torch.distributed as dist
 from megatron.core import parallel_state
 
 # worker_setup first: the shared start of every worker
 from worker_setup import rank_json, run_worker
+from dispatch_worker import process_status
 from threed.parallel.distributed import Runtime, init_megatron_parallel_state
 
 
@@ -41,7 +41,7 @@ def groups(args: argparse.Namespace, rt: Runtime) -> None:
     for name in ("first", "second"):
         init_megatron_parallel_state(tp=rt.world_size, pp=1)
         made.append((parallel_state.get_tensor_model_parallel_group(), dist.new_group([0, 1], group_desc=name)))
-    threads = len(list(Path("/proc/self/task").iterdir()))
+    threads = process_status()["threads"]  # what each request's .done file records
     rank_json(args.out, "groups", {"same": [a is b for a, b in zip(*made)], "threads": threads})
 
 
