@@ -32,7 +32,9 @@ junit = $(if $(DURATIONS_DIR),--junitxml=$(DURATIONS_DIR)/$(1).xml)
 
 # pytest-xdist workers of `make test` and `make test-slow`: a test module to a worker, all of tests/ranks to one (one
 # rank pool: tests/xdist_scheduling.py), the single-process tests on the other core meanwhile. 2: the CI machine's
-# cores.
+# cores. The tests marked `alone` time the machine (a pipeline's idle fraction against the wall clock) and a test on
+# the other core would stall their ranks (seen: 0.063 off, against 0.05, 2026-11-29): they run after the others, in
+# a pytest of their own with nothing beside them.
 TEST_WORKERS ?= 2
 xdist = -n $(TEST_WORKERS) --dist loadscope -p xdist_scheduling
 
@@ -41,11 +43,13 @@ test: $(STAMP)
 	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -x -q $(xdist) --durations=15 $(call junit,test) tests
+	$(PY) -m pytest -x -q $(xdist) -m "not slow and not gpu and not alone" --durations=15 $(call junit,test) tests
+	$(PY) -m pytest -x -q -m "not slow and not gpu and alone" $(call junit,test-alone) tests
 
 # The slow tests that are not Slurm jobs (those are test-slurm's).
 test-slow: $(STAMP)
-	$(PY) -m pytest -q $(xdist) -m "slow and not slurm" $(call junit,test-slow) tests
+	$(PY) -m pytest -q $(xdist) -m "slow and not slurm and not alone" $(call junit,test-slow) tests
+	$(PY) -m pytest -q -m "slow and not slurm and alone" $(call junit,test-slow-alone) tests
 
 # CUDA/NCCL: parity, training parity + resume, SDPA attention vs the math kernel, context parallelism's attention per
 # rank (test_cp_gpu.py). Skips, with its reason, without GPUs.
