@@ -24,6 +24,7 @@ from typing import Optional, Sequence
 from threed.parallel.launch import RanksFailed, torchrun_command
 
 DISPATCH = Path(__file__).resolve().parent / "dispatch_worker.py"
+MODULE_WORKER = DISPATCH.parent / "module_worker.py"  # `python -m MODULE`: RankPool.run_ranks
 POLL_SECONDS = 0.1
 DEFAULT_TIMEOUT = 1800.0  # run_ranks' callers without a timeout of their own
 STOP_GRACE = 60.0  # how long a launch may take to end after a stop request or a failed rank
@@ -169,6 +170,23 @@ class RankPool:
         argv = [str(a) for a in args]
         stdout = launch.run(script.name, argv, env or {}, timeout or DEFAULT_TIMEOUT)
         return subprocess.CompletedProcess([str(script), *argv], 0, stdout=stdout)
+
+    def run_ranks(
+        self,
+        nproc: int,
+        module: str,
+        args: Sequence[str],
+        env: Optional[dict[str, str]] = None,
+        timeout: Optional[float] = None,
+        capture: bool = True,
+    ) -> subprocess.CompletedProcess:
+        """threed.parallel.launch.run_ranks, served by this pool: a worker script of tests/ranks/, or a dotted module
+        (`python -m module`, through module_worker.py). What the tests hand to threed's own launchers in its place
+        (tests/ranks/conftest.py `verify_in_pool`). The output is always captured."""
+        if module.endswith(".py"):
+            return self.run(nproc, module, args, env=env, timeout=timeout)
+        proc = self.run(nproc, MODULE_WORKER, [module, *args], env=env, timeout=timeout)
+        return subprocess.CompletedProcess([module, *proc.args[1:]], 0, stdout=proc.stdout)
 
     def close(self) -> None:
         """Stop every launch: all asked first, so that they wind down together."""

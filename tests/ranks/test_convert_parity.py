@@ -1,5 +1,6 @@
 """DeepSpeed's own load_checkpoint of converter output gives HF's logits (multi-rank), and a model trained from
-a converted checkpoint exports to an HF folder whose logits equal our engine's. Four torchrun launches.
+a converted checkpoint exports to an HF folder whose logits equal our engine's. The first takes `threed verify`'s own
+torchrun launch; the trained run and its verify are served by the session's rank pool (`verify_in_pool`).
 
     .venv/bin/python -m pytest -q tests/ranks/test_convert_parity.py
 """
@@ -18,7 +19,6 @@ from threed.verify.parity import compare, hf_logits
 from helpers import gpt_dataset
 from threed.config import DataConfig, ModelConfig, RunConfig, TrainConfig
 from threed.data.loader import micro_batches
-from threed.parallel.launch import run_ranks
 
 REL_TOL = 1e-5
 
@@ -90,13 +90,13 @@ def first_batch_loss(hf_dir, data: str, micro: int, gas: int, seq: int, seed: in
 
 
 @pytest.mark.slow  # end to end (~75 s); DeepSpeed loading converted weights stays in make test
-def test_train_from_converted_then_export(hf_dir, tmp_path, capsys):
+def test_train_from_converted_then_export(hf_dir, tmp_path, capsys, rank_pool, verify_in_pool):
     ck, run, exported = tmp_path / "ck", tmp_path / "run", tmp_path / "exported"
     # Default padding multiple (128): `--model HF_DIR` then pads the vocab exactly as the converter did.
     assert main(["convert", "--hf", str(hf_dir), "--tp", "2", "--pp", "2", "--out", str(ck), "--quiet"]) == 0
     data = write_tokens(tmp_path / "tokens", 20_000, 200)
     micro, gas, seq, seed = 2, 2, 32, 1234
-    proc = run_ranks(
+    proc = rank_pool.run_ranks(
         4,
         "threed.train",
         [

@@ -1,7 +1,8 @@
 """Llama 3.2's tied embeddings through the converters: a tied HF Llama (no lm_head.weight in its files) converts
 to a checkpoint of its stored layers only (no LM head file) at any tp / pp, gives HF's logits (DeepSpeed's own
 load, at an even and an uneven pipeline), exports back tied and bit-identical, reshards; a trained tied run
-exports tied too; and every disagreement about the tie is one line before anything is written or built.
+exports tied too; and every disagreement about the tie is one line before anything is written or built. The ranks
+of `threed verify` and of the trained run are the session's rank pool's (tests/ranks/conftest.py `verify_in_pool`).
 
     PYTHONPATH=$PWD/src .venv/bin/python -m pytest -q tests/ranks/test_tied_convert.py
 """
@@ -33,7 +34,6 @@ from threed.cli.main import main
 from threed.config import CheckpointConfig, ConfigError, ParallelConfig, RunConfig, TrainConfig
 from threed.convert.ds_checkpoint import checkpoint_files
 from threed.hf.config import from_hf_config
-from threed.parallel.launch import run_ranks
 from threed.model.spec import pipeline_layers
 from threed.model.presets import PRESETS
 
@@ -113,7 +113,7 @@ def test_convert_writes_the_stored_layers_only(tied_ckpt):
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 2), (1, 3)])  # (1, 3): 8 pipeline layers over 3 stages, uneven
-def test_verify_logits_parity(tied_hf, tied_ckpt, tmp_path, capsys, tp, pp):
+def test_verify_logits_parity(tied_hf, tied_ckpt, tmp_path, capsys, tp, pp, verify_in_pool):
     ck = tied_ckpt if (tp, pp) == (2, 2) else convert(tied_hf, tmp_path / "ck", tp, pp)
     assert main(["verify", "--hf", str(tied_hf), "--ckpt", str(ck), "--tol", str(REL_TOL)]) == 0
     assert verify_rel(capsys) <= REL_TOL
@@ -255,10 +255,10 @@ def test_verify_across_the_tie_refused(tied_ckpt, untied, capsys):
     assert rc == 2 and "says tie_word_embeddings=false, the model in" in err and "tie_word_embeddings=true" in err
 
 
-def test_trained_tied_checkpoint_exports_tied(tmp_path, capsys):
+def test_trained_tied_checkpoint_exports_tied(tmp_path, capsys, rank_pool, verify_in_pool):
     run_dir, out = tmp_path / "run", tmp_path / "exported"
     data = write_tokens(tmp_path / "tokens", 20_000, 512)
-    run_ranks(
+    rank_pool.run_ranks(
         2,
         "threed.train",
         [
