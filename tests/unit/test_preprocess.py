@@ -77,6 +77,20 @@ def test_jsonl_matches_the_tokenizer_and_workers_1_and_2_write_identical_files(c
     }  # no temporary files left
 
 
+def test_workers_started_by_forkserver_write_the_same_files(corpus, tmp_path, monkeypatch):
+    """A caller with threads of its own (a library user's, a test runner's) gets forkserver workers, which import
+    what they need themselves (threed.data.encode._start_method); the CLI, single-threaded, forks. The tests take the
+    CLI's path (tests/conftest.py stops tqdm's monitor thread), so this one takes the other."""
+    import threed.data.encode
+
+    monkeypatch.setattr(threed.data.encode, "_start_method", lambda: "forkserver")
+    src = _write_jsonl(tmp_path / "c.jsonl", corpus["docs"])
+    one = preprocess([src], str(tmp_path / "w1"), corpus["sp"], workers=1)
+    two = preprocess([src], str(tmp_path / "w2"), corpus["sp"], workers=2, chunk_bytes=20_000)
+    for suffix in (".bin", ".idx", ".threed.json"):
+        assert Path(one.outputs["text"] + suffix).read_bytes() == Path(two.outputs["text"] + suffix).read_bytes()
+
+
 @pytest.mark.parametrize("fmt", ["jsonl.gz", "parquet", "text", "text-lines", "text.gz"])
 def test_every_input_format_matches_the_tokenizer(corpus, tmp_path, fmt):
     tok = Tokenizer(corpus["sp"])
