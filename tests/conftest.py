@@ -12,19 +12,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-import tqdm
-
 
 from chat_fixtures import llama2_tokenizer, llama3_tokenizer
 from helpers import TORCHRUN_ENV, write_dataset
-
-# tqdm's monitor thread, started by the first progress bar of HF or lm-eval in a test process, would leave that
-# process with a second thread for good, and `threed preprocess` from a process with threads starts its workers by
-# forkserver, each importing megatron-core again (threed.data.encode._start_method): tests/unit/test_preprocess.py
-# took 175 s under pytest-xdist instead of 9. The CLI is single-threaded and forks; without the monitor the tests
-# take the CLI's path (test_preprocess.py checks the forkserver path on its own). The monitor only re-times stalled
-# bars.
-tqdm.tqdm.monitor_interval = 0
 
 
 @pytest.fixture

@@ -80,7 +80,7 @@ def test_jsonl_matches_the_tokenizer_and_workers_1_and_2_write_identical_files(c
 def test_workers_started_by_forkserver_write_the_same_files(corpus, tmp_path, monkeypatch):
     """A caller with threads of its own (a library user's, a test runner's) gets forkserver workers, which import
     what they need themselves (threed.data.encode._start_method); the CLI, single-threaded, forks. The tests take the
-    CLI's path (tests/conftest.py stops tqdm's monitor thread), so this one takes the other."""
+    CLI's path (tests/unit/conftest.py stops tqdm's monitor thread), so this one takes the other."""
     import threed.data.encode
 
     monkeypatch.setattr(threed.data.encode, "_start_method", lambda: "forkserver")
