@@ -294,3 +294,17 @@ def pipeline_module(cfg: RunConfig, world: int, **kw: Any):
 def decide(cfg: RunConfig, world_size: int):
     """threed.checkpoint.start.decide_start of `cfg` at `world_size` ranks, its dimensions resolved as a run's."""
     return decide_start(cfg, resolve_dims(cfg, world_size))
+
+
+def gradients_against(loss, grads: dict, whole_loss, whole: dict) -> dict:
+    """A run's loss and gradients (name -> tensor) against a reference run's: whether the losses are the same bits,
+    the largest per-tensor relative difference (max |diff| over max |reference|), which tensors differ at all, and
+    whether every reference gradient is non-zero (tests/unit/test_lm_head_chunks.py, tests/ranks/bytes_worker.py)."""
+    assert grads.keys() == whole.keys()
+    return {
+        "loss": loss.item(),
+        "loss_equal": torch.equal(loss, whole_loss),
+        "max_rel": max(((grads[n] - whole[n]).abs().max() / whole[n].abs().max()).item() for n in whole),
+        "differing": [n for n in whole if not torch.equal(grads[n], whole[n])],
+        "all_nonzero": all(bool(g.abs().max() > 0) for g in whole.values()),
+    }

@@ -114,6 +114,37 @@ def check_sequence_parallel(tp: Optional[int], sequence_parallel: Optional[bool]
         )
 
 
+def check_lm_head_chunks(
+    chunks: int, seq: int, tp: int = 1, cp: int = 1, sequence_parallel: bool = False, schedule: str = "1f1b"
+) -> None:
+    """`--lm-head-chunks N` cuts the tokens each rank's LM head takes from one sequence (seq / cp, and / tp under
+    sequence parallelism, whose head gathers the TP ranks' parts chunk by chunk) into N equal chunks; ZB-H1 would keep
+    every chunk's logits gradient for its deferred W pass, the whole logits again (training's, check-config's and
+    `threed memory`'s rule, in one wording)."""
+    if chunks < 1:
+        raise ConfigError(f"--lm-head-chunks must be >= 1 (1: off), got {chunks}")
+    if chunks == 1:
+        return
+    if schedule != "1f1b":
+        raise ConfigError(
+            f"--lm-head-chunks {chunks} with --pipeline-schedule {schedule}: ZB-H1 defers the LM head's weight "
+            f"gradient and keeps every chunk's logits gradient for it, the whole logits; use 1f1b or drop "
+            f"--lm-head-chunks"
+        )
+    sp = sequence_parallel and tp > 1
+    rows = seq // (cp * (tp if sp else 1))
+    if rows % chunks:
+        split = (
+            f"seq_length {seq}"
+            + (f" over cp {cp}" if cp > 1 else "")
+            + (f" and tp {tp} (--sequence-parallel)" if sp else "")
+        )
+        raise ConfigError(
+            f"--lm-head-chunks {chunks} cuts the {rows} tokens each rank's LM head takes of a sequence ({split}) "
+            f"into equal chunks: {chunks} does not divide {rows}; use a divisor of {rows}"
+        )
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """Degrees of parallelism, and which stage holds which layers. dp is derived: dp = world / (tp * pp * cp)."""
@@ -254,6 +285,18 @@ class TrainConfig:
     recompute_num_layers: Optional[int] = field(
         default=None,
         metadata=meta("full recompute: blocks per chunk (uniform) or recomputed blocks per stage (block)", at_least=1),
+    )
+    # threed.model.layers.chunked_token_losses: the last stage runs its LM head and the cross-entropy on N chunks of
+    # each sequence's tokens, one at a time, and recomputes each chunk's logits in backward, so the logits [s, b, V/tp]
+    # and their fp32 softmax are never whole (1/N of them at a time). The loss only: generation and scoring get whole
+    # logits (`whole_sequences`).
+    lm_head_chunks: int = field(
+        default=1,
+        metadata=meta(
+            "LM head + cross-entropy on N chunks of each sequence, recomputed in backward: 1/N of the logits in "
+            "memory at a time (1: off, whole logits)",
+            at_least=1,
+        ),
     )
     zero_stage: int = field(
         default=1,
@@ -645,6 +688,10 @@ class RunConfig:
                 f"seq_length {self.train.seq_length} is not a multiple of {self.parallel.tp}; use a "
                 f"multiple of {self.parallel.tp}"
             )
+        p = self.parallel
+        check_lm_head_chunks(
+            self.train.lm_head_chunks, self.train.seq_length, p.tp, p.cp, p.sequence_parallel, p.pipeline_schedule
+        )
         self.train.resolve_batch(self.parallel.dp(world_size))
         if self.checkpoint.load and self.checkpoint.init_from:
             raise ConfigError("give either load (full resume) or init_from (weights only), not both")

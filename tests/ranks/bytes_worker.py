@@ -9,7 +9,12 @@ Each run reports its losses, gradient norms and the fp32 master weights' sums (t
 last stage holds after each step, and whether the engine, a parameter and an AdamW state tensor are still alive after
 `destroy()`, `del` and garbage collection (`collect_all`).
 
-    python -m torch.distributed.run --nproc-per-node 2 tests/ranks/bytes_worker.py --out /tmp/b
+"head_chunks" (`--lm-head-chunks`, threed.model.layers.chunked_token_losses): first real engines (ENGINE_CASES) trained
+STEPS steps with the whole logits and with HEAD_CHUNKS chunks (losses, gradient norms); then one tp 2 stage
+(HEAD_CASES, fp32, no engine), the loss and every parameter's gradient of one micro-batch both ways, on each TP rank.
+
+    python -m torch.distributed.run --nproc-per-node 2 tests/ranks/bytes_worker.py compare --out /tmp/b
+    python -m torch.distributed.run --nproc-per-node 2 tests/ranks/bytes_worker.py head_chunks --out /tmp/h
 """
 
 from __future__ import annotations
@@ -27,12 +32,29 @@ import torch.distributed as dist
 # worker_setup first: it puts tests/ on sys.path (helpers, reference)
 from worker_setup import build_engine, rank_json, reads_data, run_worker, synthetic_batches
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+from helpers import gradients_against, pipeline_module
 from threed.config import ParallelConfig, RunConfig, TrainConfig
 from threed.convert.resolve import model_config
 from threed.engine import build as engine_build, fp32_accumulate
-from threed.parallel.distributed import Runtime
+from threed.parallel.distributed import Runtime, init_megatron_parallel_state
 
 MICRO, GAS, SEQ, STEPS = 2, 3, 32, 3
+HEAD_CHUNKS = 4
+# name -> (preset, tp, pp, dtype): 2-rank engines with and without --lm-head-chunks. pp 2 bf16 is BF16_Optimizer, whose
+# gradient hooks must fire after the engine's backward prologue (the DeferredLogits view); tied, the head's weight is
+# the embedding's, its gradient summed over the two stages' copies; tp 2 fp32, ZeRO-1's fp32 optimizer and TP.
+ENGINE_CASES = {
+    "pp2_bf16": ("tiny", 1, 2, "bf16"),
+    "pp2_bf16_tied": ("tiny-tied", 1, 2, "bf16"),
+    "tp2_fp32": ("tiny", 2, 1, "fp32"),
+}
+# name -> (preset, sequence parallel, packed rows with a loss mask): one tp 2 stage, fp32.
+HEAD_CASES = {
+    "tp2": ("tiny", False, False),
+    "tp2_sp": ("tiny", True, False),
+    "tp2_sp_tied": ("tiny-tied", True, False),
+    "tp2_packed_masked": ("tiny", False, True),
+}
 
 
 @contextlib.contextmanager
@@ -119,5 +141,60 @@ def compare(args: argparse.Namespace, rt: Runtime) -> None:
     rank_json(args.out, "", results)
 
 
+def engine_run(rt: Runtime, case: str, chunks: int) -> dict:
+    """ENGINE_CASES[case] trained STEPS steps (micro 2 x gas 3) on synthetic tokens: its losses and gradient norms."""
+    name, tp, pp, dtype = ENGINE_CASES[case]
+    cfg = RunConfig(
+        model=model_config(name),
+        parallel=ParallelConfig(tp=tp, pp=pp),
+        train=TrainConfig(
+            dtype=dtype,
+            micro_batch_size=MICRO,
+            grad_accum_steps=GAS,
+            seq_length=SEQ,
+            steps=STEPS,
+            lm_head_chunks=chunks,
+        ),
+    )
+    engine = build_engine(cfg, rt).engine
+    data = synthetic_batches(cfg.model.vocab_size, MICRO, SEQ, seed=0, n=GAS * STEPS)
+    losses, norms = [], []
+    for _ in range(STEPS):
+        losses.append(engine.train_batch(data_iter=data if reads_data(engine) else None).item())
+        norms.append(float(engine.get_global_grad_norm()))
+    engine.destroy()
+    return {"losses": losses, "grad_norms": norms}
+
+
+def stage_grads(name: str, sp: bool, packed: bool, chunks: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One tp 2 stage (the world) of `name`, fp32: the loss of one micro-batch and this TP rank's gradients."""
+    cfg = RunConfig(
+        model=model_config(name),
+        parallel=ParallelConfig(tp=2, sequence_parallel=sp),
+        train=TrainConfig(dtype="fp32", micro_batch_size=MICRO, seq_length=SEQ, lm_head_chunks=chunks),
+    )
+    module = pipeline_module(cfg, 2)
+    tokens, labels = next(synthetic_batches(cfg.model.vocab_size, MICRO, SEQ, seed=1, n=1))
+    inputs, targets = tokens, labels
+    if packed:  # two documents per row, and a loss mask (SFT's)
+        doc_ids = (torch.arange(SEQ) >= 13).to(torch.int32).expand(MICRO, SEQ).contiguous()
+        inputs, targets = (tokens, doc_ids), (labels, (torch.arange(SEQ) % 3 > 0).float().expand(MICRO, SEQ))
+    loss = module.loss_fn(module(inputs), targets)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in module.named_parameters()}
+
+
+def head_chunks(args: argparse.Namespace, rt: Runtime) -> None:
+    results: dict = {"engines": {}, "stages": {}}
+    for case in ENGINE_CASES:
+        results["engines"][case] = {str(c): engine_run(rt, case, c) for c in (1, HEAD_CHUNKS)}
+        dist.barrier()
+    init_megatron_parallel_state(2, 1)
+    for case, (name, sp, packed) in HEAD_CASES.items():
+        whole_loss, whole = stage_grads(name, sp, packed, 1)
+        results["stages"][case] = gradients_against(*stage_grads(name, sp, packed, HEAD_CHUNKS), whole_loss, whole)
+    rank_json(args.out, "head_chunks", results)
+
+
 if __name__ == "__main__":
-    raise SystemExit(run_worker({"compare": compare}))
+    raise SystemExit(run_worker({"compare": compare, "head_chunks": head_chunks}))

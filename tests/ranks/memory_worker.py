@@ -21,6 +21,8 @@ a whole one-stage model (the profiler's memory events), with and without activat
 of SP_CASES (sequence parallelism on/off, recompute none / first N blocks / all), next to the estimate.
 --cp-activations (tests/ranks/test_memory_cp.py; 2 ranks, tp 1 pp 1): the same peak at cp 1 and then cp 2 on the same
 rows, every rank its share at cp 2.
+--head-chunks (tests/ranks/test_memory_head.py; one process): the same peak through a one-stage model whose LM head sets
+it (HEAD_MODEL), with the whole logits and with --lm-head-chunks HEAD_CHUNKS.
 --sequence-parallel: the --layouts engines run with Megatron's sequence parallelism. --pipeline-schedule: the
 --layouts engines run that schedule (tests/ranks/test_memory_zb.py: zb-h1, whose static terms are 1F1B's).
 
@@ -66,6 +68,10 @@ ACT_MODEL = ModelConfig(
 ACT = dict(micro=2, seq=512)
 # --stage-activations: four blocks, so that partial recompute has an N strictly between 0 and all of them.
 SP_MODEL = dataclasses.replace(ACT_MODEL, name="act-sp", num_layers=4)
+# --head-chunks: one block and a vocabulary whose logits outweigh it (no padding: 16384 is a multiple of 32), so that
+# the loss's share of the peak is what the measurement sees.
+HEAD_MODEL = dataclasses.replace(ACT_MODEL, name="act-head", vocab_size=16384, num_layers=1)
+HEAD = dict(micro=2, seq=256, chunks=8)
 SP_CASES = {  # name -> (sequence parallel, recompute)
     "tp": (False, Recompute()),
     "sp": (True, Recompute()),
@@ -357,6 +363,38 @@ def context_parallel_cases(args: argparse.Namespace, rt: Runtime) -> None:
     rank_json(args.out, "cp_activations", results)
 
 
+def head_chunk_cases(args: argparse.Namespace) -> None:
+    """HEAD_MODEL's one stage (tp 1, bf16) with the whole logits and with HEAD["chunks"] chunks: the CPU peak of one
+    micro-batch's forward and backward, the output let go once the loss is made (threed.parallel.lean_engine), next to
+    `stage_activations` with CPU kernels (`head_chunks`)."""
+    init_megatron_parallel_state(1, 1)
+    micro, seq = HEAD["micro"], HEAD["seq"]
+    tokens, labels = next(synthetic_batches(HEAD_MODEL.vocab_size, micro, seq, n=1))
+    results = {}
+    for chunks in (1, HEAD["chunks"]):
+        cfg = RunConfig(
+            model=HEAD_MODEL, train=TrainConfig(seq_length=seq, micro_batch_size=micro, lm_head_chunks=chunks)
+        )
+        module = pipeline_module(cfg, 1).bfloat16()
+        module._precompute_checkpointable_values()
+        module.loss_fn(module(tokens), labels).backward()  # grads now exist: backward adds into them
+
+        def step() -> None:
+            # the output goes once the loss is made, as the engine lets it go
+            module.loss_fn(module(tokens), labels).backward()  # noqa: F821 (bound in the loop; ruff sees its `del`)
+
+        measured = min(cpu_peak(step) for _ in range(3))  # the least of three, as in `stage_activation_cases`
+        stage = Stage(index=0, blocks=HEAD_MODEL.num_layers, first=True, last=True)
+        max_param = max(p.numel() for p in module.parameters())
+        estimate = stage_activations(
+            HEAD_MODEL, 1, 1, stage, micro, 1, seq, False, "cpu", max_param, head_chunks=chunks
+        )
+        results[str(chunks)] = {"measured": measured, "estimate_cpu_kernels": estimate}
+        del module
+        gc.collect()
+    write_json(args.out / "head_chunks.json", results)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layouts", nargs="*", default=[], help="TPxPP, e.g. 2x2")
     p.add_argument("--activations", action="store_true", help="also the CPU activation peak (one process)")
@@ -365,6 +403,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--cp-activations", action="store_true", help="the CPU activation peak at cp 1 and cp 2 (tp 1 pp 1, 2 ranks)"
+    )
+    p.add_argument(
+        "--head-chunks", action="store_true", help="the CPU activation peak with and without --lm-head-chunks"
     )
     p.add_argument("--sequence-parallel", action="store_true", help="the --layouts engines with SP")
     p.add_argument("--pipeline-schedule", default="1f1b", help="the --layouts engines' schedule")
@@ -383,6 +424,8 @@ def main(args: argparse.Namespace, rt: Runtime) -> None:
         stage_activation_cases(args, rt)
     if args.cp_activations:
         context_parallel_cases(args, rt)
+    if args.head_chunks:
+        head_chunk_cases(args)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,11 @@ accumulation, micro 2 x gas 3, 3 steps), DeepSpeed's own pieces ("before") again
 - after each step the last stage holds no logits and no loss graph (DeepSpeed's keeps both);
 - after `destroy()` the engine, its parameters and its optimizer state are freed (DeepSpeed's last stage keeps them
   through the hooks on its logits' graph).
+
+And `--lm-head-chunks` (bytes_worker.py head_chunks): at tp 2, with and without sequence parallelism, tied, and on
+packed rows with a loss mask, one fp32 micro-batch gives the whole-logits loss bit for bit and every gradient within
+STAGE_REL (all but the head's weight bit for bit); real engines (pp 2 bf16 with BF16_Optimizer, untied and tied; tp 2
+fp32) train as with the whole logits: the first loss bit for bit, the rest within ENGINE_REL.
 """
 
 from __future__ import annotations
@@ -15,12 +20,21 @@ import json
 import pytest
 
 from helpers import RANKS
+from bytes_worker import ENGINE_CASES, HEAD_CASES, HEAD_CHUNKS
+
+# Per tensor, max |chunked - whole| / max |whole| of one micro-batch's fp32 gradients: the head's weight gradient is a
+# sum of HEAD_CHUNKS partial products instead of one matmul's (measured 3.5e-7 at most).
+STAGE_REL = 1e-6
+# Relative, per step, chunked against whole over 3 steps: fp32 (measured 1.5e-7 at most), and bf16, where the head's
+# weight gradient is summed over the chunks in bf16 (measured 9.7e-5 at most, on a gradient norm; bf16's own rounding
+# is 2^-8 = 3.9e-3).
+ENGINE_REL = {"fp32": 1e-6, "bf16": 1e-3}
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory, rank_pool):
     out = tmp_path_factory.mktemp("bytes")
-    rank_pool.run(2, str(RANKS / "bytes_worker.py"), ["--out", str(out)], timeout=600)
+    rank_pool.run(2, str(RANKS / "bytes_worker.py"), ["compare", "--out", str(out)], timeout=600)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
@@ -55,3 +69,34 @@ def test_destroy_frees_the_engine_its_parameters_and_optimizer_state(ranks) -> N
     # What the change fixes: DeepSpeed's last stage is kept alive by the hooks on its logits' graph.
     last = next(r for r in ranks if r["before"]["last"])
     assert last["before"]["alive_after_destroy"]["engine"]
+
+
+@pytest.fixture(scope="module")
+def chunked(tmp_path_factory, rank_pool):
+    out = tmp_path_factory.mktemp("head_chunks")
+    rank_pool.run(2, str(RANKS / "bytes_worker.py"), ["head_chunks", "--out", str(out)], timeout=900)
+    return [json.loads((out / f"head_chunks_rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_chunked_head_at_tp2_gives_the_whole_logits_loss_and_gradients(chunked) -> None:
+    for rank, r in enumerate(chunked):
+        assert set(r["stages"]) == set(HEAD_CASES)
+        for case, c in r["stages"].items():
+            print(f"rank {rank} {case}: max relative gradient difference {c['max_rel']:.3g} in {c['differing']}")
+            assert c["loss_equal"] and c["all_nonzero"], case
+            assert c["max_rel"] <= STAGE_REL, case
+            assert all(n.endswith(("lm_head.weight", "word_embeddings.weight")) for n in c["differing"]), case
+
+
+def test_chunked_head_trains_as_the_whole_logits(chunked) -> None:
+    """Through DeepSpeed's engines: the backward prologue, ZeRO's and BF16_Optimizer's gradient hooks, the tied
+    gradient's sum over stages and TP all see the chunked loss as they see the whole one."""
+    for r in chunked:
+        for case, runs in r["engines"].items():
+            whole, parts = runs["1"], runs[str(HEAD_CHUNKS)]
+            tol = ENGINE_REL[ENGINE_CASES[case][3]]
+            assert parts["losses"][0] == whole["losses"][0], case  # the same weights, the same logits rows
+            for key in ("losses", "grad_norms"):
+                worst = max(abs(a - b) / abs(b) for a, b in zip(parts[key], whole[key]))
+                print(f"{case} {key}: chunked vs whole, relative {worst:.3g}")
+                assert worst <= tol and len(parts[key]) == 3, (case, key)

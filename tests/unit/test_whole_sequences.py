@@ -1,10 +1,11 @@
 """`threed.model.layers.whole_sequences`, the one switch generation and scoring run under (threed.generate.decode's
 `evaluation`): inside it every split attribute of a stage's modules says "whole sequences" (megatron's
 `sequence_parallel` / `reduce_scatter_embeddings` and its config's, the blocks' `sequence_shards` / `context`, the
-core attention's CP group), including the linear of a tied head that no module tree holds; on exit, also when its
-body raises, every attribute holds its own object again. No process group: stand-in modules carry the attributes
-(the real layers under tp2 cp2 sp: tests/ranks/test_samples_split.py). And `threed.train.samples.prepare` takes
-runs with --sequence-parallel or --context-parallel-size > 1 (it refused them before the switch).
+core attention's CP group, the LM head's `loss_chunks`), including the linear of a tied head that no module tree
+holds; on exit, also when its body raises, every attribute holds its own object again. No process group: stand-in
+modules carry the attributes (the real layers under tp2 cp2 sp: tests/ranks/test_samples_split.py). And
+`threed.train.samples.prepare` takes runs with --sequence-parallel or --context-parallel-size > 1 (it refused them
+before the switch).
 
     .venv/bin/python -m pytest -q tests/unit/test_whole_sequences.py
 """
@@ -58,7 +59,7 @@ def block(config, shards: int, context: tuple[int, int]) -> LlamaBlock:
     return b
 
 
-def stage(sequence_parallel: bool = True, cp: int = 2):
+def stage(sequence_parallel: bool = True, cp: int = 2, chunks: int = 4):
     """(kind, callable) pairs as `threed.generate.decode.stage_of` lists them, the head a tied one (DeepSpeed's
     `partial(TiedLMHead, embedding)`), and the config they share."""
     config = megatron_config(MODEL, 2, initialize=False, sequence_parallel=sequence_parallel)
@@ -66,6 +67,7 @@ def stage(sequence_parallel: bool = True, cp: int = 2):
     embedding.word_embeddings = Embedding(sequence_parallel)
     head = TiedLMHead.__new__(TiedLMHead)
     head.linear = Linear(config, sequence_parallel)
+    head.loss_chunks = chunks  # --lm-head-chunks: the training loss makes the logits in chunks
     blocks = [block(config, 2 if sequence_parallel else 1, (cp, 1) if cp > 1 else (1, 0)) for _ in range(2)]
     funcs = [("embedding", embedding), *[("block", b) for b in blocks], ("lm_head", functools.partial(head, embedding))]
     return funcs, config, embedding, blocks, head
@@ -74,6 +76,7 @@ def stage(sequence_parallel: bool = True, cp: int = 2):
 def snapshot(funcs, config, embedding, blocks, head) -> list:
     """Every attribute the switch may touch, by value (the CP group by identity), and the norms' parameter tags."""
     out = [config.sequence_parallel, embedding.word_embeddings.reduce_scatter_embeddings, head.linear.sequence_parallel]
+    out.append(head.loss_chunks)
     for b in blocks:
         out += [b.sequence_shards, b.context, id(b.core.cp_group), b.linear_qkv.sequence_parallel]
         out += [b.linear_proj.sequence_parallel, getattr(b.norm.weight, "sequence_parallel", None)]
@@ -88,6 +91,7 @@ def test_inside_every_split_is_off_and_after_every_attribute_is_back():
         assert config.sequence_parallel is False
         assert embedding.word_embeddings.reduce_scatter_embeddings is False
         assert head.linear.sequence_parallel is False  # reached through the partial: no module tree holds it
+        assert head.loss_chunks == 1  # generation and scoring read the logits themselves
         for b in blocks:
             assert (b.sequence_shards, b.context, b.core.cp_group) == (1, (1, 0), None)
             assert not b.linear_qkv.sequence_parallel and not b.linear_proj.sequence_parallel
@@ -120,7 +124,7 @@ def test_nested_and_repeated_modules_restore_their_own_values():
 
 
 def test_a_stage_without_splits_is_left_as_it_is():
-    funcs, *_ = parts = stage(sequence_parallel=False, cp=1)
+    funcs, *_ = parts = stage(sequence_parallel=False, cp=1, chunks=1)
     before = snapshot(*parts)
     with whole_sequences(fn for _, fn in funcs):
         assert snapshot(*parts) == before

@@ -2,7 +2,7 @@
 docstring lists every term), one line for the heaviest stage or one per stage.
 
     threed memory --model llama3.1-70b --tp 8 --pp 4 --dp 16 --micro-batch-size 1 --grad-accum-steps 32 \
-        --seq-length 8192 --sequence-parallel [--pipeline-schedule zb-h1] [--cp 2] [--all-stages]
+        --seq-length 8192 --sequence-parallel [--pipeline-schedule zb-h1] [--cp 2] [--lm-head-chunks 8] [--all-stages]
 
 The flags are training's (`threed.cli.flags`: the same names, Megatron aliases and checks as `threed train`); the
 earlier short names (--micro, --gas, --seq, --act-ckpt) stay as aliases. `--dp` is the one flag training does not
@@ -15,7 +15,7 @@ import argparse
 import sys
 
 from threed.cli.flags import add_command, add_field_flag, add_model_flag, field_value, standalone
-from threed.config import ConfigError, TrainConfig, check_sequence_parallel
+from threed.config import ConfigError, TrainConfig, check_lm_head_chunks, check_sequence_parallel
 from threed.errors import guarded
 from threed.memory import model as memory_model
 from threed.memory.model import estimate, heaviest
@@ -39,6 +39,7 @@ OPTIONAL = (
     ("train", "recompute_num_layers", ()),
     ("parallel", "pipeline_schedule", ()),
     ("parallel", "cp", ()),
+    ("train", "lm_head_chunks", ()),
 )
 
 
@@ -71,6 +72,8 @@ def lines(ns: argparse.Namespace) -> list[str]:
     cp = field_value(ns, "parallel", "cp")
     if cp > 1:  # the CP layout's own rule and message (2 x cp chunks, x tp under sequence parallelism)
         check_cp(seq, cp, tp, sp)
+    chunks = field_value(ns, "train", "lm_head_chunks")
+    check_lm_head_chunks(chunks, seq, tp, cp, sp, field_value(ns, "parallel", "pipeline_schedule"))
     model = model_config(ns.model)
     train = TrainConfig(
         seq_length=1,
@@ -92,6 +95,7 @@ def lines(ns: argparse.Namespace) -> list[str]:
         sequence_parallel=sp,
         schedule=field_value(ns, "parallel", "pipeline_schedule"),
         cp=cp,
+        head_chunks=chunks,
     )
     return [m.line(pp) for m in (mems if ns.all_stages else [heaviest(mems)])]
 

@@ -42,8 +42,10 @@ cp 2 against cp 1 (`activation_ratio`).
                             up + glu_linear_offset, their product; the fused kernel (CUDA, `cuda_only`) 3f/tp
                plus RoPE cos/sin, 8 s d bytes per block. Per micro-batch a stage also keeps its received input
                (at tp 1 beside the forward's clone: 2h) and its output's TP partition (2h / tp); the last stage
-               the final norm and the fp32 softmax of vocab_parallel_cross_entropy (4V/tp). With activation
-               checkpointing a block keeps its input (2h) and backward recomputes one block at a time.
+               the final norm and the fp32 softmax of vocab_parallel_cross_entropy (4V/tp; --lm-head-chunks N: none,
+               the loss's backward holds one chunk's softmax and logits gradient, 6V/tp per token / N, and the sum of
+               the chunks' bf16 head weight gradients). With activation checkpointing a block keeps its input (2h)
+               and backward recomputes one block at a time.
                Sequence parallelism (Korthikanti et al.): the norms and the residual stream hold [s/tp, b, h], so
                the h-sized terms (norms, received input, kept output, checkpointed input) are divided by tp too:
                every term of a block is then / tp (their 34 sbh / t; SDPA keeps no s x s scores, so there is no
@@ -292,6 +294,17 @@ def _held_before_b(
     )
 
 
+def logits_bytes(v: int, tokens: int, chunks: int = 1) -> tuple[int, int]:
+    """(kept, loss backward): the last stage's bytes of the logits of one micro-batch's `tokens`, `v` = V/tp columns.
+    Kept for backward from the loss's forward: the fp32 softmax of vocab_parallel_cross_entropy (4V/tp per token).
+    Added in the loss's backward: the logits' bf16 gradient (2V/tp). `--lm-head-chunks N`
+    (threed.model.layers.chunked_token_losses): forward keeps nothing of the logits, and backward recomputes one chunk
+    at a time, its softmax and then its gradient, so the same 6V/tp bytes per token count on tokens / N."""
+    if chunks == 1:
+        return 4 * v * tokens, BF16 * v * tokens
+    return 0, (4 + BF16) * v * tokens // chunks
+
+
 def stage_activations(
     model: ModelConfig,
     tp: int,
@@ -306,10 +319,11 @@ def stage_activations(
     sequence_parallel: bool = False,
     schedule: str = "1f1b",
     cp: int = 1,
+    head_chunks: int = 1,
 ) -> float:
     """Peak bytes of the forward/backward phase on one rank of `stage`, beyond the static terms. `act_ckpt`: True
     (every block recomputed), False, or a `Recompute` (Megatron's flags); `schedule`: `threed.parallel.schedule`'s;
-    `cp`: context parallelism, each rank holding seq / cp tokens of every row."""
+    `cp`: context parallelism, each rank holding seq / cp tokens of every row; `head_chunks`: `--lm-head-chunks`."""
     rc = Recompute.of(act_ckpt)
     sp = sequence_parallel and tp > 1
     h, f, v = model.hidden_size, model.ffn_hidden_size, model.padded_vocab_size(tp) // tp
@@ -324,7 +338,8 @@ def stage_activations(
     # Last stage: final norm (on [s/tp] under sequence parallelism), fp32 softmax, labels. The bf16 logits live
     # through the loss's forward only (threed.parallel.lean_engine): 2V/tp, as much as their gradient in the loss's
     # backward (`head_phase`), which is the larger phase.
-    head = (_norm_bytes(h, device) // (tp if sp else 1) + 4 * v + 8) * tokens if stage.last else 0.0
+    kept_logits, loss_backward = logits_bytes(v, tokens, head_chunks)
+    head = (_norm_bytes(h, device) // (tp if sp else 1) + 8) * tokens + kept_logits if stage.last else 0.0
     per_micro = kept_blocks + extras + head
     grad = BF16 * max_param  # one parameter's bf16 .grad before the hook adds it to the fp32 buffer
     deferred = schedule != "1f1b"  # under 1F1B, B computes the weight gradients: nothing awaits W
@@ -342,8 +357,11 @@ def stage_activations(
     # Context parallelism: the gathered K/V's gradient, [s, b, kv_heads / tp, d] each, before its reduce-scatter.
     cp_grad = kv_row_bytes(model, tp, seq, micro) if cp > 1 else 0
     blocks_phase = others + this + recreated + BF16 * (3 * f // tp + h) * tokens + grad + cp_grad
-    # The loss backward: the logits' bf16 gradient (ZB-H1: the LM head's output gradient, kept for W).
-    head_phase = others + per_micro + BF16 * v * tokens + grad if stage.last else 0.0
+    # The loss backward: the logits' bf16 gradient (ZB-H1: the LM head's output gradient, kept for W). Chunked, autograd
+    # sums the chunks' gradients of the head's weight [V/tp, h] before its AccumulateGrad: that sum lives beside each
+    # chunk's own (measured: tests/ranks/test_memory_head.py).
+    chunk_sum = BF16 * v * h if head_chunks > 1 else 0
+    head_phase = others + per_micro + loss_backward + grad + chunk_sum if stage.last else 0.0
     return max(blocks_phase, head_phase)
 
 
@@ -374,6 +392,7 @@ def stage_memory(
     sequence_parallel: bool = False,
     schedule: str = "1f1b",
     cp: int = 1,
+    head_chunks: int = 1,
 ) -> Memory:
     h, d = model.hidden_size, model.head_dim
     tokens = seq * micro // cp  # this rank's tokens (seq / cp of each row)
@@ -398,7 +417,7 @@ def stage_memory(
         optimizer=float(12 * sum(padded) // shards + 4 * len(groups)),  # + AdamW's fp32 `step` per group
         buffers=float(buffers),
         activations=stage_activations(
-            model, tp, pp, stage, micro, gas, seq, act_ckpt, device, max_param, sp, schedule, cp
+            model, tp, pp, stage, micro, gas, seq, act_ckpt, device, max_param, sp, schedule, cp, head_chunks
         ),
         reduce_temp=float(reduce_copy_bytes(padded)),
         step_temp=float(4 * max(p // shards for p in padded) * adamw_temps),
@@ -419,13 +438,16 @@ def estimate(
     sequence_parallel: bool = False,
     schedule: str = "1f1b",
     cp: int = 1,
+    head_chunks: int = 1,
 ) -> list[Memory]:
     """Memory of every stage (one rank each; the TP and CP ranks of a stage hold equal shards) under `schedule`;
-    `dp` excludes `cp` (world = tp x pp x cp x dp)."""
+    `dp` excludes `cp` (world = tp x pp x cp x dp); `head_chunks`: `--lm-head-chunks`."""
     if isinstance(model, str):
         model = model_config(model)
     return [
-        stage_memory(model, tp, pp, dp, micro, gas, seq, act_ckpt, s, device, sequence_parallel, schedule, cp)
+        stage_memory(
+            model, tp, pp, dp, micro, gas, seq, act_ckpt, s, device, sequence_parallel, schedule, cp, head_chunks
+        )
         for s in stages(model, pp, tp, seq, partition_method)
     ]
 

@@ -19,10 +19,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import (
     ColumnParallelLinear,
@@ -286,17 +287,50 @@ def vocab_parallel_linear(
     )
 
 
-class LMHeadPipe(torch.nn.Module):
-    """Column-parallel LM head: `[s, b, h]` -> vocab-parallel logits `[s, b, padded_vocab / tp]`, padding masked."""
+class DeferredLogits(NamedTuple):
+    """The last stage's output under `--lm-head-chunks N` (N > 1) in place of its logits: what makes them, so that
+    the loss runs the head and the cross-entropy one chunk of tokens at a time (`chunked_token_losses`) and the logits
+    `[s, b, V/tp]` are never whole, in forward or in backward.
 
-    def __init__(self, model: ModelConfig, mcore: TransformerConfig):
+    The two tensors the loss differentiates, then the rest. DeepSpeed's engine hooks its backward prologue (ZeRO's
+    bookkeeping, its timers) on the tensors of the stage's output, and that must run before any parameter's gradient
+    hook, as it does on the logits. So the weight travels as a view of the parameter: all N chunks' weight gradients
+    meet in the view's own autograd node, whose hook runs before the parameter's AccumulateGrad."""
+
+    hidden: torch.Tensor  # the final norm's output [s, b, h] (this TP rank's [s/tp, b, h] under sequence parallelism)
+    weight: torch.Tensor  # a view of the head's weight [V/tp, h] (the embedding's, tied)
+    head: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (hidden rows, weight) -> their masked logits
+    chunks: int
+    shards: int  # TP ranks whose sequence parts the head all-gathers (sequence parallelism), else 1
+
+
+def defer_logits(head, linear: SplitColumnParallelLinear, weight, hidden: torch.Tensor, chunks: int) -> DeferredLogits:
+    """`head`'s logits of `hidden`, left for the loss to make in `chunks` (the head's `linear` says whether it gathers
+    the sequence over TP)."""
+    shards = parallel_state.get_tensor_model_parallel_world_size() if linear.sequence_parallel else 1
+    return DeferredLogits(hidden, weight.view_as(weight), head, chunks, shards)
+
+
+class LMHeadPipe(torch.nn.Module):
+    """Column-parallel LM head: `[s, b, h]` -> vocab-parallel logits `[s, b, padded_vocab / tp]`, padding masked; or,
+    with `chunks` > 1 (`--lm-head-chunks`), `DeferredLogits` for the loss to make chunk by chunk."""
+
+    def __init__(self, model: ModelConfig, mcore: TransformerConfig, chunks: int = 1):
         super().__init__()
         self.lm_head = vocab_parallel_linear(model, mcore)
         mark_tensor_parallel(self)
         self.mask_padding = PaddedLogits(model, mcore.tensor_model_parallel_size)
+        self.loss_chunks = chunks  # 1 under `whole_sequences`: generation and scoring need the logits themselves
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | DeferredLogits:
+        if self.loss_chunks > 1:
+            return defer_logits(self.logits, self.lm_head, self.lm_head.weight, hidden, self.loss_chunks)
         logits, _ = self.lm_head(hidden)
+        return self.mask_padding(logits)
+
+    def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The masked logits of `hidden` with `weight` (the parameter's view a `DeferredLogits` carries)."""
+        logits, _ = self.lm_head(hidden, weight=weight)
         return self.mask_padding(logits)
 
 
@@ -305,14 +339,21 @@ class TiedLMHead:
     `head(embedding_module, hidden)` with the stage's copy of the embedding. It is megatron's own tied head
     (GPTModel with share_embeddings_and_output_weights): a ColumnParallelLinear that allocates no weight and is
     run with the embedding's. Not a Module, so it adds nothing to any state dict (the tied head has no layer file);
-    it holds no tensor, so it needs no device move."""
+    it holds no tensor, so it needs no device move. `chunks` > 1: `DeferredLogits`, as `LMHeadPipe`."""
 
-    def __init__(self, model: ModelConfig, mcore: TransformerConfig):
+    def __init__(self, model: ModelConfig, mcore: TransformerConfig, chunks: int = 1):
         self.linear = vocab_parallel_linear(model, mcore, own_weight=False)
         self.mask_padding = PaddedLogits(model, mcore.tensor_model_parallel_size)
+        self.loss_chunks = chunks  # as LMHeadPipe's
 
-    def __call__(self, embedding: "EmbeddingPipe", hidden: torch.Tensor) -> torch.Tensor:
-        logits, _ = self.linear(hidden, weight=embedding.word_embeddings.weight)
+    def __call__(self, embedding: "EmbeddingPipe", hidden: torch.Tensor) -> torch.Tensor | DeferredLogits:
+        weight = embedding.word_embeddings.weight
+        if self.loss_chunks > 1:
+            return defer_logits(self.logits, self.linear, weight, hidden, self.loss_chunks)
+        return self.logits(hidden, weight)
+
+    def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        logits, _ = self.linear(hidden, weight=weight)
         return self.mask_padding(logits)
 
 
@@ -337,7 +378,9 @@ def whole_sequences(layers: Iterable[Any]) -> Iterator[None]:
     TransformerConfig's `sequence_parallel`; and threed's own: `LlamaBlock.sequence_shards` and `.context` (the RoPE
     angles' length and CP cut), `SDPACoreAttention.cp_group` (None: no K/V all-gather over the CP group).
     Left alone: the norms' `weight.sequence_parallel` tag, read only when gradients are reduced after a backward
-    (`threed.parallel.staged`); what runs inside this has no backward (torch.no_grad)."""
+    (`threed.parallel.staged`); what runs inside this has no backward (torch.no_grad). The LM head returns its logits
+    (`loss_chunks` 1): `--lm-head-chunks` defers them to the training loss, and these callers read the logits."""
+    layers = list(layers)  # walked twice (modules, then heads); a caller may pass a generator
     saved: list[tuple[Any, str, Any]] = []
     seen: set[tuple[int, str]] = set()
 
@@ -361,6 +404,10 @@ def whole_sequences(layers: Iterable[Any]) -> Iterator[None]:
                 put(module, "context", (1, 0))
             if isinstance(module, SDPACoreAttention):
                 put(module, "cp_group", None)
+        for layer in layers:
+            head = layer.func if isinstance(layer, functools.partial) else layer
+            if isinstance(head, (LMHeadPipe, TiedLMHead)):
+                put(head, "loss_chunks", 1)
         yield
     finally:
         for obj, name, value in reversed(saved):
@@ -379,9 +426,17 @@ def _stage_modules(layers: Iterable[Any]) -> Iterator[torch.nn.Module]:
             yield from layer.linear.modules()
 
 
-def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def token_losses(logits: torch.Tensor | DeferredLogits, labels: torch.Tensor) -> torch.Tensor:
     """Next-token cross entropy `[b, s]` in fp32 from vocab-parallel logits `[s, b, v/tp]` and labels `[b, s]`,
-    without gathering the vocabulary.
+    without gathering the vocabulary; from `DeferredLogits` (`--lm-head-chunks`) chunk by chunk, the same values
+    (`chunked_token_losses`)."""
+    if isinstance(logits, DeferredLogits):
+        return chunked_token_losses(logits, labels)
+    return sequence_losses(logits, labels.transpose(0, 1).contiguous()).transpose(0, 1)
+
+
+def sequence_losses(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross entropy `[s, b]` in fp32 of vocab-parallel logits `[s, b, v/tp]` and targets `[s, b]` (sequence first).
 
     bf16 logits go to megatron-core's fused cross-entropy as they are. It upcasts them inside its first kernel (on
     CUDA megatron's `jit_fuser` compiles cast and max into one pass, where the unfused path writes an fp32 copy and
@@ -391,11 +446,45 @@ def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     operations in the same order, so on CPU both give the same bits (tests/unit/test_loss_bytes.py). Other dtypes
     keep the unfused path: the fused backward casts the gradient to bf16, which an fp32 run must not (for fp32
     logits `.float()` is the tensor itself, no copy)."""
-    target = labels.transpose(0, 1).contiguous()
     if logits.dtype == torch.bfloat16:
         group = parallel_state.get_tensor_model_parallel_group()
-        return fused_vocab_parallel_cross_entropy(logits, target, group).transpose(0, 1)
-    return vocab_parallel_cross_entropy(logits.float(), target).transpose(0, 1)
+        return fused_vocab_parallel_cross_entropy(logits, target, group)
+    return vocab_parallel_cross_entropy(logits.float(), target)
+
+
+def chunked_token_losses(deferred: DeferredLogits, labels: torch.Tensor) -> torch.Tensor:
+    """`token_losses` of the logits `deferred` would make, made `deferred.chunks` chunks of tokens at a time.
+
+    Each chunk (its head matmul, padding mask and cross-entropy) runs under torch's non-reentrant checkpoint: forward
+    keeps only its inputs, views of the hidden states and the weight, and backward recomputes the chunk's logits and
+    softmax when it reaches it. Autograd runs the newest nodes first, so backward takes the chunks one at a time, last
+    to first: one chunk's logits, softmax and logits gradient exist at once, 1/N of the whole. A token's loss is the
+    same arithmetic on the same logits row, so the returned `[b, s]` and every reduction of it are unchanged; the
+    weight's gradient is the sum of N partial products, in another order than one matmul's (tests/unit/
+    test_lm_head_chunks.py measures it). Under sequence parallelism the head all-gathers each chunk of the TP ranks'
+    parts, so chunk j's rows are rank 0's chunk j, then rank 1's, ...: targets are taken, and losses put back, so."""
+    hidden, weight, head, chunks, shards = deferred
+    rows = hidden.shape[0] // chunks
+    if rows * chunks != hidden.shape[0]:  # the config check refuses it first (threed.config.check_lm_head_chunks)
+        raise ValueError(f"--lm-head-chunks {chunks} does not divide the head's {hidden.shape[0]} tokens per row")
+    target = labels.transpose(0, 1).contiguous().view(shards, chunks, rows, labels.shape[0])
+    losses = [
+        checkpoint(
+            _chunk_losses,
+            head,
+            hidden[j * rows : (j + 1) * rows],
+            weight,
+            target[:, j].reshape(shards * rows, -1).contiguous(),  # megatron views it flat
+            use_reentrant=False,
+            preserve_rng_state=False,  # nothing random runs in the head or the loss
+        ).view(shards, rows, -1)
+        for j in range(chunks)
+    ]
+    return torch.stack(losses, dim=1).view(shards * chunks * rows, -1).transpose(0, 1)
+
+
+def _chunk_losses(head, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return sequence_losses(head(hidden, weight), target)
 
 
 def token_weighted_loss(logits: torch.Tensor, targets) -> torch.Tensor:

@@ -53,7 +53,7 @@ def build_pipeline_module(
     (`threed.parallel.distributed.cuda_only`). `token_weighted` (SFT data): the loss takes per-token weights from the
     data side (`threed.model.layers.token_weighted_loss`)."""
     mcore = run_megatron_config(model, dims.tp, train, sequence_parallel, fused_swiglu)
-    specs = [layer_spec(layer, model, mcore) for layer in pipeline_layers(model)]
+    specs = [layer_spec(layer, model, mcore, train.lm_head_chunks) for layer in pipeline_layers(model)]
     module = StagedPipelineModule(
         layers=specs,
         loss_fn=token_weighted_loss if token_weighted else causal_lm_loss,
@@ -95,9 +95,10 @@ def run_megatron_config(
     )
 
 
-def layer_spec(layer: PipelineLayer, model: ModelConfig, mcore: TransformerConfig) -> LayerSpec:
+def layer_spec(layer: PipelineLayer, model: ModelConfig, mcore: TransformerConfig, head_chunks: int = 1) -> LayerSpec:
     """The DeepSpeed spec of one layer of `pipeline_layers` (its `build()` makes the module; `threed profile-layers`
-    builds one of each kind with it)."""
+    builds one of each kind with it). `head_chunks` (`--lm-head-chunks`): the LM head leaves its logits to the loss,
+    which makes them that many chunks at a time (`threed.model.layers.DeferredLogits`)."""
     if tied(model) and layer.kind in ("embedding", "lm_head"):
         # Llama 3.2: the first and the last stage each build the embedding module (at pp=1 one serves both);
         # DeepSpeed sums the weight's gradient over the two copies before the step (the tied group, fp32
@@ -106,7 +107,7 @@ def layer_spec(layer: PipelineLayer, model: ModelConfig, mcore: TransformerConfi
         # head is a function, not a module (gpt-neox ties the same way; megatron-core's
         # share_embeddings_and_output_weights is the same idea without DeepSpeed).
         owner = tie_owners()["embedding"]
-        forward_fn = TiedLMHead(model, mcore) if layer.kind == "lm_head" else None
+        forward_fn = TiedLMHead(model, mcore, head_chunks) if layer.kind == "lm_head" else None
         return TiedLayerSpec(owner.tie, EmbeddingPipe, model, mcore, forward_fn=forward_fn, tied_weight_attr=owner.name)
     if layer.kind == "embedding":
         return LayerSpec(EmbeddingPipe, model, mcore)
@@ -114,7 +115,7 @@ def layer_spec(layer: PipelineLayer, model: ModelConfig, mcore: TransformerConfi
         return LayerSpec(LlamaBlock, model, mcore, layer.block + 1)
     if layer.kind == "final_norm":
         return LayerSpec(FinalNormPipe, model, mcore)
-    return LayerSpec(LMHeadPipe, model, mcore)
+    return LayerSpec(LMHeadPipe, model, mcore, head_chunks)
 
 
 def local_modules(module: PipelineModule, model: ModelConfig) -> list[tuple[PipelineLayer, torch.nn.Module]]:
