@@ -19,6 +19,10 @@ import pytest
 from helpers import RANKS
 from memory_worker import HEAD
 
+# One bf16 rank, four forward-backward passes through a 16384-word head at each setting (~40 s of one core): make
+# test-slow. The model's arithmetic for the chunks stays in make test (tests/unit/test_lm_head_chunks.py).
+pytestmark = pytest.mark.slow
+
 RATIO_TOL = 0.05  # as tests/ranks/test_memory_cp.py: the predicted factor within 5% of the measured one
 PEAK_TOL = 0.20  # each estimate against its measured peak (measured 14% over, both)
 
