@@ -154,6 +154,7 @@ EXTERNAL = {
     "pip": {"--no-deps", "--no-index", "--target", "--no-build-isolation"},
     "ruff": {"--check"},
     "pytest": {"--dist"},  # pytest-xdist's
+    "py-spy": {"--subprocesses", "--rate", "--format"},  # the profiler docs/performance.md's figures came from
 }
 # Paths a page's own commands create (`cp recipes/llama31_8b.sh recipes/my_recipe.sh`): not in the tree.
 CREATED = {"recipes/my_recipe.sh", "recipes/my_8b.sh"}
