@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -294,6 +295,30 @@ def pipeline_module(cfg: RunConfig, world: int, **kw: Any):
 def decide(cfg: RunConfig, world_size: int):
     """threed.checkpoint.start.decide_start of `cfg` at `world_size` ranks, its dimensions resolved as a run's."""
     return decide_start(cfg, resolve_dims(cfg, world_size))
+
+
+def child_json(script: Path | str, timeout: float = 600) -> dict:
+    """Runs a test file as a child process (its `__main__`: a world of one, so torch.distributed stays out of the
+    pytest process) and returns the JSON its last stdout line holds."""
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
+    )
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def tiny_batch(micro: int, seq: int, packed: bool, seed: int = 0):
+    """(inputs, targets) for `tiny`: random tokens and labels; packed: two documents per row (the second from token
+    13) and a loss mask (SFT's)."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 512, (micro, seq), generator=gen)
+    labels = torch.randint(0, 512, (micro, seq), generator=gen)
+    if not packed:
+        return tokens, labels
+    doc_ids = (torch.arange(seq) >= 13).to(torch.int32).expand(micro, seq).contiguous()
+    mask = (torch.rand(micro, seq, generator=gen) > 0.4).float()
+    return (tokens, doc_ids), (labels, mask)
 
 
 def gradients_against(loss, grads: dict, whole_loss, whole: dict) -> dict:

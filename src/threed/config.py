@@ -145,6 +145,17 @@ def check_lm_head_chunks(
         )
 
 
+def check_torch_compile(mode: str, schedule: str = "1f1b") -> None:
+    """`--torch-compile block` traces each block's backward once, with ZB-H1's deferral switch as it is then
+    (`threed.model.wgrad.DEFERRED`, read inside megatron's linears' backward): the compiled backward would compute every
+    weight gradient at once and the W pass none (training's and check-config's rule, in one wording)."""
+    if mode == "block" and schedule != "1f1b":
+        raise ConfigError(
+            f"--torch-compile block with --pipeline-schedule {schedule}: the compiled block's backward cannot defer "
+            f"its weight gradients to ZB-H1's W pass; use --torch-compile rope-norm, or --pipeline-schedule 1f1b"
+        )
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """Degrees of parallelism, and which stage holds which layers. dp is derived: dp = world / (tp * pp * cp)."""
@@ -296,6 +307,15 @@ class TrainConfig:
             "LM head + cross-entropy on N chunks of each sequence, recomputed in backward: 1/N of the logits in "
             "memory at a time (1: off, whole logits)",
             at_least=1,
+        ),
+    )
+    # threed.model.compiled: torch.compile of the element-wise parts of every block (RMSNorm, RoPE's rotation) or of
+    # whole blocks, applied to a stage's modules as they are built; "none" leaves torch's compiler unimported.
+    torch_compile: Literal["none", "rope-norm", "block"] = field(
+        default="none",
+        metadata=meta(
+            "torch.compile: none | rope-norm (the RMSNorms and RoPE's rotation) | block (each transformer block; "
+            "not with zb-h1)"
         ),
     )
     zero_stage: int = field(
@@ -692,6 +712,7 @@ class RunConfig:
         check_lm_head_chunks(
             self.train.lm_head_chunks, self.train.seq_length, p.tp, p.cp, p.sequence_parallel, p.pipeline_schedule
         )
+        check_torch_compile(self.train.torch_compile, p.pipeline_schedule)
         self.train.resolve_batch(self.parallel.dp(world_size))
         if self.checkpoint.load and self.checkpoint.init_from:
             raise ConfigError("give either load (full resume) or init_from (weights only), not both")

@@ -31,6 +31,8 @@ CASES = {
     "batch": (["--global-batch-size", "3", "--micro-batch-size", "2"], "1", "global_batch_size 3"),
     "recompute": (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "9",
                    "--pp", "2"], "2", "--recompute-num-layers"),
+    "compile": (["--torch-compile", "block", "--pp", "2", "--pipeline-schedule", "zb-h1"], "2",
+                "--torch-compile block"),
 }  # fmt: skip
 
 

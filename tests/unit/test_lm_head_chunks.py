@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import TESTS, gradients_against, pipeline_module
+from helpers import child_json, gradients_against, pipeline_module, tiny_batch
 from threed.config import ConfigError, ParallelConfig, RunConfig, TrainConfig
 from threed.convert.resolve import model_config
 from threed.memory.model import Stage, logits_bytes, stage_activations
@@ -38,14 +35,7 @@ CASES = [(name, packed) for name in ("tiny", "tiny-tied") for packed in (False, 
 
 @pytest.fixture(scope="module")
 def measured() -> dict:
-    env = dict(
-        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
-    )
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve())], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return child_json(Path(__file__).resolve(), timeout=600)
 
 
 def config(name: str, chunks: int) -> RunConfig:
@@ -56,15 +46,7 @@ def config(name: str, chunks: int) -> RunConfig:
 
 
 def batch(packed: bool, seed: int = 0):
-    """(inputs, targets): random tokens and labels; packed: two documents per row and a loss mask (SFT's)."""
-    gen = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, 512, (MICRO, SEQ), generator=gen)
-    labels = torch.randint(0, 512, (MICRO, SEQ), generator=gen)
-    if not packed:
-        return tokens, labels
-    doc_ids = (torch.arange(SEQ) >= 13).to(torch.int32).expand(MICRO, SEQ).contiguous()
-    mask = (torch.rand(MICRO, SEQ, generator=gen) > 0.4).float()
-    return (tokens, doc_ids), (labels, mask)
+    return tiny_batch(MICRO, SEQ, packed, seed)
 
 
 def loss_and_grads(name: str, chunks: int, packed: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

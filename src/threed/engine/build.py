@@ -21,6 +21,7 @@ from threed.engine.resolved import ResolvedRun
 from threed.metrics.stages import reset_peak_memory
 from threed.parallel.distributed import Runtime, check_groups_agree, init_megatron_parallel_state, library_prints
 from threed.parallel.pipeline import build_pipeline_module
+from threed.model import compiled
 from threed.parallel.zero_bubble import use_schedule
 
 
@@ -54,11 +55,14 @@ def build_engine(
     if decision is None:
         decision = start(cfg, dims, rt.rank)
     torch.manual_seed(cfg.train.seed)
+    # --torch-compile refused in one line where this device or torch cannot compile, before anything is built.
+    compiled.check(cfg.train.torch_compile, rt.device)
     # 1. Process groups: megatron-core's tp-cp-dp-pp groups, which its layers use for TP, SP and CP collectives.
     init_megatron_parallel_state(dims.tp, dims.pp, cp=dims.cp)
     with library_prints():  # DeepSpeed's PipelineModule and engine print() their start-up lines on rank 0
         # 2-4. Layers with TP / SP / CP (megatron-core's block, our attention), cut into the stages of dims.bounds
-        # (each rank builds only its own), with full recompute's chunks: one PipelineModule.
+        # (each rank builds only its own), compiled as --torch-compile says, with full recompute's chunks: one
+        # PipelineModule.
         module = build_pipeline_module(
             cfg.model,
             dims,

@@ -16,6 +16,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from threed.config import ModelConfig, TrainConfig
+from threed.model.compiled import compile_stage
 from threed.model.init import init_pipeline_layers_
 from threed.model.layers import (
     EmbeddingPipe,
@@ -73,6 +74,8 @@ def build_pipeline_module(
         init_pipeline_layers_(
             local_modules(module, model), model, dims.tp, parallel_state.get_tensor_model_parallel_rank(), train.seed
         )
+    # --torch-compile: the stage's norms and RoPE, or its blocks, compiled at their first call (none: nothing).
+    compile_stage([fn for _, fn in local_modules(module, model)], train.torch_compile)
     # How each parameter is split over TP; DeepSpeed saves it in every mp_rank file, and its universal checkpoint
     # conversion (resume at another tp / pp / dp) needs it: threed.checkpoint.universal.
     module.universal_checkpoint_info = universal_checkpoint_info(model)
