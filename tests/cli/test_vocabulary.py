@@ -48,9 +48,10 @@ def test_plan_takes_trainings_flags_and_the_old_names_alike(capsys) -> None:
 
 def test_memory_check_config_and_plan_agree_on_one_layout(capsys) -> None:
     batch = "--micro-batch-size 1 --grad-accum-steps 256 --seq-length 8192".split()
-    mem = run(capsys, "memory", *LAYOUT, "--dp", "2", *batch).strip()
-    old = run(capsys, "memory", *LAYOUT, *"--dp 2 --micro 1 --gas 256 --seq 8192".split()).strip()
-    assert mem == old and mem.startswith("~"), mem
+    full = run(capsys, "memory", *LAYOUT, "--dp", "2", *batch)
+    old = run(capsys, "memory", *LAYOUT, *"--dp 2 --micro 1 --gas 256 --seq 8192".split())
+    mem = full.splitlines()[0]  # the estimate; the predicted step and its rates follow
+    assert full == old and mem.startswith("~"), full
     check = run(capsys, "check-config", "--world", "64", *LAYOUT, *batch)
     assert re.search(r"^memory: (.*)$", check, re.M)[1] == mem
     assert "world 64 = tp 8 x pp 4 x dp 2, global batch 512 = micro 1 x gas 256 x dp 2" in check

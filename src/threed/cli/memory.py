@@ -1,12 +1,17 @@
 """`threed memory` (also `python -m threed.memory`): the memory model's estimate per GPU (`threed.memory.model`, whose
-docstring lists every term), one line for the heaviest stage or one per stage.
+docstring lists every term), one line for the heaviest stage or one per stage; then the step time `threed plan`
+predicts for this one layout (`threed.plan.planner.build_layout`, the planner's own path) with its tokens/s, and the
+line saying which compute rates it rests on (`threed.plan.calibration`).
 
     threed memory --model llama3.1-70b --tp 8 --pp 4 --dp 16 --micro-batch-size 1 --grad-accum-steps 32 \
-        --seq-length 8192 --sequence-parallel [--pipeline-schedule zb-h1] [--cp 2] [--lm-head-chunks 8] [--all-stages]
+        --seq-length 8192 --sequence-parallel [--pipeline-schedule zb-h1] [--cp 2] [--lm-head-chunks 8] [--all-stages] \
+        [--calibrate benchmarks/measured/2026-11-28-h200.json | gpu_check.json | --tflops 400] [--gpus-per-node 8]
 
 The flags are training's (`threed.cli.flags`: the same names, Megatron aliases and checks as `threed train`); the
 earlier short names (--micro, --gas, --seq, --act-ckpt) stay as aliases. `--dp` is the one flag training does not
-have: a training run derives it from its world size. `threed check-config` prints the same estimate for a run.
+have: a training run derives it from its world size. The step-time flags (--calibrate, --tflops, --gpus-per-node,
+--nvlink-gbps, --network-gbps, --hbm-gbps) are `threed plan`'s, with its defaults and refusals: by default the rates
+fitted to the committed H200 runs (the line says so). `threed check-config` prints the same memory estimate for a run.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from threed.memory import model as memory_model
 from threed.memory.model import estimate, heaviest
 from threed.memory.recompute import Recompute
 from threed.convert.resolve import model_config
-from threed.plan.planner import check_cp
+from threed.plan.planner import build_layout, check_cp
+from threed.cli.plan import add_step_time_flags, step_hardware
 
 # (section, field, earlier names): the training fields the memory model reads.
 REQUIRED = (
@@ -57,24 +63,45 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     for section, name, old in OPTIONAL:
         add_field_flag(p, section, name, old=old)
     p.add_argument("--all-stages", action="store_true", help="one line per pipeline stage")
+    add_step_time_flags(p)  # threed plan's: the step's cluster and compute rates
 
 
 def lines(ns: argparse.Namespace) -> list[str]:
-    """The estimate's line(s); ConfigError on a bad layout, before anything is computed."""
+    """The estimate's line(s), then the predicted step and the rates it rests on; ConfigError on a bad layout or a
+    bad step-time flag (--calibrate FILE read and fitted here), before anything is computed."""
     tp, pp, micro, gas, seq = (field_value(ns, s, n) for s, n, _ in REQUIRED)
-    if min(tp, pp, ns.dp, micro, gas, seq, field_value(ns, "parallel", "cp")) < 1:
+    cp, sp = field_value(ns, "parallel", "cp"), field_value(ns, "parallel", "sequence_parallel")
+    schedule = field_value(ns, "parallel", "pipeline_schedule")
+    if min(tp, pp, ns.dp, micro, gas, seq, cp) < 1:
         raise ConfigError(
             "--tp, --pp, --dp, --cp, --micro-batch-size, --grad-accum-steps and --seq-length must all be positive "
             "integers"
         )
-    sp = field_value(ns, "parallel", "sequence_parallel")
     check_sequence_parallel(tp, sp)
-    cp = field_value(ns, "parallel", "cp")
     if cp > 1:  # the CP layout's own rule and message (2 x cp chunks, x tp under sequence parallelism)
         check_cp(seq, cp, tp, sp)
     chunks = field_value(ns, "train", "lm_head_chunks")
-    check_lm_head_chunks(chunks, seq, tp, cp, sp, field_value(ns, "parallel", "pipeline_schedule"))
+    check_lm_head_chunks(chunks, seq, tp, cp, sp, schedule)
     model = model_config(ns.model)
+    rc = recompute(ns, model)
+    world = tp * pp * cp * ns.dp
+    # the step's cluster: just the layout's GPUs (memory is not weighed against a GPU's size here: no fit verdict)
+    hw, rates = step_hardware(ns, -(-world // max(ns.gpus_per_node, 1)), gpu_memory=0.0, reserve=0.0)
+    mems = estimate(
+        model, tp, pp, ns.dp, micro, gas, seq, rc, sequence_parallel=sp, schedule=schedule, cp=cp, head_chunks=chunks
+    )
+    out = [m.line(pp) for m in (mems if ns.all_stages else [heaviest(mems)])]
+    step = build_layout(model, hw, seq, tp, pp, ns.dp, micro, gas, rc, sp, schedule, cp)  # threed plan's own
+    tokens = seq * micro * gas * ns.dp
+    out.append(
+        f"predicted: {step.step_s:.2f} s/step ({tokens / step.step_s:,.0f} tokens/s, {tokens:,} tokens per step), "
+        f"bubble {step.bubble:.1%}, {hw.gpus_per_node} GPUs per node"
+    )
+    return out + rates
+
+
+def recompute(ns: argparse.Namespace, model) -> Recompute:
+    """The recompute flags as training reads them, with training's checks."""
     train = TrainConfig(
         seq_length=1,
         activation_checkpointing=field_value(ns, "train", "activation_checkpointing"),
@@ -83,21 +110,7 @@ def lines(ns: argparse.Namespace) -> list[str]:
         recompute_num_layers=field_value(ns, "train", "recompute_num_layers"),
     )
     train.validate(model)  # the recompute flags' checks (seq_length 1 passes the others), as training's
-    mems = estimate(
-        model,
-        tp,
-        pp,
-        ns.dp,
-        micro,
-        gas,
-        seq,
-        Recompute.from_train(train),
-        sequence_parallel=sp,
-        schedule=field_value(ns, "parallel", "pipeline_schedule"),
-        cp=cp,
-        head_chunks=chunks,
-    )
-    return [m.line(pp) for m in (mems if ns.all_stages else [heaviest(mems)])]
+    return Recompute.from_train(train)
 
 
 def run(ns: argparse.Namespace) -> int:

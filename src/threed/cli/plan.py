@@ -15,7 +15,6 @@ Training's flag names (`threed.cli.flags`), with the earlier short ones (--seq, 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import sys
 from pathlib import Path
@@ -27,8 +26,9 @@ from threed.errors import guarded
 from threed.convert.resolve import model_config
 from threed.plan.layout import context_parallel_verdict, full_recompute_verdict, schedule_verdict, table
 from threed.plan import planner
-from threed.plan.planner import FILTER_FIELDS, FILTER_FLAGS, candidates, plan, recipe_lines
-from threed.plan.calibration import calibrate, predict, read_measured
+from threed.plan.planner import FILTER_FIELDS, FILTER_FLAGS, candidates, check_positive, plan, recipe_lines
+from threed.plan.planner import step_numbers
+from threed.plan.calibration import calibrated
 from threed.plan.steptime import DEFAULT_RATES, Hardware, Rates
 
 # The search's filters (threed.plan.planner.FILTER_FIELDS: keyword -> config field): earlier names, what each keeps.
@@ -46,13 +46,23 @@ FILTERS = {
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_flag(p)
     p.add_argument("--nodes", type=int, required=True)
-    p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--gpu-memory", type=float, required=True, help="GB per GPU, e.g. 80")
     add_field_flag(p, "train", "seq_length", required=True, old=("--seq",))
     add_field_flag(
         p, "train", "global_batch_size", required=True, old=("--global-batch",), help="sequences per optimizer step"
     )
     p.add_argument("--reserve", type=float, default=Hardware.reserve_gb, help="GB kept free per GPU (CUDA, NCCL)")
+    add_step_time_flags(p)
+    # The search's filters: training's flags, each restricting the search to one value (none given: all searched).
+    for key, (old, what) in FILTERS.items():
+        add_field_flag(p, *FILTER_FIELDS[key], default=None, old=old, help=f"only {what}")
+    p.add_argument("--top", type=int, default=15, help="rows to list")
+
+
+def add_step_time_flags(p: argparse.ArgumentParser) -> None:
+    """The step-time model's flags (`threed.plan.steptime`): `threed plan`'s, and `threed memory`'s for the step of
+    its one layout."""
+    p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument(
         "--calibrate",
         type=Path,
@@ -66,27 +76,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nvlink-gbps", type=float, default=Hardware.nvlink_gbps, help="intra-node GB/s")
     p.add_argument("--network-gbps", type=float, default=Hardware.network_gbps, help="inter-node GB/s per GPU")
     p.add_argument("--hbm-gbps", type=float, default=Hardware.hbm_gbps, help="GPU memory bandwidth, GB/s")
-    # The search's filters: training's flags, each restricting the search to one value (none given: all searched).
-    for key, (old, what) in FILTERS.items():
-        add_field_flag(p, *FILTER_FIELDS[key], default=None, old=old, help=f"only {what}")
-    p.add_argument("--top", type=int, default=15, help="rows to list")
+
+
+def check_finite(ns: argparse.Namespace, *flags: str) -> None:
+    for flag in flags:
+        value = getattr(ns, flag[2:].replace("-", "_"))
+        if value is not None and not math.isfinite(value):  # nan passes every comparison, inf every lower bound
+            raise ConfigError(f"{flag} must be a finite number, got {value:g}; e.g. {flag} 80")
+
+
+def step_hardware(ns: argparse.Namespace, nodes: int, gpu_memory: float, reserve: float) -> tuple[Hardware, list[str]]:
+    """The cluster of `add_step_time_flags`' flags, with the rates fitted to --calibrate FILE's runs, --tflops' flat
+    rate or the default fit; and the lines that say which. ConfigError, one line, on a bad flag or file."""
+    check_finite(ns, "--tflops", "--nvlink-gbps", "--network-gbps", "--hbm-gbps")
+    if ns.tflops is not None and ns.calibrate:
+        raise ConfigError("--tflops and --calibrate both set the compute rates; give one")
+    rates = Rates.flat(ns.tflops) if ns.tflops is not None else DEFAULT_RATES
+    hw = Hardware(nodes, ns.gpus_per_node, gpu_memory, reserve, rates, ns.nvlink_gbps, ns.network_gbps, ns.hbm_gbps)
+    check_positive(*step_numbers(hw))  # before the fit divides by them
+    return calibrated(hw, ns.calibrate) if ns.calibrate else (hw, [hw.rates.line()])
 
 
 def run(ns: argparse.Namespace) -> int:
     model = model_config(ns.model)
     if ns.top < 1:
         raise ConfigError(f"--top must be a positive number, got {ns.top}")
-    for flag in ("--gpu-memory", "--reserve", "--tflops", "--nvlink-gbps", "--network-gbps", "--hbm-gbps"):
-        value = getattr(ns, flag[2:].replace("-", "_"))
-        if value is not None and not math.isfinite(value):  # nan passes every comparison, inf every lower bound
-            raise ConfigError(f"{flag} must be a finite number, got {value:g}; e.g. {flag} 80")
-    if ns.tflops is not None and ns.calibrate:
-        raise ConfigError("--tflops and --calibrate both set the compute rates; give one")
-    rates = Rates.flat(ns.tflops) if ns.tflops is not None else DEFAULT_RATES
-    hw = Hardware(
-        ns.nodes, ns.gpus_per_node, ns.gpu_memory, ns.reserve, rates, ns.nvlink_gbps, ns.network_gbps, ns.hbm_gbps
-    )
-    hw, fitted = calibrated(hw, ns.calibrate) if ns.calibrate else (hw, [hw.rates.line()])
+    check_finite(ns, "--gpu-memory", "--reserve")
+    hw, fitted = step_hardware(ns, ns.nodes, ns.gpu_memory, ns.reserve)
     seq, global_batch = field_value(ns, "train", "seq_length"), field_value(ns, "train", "global_batch_size")
     only = {key: field_value(ns, *FILTER_FIELDS[key]) for key in FILTERS}
     try:
@@ -121,22 +137,6 @@ def run(ns: argparse.Namespace) -> int:
         f"(or sbatch --nodes={hw.nodes} slurm/train.sh RECIPE)"
     )
     return 0
-
-
-def calibrated(hw: Hardware, path: Path) -> tuple[Hardware, list[str]]:
-    """`hw` with the rates fitted to the runs in `path`, and the lines that say so: the rates, how the fit was
-    constrained, and each run's measured step beside what the fitted model predicts for it."""
-    measured = read_measured(path)
-    rates, how = calibrate(measured, hw)
-    hw = dataclasses.replace(hw, rates=rates)
-    lines = [f"{rates.line()} ({how}; torch {measured.torch})"]
-    for run in measured.runs:
-        predicted = predict(run, hw)
-        lines.append(
-            f"  {run.model} {run.name()}: measured {run.step_s:.3f} s/step, fitted model {predicted:.3f} s/step "
-            f"({predicted / run.step_s - 1:+.1%})"
-        )
-    return hw, lines
 
 
 def refuse_empty_filters(model, hw: Hardware, seq: int, global_batch: int, only: dict) -> None:

@@ -26,6 +26,7 @@ bench_gpu.py's JSON). Unknown keys are ignored; HF runs are not threed's and are
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -149,6 +150,22 @@ def calibrate(measured: Measured, hw: Hardware) -> tuple[Rates, str]:
         raise ConfigError(f"no threed run in the calibration file ({measured.source}); it needs at least one")
     f = fit([run_point(r, hw) for r in measured.runs])
     return Rates(f.mm_tflops, f.attn_tflops, f.micro_s, f"{measured.device}, {measured.date}, {measured.source}"), f.how
+
+
+def calibrated(hw: Hardware, path: Path) -> tuple[Hardware, list[str]]:
+    """`hw` with the rates fitted to the runs in `path`, and the lines that say so: the rates, how the fit was
+    constrained, and each run's measured step beside what the fitted model predicts for it."""
+    measured = read_measured(path)
+    rates, how = calibrate(measured, hw)
+    hw = dataclasses.replace(hw, rates=rates)
+    lines = [f"{rates.line()} ({how}; torch {measured.torch})"]
+    for run in measured.runs:
+        predicted = predict(run, hw)
+        lines.append(
+            f"  {run.model} {run.name()}: measured {run.step_s:.3f} s/step, fitted model {predicted:.3f} s/step "
+            f"({predicted / run.step_s - 1:+.1%})"
+        )
+    return hw, lines
 
 
 # ------------------------------------------------------------------------------------------------ reading

@@ -22,6 +22,7 @@ Selective recompute is not searched: threed's SDPA keeps no s x s scores, so it 
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from typing import Optional
 
 from threed.config import SECTIONS, ConfigError, ModelConfig, check_sequence_parallel, flag_name
@@ -120,7 +121,7 @@ def _shapes(
             for sched in SCHEDULES:
                 if (p == 1 and sched != "1f1b") or schedule not in (None, sched):
                     continue
-                layout = _layouts(model, hw, seq, t, p, dp, m, gas, sp, most, sched, c)
+                layout = partial(_recomputing, (model, hw, seq, t, p, dp, m, gas, sp, sched, c), most)
                 none, every = layout(0), layout(most)
                 out += {False: [none], True: [every]}.get(act_ckpt, [none, every])  # type: ignore[arg-type]
                 if act_ckpt is None and every.fits and not none.fits and most > 1:
@@ -147,7 +148,14 @@ def check_cp(seq: int, cp: int, tp: int, sp: bool) -> None:
     check_divisible(seq, cp, tp, sp)
 
 
-def _layouts(
+def _recomputing(shape: tuple, most: int, n: int) -> Layout:
+    """The layout of `shape` (`build_layout`'s arguments before and after its recompute: model, hw, seq, tp, pp, dp,
+    micro, gas; sp, schedule, cp) recomputing the first N blocks of each stage (N = `most`: every block)."""
+    rc = Recompute.of(True) if n >= most else Recompute.first_blocks(n)
+    return build_layout(*shape[:8], rc, *shape[8:], most)
+
+
+def build_layout(
     model: ModelConfig,
     hw: Hardware,
     seq: int,
@@ -156,38 +164,22 @@ def _layouts(
     dp: int,
     micro: int,
     gas: int,
-    sp: bool,
-    most: int,
+    rc: Recompute,
+    sp: bool = False,
     schedule: str = "1f1b",
     cp: int = 1,
-):
-    """N -> the layout recomputing the first N blocks of each stage (N = `most`: every block)."""
-
-    def layout(n: int) -> Layout:
-        rc = Recompute.of(True) if n >= most else Recompute.first_blocks(n)
-        mems = estimate(model, tp, pp, dp, micro, gas, seq, rc, sequence_parallel=sp, schedule=schedule, cp=cp)
-        passes = pass_times(model, hw, tp, pp, dp, micro, seq, rc, sp, schedule, cp)
-        seconds = step_time(
-            model, hw, tp, pp, dp, micro, gas, seq, rc, max(x.params for x in mems), sp, schedule, passes, cp
-        )
-        return Layout(
-            tp,
-            pp,
-            dp,
-            micro,
-            gas,
-            rc,
-            heaviest(mems),
-            seconds,
-            heaviest(mems).peak <= hw.budget,
-            sp,
-            most,
-            schedule,
-            passes,
-            cp,
-        )
-
-    return layout
+    most: Optional[int] = None,
+) -> Layout:
+    """One layout, its memory and its predicted step (`threed.plan.steptime`): what the search ranks, and what
+    `threed memory` prints for the one layout it is given. `most`: the largest stage's blocks, when known."""
+    most = most if most is not None else max(st.blocks for st in stages(model, pp, tp, seq))
+    mems = estimate(model, tp, pp, dp, micro, gas, seq, rc, sequence_parallel=sp, schedule=schedule, cp=cp)
+    passes = pass_times(model, hw, tp, pp, dp, micro, seq, rc, sp, schedule, cp)
+    seconds = step_time(
+        model, hw, tp, pp, dp, micro, gas, seq, rc, max(x.params for x in mems), sp, schedule, passes, cp
+    )
+    fits = heaviest(mems).peak <= hw.budget
+    return Layout(tp, pp, dp, micro, gas, rc, heaviest(mems), seconds, fits, sp, most, schedule, passes, cp)
 
 
 def _fewest_fitting(layout, most: int) -> Layout:
@@ -214,23 +206,36 @@ def _nodes_needed(model: ModelConfig, hw: Hardware, seq: int) -> Optional[int]:
     return None
 
 
-def plan(model: ModelConfig, hw: Hardware, seq: int, global_batch: int, **only) -> tuple[Layout, list[Layout]]:
-    """(best, every candidate fastest first); ConfigError when nothing is valid or nothing fits."""
-    restricted = {k: v for k, v in only.items() if v is not None}
-    for what, value in (
-        ("--nodes", hw.nodes),
+def step_numbers(hw: Hardware) -> tuple[tuple[str, float], ...]:
+    """The figures of `hw` the step-time model divides by, each under the flag that sets it (`threed plan`'s and
+    `threed memory`'s)."""
+    return (
         ("--gpus-per-node", hw.gpus_per_node),
-        ("--seq-length", seq),
-        ("--global-batch-size", global_batch),
-        ("--gpu-memory", hw.gpu_memory_gb),
         ("--tflops", hw.rates.mm_tflops),
         ("--nvlink-gbps", hw.nvlink_gbps),
         ("--network-gbps", hw.network_gbps),
         ("--hbm-gbps", hw.hbm_gbps),
-        *((FILTER_FLAGS[k], v) for k, v in restricted.items() if not isinstance(v, (bool, str))),
-    ):
+    )
+
+
+def check_positive(*numbers: tuple[str, float]) -> None:
+    """ConfigError, one line, naming the first (flag, value) that is not positive."""
+    for what, value in numbers:
         if value <= 0:
             raise ConfigError(f"{what} must be a positive number, got {value:g}")
+
+
+def plan(model: ModelConfig, hw: Hardware, seq: int, global_batch: int, **only) -> tuple[Layout, list[Layout]]:
+    """(best, every candidate fastest first); ConfigError when nothing is valid or nothing fits."""
+    restricted = {k: v for k, v in only.items() if v is not None}
+    check_positive(
+        ("--nodes", hw.nodes),
+        ("--seq-length", seq),
+        ("--global-batch-size", global_batch),
+        ("--gpu-memory", hw.gpu_memory_gb),
+        *step_numbers(hw),
+        *((FILTER_FLAGS[k], v) for k, v in restricted.items() if not isinstance(v, (bool, str))),
+    )
     if not 0 <= hw.reserve_gb < hw.gpu_memory_gb:
         raise ConfigError(f"--reserve {hw.reserve_gb:g} GB must be >= 0 and below --gpu-memory {hw.gpu_memory_gb:g} GB")
     if seq > model.max_position_embeddings:
