@@ -146,13 +146,14 @@ def check_lm_head_chunks(
 
 
 def check_torch_compile(mode: str, schedule: str = "1f1b") -> None:
-    """`--torch-compile block` traces each block's backward once, with ZB-H1's deferral switch as it is then
-    (`threed.model.wgrad.DEFERRED`, read inside megatron's linears' backward): the compiled backward would compute every
-    weight gradient at once and the W pass none (training's and check-config's rule, in one wording)."""
+    """`--torch-compile block` with ZB-H1 is refused because it is unchecked, not because it is known to fail: ZB-H1
+    defers the linears' weight gradients from inside the block's backward (`threed.model.wgrad`), and the linears run
+    eagerly between the compiled graphs (`threed.model.compiled`), so it may well work; no test has run it (training's
+    and check-config's rule, in one wording)."""
     if mode == "block" and schedule != "1f1b":
         raise ConfigError(
-            f"--torch-compile block with --pipeline-schedule {schedule}: the compiled block's backward cannot defer "
-            f"its weight gradients to ZB-H1's W pass; use --torch-compile rope-norm, or --pipeline-schedule 1f1b"
+            f"--torch-compile block with --pipeline-schedule {schedule} is not checked (ZB-H1 defers the weight "
+            f"gradients from inside each block's backward); use --torch-compile rope-norm, or --pipeline-schedule 1f1b"
         )
 
 
