@@ -30,8 +30,8 @@ demo: $(STAMP)
 # hand), nothing is written.
 junit = $(if $(DURATIONS_DIR),--junitxml=$(DURATIONS_DIR)/$(1).xml)
 
-# pytest-xdist workers of `make test` and `make test-slow`: a test module to a worker, all of tests/ranks to one (one
-# rank pool: tests/xdist_scheduling.py), the single-process tests on the other core meanwhile. 2: the CI machine's
+# pytest-xdist workers of `make test` and `make test-slow`: a test module to a worker, every tests/ranks module that asks
+# for the rank pool to one (one pool: tests/xdist_scheduling.py), the other tests on the other core meanwhile. 2: the CI machine's
 # cores. The tests marked `alone` time the machine (a pipeline's idle fraction against the wall clock) and a test on
 # the other core would stall their ranks (seen: 0.063 off, against 0.05, 2026-11-29): they run after the others, in
 # a pytest of their own with nothing beside them.

@@ -1,8 +1,8 @@
 """The fixture every multi-rank module shares: `rank_pool`, the session's torchrun launches, one per world size
 (tests/ranks/rank_pool.py), which the module fixtures ask to run their worker scripts. A launch starts when the
 first test that needs its world size runs, so a single file or test starts only the world sizes it uses, and a
-test that takes no rank fixture starts none. Under pytest-xdist every test here runs in one worker, so that one pool
-serves them all (tests/xdist_scheduling.py)."""
+test that takes no rank fixture starts none. Under pytest-xdist every module here that asks for these fixtures runs in
+one worker, so that one pool serves them all (tests/xdist_scheduling.py)."""
 
 from __future__ import annotations
 
