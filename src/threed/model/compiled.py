@@ -25,15 +25,16 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import typing
 from typing import Iterable, Optional
 
 import torch
 
-from threed.config import ConfigError
+from threed.config import ConfigError, TrainConfig
 from threed.model.layers import LlamaBlock
 from threed.model.wgrad import SplitColumnParallelLinear, SplitRowParallelLinear
 
-MODES = ("none", "rope-norm", "block")
+MODES = typing.get_args(typing.get_type_hints(TrainConfig)["torch_compile"])  # the flag's choices, from its field
 
 
 def refusal(mode: str, device_type: str) -> Optional[str]:
