@@ -12,6 +12,9 @@ nothing downloaded), seq 4096 and 8192, 32K tokens per step (micro 1, gas = 32K 
 4096 (gas 4: the same tokens and FLOPs per step as micro 1's gas 8, half the micro-batches, so the two differ only
 by the per-micro-batch cost, which the planner's step-time model fits beside its FLOP rates), with and without
 activation checkpointing (threed: every block recomputed; HF: gradient_checkpointing_enable, non-reentrant).
+Then threed's opt-in speed flags at the shortest length, each alone against the same run without it (`VARIANTS`:
+`--lm-head-chunks 8`, `--torch-compile rope-norm`; `--torch-compile block` only when named): they are measured
+here and kept out of the step-time fit, whose rates describe the default path that `threed plan` assumes.
 
 Reported per run: tokens/s, TFLOP/s and MFU in both of threed's FLOP conventions
 (`threed.model.spec.training_flops_per_token`: model FLOPs, recompute not credited; attention over the full square
@@ -28,6 +31,7 @@ runs `torch.profiler` (CPU, and CUDA on a GPU) over `--profile-steps` steps afte
 device time and the device's idle holes within a step (`threed.metrics.trace`), written to --json.
 
     python benchmarks/bench_gpu.py [--json out.json] [--budget-s 180] [--peak-tflops 989] [--runs hf:8192:off,...]
+    python benchmarks/bench_gpu.py --runs threed:4096:off,threed:4096:off:chunks8   (one flag against its base)
     python benchmarks/bench_gpu.py --tiny           (CPU, the `tiny` preset at seq 64 / 128; also with DRY=1)
     python benchmarks/bench_gpu.py --profile [--tiny] [--profile-steps 2] --json profile.json
 """
@@ -76,30 +80,56 @@ WORK = {"cpu_op", "kernel", "gpu_memcpy", "gpu_memset"}  # the profiler's activi
 # the 2026-11-28 runs fitted at 4,800 give R_mm 619 TFLOP/s and c 36.4 ms against 623 and 36.1: under 1%. It is the
 # hardware the default rates were fitted with, so the benchmark's fit of those runs is `DEFAULT_RATES`.
 FIT_HARDWARE = Hardware(nodes=1, gpus_per_node=1, gpu_memory_gb=80)
+# threed's opt-in speed flags (issue 35's "behind a flag and measured"): a run key's last part names one, and the
+# run sets these TrainConfig fields. chunks8: the LM head and cross-entropy over 8 chunks of tokens, so the logits
+# are never whole (8 divides every length the bench runs, 64 to 8192); rope-norm / block: `--torch-compile`.
+VARIANTS: dict[str, dict[str, Any]] = {
+    "chunks8": {"lm_head_chunks": 8},
+    "rope-norm": {"torch_compile": "rope-norm"},
+    "block": {"torch_compile": "block"},
+}
+DEFAULT_VARIANTS = ("chunks8", "rope-norm")  # "block" compiles for ~1 min per run on a GPU: only when named
+Run = tuple[str, int, bool, int, str]  # impl, seq, activation checkpointing, micro, variant ("": the default path)
 
 
-def plan(seqs: tuple[int, ...], only: str = "") -> list[tuple[str, int, bool, int]]:
-    """(impl, seq, activation checkpointing, micro), the most telling first: a budget cuts the tail. threed's
-    micro-batch 2 at the shortest length (what parts the fit's per-micro-batch cost from its rates: never measured
-    before, where HF's at the longest was) comes before HF's longest run; HF's micro 2 only when named. `only`
-    keeps the runs it names, `impl:seq:on|off[:mb2]` comma-separated (a rerun of what a first call missed)."""
-    off = [(impl, seq, False, 1) for seq in seqs for impl in ("threed", "hf")]
-    off.insert(len(off) - 1 if len(seqs) > 1 else len(off), ("threed", min(seqs), False, 2))
-    runs = off + [(impl, seq, True, 1) for seq in seqs for impl in ("threed", "hf")]
+def plan(seqs: tuple[int, ...], only: str = "") -> list[Run]:
+    """(impl, seq, activation checkpointing, micro, variant), the most telling first: a budget cuts the tail.
+    threed's micro-batch 2 at the shortest length (what parts the fit's per-micro-batch cost from its rates) comes
+    before HF's longest run; then the opt-in flags at the shortest length (DEFAULT_VARIANTS: each against the
+    default path's run of the same shape, measured first), then the recompute runs. `only` keeps the runs it
+    names, `impl:seq:on|off[:mb2][:VARIANT]` comma-separated (a rerun of what a first call missed), from
+    `nameable`."""
+    off: list[Run] = [(impl, seq, False, 1, "") for seq in seqs for impl in ("threed", "hf")]
+    off.insert(len(off) - 1 if len(seqs) > 1 else len(off), ("threed", min(seqs), False, 2, ""))
+    flags: list[Run] = [("threed", min(seqs), False, 1, v) for v in DEFAULT_VARIANTS]
+    runs = off + flags + [(impl, seq, True, 1, "") for seq in seqs for impl in ("threed", "hf")]
     if not only:
         return runs
-    runs.append(("hf", min(seqs), False, 2))
-    keep = {run_key(*run) for run in runs} & set(only.split(","))
-    return [run for run in runs if run_key(*run) in keep]
+    keep = set(only.split(","))
+    return [run for run in nameable(runs, seqs) if run_key(*run) in keep]
 
 
-def run_key(impl: str, seq: int, ac: bool, micro: int = 1) -> str:
-    return f"{impl}:{seq}:{'on' if ac else 'off'}" + (f":mb{micro}" if micro != 1 else "")
+def nameable(runs: list[Run], seqs: tuple[int, ...]) -> list[Run]:
+    """The default plan, then what runs only when named: HF's micro 2, every flag at every length, with and
+    without recompute (the block compile among them)."""
+    extra = [("hf", min(seqs), False, 2, "")] + [
+        ("threed", seq, ac, 1, v) for seq in seqs for ac in (False, True) for v in VARIANTS
+    ]
+    return runs + [run for run in extra if run not in runs]
 
 
-def parse_key(key: str) -> tuple[str, int, bool, int]:
-    impl, seq, ac, *mb = key.split(":")
-    return impl, int(seq), ac == "on", int(mb[0].removeprefix("mb")) if mb else 1
+def run_key(impl: str, seq: int, ac: bool, micro: int = 1, variant: str = "") -> str:
+    return (
+        f"{impl}:{seq}:{'on' if ac else 'off'}"
+        + (f":mb{micro}" if micro != 1 else "")
+        + (f":{variant}" * bool(variant))
+    )
+
+
+def parse_key(key: str) -> Run:
+    impl, seq, ac, *rest = key.split(":")
+    micro = int(rest.pop(0).removeprefix("mb")) if rest and rest[0].startswith("mb") else 1
+    return impl, int(seq), ac == "on", micro, rest[0] if rest else ""
 
 
 def global_batch(vocab: int, rows: int, seq: int) -> torch.Tensor:
@@ -165,7 +195,9 @@ def measure(step: Callable[[], float], steps: int, warmup: int, device: torch.de
     }
 
 
-def threed_run(m: ModelConfig, seq: int, micro: int, gas: int, ac: bool, rt: Runtime, tokens) -> dict[str, Any]:
+def threed_run(
+    m: ModelConfig, seq: int, micro: int, gas: int, ac: bool, rt: Runtime, tokens, variant: str = ""
+) -> dict[str, Any]:
     from threed.engine.build import build_engine
     from threed.engine.resolved import resolve
 
@@ -180,6 +212,7 @@ def threed_run(m: ModelConfig, seq: int, micro: int, gas: int, ac: bool, rt: Run
             lr=1e-4,
             min_lr=1e-5,
             activation_checkpointing=ac,
+            **VARIANTS.get(variant, {}),
         ),
     )
     t0 = time.perf_counter()
@@ -204,8 +237,11 @@ def threed_run(m: ModelConfig, seq: int, micro: int, gas: int, ac: bool, rt: Run
         "fused_swiglu": bool(blocks and blocks[0].mlp.config.bias_activation_fusion),
         "swiglu_torch_compiled": hasattr(fused_bias_swiglu.swiglu, "_torchdynamo_orig_callable"),
         "optimizer": type(engine.optimizer).__name__,
+        # What the engine's head was built with (a tied head is DeepSpeed's partial of TiedLMHead), not the flag
+        "lm_head_chunks": getattr(engine.module.forward_funcs[-1], "func", engine.module.forward_funcs[-1]).loss_chunks,
     }
-    mem = estimate(m, 1, 1, 1, micro, gas, seq, Recompute.from_train(cfg.train), device=rt.device.type)[0]
+    recompute, chunks = Recompute.from_train(cfg.train), cfg.train.lm_head_chunks
+    mem = estimate(m, 1, 1, 1, micro, gas, seq, recompute, device=rt.device.type, head_chunks=chunks)[0]
     info["estimate"] = {
         "peak_bytes": mem.peak,
         "static_bytes": mem.static,
@@ -256,20 +292,19 @@ def hf_run(m: ModelConfig, seq: int, micro: int, gas: int, ac: bool, device: tor
     return {**info, "step": step, "engine": (model, opt)}
 
 
-def one_run(
-    impl: str, seq: int, ac: bool, micro: int, a: argparse.Namespace, m: ModelConfig, rt: Runtime
-) -> dict[str, Any]:
+def one_run(run: Run, a: argparse.Namespace, m: ModelConfig, rt: Runtime) -> dict[str, Any]:
+    impl, seq, ac, micro, variant = run
     gas = max(1, a.tokens // (seq * micro))
     tokens = global_batch(m.vocab_size, micro * gas, seq)
     cuda = rt.device.type == "cuda"
     before = torch.cuda.memory_allocated() if cuda else None
     built = (
-        threed_run(m, seq, micro, gas, ac, rt, tokens)
+        threed_run(m, seq, micro, gas, ac, rt, tokens, variant)
         if impl == "threed"
         else hf_run(m, seq, micro, gas, ac, rt.device, tokens)
     )
     step, owner, collector = built.pop("step"), built.pop("engine"), built.pop("collector", None)
-    r = {"impl": impl, "seq": seq, "micro": micro, "gas": gas, "activation_checkpointing": ac, **built}
+    r = {**stub_of(run), "gas": gas, **built}
     r.update(measure(step, a.steps, a.warmup, rt.device))
     r["kernels"] = kernels_of(step)
     tokens_per_s = micro * gas * seq / r["median_step_s"]
@@ -293,9 +328,19 @@ def one_run(
     return r
 
 
+def stub_of(run: Run) -> dict[str, Any]:
+    """What names a run in the JSON (a result, an error or a skip): `variant` only for an opt-in flag's run."""
+    impl, seq, ac, micro, variant = run
+    return {"impl": impl, "seq": seq, "activation_checkpointing": ac, "micro": micro} | (
+        {"variant": variant} if variant else {}
+    )
+
+
 def line(r: dict[str, Any]) -> str:
+    flag = f" [{r['variant']}]" if r.get("variant") else ""
     head = (
-        f"{r['impl']:>6} seq {r['seq']} mb {r.get('micro', 1)} ac {'on ' if r['activation_checkpointing'] else 'off'}: "
+        f"{r['impl']:>6} seq {r['seq']} mb {r.get('micro', 1)} ac {'on ' if r['activation_checkpointing'] else 'off'}"
+        f"{flag}: "
     )
     if "error" in r or "skipped" in r:
         return head + str(r.get("error") or r.get("skipped"))
@@ -311,21 +356,32 @@ def line(r: dict[str, Any]) -> str:
 
 
 def ratios(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """threed / HF per (seq, activation checkpointing): tokens/s and peak memory; threed's peak / its estimate."""
+    """threed / HF per (seq, activation checkpointing, micro): tokens/s and peak memory; threed's peak / its
+    estimate; an opt-in flag's run also over the default path's run of the same shape (`_over_default_`)."""
     done = {
-        (r["impl"], r["seq"], r["activation_checkpointing"], r.get("micro", 1)): r for r in runs if "tokens_per_s" in r
+        (r["impl"], r["seq"], r["activation_checkpointing"], r.get("micro", 1), r.get("variant", "")): r
+        for r in runs
+        if "tokens_per_s" in r
     }
     out: dict[str, Any] = {}
-    for (impl, seq, ac, micro), r in done.items():
-        key = f"seq{seq}_ac{'on' if ac else 'off'}" + (f"_mb{micro}" if micro != 1 else "")
-        hf = done.get(("hf", seq, ac, micro))
-        if impl == "threed" and hf:
-            out[f"{key}_threed_over_hf_tokens_per_s"] = round(r["tokens_per_s"] / hf["tokens_per_s"], 3)
-            if r.get("peak_above_start_bytes") and hf.get("peak_above_start_bytes"):
-                out[f"{key}_threed_over_hf_peak_memory"] = round(
-                    r["peak_above_start_bytes"] / hf["peak_above_start_bytes"], 3
-                )
-        if impl == "threed" and r.get("peak_above_start_bytes"):
+    for (impl, seq, ac, micro, variant), r in done.items():
+        if impl != "threed":
+            continue
+        key = (
+            f"seq{seq}_ac{'on' if ac else 'off'}"
+            + (f"_mb{micro}" if micro != 1 else "")
+            + f"_{variant}" * bool(variant)
+        )
+        against = [("threed_over_hf", done.get(("hf", seq, ac, micro, "")))]
+        against += [("over_default", done.get(("threed", seq, ac, micro, "")))] if variant else []
+        for name, other in against:
+            if other:
+                out[f"{key}_{name}_tokens_per_s"] = round(r["tokens_per_s"] / other["tokens_per_s"], 3)
+                if r.get("peak_above_start_bytes") and other.get("peak_above_start_bytes"):
+                    out[f"{key}_{name}_peak_memory"] = round(
+                        r["peak_above_start_bytes"] / other["peak_above_start_bytes"], 3
+                    )
+        if r.get("peak_above_start_bytes"):
             out[f"{key}_threed_measured_over_estimate"] = round(
                 r["peak_above_start_bytes"] / r["estimate"]["peak_bytes"], 3
             )
@@ -374,19 +430,24 @@ def arguments(argv: Optional[list[str]] = None) -> argparse.Namespace:
         p.error("--seqs and --profile-steps must be positive integers")
     if a.profile and not a.json:
         p.error("--profile writes its result to --json: name the file")
+    unknown = sorted(set(a.runs.split(",")) - {"", *(run_key(*r) for r in nameable(plan(a.seqs), a.seqs))})
+    if unknown and not a.child:
+        p.error(
+            f"--runs: no run {','.join(unknown)} at --seqs {','.join(map(str, a.seqs))}: name them as "
+            f"impl:seq:on|off[:mb2][:VARIANT], VARIANT one of {', '.join(VARIANTS)}"
+        )
     return a
 
 
 def child(a: argparse.Namespace) -> int:
     """One run in this process (`--child impl:seq:on|off[:mbN]`); its result, or its error, to --json."""
-    impl, seq, ac, micro = parse_key(a.child)
-    stub = {"impl": impl, "seq": seq, "activation_checkpointing": ac, "micro": micro}
+    run = parse_key(a.child)
     rt = init_distributed()
     a.peak = a.peak_tflops or peak_tflops_per_device()
     try:
-        r = one_run(impl, seq, ac, micro, a, model_config(a.model), rt)
+        r = one_run(run, a, model_config(a.model), rt)
     except Exception as e:  # an OOM or a kernel missing on this GPU: say which; the parent goes on with the next run
-        r = {**stub, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
+        r = {**stub_of(run), "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
     a.json.write_text(json.dumps(r) + "\n")
     return 0
 
@@ -394,8 +455,7 @@ def child(a: argparse.Namespace) -> int:
 def spawn(key: str, a: argparse.Namespace, argv: list[str], limit: Optional[float]) -> dict:
     """One run in a fresh process: nothing a previous run left allocated (DeepSpeed's engine, compiled graphs)
     weighs on its memory or speed."""
-    impl, seq, ac, micro = parse_key(key)
-    stub = {"impl": impl, "seq": seq, "activation_checkpointing": ac, "micro": micro}
+    stub = stub_of(parse_key(key))
     out = Path(a.json or "bench_gpu.json").with_suffix("." + key.replace(":", "-") + ".json")
     cmd = [sys.executable, __file__, *argv, "--child", key, "--json", str(out)]
     try:
@@ -511,15 +571,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     }
     print(f"bench_gpu: {a.model} on {device} (peak {a.peak} TFLOP/s), {a.tokens} tokens per step", flush=True)
     start, took = time.perf_counter(), {}  # impl -> seconds of its last run: what the next one is expected to take
-    for impl, seq, ac, micro in plan(a.seqs, a.runs):
+    for run in plan(a.seqs, a.runs):
+        impl = run[0]
         expect = took.get(impl, max(took.values(), default=0.0))
         left = a.budget_s - (time.perf_counter() - start) if a.budget_s else None
         if left is not None and left < expect:
-            r = {"impl": impl, "seq": seq, "activation_checkpointing": ac, "micro": micro}
-            r["skipped"] = f"the {a.budget_s:.0f} s budget would run out (a run takes ~{expect:.0f} s)"
+            r = stub_of(run) | {"skipped": f"the {a.budget_s:.0f} s budget would run out (a run takes ~{expect:.0f} s)"}
         else:
             t0 = time.perf_counter()
-            r = spawn(run_key(impl, seq, ac, micro), a, argv, left)
+            r = spawn(run_key(*run), a, argv, left)
             took[impl] = r["seconds"] = round(time.perf_counter() - t0, 1)
         result["runs"].append(r)
         result["ratios"] = ratios(result["runs"])

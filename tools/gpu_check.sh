@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # tools/gpu_check.sh OUTDIR: the one call on the lent GPU machine (docs/gpu.md). Why one script: a task that draws a
 # GPU gets 15 minutes of device time in all, starts included, so everything that needs the GPU runs in one command
-# that ends by itself within 8 minutes on one H100 and leaves its results where the device tool brings them back
+# that ends by itself within 9 minutes on one H100 and leaves its results where the device tool brings them back
 # (OUTDIR, at most 8 files: env.log, bench.log, profile.log, tests.log, one_gpu.log and gpu_check.json, which
 # sums them up). The phases run in the order of what their results are worth, so a budget cut takes the least:
 #
@@ -9,14 +9,15 @@
 #   2. env      python, torch, CUDA, the GPU, every version and where it is imported from, capability probes
 #   3. bench    benchmarks/bench_gpu.py: threed against HF at Llama-3.2-1B's shape, seq 4096 and 8192, and threed
 #               at micro-batch 2 (the planner's step-time model fitted to them: rates, cost per micro-batch);
-#               MFU both ways
+#               MFU both ways; then threed's opt-in flags at 4096 (--lm-head-chunks 8, --torch-compile
+#               rope-norm), each against the default run
 #   4. profile  bench_gpu.py --profile: torch.profiler on 2 steps of threed at seq 4096: the top kernels by
 #               device time, the device's idle holes between kernels (PROFILE_CAP_S, default 90 s)
 #   5. tests    every GPU test one GPU can run: `pytest -m gpu tests/gpu` with THREED_DEVICE=cuda (test_one_gpu.py
 #               apart; only tests/gpu, whose imports the image has: tests/unit's need the dev extras, e.g. grimp)
 #   6. one_gpu  with the time left: tests/gpu/test_one_gpu.py (training against HF, resume, recompute, ZB-H1, SFT)
 #
-# Each phase runs under `timeout` with what is left of GPU_CHECK_BUDGET_S (default 470 s), so the script ends in
+# Each phase runs under `timeout` with what is left of GPU_CHECK_BUDGET_S (default 540 s), so the script ends in
 # time whatever hangs; a phase that no longer fits is skipped and says so. DRY=1 runs the same phases on CPU at a
 # tiny shape (no install: this python's own packages; the GPU tests skip): what tests/cli/test_gpu_check.py runs.
 #
@@ -26,8 +27,9 @@
 #
 # A second call reruns only what the first missed (docs/gpu.md, "A second call"):
 #   GPU_CHECK_PHASES  the phases after env (default "bench profile tests one_gpu")
-#   BENCH_RUNS        the benchmark's runs, impl:seq:on|off[:mb2] comma-separated (default all); BENCH_CAP_S its
-#                     cap (260); PROFILE_CAP_S the profile phase's (90), PROFILE_STEPS its profiled steps (2)
+#   BENCH_RUNS        the benchmark's runs, impl:seq:on|off[:mb2][:VARIANT] comma-separated (default: its plan);
+#                     BENCH_CAP_S its cap (390); PROFILE_CAP_S the profile phase's (90), PROFILE_STEPS its profiled
+#                     steps (2)
 #   ONE_GPU_ONLY      the one-GPU scenarios (tests/gpu/one_gpu_worker.py's names, or "universal"; default all)
 set -uo pipefail
 OUT=${1:?usage: tools/gpu_check.sh OUTDIR (DRY=1 for the CPU dry run)}
@@ -36,7 +38,9 @@ cd "$REPO" || exit 2
 mkdir -p "$OUT" || exit 2
 OUT=$(cd "$OUT" && pwd)
 DRY=${DRY:-0}
-BUDGET=${GPU_CHECK_BUDGET_S:-470}
+# 540 s on the GPU: the call's 600 s limit less pip and Python start-up, and a second call's 4 minutes left in the
+# 15. DRY: 2 loaded cores start a Python per bench run (~10-30 s each), so the same phases need longer.
+BUDGET=${GPU_CHECK_BUDGET_S:-$([ "$DRY" = 1 ] && echo 720 || echo 540)}
 RESERVE=10    # seconds kept for the summary
 MIN_PHASE=20  # a phase with less than this left is skipped
 START=$SECONDS
@@ -120,10 +124,12 @@ phase env "$(limit_for 60)" "$ENV_LOG" "$PY" tools/gpu_check_report.py env --jso
 grep -E '"(python|torch|deepspeed|megatron-core|transformers|name|cuda_build|threed_imports|varlen_attn_enable_gqa)"' \
   "$ENV_LOG" | tr -s ' ' | head -20
 
-# 3. the benchmark; it starts no run that would end past its own budget. 260 s: 5 runs without recompute (threed
+# 3. the benchmark; it starts no run that would end past its own budget. 390 s: 5 runs without recompute (threed
 # and HF at 4096 and 8192, threed at micro-batch 2) took 45-51 s each on the H100 and the H200 (process start,
-# build, compile, 6 steps). DRY: each of the 5 tiny runs starts its own python (imports: ~10 s on an idle core)
-BENCH_LIMIT=$(limit_for "${BENCH_CAP_S:-$([ "$DRY" = 1 ] && echo 300 || echo 260)}")
+# build, compile, 6 steps), then the two flags' runs at 4096: --lm-head-chunks 8 as long, --torch-compile
+# rope-norm ~30 s more (inductor compiles the norms and RoPE in its first step; never timed on a GPU). DRY: each
+# of the 7 tiny runs starts its own python (imports: ~10 s on an idle core; rope-norm compiles ~15 s on CPU)
+BENCH_LIMIT=$(limit_for "${BENCH_CAP_S:-$([ "$DRY" = 1 ] && echo 420 || echo 390)}")
 phase bench "$BENCH_LIMIT" "$OUT/bench.log" "$PY" benchmarks/bench_gpu.py --json "$TMP/bench.json" \
   --budget-s $((BENCH_LIMIT - 25)) --runs "$BENCH_RUNS" "${BENCH_ARGS[@]}"
 

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import os
 import re
@@ -55,7 +56,7 @@ def dry(tmp_path_factory) -> dict:
         text=True,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        timeout=600,
+        timeout=900,
     )
     return {"proc": proc, "out": out}
 
@@ -97,12 +98,14 @@ def test_dry_run_summary_holds_every_phase(dry):
 def test_dry_run_benchmark_measured_both_sides(dry):
     bench = json.loads((dry["out"] / "gpu_check.json").read_text())["bench"]
     runs = bench["runs"]
-    assert [(r["impl"], r["activation_checkpointing"], r["micro"], r["gas"]) for r in runs] == [
-        ("threed", False, 1, 8),
-        ("hf", False, 1, 8),
-        ("threed", False, 2, 4),  # the same 512 tokens per step in half the micro-batches
-        ("threed", True, 1, 8),
-        ("hf", True, 1, 8),
+    assert [(r["impl"], r["activation_checkpointing"], r["micro"], r["gas"], r.get("variant")) for r in runs] == [
+        ("threed", False, 1, 8, None),
+        ("hf", False, 1, 8, None),
+        ("threed", False, 2, 4, None),  # the same 512 tokens per step in half the micro-batches
+        ("threed", False, 1, 8, "chunks8"),  # the opt-in flags, each against the first run
+        ("threed", False, 1, 8, "rope-norm"),
+        ("threed", True, 1, 8, None),
+        ("hf", True, 1, 8, None),
     ]
     for r in runs:
         assert "error" not in r and "skipped" not in r, r
@@ -113,6 +116,31 @@ def test_dry_run_benchmark_measured_both_sides(dry):
     assert all(r["estimate"]["peak_bytes"] > 0 and r["optimizer"] == "BF16_Optimizer" for r in threed)
     assert bench["flops_convention"].startswith("threed.model.spec.training_flops_per_token")
     assert "seq64_acoff_threed_over_hf_tokens_per_s" in bench["ratios"]
+
+
+@pytest.mark.slow  # the dry run of every phase (~250 s on 2 loaded cores): make test-slow
+def test_dry_run_measures_each_opt_in_flag_against_the_default_run(dry):
+    """--lm-head-chunks 8 and --torch-compile rope-norm run as flags, not as the default path: the compiled run
+    shows compiled regions where the default shows none, the chunked run's head was built with 8 chunks, both
+    train the same tokens to the default's losses (bf16 on CPU: the chunked head's bf16 weight-gradient
+    sum and the compiled kernels' rounding move the later steps in the 3rd decimal at most), and both have their
+    ratio over the default run."""
+    bench = json.loads((dry["out"] / "gpu_check.json").read_text())["bench"]
+    by = {
+        r.get("variant", ""): r
+        for r in bench["runs"]
+        if r["impl"] == "threed" and r["micro"] == 1 and not r["activation_checkpointing"]
+    }
+    default, chunked, compiled = by[""], by["chunks8"], by["rope-norm"]
+    assert not default["activation_checkpointing"] and not default["kernels"]["compiled_regions"], default
+    assert any("Torch-Compiled Region" in n for n in compiled["kernels"]["compiled_regions"]), compiled["kernels"]
+    assert (default["lm_head_chunks"], chunked["lm_head_chunks"], compiled["lm_head_chunks"]) == (1, 8, 1)
+    assert chunked["losses"][0] == default["losses"][0], (chunked["losses"], default["losses"])  # the same forward
+    for r in (chunked, compiled):
+        assert r["losses"] == pytest.approx(default["losses"], abs=5e-3), (r["losses"], default["losses"])
+        key = f"seq64_acoff_{r['variant']}"
+        assert bench["ratios"][f"{key}_over_default_tokens_per_s"] > 0, bench["ratios"]
+        assert f"{key}_threed_over_hf_tokens_per_s" in bench["ratios"], bench["ratios"]
     assert bench["flops_per_token_causal"]["64"] < bench["flops_per_token"]["64"]
 
 
@@ -151,6 +179,30 @@ def test_dry_run_fit_is_the_planners(dry):
     errors = [predict(r, hw) / r.step_s - 1 for r in measured.runs]
     assert fit["relative_errors"] == pytest.approx(errors, abs=1e-4), fit
     assert f"  fit ({how}): matmuls {fit['mm_tflops']} TFLOP/s" in dry["proc"].stdout
+
+
+def test_the_bench_names_each_run_once_and_refuses_one_it_does_not_have(capsys):
+    """Every run the bench can make has a key that names it back (a second call's BENCH_RUNS); the default plan
+    holds the flags at the shortest length only, after the runs the fit needs; a misspelt run is refused, naming
+    the grammar, instead of running nothing."""
+    spec = importlib.util.spec_from_file_location("bench_gpu", REPO / "benchmarks" / "bench_gpu.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    seqs = (4096, 8192)
+    default = bench.plan(seqs)
+    every = bench.nameable(default, seqs)
+    keys = [bench.run_key(*run) for run in every]
+    assert len(set(keys)) == len(keys) and all(bench.parse_key(k) == run for k, run in zip(keys, every))
+    assert [bench.run_key(*r) for r in default if r[4]] == ["threed:4096:off:chunks8", "threed:4096:off:rope-norm"]
+    assert [r[4] for r in default].index("chunks8") > keys.index("threed:4096:off:mb2")
+    assert bench.plan(seqs, "threed:8192:on:block,hf:4096:off:mb2") == [
+        ("hf", 4096, False, 2, ""),
+        ("threed", 8192, True, 1, "block"),
+    ]
+    with pytest.raises(SystemExit):
+        bench.arguments(["--tiny", "--runs", "threed:64:off,threed:64:off:chunks9"])
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert "--runs: no run threed:64:off:chunks9 at --seqs 64" in err and "chunks8, rope-norm, block" in err, err
 
 
 def test_gpu_check_without_an_outdir_says_how_to_call_it():

@@ -193,10 +193,11 @@ def read_measured(path: Path) -> Measured:
 
 
 def from_bench_json(bench: dict[str, Any], outer: dict[str, Any], path: Path) -> Measured:
-    """bench_gpu.py's JSON (threed runs that finished; the HF baseline is not threed's model)."""
+    """bench_gpu.py's JSON (threed runs that finished; the HF baseline is not threed's model, and a run with an
+    opt-in speed flag, `variant`, is not the default path whose rates the planner assumes)."""
     runs = []
     for r in bench.get("runs") or []:
-        if r.get("impl") == "threed" and r.get("median_step_s"):
+        if r.get("impl") == "threed" and r.get("median_step_s") and not r.get("variant"):
             step = float(r["median_step_s"])
             tokens = r["micro"] * r["gas"] * r["seq"]
             runs.append(
