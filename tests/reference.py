@@ -27,16 +27,18 @@ GLOBAL_BATCH = 8  # sequences (or packed rows) per step in the 8-rank parity run
 
 def plain_adamw(model, train: TrainConfig) -> tuple:
     """The reference's optimizer: torch AdamW (no decay on 1-D weights, as Megatron) and threed's warmup + cosine
-    multiplier, for a TrainConfig `train`. It holds every parameter once (a tied weight too)."""
-    decay = [p for p in model.parameters() if p.ndim > 1]
-    no_decay = [p for p in model.parameters() if p.ndim <= 1]
+    multiplier, for a TrainConfig `train`. It holds every trainable parameter once (a tied weight too; a PEFT model's
+    adapters alone)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=train.lr,
         betas=(train.beta1, train.beta2),
         eps=train.adam_eps,
     )
-    assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == trainable
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(train))
 
 

@@ -634,6 +634,71 @@ class MetricsConfig:
     )
 
 
+# LoRA's targets (HF PEFT's module names, short): the attention's q, k, v and output projections, the MLP's gate, up
+# and down projections. q/k/v and gate/up are fused in the base (megatron's linear_qkv, linear_fc1) but each gets
+# its own adapter, as an HF PEFT file holds them (threed.convert.lora).
+LORA_TARGETS: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
+# Targets whose base is a column-parallel linear: their adapter's A shards its rank over TP (threed.model.lora).
+LORA_COLUMN_TARGETS: tuple[str, ...] = ("q", "k", "v", "gate", "up")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA fine-tuning (threed.model.lora): the base weights frozen, rank-r adapters on the chosen linears trained.
+    lora_rank 0: off (full fine-tuning)."""
+
+    lora_rank: int = field(
+        default=0, metadata=meta("LoRA adapter rank; > 0 freezes the base and trains only adapters (0: off)")
+    )
+    lora_alpha: float = field(default=16.0, metadata=meta("LoRA scale numerator: adapters add alpha / rank x B A x"))
+    lora_dropout: float = field(default=0.0, metadata=meta("dropout on the adapters' input", below=1))
+    lora_targets: tuple[str, ...] = field(
+        default=LORA_TARGETS, metadata=meta("linears that get adapters: any of q k v o gate up down")
+    )
+    lora_init_from: Optional[str] = field(
+        default=None, metadata=meta("start the adapters from an HF PEFT folder (adapter_config.json)", metavar="DIR")
+    )
+
+    def validate(self, parallel: "ParallelConfig", train: "TrainConfig") -> None:
+        """One line per bad combination, before anything is built."""
+        if self.lora_rank <= 0:  # off (a negative rank is refused by the field's range first)
+            if self.lora_init_from:
+                raise ConfigError(
+                    f"--lora-init-from needs --lora-rank > 0 (got {self.lora_rank}); give the adapter's rank, "
+                    f"e.g. --lora-rank 16"
+                )
+            return
+        unknown = [t for t in self.lora_targets if t not in LORA_TARGETS]
+        if unknown or not self.lora_targets:
+            raise ConfigError(
+                f"--lora-targets: unknown target(s) {' '.join(unknown) or '(none given)'}; choose from "
+                f"{' '.join(LORA_TARGETS)}"
+            )
+        column = [t for t in self.lora_targets if t in LORA_COLUMN_TARGETS]
+        if column and self.lora_rank % parallel.tp:
+            raise ConfigError(
+                f"--lora-rank {self.lora_rank} is not divisible by --tp {parallel.tp}: the adapters of "
+                f"{' '.join(column)} shard their rank over TP; use a rank that is a multiple of {parallel.tp}"
+            )
+        if parallel.pipeline_schedule == "zb-h1":
+            raise ConfigError(
+                "--pipeline-schedule zb-h1 with --lora-rank: the frozen base has no weight gradient to defer; "
+                "use --pipeline-schedule 1f1b"
+            )
+        if parallel.cp > 1:
+            raise ConfigError("--lora-rank with --context-parallel-size > 1 is not supported in this build; use cp 1")
+        if train.dtype == "bf16":
+            raise ConfigError(
+                "--lora-rank with --dtype bf16 is not finished in this build (DeepSpeed's BF16_Optimizer with a "
+                "frozen base is untested here); use --dtype fp32"
+            )
+        if self.lora_dropout > 0 and (train.activation_checkpointing or train.recompute_granularity):
+            raise ConfigError(
+                "--lora-dropout > 0 with recompute: the recomputed forward would draw other dropout masks; use "
+                "--lora-dropout 0 or no recompute"
+            )
+
+
 # The sections a command line sets (the model comes from --model), in `threed train --help` order.
 SECTIONS: dict[str, type] = {
     "parallel": ParallelConfig,
@@ -642,6 +707,7 @@ SECTIONS: dict[str, type] = {
     "checkpoint": CheckpointConfig,
     "control": RunControlConfig,
     "metrics": MetricsConfig,
+    "lora": LoraConfig,
 }
 # Fields that moved section: where configs written before (threed_run.json, manifests) had them.
 _MOVED = {
@@ -680,6 +746,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     control: RunControlConfig = field(default_factory=RunControlConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def validate(self, world_size: int) -> None:
         """Every field's range, then the arithmetic: what training, the dry run and `threed check-config` check
@@ -695,6 +762,7 @@ class RunConfig:
         self.model.validate()
         self.parallel.validate(self.model, world_size)
         self.train.validate(self.model)
+        self.lora.validate(self.parallel, self.train)
         cp = self.parallel.cp
         if cp > 1 and self.train.seq_length % (2 * cp * (self.parallel.tp if self.parallel.sequence_parallel else 1)):
             chunks = 2 * cp * (self.parallel.tp if self.parallel.sequence_parallel else 1)

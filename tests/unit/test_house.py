@@ -37,6 +37,7 @@ HEAVY = {
     "numpy",
     "pydoc_data",
     "lm_eval",  # the eval extra (threed.harness)
+    "peft",  # the lora extra (threed.convert.lora: HF PEFT folders)
 }
 
 

@@ -39,6 +39,7 @@ from threed.config import ModelConfig, RunConfig
 from threed.errors import ConfigError
 from threed.model.spec import (
     PipelineLayer,
+    is_adapter_key,
     optimizer_parameters,
     parameter_count,
     pipeline_layers,
@@ -316,11 +317,13 @@ class Checkpoint:
             msg = f"{e.__class__.__name__}: {str(e).split('. ')[0][:300]}"
             raise CheckpointError(f"cannot read {path}: {msg} (truncated or corrupt)") from None
         tensors = {k: v for k, v in sd.items() if not k.endswith("._extra_state")}
-        if set(tensors) != set(expected):
+        # A LoRA run's files also hold its adapters (threed.convert.lora reads them); the base is checked as always.
+        if {k for k in tensors if not is_adapter_key(k)} != set(expected):
             raise CheckpointError(
                 f"{path} holds {sorted(tensors)}, expected {sorted(expected)} for layer {layer.index} ({layer.kind})"
             )
-        for k, v in tensors.items():
+        for k in expected:
+            v = tensors[k]
             if tuple(v.shape) != expected[k]:
                 raise CheckpointError(
                     f"{path}: {k} is {list(v.shape)}, expected {list(expected[k])} for "

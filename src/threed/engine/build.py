@@ -16,6 +16,7 @@ from threed.checkpoint.start import StartDecision, start
 from threed.engine.ds_config import engine_config
 from threed.engine import fp32_accumulate
 from threed.engine.load import load_start
+from threed.engine.lora import attach_lora
 from threed.engine.optimizer import make_optimizer
 from threed.engine.resolved import ResolvedRun
 from threed.metrics.stages import reset_peak_memory
@@ -73,10 +74,10 @@ def build_engine(
             token_weighted=token_weighted,
         )
         check_groups_agree(module._grid)  # DeepSpeed's (pipe, data, model) grid == megatron's groups, rank by rank
+        attach_lora(module, cfg, decision)  # --lora-rank: adapters on, the base frozen, before the optimizer is made
         # 5. ZeRO-1 over dp x cp, bf16 with fp32 accumulation and reduction: DeepSpeed's engine around the module.
-        optimizer, scheduler = (
-            make_optimizer(module, cfg.train, fused=rt.cuda_only.fused_adamw) if train else (None, None)
-        )
+        fused = rt.cuda_only.fused_adamw
+        optimizer, scheduler = make_optimizer(module, cfg.train, fused=fused) if train else (None, None)
         ds_config = engine_config(run.ds_config, load_universal=decision.universal, train=train)
         fp32_accumulate.install()  # BF16_Optimizer adds each bf16 grad into fp32 without an fp32 copy of it
         engine, _, _, _ = deepspeed.initialize(

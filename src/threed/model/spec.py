@@ -128,6 +128,16 @@ PARAMETERS: tuple[Param, ...] = (
 )
 
 
+# LoRA's adapters (threed.model.lora) are submodules `lora` of the base linears they adapt, so a LoRA run's block state
+# dict (and layer file) holds `<base linear>.lora.A.<target>` / `.B.<target>` beside the table's rows.
+LORA_ADAPTER = "lora"
+
+
+def is_adapter_key(name: str) -> bool:
+    """Whether a state-dict key (or parameter name) is a LoRA adapter's, not a row of the table."""
+    return f".{LORA_ADAPTER}." in f".{name}"
+
+
 @cache
 def layer_parameters(kind: LayerKind) -> tuple[Param, ...]:
     return tuple(p for p in PARAMETERS if p.layer == kind)

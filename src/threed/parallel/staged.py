@@ -70,8 +70,9 @@ class StagedPipelineModule(PipelineModule):
         # finalize_model_grads does; DeepSpeed's pipeline engine does not. Its tied-weight step
         # (ReduceTiedGrads: after the last backward, before the DP reduction and the gradient norm; the fp32
         # `_hp_grad` under bf16) all-reduces each (weight, group) of this list: they join it with the TP group.
-        pairs = super().get_tied_weights_and_groups()
-        partial = [p for p in self.parameters() if getattr(p, "sequence_parallel", False)]
+        # A frozen weight (LoRA's base) has no gradient to sum: under bf16 it has no fp32 `_hp_grad` at all.
+        pairs = [(w, g) for w, g in super().get_tied_weights_and_groups() if w.requires_grad]
+        partial = [p for p in self.parameters() if getattr(p, "sequence_parallel", False) and p.requires_grad]
         if partial:
             from megatron.core import parallel_state  # heavy: as deepspeed above
 

@@ -1,0 +1,234 @@
+"""LoRA adapters between HF PEFT's files and threed's TP shards, both ways, from the base weights' own slices.
+
+HF PEFT holds one `lora_A [r, in]` and one `lora_B [out, r]` per target module (q_proj, k_proj, ... down_proj),
+named `base_model.model.<the base weight's HF name without .weight>.lora_A.weight`. Which of their rows and columns
+a TP rank holds is read off the base weight's slices (`threed.convert.slices.rank_slices`: megatron's grouped QKV,
+the [gate_r; up_r] halves, the row-parallel column blocks), so the adapter follows the base's layout and cannot
+drift from it:
+
+    column-parallel base (q k v gate up):  A rows = the rank dimension cut evenly over TP; B rows = the rows of the
+                                           base's HF tensor this rank's base shard holds, placed where the fused
+                                           output holds them (`TargetSlices.placement`)
+    row-parallel base (o down):            A columns = the base shard's input columns; B rows cut evenly over TP
+
+    target_slices(cfg, layer, lora, tp, rank)   what one rank holds of one block (names, shapes, PEFT slices)
+    read_peft(folder) / write_peft(...)          the HF PEFT folder (adapter_config.json, adapter_model.safetensors)
+    gather_adapters(...)                         TP shards -> PEFT tensors
+    export_lora(ckpt, out)                       `threed export --lora`: a LoRA run's checkpoint -> HF PEFT folder
+
+PEFT itself (a heavy optional dependency, the `peft` extra) is imported only where its config class is wanted, in
+`write_peft`; reading a folder needs only json and safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from threed.checkpoint.format import RUN_JSON, open_checkpoint
+from threed.config import LORA_TARGETS, ConfigError, LoraConfig, ModelConfig
+from threed.convert.io_utils import ConvertError, atomic_output_dir, refuse_existing
+from threed.convert.slices import DictReader, Piece, ShardSpec, materialize, rank_slices
+from threed.hf.names import hf_names, hf_shapes
+from threed.model.spec import PipelineLayer, parameter, pipeline_layers, tp_segments
+
+# threed's target -> HF PEFT's target module (the base weight's module name in HF's Llama).
+PEFT_MODULES = {
+    "q": "q_proj",
+    "k": "k_proj",
+    "v": "v_proj",
+    "o": "o_proj",
+    "gate": "gate_proj",
+    "up": "up_proj",
+    "down": "down_proj",
+}
+assert tuple(PEFT_MODULES) == LORA_TARGETS
+PEFT_PREFIX = "base_model.model."  # what PeftModel's state dict puts before the base model's names
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+
+
+@dataclass(frozen=True)
+class TargetSlices:
+    """One target's adapter on one TP rank of one block."""
+
+    target: str
+    module: str  # the base linear's module path in the block (self_attention.linear_qkv)
+    row_parallel: bool
+    a: ShardSpec  # this rank's A: its shape and the slices of PEFT's lora_A it is made of
+    b: ShardSpec
+    placement: tuple[tuple[int, int, int], ...]  # column bases: (B row, length, row of the base's output shard)
+
+    def key(self, which: str) -> str:
+        """The adapter parameter's name in the block's state dict (threed.model.lora)."""
+        return f"{self.module}.lora.{which}.{self.target}"
+
+
+def peft_name(hf_weight: str, which: str) -> str:
+    """PEFT's name of the lora_A / lora_B weight on an HF base weight (`model.layers.3.self_attn.q_proj.weight`)."""
+    return PEFT_PREFIX + hf_weight[: -len(".weight")] + f".{which}.weight"
+
+
+def _base_of(layer: PipelineLayer, target: str) -> tuple[str, str]:
+    """(our base parameter, its HF tensor) of `target` in a block."""
+    suffix = f".{PEFT_MODULES[target]}.weight"
+    for ours, names in hf_names(layer).items():
+        for name in names:
+            if name.endswith(suffix):
+                return ours, name
+    raise KeyError(f"no base weight for LoRA target {target!r}")
+
+
+def target_slices(cfg: ModelConfig, layer: PipelineLayer, lora: LoraConfig, tp: int, rank: int) -> list[TargetSlices]:
+    """What TP rank `rank` holds of each chosen target's adapter in block `layer`, targets in LORA_TARGETS order."""
+    base_specs = {s.name: s for s in rank_slices(cfg, layer, tp, rank)}
+    shapes, r = hf_shapes(cfg, layer), lora.lora_rank
+    out = []
+    for target in (t for t in LORA_TARGETS if t in lora.lora_targets):
+        ours, hf = _base_of(layer, target)
+        a_name, b_name = peft_name(hf, "lora_A"), peft_name(hf, "lora_B")
+        rows, columns = shapes[hf]
+        pieces = [p for p in base_specs[ours].pieces if p.hf_name == hf]
+        row_parallel = parameter("block", ours).split == "row"
+        if row_parallel:  # the base shard is one block of input columns
+            (piece,) = pieces
+            a = ShardSpec(a_name, (r, piece.length), (Piece(a_name, 1, piece.start, piece.length),), a_name)
+            (seg,) = tp_segments("column", rows, tp, rank)
+            b = ShardSpec(b_name, (seg.length, r), (Piece(b_name, 0, seg.start, seg.length),), b_name)
+            placement: tuple[tuple[int, int, int], ...] = ()
+        else:  # the base shard's rows of this HF tensor, wherever the fused output puts them
+            (seg,) = tp_segments("column", r, tp, rank)
+            a = ShardSpec(a_name, (seg.length, columns), (Piece(a_name, 0, seg.start, seg.length),), a_name)
+            b_pieces, places, row = [], [], 0
+            for p in pieces:
+                b_pieces.append(Piece(b_name, 0, p.start, p.length, dst=row))
+                places.append((row, p.length, p.dst))
+                row += p.length
+            b = ShardSpec(b_name, (row, r), tuple(b_pieces), b_name)
+            placement = tuple(places)
+        out.append(TargetSlices(target, ours.rsplit(".", 1)[0], row_parallel, a, b, placement))
+    return out
+
+
+def full_shapes(cfg: ModelConfig, layer: PipelineLayer, lora: LoraConfig) -> dict[str, tuple[int, int]]:
+    """PEFT tensor name -> its (unsharded) shape, for the chosen targets of one block."""
+    shapes, out = hf_shapes(cfg, layer), {}
+    for target in (t for t in LORA_TARGETS if t in lora.lora_targets):
+        _, hf = _base_of(layer, target)
+        rows, columns = shapes[hf]
+        out[peft_name(hf, "lora_A")] = (lora.lora_rank, columns)
+        out[peft_name(hf, "lora_B")] = (rows, lora.lora_rank)
+    return out
+
+
+def fresh_adapters(cfg: ModelConfig, layer: PipelineLayer, lora: LoraConfig, seed: int) -> dict[str, torch.Tensor]:
+    """PEFT's default init of one block's adapters, unsharded: A kaiming-uniform (a = sqrt 5, i.e. U(+-1/sqrt(in))),
+    B zero, so training starts at the base. Drawn from a generator of (seed, block) alone, so every layout draws
+    the same numbers and no other random stream moves."""
+    gen = torch.Generator().manual_seed(seed * 1000003 + layer.block)
+    out = {}
+    for name, shape in full_shapes(cfg, layer, lora).items():
+        if name.endswith("lora_A.weight"):
+            bound = 1.0 / math.sqrt(shape[1])
+            out[name] = (torch.rand(shape, generator=gen, dtype=torch.float64) * 2 - 1).mul_(bound).float()
+        else:
+            out[name] = torch.zeros(shape)
+    return out
+
+
+def shard(adapters: dict[str, torch.Tensor], spec: ShardSpec) -> torch.Tensor:
+    """This rank's piece of a PEFT tensor."""
+    return materialize(spec, DictReader(adapters))
+
+
+def gather_adapters(
+    cfg: ModelConfig, layer: PipelineLayer, lora: LoraConfig, shards: list[dict[str, torch.Tensor]]
+) -> dict[str, torch.Tensor]:
+    """The PEFT tensors of one block from its TP ranks' state dicts (`shards[rank]`, adapter keys as
+    `TargetSlices.key`): the inverse of `shard`."""
+    tp = len(shards)
+    out = {name: torch.zeros(shape) for name, shape in full_shapes(cfg, layer, lora).items()}
+    for rank, state in enumerate(shards):
+        for t in target_slices(cfg, layer, lora, tp, rank):
+            for spec, which in ((t.a, "A"), (t.b, "B")):
+                local = state[t.key(which)].detach().float().cpu()
+                for p in spec.pieces:
+                    src = local.narrow(p.dim, 0, p.length) if p.dim == 1 else local.narrow(0, p.dst, p.length)
+                    out[p.hf_name].narrow(p.dim, p.start, p.length).copy_(src)
+    return out
+
+
+def read_peft(folder: str | Path, model: ModelConfig, lora: LoraConfig) -> dict[str, torch.Tensor]:
+    """An HF PEFT LoRA folder's tensors, checked against the run: rank, alpha and targets as --lora-* say, every
+    tensor present with the shape this base needs (one ConfigError line otherwise)."""
+    folder = Path(folder)
+    if not (folder / CONFIG_FILE).is_file() or not (folder / WEIGHTS_FILE).is_file():
+        raise ConfigError(f"--lora-init-from {folder}: needs {CONFIG_FILE} and {WEIGHTS_FILE} (an HF PEFT LoRA folder)")
+    config = json.loads((folder / CONFIG_FILE).read_text())
+    theirs = sorted(t for t, m in PEFT_MODULES.items() if m in (config.get("target_modules") or []))
+    checks = (
+        ("peft_type", config.get("peft_type"), "LORA"),
+        ("r (--lora-rank)", config.get("r"), lora.lora_rank),
+        ("lora_alpha (--lora-alpha)", float(config.get("lora_alpha", 0)), float(lora.lora_alpha)),
+        ("target_modules (--lora-targets)", theirs, sorted(lora.lora_targets)),
+    )
+    for what, got, want in checks:
+        if got != want:
+            raise ConfigError(f"--lora-init-from {folder}: its {what} is {got}, this run's is {want}; make them agree")
+    tensors = load_file(str(folder / WEIGHTS_FILE))
+    for layer in (ly for ly in pipeline_layers(model) if ly.kind == "block"):
+        for name, shape in full_shapes(model, layer, lora).items():
+            got = tuple(tensors[name].shape) if name in tensors else None
+            if got != shape:
+                raise ConfigError(
+                    f"--lora-init-from {folder}: {name} is {got or 'missing'}, this base needs {shape}: the adapter "
+                    f"was made for another base model"
+                )
+    return {k: v.float() for k, v in tensors.items()}
+
+
+def write_peft(
+    folder: str | Path, tensors: dict[str, torch.Tensor], lora: LoraConfig, base: Optional[str] = None
+) -> None:
+    """An HF PEFT folder `peft.PeftModel.from_pretrained(base_model, folder)` loads."""
+    import peft  # heavy optional dependency (the `lora` extra): only `threed export --lora` needs it
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = peft.LoraConfig(
+        r=lora.lora_rank,
+        lora_alpha=lora.lora_alpha,
+        lora_dropout=lora.lora_dropout,
+        target_modules=[PEFT_MODULES[t] for t in LORA_TARGETS if t in lora.lora_targets],
+        bias="none",
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=base,
+    )
+    config.save_pretrained(str(folder))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / WEIGHTS_FILE))
+
+
+def export_lora(ckpt: str | os.PathLike, out: str | os.PathLike, force: bool = False) -> dict[str, Any]:
+    """`threed export --lora`: a LoRA run's checkpoint -> an HF PEFT folder of its adapters (the base is not
+    written: it is the base the run started from, which its threed_run.json names)."""
+    refuse_existing(out, force)
+    ck = open_checkpoint(ckpt)
+    section = dict(ck.run.get("lora") or {})
+    if not section.get("lora_rank"):
+        raise ConvertError(
+            f"{ckpt}: its run trained no LoRA adapters (no lora_rank in its {RUN_JSON}); export it without --lora"
+        )
+    lora = LoraConfig(**{**section, "lora_targets": tuple(section["lora_targets"])})
+    tensors: dict[str, torch.Tensor] = {}
+    for layer in (ly for ly in ck.layers if ly.kind == "block"):
+        tensors.update(gather_adapters(ck.model, layer, lora, ck.load_layer(layer)))
+    base = (ck.run.get("checkpoint") or {}).get("init_from")
+    with atomic_output_dir(out, force) as tmp:
+        write_peft(tmp, tensors, lora, base=base)
+    return {"out": str(out), "tensors": len(tensors), "rank": lora.lora_rank, "base": base}

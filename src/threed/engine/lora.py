@@ -1,0 +1,63 @@
+"""LoRA on a built stage (`--lora-rank`): adapters put on this rank's blocks, the base frozen, before DeepSpeed's
+engine and optimizer are made, so that ZeRO-1 holds only the adapters (no fp32 master, gradient or Adam state for
+a base weight: threed.engine.optimizer hands DeepSpeed the trainable parameters only).
+
+The adapters start from PEFT's default init (B = 0: the base's outputs), or from an HF PEFT folder
+(`--lora-init-from`); either way each rank cuts its shards out of the unsharded tensors
+(threed.convert.lora), so any layout starts from the same adapter.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from threed.checkpoint.start import StartDecision
+from threed.config import ConfigError, RunConfig
+from threed.convert.lora import fresh_adapters, read_peft, shard, target_slices
+from threed.model.layers import EmbeddingPipe
+from threed.model.lora import LoraAdapter, TargetShape, attach, freeze_base, input_requires_grad
+from threed.parallel.pipeline import local_modules
+
+
+def attach_lora(module: torch.nn.Module, cfg: RunConfig, decision: StartDecision) -> int:
+    """Under --lora-rank, adapters on every chosen linear of this stage's blocks and the rest frozen; returns the
+    trainable elements (0: no LoRA, nothing done)."""
+    lora = cfg.lora
+    if not lora.lora_rank:
+        return 0
+    check_lora_start(decision)
+    tp, tp_rank = cfg.parallel.tp, module._grid.get_slice_parallel_rank()
+    peft = read_peft(lora.lora_init_from, cfg.model, lora) if lora.lora_init_from else None
+    for layer, fn in local_modules(module, cfg.model):
+        if isinstance(fn, EmbeddingPipe):
+            fn.register_forward_hook(input_requires_grad)
+        if layer.kind != "block":
+            continue
+        full = peft if peft is not None else fresh_adapters(cfg.model, layer, lora, cfg.train.seed)
+        by_module: dict[str, list] = {}
+        for t in target_slices(cfg.model, layer, lora, tp, tp_rank):
+            by_module.setdefault(t.module, []).append(t)
+        for path, targets in by_module.items():
+            linear = fn.get_submodule(path)
+            adapter = LoraAdapter(
+                {t.target: TargetShape(t.a.shape, t.b.shape, t.placement) for t in targets},
+                row_parallel=targets[0].row_parallel,
+                out_features=linear.weight.shape[0],
+                scale=lora.lora_alpha / lora.lora_rank,
+                dropout=lora.lora_dropout,
+            )
+            with torch.no_grad():
+                for t in targets:
+                    adapter.A[t.target].copy_(shard(full, t.a))
+                    adapter.B[t.target].copy_(shard(full, t.b))
+            attach(linear, adapter)
+    return freeze_base(module)
+
+
+def check_lora_start(decision: StartDecision) -> None:
+    """A LoRA run resumes only at the layout it was saved at: the universal checkpoint's patterns name no adapter
+    (DeepSpeed would concatenate their shards on dim 0)."""
+    if decision.mode == "resume" and (decision.universal or decision.other_layout):
+        raise ConfigError(
+            "resuming a LoRA run at another tp/pp is not supported in this build; resume at the layout it was saved at"
+        )

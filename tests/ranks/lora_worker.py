@@ -1,0 +1,99 @@
+"""Multi-rank LoRA scenarios for tests/ranks/test_lora.py (4 ranks, tp2 pp2 dp1, fp32, the `gqa31` HF test model):
+an HF PEFT adapter brought in with --lora-init-from and trained 5 steps with sequence parallelism, against HF + PEFT
+in one process (tests/reference.py's optimizer and data).
+
+    python -m torch.distributed.run --nproc-per-node 4 tests/ranks/lora_worker.py --out /tmp/l --data PREFIX \\
+        --peft PEFT_DIR
+
+Every rank writes OUT/lora_rank<R>.json (losses, gradient norms, what the optimizer holds) and OUT/adapters_rank<R>.pt
+(its blocks' adapter shards, for the pytest side to put together with threed.convert.lora.gather_adapters).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+# worker_setup first: it puts tests/ on sys.path (helpers, reference)
+from worker_setup import build_engine, keeps_logits, load_hf_weights, local_modules, rank_json, run_worker
+from dist_worker import run_steps, train_dataset
+from helpers import hf_model, model_config
+from reference import PARITY
+from threed.config import DataConfig, LoraConfig, ParallelConfig, RunConfig, TrainConfig
+from threed.model.spec import is_adapter_key
+from threed.parallel.distributed import Runtime
+from threed.verify.logits import pipeline_logits
+
+STEPS, RANK, ALPHA = 5, 4, 8.0
+
+
+def lora_config(data: str, peft: str, steps: int = STEPS, **train) -> RunConfig:
+    """reference.gqa31_reference's model, batch (8 sequences of 32) and optimizer, with the adapter of `peft`."""
+    return RunConfig(
+        model=model_config("gqa31"),
+        parallel=ParallelConfig(tp=2, pp=2, sequence_parallel=True),
+        train=TrainConfig(**PARITY, micro_batch_size=2, global_batch_size=8, seq_length=32, steps=steps, **train),
+        data=DataConfig(data_path=(data,)),
+        lora=LoraConfig(lora_rank=RANK, lora_alpha=ALPHA, lora_init_from=peft),
+    )
+
+
+def optimizer_elements(engine) -> int:
+    """Elements of the parameters DeepSpeed's optimizer holds (its torch optimizer's groups)."""
+    opt = engine.optimizer
+    while not isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "optimizer"):
+        opt = opt.optimizer
+    return sum(p.numel() for g in opt.param_groups for p in g["params"])
+
+
+def start_logits(cfg: RunConfig, rt: Runtime, out) -> None:
+    """The logits of LOGIT_TOKENS through the base with the imported adapter, saved by the last stage's TP rank 0
+    (an engine of its own: DeepSpeed's eval then train on one engine is not what threed does)."""
+    engine = build_engine(cfg, rt).engine
+    load_hf_weights(engine, cfg, hf_model("gqa31").state_dict())
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(3))
+    logits = pipeline_logits(engine, tokens, cfg.model.vocab_size)
+    if logits is not None and keeps_logits(engine):
+        torch.save({"tokens": tokens, "logits": logits}, out / "start_logits.pt")
+
+
+def parity(args: argparse.Namespace, rt: Runtime) -> None:
+    cfg = lora_config(args.data, args.peft, **({"activation_checkpointing": True} if args.recompute else {}))
+    start_logits(cfg, rt, args.out)
+    engine = build_engine(cfg, rt).engine
+    load_hf_weights(engine, cfg, hf_model("gqa31").state_dict())
+    params = dict(engine.module.named_parameters())
+    adapters = {k: p for k, p in params.items() if is_adapter_key(k)}
+    losses, norms = run_steps(engine, cfg, train_dataset(cfg, rt.world_size), 0, STEPS)
+    blocks = {
+        layer.block: {k: v.detach().clone() for k, v in m.state_dict().items() if ".lora." in k}
+        for layer, m in local_modules(engine.module, cfg.model)
+        if layer.kind == "block"
+    }
+    tp_rank = engine.grid.get_slice_parallel_rank()
+    torch.save({"tp_rank": tp_rank, "blocks": blocks}, args.out / f"adapters_rank{rt.rank}.pt")
+    rank_json(
+        args.out,
+        "lora",
+        {
+            "losses": losses,
+            "grad_norms": norms,
+            "adapter_elements": sum(p.numel() for p in adapters.values()),
+            "optimizer_elements": optimizer_elements(engine),
+            "base_with_grad": [
+                k for k, p in params.items() if k not in adapters and (p.requires_grad or p.grad is not None)
+            ],
+            "adapters_without_grad": [k for k, p in adapters.items() if not p.requires_grad],
+        },
+    )
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", required=True)
+    p.add_argument("--peft", required=True)
+    p.add_argument("--recompute", action="store_true")
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_worker({"parity": parity}, add_arguments))
