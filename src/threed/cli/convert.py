@@ -54,6 +54,11 @@ def _convert(ns: argparse.Namespace) -> int:
 
 
 def _export(ns: argparse.Namespace) -> int:
+    if ns.lora:
+        from threed.convert.lora import export_lora  # torch (and peft): heavy, only when it runs
+
+        export_lora(ns.ckpt, ns.out, force=ns.force)
+        return 0
     from threed.convert.export import export  # torch, megatron: heavy, only when it runs
     from threed.convert.io_utils import parse_dtype  # torch: heavy, only when a command runs
     from threed.hf.write import parse_size  # torch: heavy, only when a command runs
@@ -167,6 +172,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="HF tokenizer dir, tokenizer.json or sentencepiece .model (default: the run's, or the converted source's)",
     )
+    p.add_argument("--lora", action="store_true", help="a LoRA run's adapters as an HF PEFT folder (not the weights)")
     common(p, "dtype of the safetensors (default: the checkpoint's)")
     p.set_defaults(run=_guard("export", _export))
 

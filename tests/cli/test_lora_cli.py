@@ -1,0 +1,82 @@
+"""HF PEFT both ways through the command line: an adapter made with PEFT comes into `threed train --lora-init-from`
+(tp2 with sequence parallelism, 2 ranks), one step at lr 0 saves it in threed's checkpoint, `threed export --lora`
+writes it back as a PEFT folder: the same tensors, bit for bit, and `peft.PeftModel.from_pretrained` loads it with
+the original's logits. The parity of training itself is tests/ranks/test_lora.py's."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import torch
+from safetensors.torch import load_file
+
+from helpers import fake_checkpoint, own_world_env, tiny_train_argv
+from threed.config import ParallelConfig, RunConfig
+from threed.convert.in_memory import random_hf_state
+from threed.convert.lora import PEFT_MODULES
+from threed.hf.config import to_hf_config
+from threed.model.presets import PRESETS
+from threed.parallel.launch import torchrun_command
+
+
+def tiny_base():
+    """The HF model of `threed train --model tiny`'s random init (seed 1234, threed's default)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(**to_hf_config(PRESETS["tiny"])))
+    model.load_state_dict(random_hf_state(PRESETS["tiny"], 1234))
+    return model.eval()
+
+
+def test_peft_adapter_in_and_out_of_a_lora_run(tiny_corpus, tmp_path):
+    import peft
+
+    made = peft.get_peft_model(
+        tiny_base(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(PEFT_MODULES.values()))
+    )
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in made.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)  # B too: B = 0 would hide a wrong B
+    made.save_pretrained(str(tmp_path / "peft"))
+    lora = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-init-from", str(tmp_path / "peft")]
+    flags = ["--tp", "2", "--sequence-parallel", "true", "--steps", "1", "--lr", "0", "--min-lr", "0", *lora]
+    cmd = torchrun_command(2, "threed.train", tiny_train_argv(tiny_corpus, tmp_path / "save", *flags)[1:])
+    p = subprocess.run(cmd, env=own_world_env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+
+    out = tmp_path / "exported"
+    cmd = [sys.executable, "-m", "threed.cli", "export", "--lora", "--ckpt", str(tmp_path / "save"), "--out", str(out)]
+    p = subprocess.run(cmd, env=own_world_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert json.loads((out / "adapter_config.json").read_text())["r"] == 4
+    original, exported = (load_file(str(d / "adapter_model.safetensors")) for d in (tmp_path / "peft", out))
+    assert exported.keys() == original.keys() and all(torch.equal(exported[k], original[k]) for k in original)
+
+    loaded = peft.PeftModel.from_pretrained(tiny_base(), str(out)).eval()
+    tokens = torch.randint(0, 500, (2, 32), generator=gen)
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens).logits, made.eval()(tokens).logits)
+
+
+def test_export_lora_of_a_full_run_is_one_line(tmp_path):
+    fake_checkpoint(tmp_path / "ck", step=1)
+    run = RunConfig(model=PRESETS["tiny"], parallel=ParallelConfig(pp=2))
+    (tmp_path / "ck" / "threed_run.json").write_text(json.dumps(run.to_dict()))
+    cmd = [
+        sys.executable,
+        "-m",
+        "threed.cli",
+        "export",
+        "--lora",
+        "--ckpt",
+        str(tmp_path / "ck"),
+        "--out",
+        str(tmp_path / "o"),
+    ]
+    p = subprocess.run(cmd, env=own_world_env(), capture_output=True, text=True, timeout=120)
+    errors = [line for line in p.stderr.splitlines() if "error" in line]
+    assert p.returncode != 0 and len(errors) == 1 and "trained no LoRA adapters" in errors[0], p.stderr[-2000:]
