@@ -687,11 +687,6 @@ class LoraConfig:
             )
         if parallel.cp > 1:
             raise ConfigError("--lora-rank with --context-parallel-size > 1 is not supported in this build; use cp 1")
-        if train.dtype == "bf16":
-            raise ConfigError(
-                "--lora-rank with --dtype bf16 is not finished in this build (DeepSpeed's BF16_Optimizer with a "
-                "frozen base is untested here); use --dtype fp32"
-            )
         if self.lora_dropout > 0 and (train.activation_checkpointing or train.recompute_granularity):
             raise ConfigError(
                 "--lora-dropout > 0 with recompute: the recomputed forward would draw other dropout masks; use "

@@ -9,10 +9,11 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import fake_checkpoint, own_world_env, tiny_train_argv
+from helpers import fake_checkpoint, own_world_env, tiny_train, tiny_train_argv
 from threed.config import ParallelConfig, RunConfig
 from threed.convert.in_memory import random_hf_state
 from threed.convert.lora import PEFT_MODULES
@@ -30,6 +31,7 @@ def tiny_base():
     return model.eval()
 
 
+@pytest.mark.slow  # 2 ranks of threed train and an export (~90 s); tests/ranks/test_lora.py is make test's LoRA case
 def test_peft_adapter_in_and_out_of_a_lora_run(tiny_corpus, tmp_path):
     import peft
 
@@ -80,3 +82,48 @@ def test_export_lora_of_a_full_run_is_one_line(tmp_path):
     p = subprocess.run(cmd, env=own_world_env(), capture_output=True, text=True, timeout=120)
     errors = [line for line in p.stderr.splitlines() if "error" in line]
     assert p.returncode != 0 and len(errors) == 1 and "trained no LoRA adapters" in errors[0], p.stderr[-2000:]
+
+
+def losses(save) -> dict[int, float]:
+    records = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    return {r["iteration"]: r["lm loss"] for r in records if "lm loss" in r}
+
+
+@pytest.mark.slow  # three runs of threed train (~60 s)
+def test_a_lora_run_resumes_exactly(tiny_corpus, tmp_path):
+    """A LoRA run stopped after step 1 and resumed by the same command: steps 2 and 3 give the uninterrupted run's
+    losses bit for bit (its checkpoint holds the adapters and their Adam state; the frozen base is saved with them)."""
+    lora = ("--lora-rank", "4", "--lora-targets", "q", "v", "down", "--lr", "3e-3", "--min-lr", "3e-4")
+    p = tiny_train(tiny_corpus, tmp_path / "whole", "--steps", "3", *lora)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    # The same command stopped after its first step (a time budget spent at once: save and exit), then resumed.
+    for stop in (("--exit-duration-in-mins", "0.0001"), ()):
+        p = tiny_train(tiny_corpus, tmp_path / "halves", "--steps", "3", *lora, *stop)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "resumed from" in p.stdout and "at step 1" in p.stdout
+    whole, halves = losses(tmp_path / "whole"), losses(tmp_path / "halves")
+    assert len(set(whole.values())) == 3, "the adapters must train"
+    assert whole == halves
+
+
+def test_an_adapter_of_another_base_is_refused_in_one_line(tiny_corpus, tmp_path):
+    """--lora-init-from of an adapter made for a wider MLP: refused before anything is built."""
+    import dataclasses
+
+    from threed.config import LoraConfig
+    from threed.convert.lora import full_shapes, write_peft
+    from threed.model.spec import pipeline_layers
+
+    lora, wider = LoraConfig(lora_rank=4, lora_alpha=8), dataclasses.replace(PRESETS["tiny"], ffn_hidden_size=192)
+    tensors = {}
+    for layer in (ly for ly in pipeline_layers(wider) if ly.kind == "block"):
+        tensors.update({k: torch.zeros(s) for k, s in full_shapes(wider, layer, lora).items()})
+    write_peft(tmp_path / "peft", tensors, lora)
+    flags = ("--lora-rank", "4", "--lora-alpha", "8", "--lora-init-from", str(tmp_path / "peft"))
+    p = tiny_train(tiny_corpus, tmp_path / "save", *flags)
+    errors = [line for line in p.stderr.splitlines() if "threed: " in line and "error" in line]
+    assert p.returncode != 0 and len(errors) == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert (
+        "gate_proj.lora_B.weight is (192, 4), this base needs (176, 4): the adapter was made for another" in errors[0]
+    )
+    assert not (tmp_path / "save" / "latest").exists()

@@ -2,16 +2,20 @@
 an HF PEFT adapter brought in with --lora-init-from and trained 5 steps with sequence parallelism, against HF + PEFT
 in one process (tests/reference.py's optimizer and data).
 
-    python -m torch.distributed.run --nproc-per-node 4 tests/ranks/lora_worker.py --out /tmp/l --data PREFIX \\
+    python -m torch.distributed.run --nproc-per-node 4 tests/ranks/lora_worker.py parity --out /tmp/l --data PREFIX \\
         --peft PEFT_DIR
 
-Every rank writes OUT/lora_rank<R>.json (losses, gradient norms, what the optimizer holds) and OUT/adapters_rank<R>.pt
-(its blocks' adapter shards, for the pytest side to put together with threed.convert.lora.gather_adapters).
+parity: every rank writes OUT/lora_rank<R>.json (losses, gradient norms, what the optimizer holds) and
+OUT/adapters_rank<R>.pt (its blocks' adapter shards, for the pytest side to put together with
+threed.convert.lora.gather_adapters); the last stage's TP rank 0 OUT/start_logits.pt. recompute:
+OUT/recompute_rank<R>.pt, each adapter's first-step gradient with and without full recompute, at pp2 and pp1. tied:
+OUT/tied_rank<R>.json, a tied model's runs at tp1 pp2 dp2 (fp32, bf16) and the untied model's in bf16.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 
@@ -24,6 +28,7 @@ from threed.config import DataConfig, LoraConfig, ParallelConfig, RunConfig, Tra
 from threed.model.spec import is_adapter_key
 from threed.parallel.distributed import Runtime
 from threed.verify.logits import pipeline_logits
+from tied_worker import tied_hf_model, tied_model_config
 
 STEPS, RANK, ALPHA = 5, 4, 8.0
 
@@ -33,7 +38,7 @@ def lora_config(data: str, peft: str, steps: int = STEPS, **train) -> RunConfig:
     return RunConfig(
         model=model_config("gqa31"),
         parallel=ParallelConfig(tp=2, pp=2, sequence_parallel=True),
-        train=TrainConfig(**PARITY, micro_batch_size=2, global_batch_size=8, seq_length=32, steps=steps, **train),
+        train=TrainConfig(**{**PARITY, **train}, micro_batch_size=2, global_batch_size=8, seq_length=32, steps=steps),
         data=DataConfig(data_path=(data,)),
         lora=LoraConfig(lora_rank=RANK, lora_alpha=ALPHA, lora_init_from=peft),
     )
@@ -59,7 +64,7 @@ def start_logits(cfg: RunConfig, rt: Runtime, out) -> None:
 
 
 def parity(args: argparse.Namespace, rt: Runtime) -> None:
-    cfg = lora_config(args.data, args.peft, **({"activation_checkpointing": True} if args.recompute else {}))
+    cfg = lora_config(args.data, args.peft)
     start_logits(cfg, rt, args.out)
     engine = build_engine(cfg, rt).engine
     load_hf_weights(engine, cfg, hf_model("gqa31").state_dict())
@@ -89,11 +94,72 @@ def parity(args: argparse.Namespace, rt: Runtime) -> None:
     )
 
 
+def adapter_grads(engine, cfg: RunConfig, rt: Runtime) -> dict[str, torch.Tensor]:
+    """One step's gradient of every adapter of this rank (summed over the step's micro-batches), caught as autograd
+    hands it to the parameter: what DeepSpeed then reduces and steps with."""
+    grads: dict[str, torch.Tensor] = {}
+
+    def keep(name: str):
+        def add(grad: torch.Tensor) -> None:
+            grads[name] = grad.detach().clone() + grads.get(name, 0)
+
+        return add
+
+    for name, p in engine.module.named_parameters():
+        if is_adapter_key(name):
+            p.register_hook(keep(name))
+    run_steps(engine, cfg, train_dataset(cfg, rt.world_size), 0, 1)
+    return grads
+
+
+def recompute(args: argparse.Namespace, rt: Runtime) -> None:
+    """At tp2 pp2 and at tp2 pp1 (dp2), full recompute (DeepSpeed's reentrant checkpoint of every block) against
+    none: each adapter's first-step gradient, per rank."""
+    out = {}
+    for pp in (2, 1):
+        for ac in (False, True):
+            cfg = lora_config(args.data, args.peft, steps=1, activation_checkpointing=ac)
+            cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pp=pp))
+            engine = build_engine(cfg, rt).engine
+            load_hf_weights(engine, cfg, hf_model("gqa31").state_dict())
+            out[f"pp{pp}_{'recompute' if ac else 'plain'}"] = adapter_grads(engine, cfg, rt)
+    torch.save(out, args.out / f"recompute_rank{rt.rank}.pt")
+
+
+def tied(args: argparse.Namespace, rt: Runtime) -> None:
+    """Llama 3.2's layout at tp1 pp2 dp2: the tied embedding frozen, its two stages' copies out of DeepSpeed's
+    tied-gradient reduction (threed.parallel.staged), the adapter of `--peft` trained 5 steps in fp32 and in bf16
+    (DeepSpeed's BF16_Optimizer, which has no fp32 gradient for a frozen weight); and the untied `gqa31` with the
+    parity run's adapter (`--untied-peft`) at tp2 pp2 with SP in bf16."""
+    tied_cfg = dataclasses.replace(
+        lora_config(args.data, args.peft), model=tied_model_config(), parallel=ParallelConfig(tp=1, pp=2)
+    )
+    untied = lora_config(args.data, args.untied_peft, dtype="bf16")
+    out = {}
+    for name, cfg, hf in (
+        ("fp32", tied_cfg, tied_hf_model),
+        ("bf16", dataclasses.replace(tied_cfg, train=dataclasses.replace(tied_cfg.train, dtype="bf16")), tied_hf_model),
+        ("untied_bf16", untied, lambda: hf_model("gqa31")),
+    ):
+        engine = build_engine(cfg, rt).engine
+        load_hf_weights(engine, cfg, hf().state_dict())
+        losses, norms = run_steps(engine, cfg, train_dataset(cfg, rt.world_size), 0, STEPS)
+        adapters = sum(p.numel() for k, p in engine.module.named_parameters() if is_adapter_key(k))
+        out[name] = {
+            "losses": losses,
+            "grad_norms": norms,
+            "adapter_elements": adapters,
+            "optimizer_elements": optimizer_elements(engine),
+            "optimizer": type(engine.optimizer).__name__,
+        }
+    rank_json(args.out, "tied", out)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", required=True)
     p.add_argument("--peft", required=True)
-    p.add_argument("--recompute", action="store_true")
+    p.add_argument("--untied-peft")
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_worker({"parity": parity}, add_arguments))
+    raise SystemExit(run_worker({"parity": parity, "recompute": recompute, "tied": tied}, add_arguments))

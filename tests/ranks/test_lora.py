@@ -19,17 +19,19 @@ from reference import GLOBAL_BATCH, PARITY, gpt_reference
 from threed.config import LORA_TARGETS, LoraConfig, TrainConfig
 from threed.convert.lora import PEFT_MODULES, gather_adapters
 from threed.model.spec import pipeline_layers
+from tied_worker import tied_hf_model, tied_model_config
 
 FP32_TOL = 1e-5
 RANK, ALPHA, STEPS = 4, 8.0, 5  # lora_worker's
 
 
-def peft_start(folder):
-    """The tiny HF Llama with an adapter on every target, A and B drawn at random, saved as an HF PEFT folder."""
+def peft_start(folder, base=None):
+    """The tiny HF Llama (or `base`) with an adapter on every target, A and B drawn at random, saved as an HF PEFT
+    folder."""
     import peft  # the optional extra; installed in the test environment
 
     model = peft.get_peft_model(
-        hf_model("gqa31"),
+        hf_model("gqa31") if base is None else base,
         peft.LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=list(PEFT_MODULES.values())),
     )
     gen = torch.Generator().manual_seed(7)
@@ -41,11 +43,11 @@ def peft_start(folder):
     return model
 
 
-def run_parity(out, rank_pool, recompute: bool = False) -> dict:
+def run_parity(out, rank_pool) -> dict:
     rng = np.random.default_rng(0)
     data = write_dataset(out / "random", rng.integers(0, 200, 5000), 200)
     model = peft_start(out / "peft")
-    argv = ["--out", str(out), "--data", data, "--peft", str(out / "peft")] + (["--recompute"] if recompute else [])
+    argv = ["parity", "--out", str(out), "--data", data, "--peft", str(out / "peft")]
     rank_pool.run(4, str(RANKS / "lora_worker.py"), argv, timeout=900)
     train = TrainConfig(**PARITY, micro_batch_size=2, global_batch_size=GLOBAL_BATCH, seq_length=32, steps=STEPS)
     exact = copy.deepcopy(model).double()  # before the fp32 reference trains `model`
@@ -57,6 +59,8 @@ def run_parity(out, rank_pool, recompute: bool = False) -> dict:
     shards = [torch.load(out / f"adapters_rank{r}.pt") for r in range(4)]
     ref64 = gpt_reference(exact, model_config("gqa31"), train, data)
     return {
+        "out": out,
+        "data": data,
         "ranks": ranks,
         "ref": ref,
         "ref64": ref64,
@@ -127,3 +131,45 @@ def test_only_adapters_train(run):
         assert rank["adapter_elements"] > 0
         assert rank["optimizer_elements"] == rank["adapter_elements"]
         assert rank["base_with_grad"] == [] and rank["adapters_without_grad"] == []
+
+
+@pytest.mark.slow  # 8 engines of 4 ranks, one step each (~40 s)
+def test_recompute_gives_every_adapter_its_gradient(run, rank_pool):
+    """Full recompute (DeepSpeed's reentrant checkpoint of every block) at pp2 and pp1: every adapter of every rank,
+    stage 0's included (its input comes from the frozen embedding), gets its gradient, equal to the run without."""
+    out = run["out"]
+    argv = ["recompute", "--out", str(out), "--data", run["data"], "--peft", str(out / "peft")]
+    rank_pool.run(4, str(RANKS / "lora_worker.py"), argv, timeout=900)
+    for rank in range(4):
+        grads = torch.load(out / f"recompute_rank{rank}.pt")
+        for pp in (2, 1):
+            plain, again = grads[f"pp{pp}_plain"], grads[f"pp{pp}_recompute"]
+            blocks = 4 // pp
+            assert len(plain) == len(again) == blocks * len(LORA_TARGETS) * 2, (rank, pp, sorted(again))
+            for name, g in plain.items():
+                assert g.abs().max() > 0, (rank, pp, name)
+                assert (again[name] - g).abs().max() <= 1e-6 * g.abs().max(), (rank, pp, name)
+
+
+@pytest.mark.slow  # three more 4-rank runs and a reference (~90 s)
+def test_tied_model_lora_matches_hf_peft_and_bf16_trains(run, rank_pool):
+    """Llama 3.2's tied embedding, frozen, at tp1 pp2 dp2 (each of the two stages holds a copy): HF + PEFT's losses in
+    fp32; in bf16 (DeepSpeed's BF16_Optimizer) the same run and the untied tp2 pp2 SP one stay within 5% of fp32."""
+    out = run["out"] / "tied"
+    out.mkdir()
+    model = peft_start(out / "peft", base=tied_hf_model())
+    argv = ["tied", "--out", str(out), "--data", run["data"], "--peft", str(out / "peft")]
+    argv += ["--untied-peft", str(run["out"] / "peft")]
+    rank_pool.run(4, str(RANKS / "lora_worker.py"), argv, timeout=900)
+    train = TrainConfig(**PARITY, micro_batch_size=2, global_batch_size=GLOBAL_BATCH, seq_length=32, steps=STEPS)
+    ref_losses, _ = gpt_reference(model, tied_model_config(), train, run["data"])
+    for rank in range(4):
+        got = json.loads((out / f"tied_rank{rank}.json").read_text())
+        # ZeRO-1 over dp 2: each rank's optimizer holds half of its stage's adapters, and nothing else.
+        assert 2 * got["fp32"]["optimizer_elements"] == got["fp32"]["adapter_elements"] > 0
+        for step, (a, b) in enumerate(zip(got["fp32"]["losses"], ref_losses)):
+            assert abs(a - b) <= FP32_TOL * abs(b), f"rank {rank} step {step + 1}: loss {a} vs HF + PEFT {b}"
+        for name, fp32 in (("bf16", got["fp32"]["losses"]), ("untied_bf16", run["ranks"][0]["losses"])):
+            assert got[name]["optimizer"] == "BF16_Optimizer"
+            for a, b in zip(got[name]["losses"], fp32):
+                assert abs(a - b) <= 0.05 * b, (name, got[name]["losses"], fp32)

@@ -27,7 +27,9 @@ def attach_lora(module: torch.nn.Module, cfg: RunConfig, decision: StartDecision
         return 0
     check_lora_start(decision)
     tp, tp_rank = cfg.parallel.tp, module._grid.get_slice_parallel_rank()
-    peft = read_peft(lora.lora_init_from, cfg.model, lora) if lora.lora_init_from else None
+    # A resume loads the adapters from its checkpoint: the PEFT folder it started from is not read again.
+    imported = lora.lora_init_from and decision.mode != "resume"
+    peft = read_peft(lora.lora_init_from, cfg.model, lora) if imported else None
     for layer, fn in local_modules(module, cfg.model):
         if isinstance(fn, EmbeddingPipe):
             fn.register_forward_hook(input_requires_grad)

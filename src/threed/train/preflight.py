@@ -6,7 +6,8 @@ runs the very same ones and its exit status means "the run would start".
     check_run(run)              then what is on disk and installed: the metrics sinks (a writable
                                 --tensorboard-dir, wandb installed for --wandb-project), --generate-prompts and
                                 --harness-interval's tokenizer, every dataset (paths,
-                                duplicate prefixes, validation splits, .bin/.idx, sidecars, vocabulary, cache)
+                                duplicate prefixes, validation splits, .bin/.idx, sidecars, vocabulary, cache),
+                                --lora-init-from's PEFT folder (rank, targets, shapes of this base)
 
 `threed train` runs check_run on rank 0 before any dataset, lock, save directory or engine exists (all ranks stop
 with its one line); the checkpoint directories are decided next by `threed.checkpoint.start`, whose
@@ -54,6 +55,11 @@ def check_run(run: ResolvedRun) -> RunCheck:
     check_sample_inputs(run.cfg)
     # torch, megatron: threed.data.checks imports them (check-config without --paths runs without either)
     from threed.data.checks import check_data
+
+    if run.cfg.lora.lora_init_from:  # --lora-init-from: the folder, its rank, targets and shapes, before any build
+        from threed.convert.lora import read_peft  # torch, safetensors: heavy, as above
+
+        read_peft(run.cfg.lora.lora_init_from, run.cfg.model, run.cfg.lora)
 
     notes: list[str] = []
     splits = check_data(run.cfg, notes)
