@@ -64,24 +64,22 @@ def test_peft_adapter_in_and_out_of_a_lora_run(tiny_corpus, tmp_path):
         assert torch.equal(loaded(tokens).logits, made.eval()(tokens).logits)
 
 
+def refused_export(*argv: str) -> str:
+    """`threed export ARGV`, which must fail with one error line: that line."""
+    cmd = [sys.executable, "-m", "threed.cli", "export", *argv]
+    p = subprocess.run(cmd, env=own_world_env(), capture_output=True, text=True, timeout=300)
+    errors = [line for line in p.stderr.splitlines() if "error" in line]
+    assert p.returncode != 0 and len(errors) == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    return errors[0]
+
+
 def test_export_lora_of_a_full_run_is_one_line(tmp_path):
     fake_checkpoint(tmp_path / "ck", step=1)
     run = RunConfig(model=PRESETS["tiny"], parallel=ParallelConfig(pp=2))
     (tmp_path / "ck" / "threed_run.json").write_text(json.dumps(run.to_dict()))
-    cmd = [
-        sys.executable,
-        "-m",
-        "threed.cli",
-        "export",
-        "--lora",
-        "--ckpt",
-        str(tmp_path / "ck"),
-        "--out",
-        str(tmp_path / "o"),
-    ]
-    p = subprocess.run(cmd, env=own_world_env(), capture_output=True, text=True, timeout=120)
-    errors = [line for line in p.stderr.splitlines() if "error" in line]
-    assert p.returncode != 0 and len(errors) == 1 and "trained no LoRA adapters" in errors[0], p.stderr[-2000:]
+    assert "trained no LoRA adapters" in refused_export(
+        "--lora", "--ckpt", str(tmp_path / "ck"), "--out", str(tmp_path / "o")
+    )
 
 
 def losses(save) -> dict[int, float]:
@@ -104,6 +102,10 @@ def test_a_lora_run_resumes_exactly(tiny_corpus, tmp_path):
     whole, halves = losses(tmp_path / "whole"), losses(tmp_path / "halves")
     assert len(set(whole.values())) == 3, "the adapters must train"
     assert whole == halves
+    # The full export reads only the base weights: refused, never the base silently without its adapters.
+    error = refused_export("--ckpt", str(tmp_path / "whole"), "--out", str(tmp_path / "x"))
+    assert "is a LoRA run's checkpoint: `threed export` reads only the base weights" in error
+    assert not (tmp_path / "x").exists()
 
 
 def test_an_adapter_of_another_base_is_refused_in_one_line(tiny_corpus, tmp_path):

@@ -27,6 +27,7 @@ import torch
 
 from threed.checkpoint.format import HF_EXTRA_DIR, Checkpoint, open_checkpoint, read_run_json
 from threed.convert.ds_checkpoint import shard_reader
+from threed.convert.lora import refuse_adapters
 from threed.convert.io_utils import ConvertError, atomic_output_dir, check_free_space, progress, refuse_existing
 from threed.convert.slices import Piece
 from threed.hf.config import write_config
@@ -137,6 +138,7 @@ def export(
     t0 = time.time()
     refuse_existing(out, force)
     ck = open_checkpoint(ckpt)
+    refuse_adapters(ck, "export")  # a LoRA run's: its adapters would be dropped
     planned = _plan(ck, dtype)
     total = sum(t.nbytes for t in planned)
     check_free_space(out, total)

@@ -32,7 +32,7 @@ from typing import Any, Optional
 import torch
 from safetensors.torch import load_file, save_file
 
-from threed.checkpoint.format import RUN_JSON, open_checkpoint
+from threed.checkpoint.format import RUN_JSON, Checkpoint, open_checkpoint
 from threed.config import LORA_TARGETS, ConfigError, LoraConfig, ModelConfig
 from threed.convert.io_utils import ConvertError, atomic_output_dir, refuse_existing
 from threed.convert.slices import DictReader, Piece, ShardSpec, materialize, rank_slices
@@ -212,6 +212,16 @@ def write_peft(
     )
     config.save_pretrained(str(folder))
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / WEIGHTS_FILE))
+
+
+def refuse_adapters(ck: Checkpoint, command: str) -> None:
+    """A LoRA run's checkpoint given to a command that reads only the base weights: refused in one line, so that its
+    adapters are never silently dropped."""
+    if (ck.run.get("lora") or {}).get("lora_rank"):
+        raise ConvertError(
+            f"{ck.path} is a LoRA run's checkpoint: `threed {command}` reads only the base weights and would drop its "
+            f"adapters; export them with `threed export --lora` (merged weights are not in this build)"
+        )
 
 
 def export_lora(ckpt: str | os.PathLike, out: str | os.PathLike, force: bool = False) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from threed.convert.from_hf import convert_rank, layer_hf_names, save_rank
 from threed.convert.export import write_side_files
 from threed.checkpoint.format import CONVERT_TAG, HF_EXTRA_DIR, Checkpoint, open_checkpoint
 from threed.convert.ds_checkpoint import convert_manifest, shard_reader, write_metadata
+from threed.convert.lora import refuse_adapters
 from threed.convert.io_utils import atomic_output_dir, check_free_space, dtype_name, progress, refuse_existing
 from threed.convert.slices import BufferPool
 from threed.model.spec import stored_layers
@@ -59,6 +60,7 @@ def reshard(
     t0 = time.time()
     refuse_existing(out, force)
     ck = open_checkpoint(ckpt)
+    refuse_adapters(ck, "reshard")  # a LoRA run's: its adapters would be dropped
     cfg = ck.model
     ParallelConfig(tp=tp, pp=pp).validate(cfg, tp * pp)
     total = sum(ck.nbytes(ly.index) for ly in stored_layers(cfg))
