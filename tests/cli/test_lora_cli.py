@@ -106,6 +106,11 @@ def test_a_lora_run_resumes_exactly(tiny_corpus, tmp_path):
     error = refused_export("--ckpt", str(tmp_path / "whole"), "--out", str(tmp_path / "x"))
     assert "is a LoRA run's checkpoint: `threed export` reads only the base weights" in error
     assert not (tmp_path / "x").exists()
+    # Nor does a run without --lora-rank start from it (generation and scoring build the same way).
+    p = tiny_train(tiny_corpus, tmp_path / "full", "--steps", "1", "--init-from", str(tmp_path / "whole"))
+    errors = [line for line in p.stderr.splitlines() if "threed: " in line and "error" in line]
+    assert p.returncode != 0 and len(errors) == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert "is a LoRA run's checkpoint: starting from it without its adapters is not in this build" in errors[0]
 
 
 def test_an_adapter_of_another_base_is_refused_in_one_line(tiny_corpus, tmp_path):

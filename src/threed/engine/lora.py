@@ -9,8 +9,11 @@ The adapters start from PEFT's default init (B = 0: the base's outputs), or from
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
+from threed.checkpoint.format import read_run_json
 from threed.checkpoint.start import StartDecision
 from threed.config import ConfigError, RunConfig
 from threed.convert.lora import fresh_adapters, read_peft, shard, target_slices
@@ -23,9 +26,9 @@ def attach_lora(module: torch.nn.Module, cfg: RunConfig, decision: StartDecision
     """Under --lora-rank, adapters on every chosen linear of this stage's blocks and the rest frozen; returns the
     trainable elements (0: no LoRA, nothing done)."""
     lora = cfg.lora
+    check_lora_start(cfg, decision)
     if not lora.lora_rank:
         return 0
-    check_lora_start(decision)
     tp, tp_rank = cfg.parallel.tp, module._grid.get_slice_parallel_rank()
     # A resume loads the adapters from its checkpoint: the PEFT folder it started from is not read again.
     imported = lora.lora_init_from and decision.mode != "resume"
@@ -56,10 +59,18 @@ def attach_lora(module: torch.nn.Module, cfg: RunConfig, decision: StartDecision
     return freeze_base(module)
 
 
-def check_lora_start(decision: StartDecision) -> None:
-    """A LoRA run resumes only at the layout it was saved at: the universal checkpoint's patterns name no adapter
-    (DeepSpeed would concatenate their shards on dim 0)."""
-    if decision.mode == "resume" and (decision.universal or decision.other_layout):
+def check_lora_start(cfg: RunConfig, decision: StartDecision) -> None:
+    """What a LoRA checkpoint can start, in one line each: a run without --lora-rank would load its base and drop its
+    adapters (threed generate, eval-harness, a full fine-tune from it); a LoRA run resumes only at the layout it was
+    saved at (the universal checkpoint's patterns name no adapter: DeepSpeed would concatenate their shards)."""
+    source = decision.source.path if decision.source is not None else None
+    recorded = (read_run_json(Path(source)) or {}) if source else {}
+    if (recorded.get("lora") or {}).get("lora_rank") and not cfg.lora.lora_rank:
+        raise ConfigError(
+            f"{source} is a LoRA run's checkpoint: starting from it without its adapters is not in this build; "
+            f"resume it with its own --lora-* flags, or export the adapters with `threed export --lora`"
+        )
+    if cfg.lora.lora_rank and decision.mode == "resume" and (decision.universal or decision.other_layout):
         raise ConfigError(
             "resuming a LoRA run at another tp/pp is not supported in this build; resume at the layout it was saved at"
         )
