@@ -8,9 +8,12 @@ a generator seeded with i, and each dp rank takes its contiguous slice (Megatron
 
 Rank 0 appends `{"step", "loss", "norm"}` lines to OUT/losses.jsonl as it goes (a killed run leaves the steps it
 finished), every rank writes its local weights to OUT/weights_rank<R>.pt at the end, and OUT/result.json holds
-the start step and the client state a resume received. --lr-jump-step N sets the optimizer's lr to --lr-jump
-from step N on (a finite blow-up after sane, saved steps). Fault injection (--kill WHERE:STEP[:RANK]) makes the
-chosen rank (or every rank: RANK=all) SIGKILL itself at a point of the save of step STEP:
+the start step and the client state a resume received. --record-io makes every rank log each os.fsync (the path
+its descriptor names, when it returned) and os.replace (its target, when it began) to OUT/io_rank<R>.jsonl:
+the order test_checkpoint_faults.py checks (every file flushed before `latest` names its checkpoint).
+--lr-jump-step N sets the optimizer's lr to --lr-jump from step N on (a finite blow-up after sane, saved steps).
+Fault injection (--kill WHERE:STEP[:RANK]) makes the chosen rank (or every rank: RANK=all) SIGKILL itself at a
+point of the save of step STEP:
   file1   after its first file of DeepSpeed's save      ds      after DeepSpeed's save, before the manifest
   latest  rank 0, after the manifest, before `latest`   prune   rank 0, after `latest`, before pruning
 """
@@ -21,6 +24,8 @@ import argparse
 import json
 import os
 import signal
+import time
+from pathlib import Path
 
 import torch
 
@@ -110,6 +115,28 @@ def install_kill(spec: str, engine, rank: int) -> None:
         raise SystemExit(f"unknown kill point {where}")
 
 
+def record_io(out: Path, rank: int):
+    """Log every os.fsync and os.replace of this process until the returned function is called, which puts the
+    real ones back (a shared launch runs other workers after this one) and writes OUT/io_rank<R>.jsonl."""
+    real_fsync, real_replace = os.fsync, os.replace
+    events: list[dict] = []
+
+    def fsync(fd):
+        real_fsync(fd)
+        events.append({"ns": time.monotonic_ns(), "op": "fsync", "path": os.readlink(f"/proc/self/fd/{fd}")})
+
+    def replace(src, dst, *a, **k):
+        events.append({"ns": time.monotonic_ns(), "op": "replace", "path": os.path.realpath(dst)})
+        return real_replace(src, dst, *a, **k)
+
+    def done() -> None:
+        os.fsync, os.replace = real_fsync, real_replace
+        (out / f"io_rank{rank}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+
+    os.fsync, os.replace = fsync, replace
+    return done
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save")
     p.add_argument("--load")
@@ -126,6 +153,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--partition-method", default="balanced")
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--kill")
+    p.add_argument("--record-io", action="store_true", help="log os.fsync and os.replace calls (see the docstring)")
     p.add_argument("--poison-step", type=int, default=0, help="make the loss NaN at this step")
     p.add_argument("--lr-jump-step", type=int, default=0, help="from this step on, the optimizer's lr is --lr-jump")
     p.add_argument("--lr-jump", type=float, default=1e3)
@@ -193,6 +221,7 @@ def main(a: argparse.Namespace, rt: Runtime) -> None:
         )
     it = batches(start, micro, gas, dp, dp_rank) if reads_data(engine) else None
     guard = RunGuard(cfg.control, cfg.checkpoint.save, rt.rank, engine, None, rt.device)
+    recorded = record_io(out, rt.rank) if a.record_io else None
     for step in range(start, cfg.train.steps):
         if a.lr_jump_step and step + 1 >= a.lr_jump_step:  # a finite blow-up after sane steps (the scheduler sets
             for group in engine.optimizer.param_groups:  # the lr after the optimizer step: this one is used)
@@ -208,6 +237,8 @@ def main(a: argparse.Namespace, rt: Runtime) -> None:
             guard.saved(ckpt.save(engine, cfg, rt.rank, {"consumed_samples": (step + 1) * glob}).seconds)
         if late:
             break
+    if recorded is not None:
+        recorded()
     guard.close()  # its watchdog thread: a shared launch (tests/ranks/rank_pool.py) runs other workers after this one
     torch.save(local_weights(engine, cfg.model), out / f"weights_rank{rt.rank}.pt")
 

@@ -55,8 +55,9 @@ def weights(out: Path, nproc: int = 2) -> list[dict[str, torch.Tensor]]:
 def reference(tmp_path_factory, rank_pool):
     """The uninterrupted run, in the session's 2-rank launch (the fault tests judge their own runs' exit status)."""
     root = tmp_path_factory.mktemp("reference")
-    rank_pool.run(2, WORKER, ["--out", str(root / "out"), "--save", str(root / "save"), *RUN], timeout=240)
-    return {"losses": losses(root / "out"), "weights": weights(root / "out"), "save": root / "save"}
+    out, save = root / "out", root / "save"
+    rank_pool.run(2, WORKER, ["--out", str(out), "--save", str(save), *RUN, "--record-io"], timeout=240)
+    return {"losses": losses(out), "weights": weights(out), "save": save, "out": out}
 
 
 KILLS = [
@@ -96,6 +97,26 @@ def test_manifest_names_every_file_of_every_rank_with_its_size(reference):
     on_disk = {f.name: f.stat().st_size for f in step_dir.iterdir() if f.name != "threed_manifest.json"}
     assert manifest["files"] == on_disk and len(on_disk) == 7 + 2 + 2  # layers, mp_rank x pp, optimizer shards
     assert manifest["layout"] == {"tp": 1, "pp": 2, "dp": 1} and manifest["client_state"] == {"consumed_samples": 48}
+
+
+def test_every_file_and_directory_is_flushed_before_latest_names_it(reference):
+    """Issue 37, durability: between one move of `latest` and the next, some rank fsynced every file the new
+    checkpoint's manifest names, its tag directory and the save directory, all before `latest` was replaced (a power
+    cut after it must not find a file the manifest vouches for still in the page cache). Both ranks' logs share
+    one clock (CLOCK_MONOTONIC)."""
+    save = reference["save"].resolve()
+    events = [json.loads(line) for r in (0, 1) for line in (reference["out"] / f"io_rank{r}.jsonl").open()]
+    events.sort(key=lambda e: e["ns"])
+    moves = [e["ns"] for e in events if e["op"] == "replace" and e["path"] == str(save / "latest")]
+    tags = ["global_step2", "global_step4", "global_step6"]
+    assert len(moves) == len(tags), moves
+    for begin, end, tag in zip([0, *moves], moves, tags):
+        flushed = {e["path"] for e in events if e["op"] == "fsync" and begin < e["ns"] < end}
+        files = json.loads((save / tag / "threed_manifest.json").read_text())["files"]
+        assert len(files) == 11  # every layer, mp_rank and optimizer file of both ranks
+        unflushed = [name for name in files if str(save / tag / name) not in flushed]
+        assert not unflushed, f"{tag}: not fsynced before `latest` named it: {unflushed}"
+        assert str(save / tag) in flushed and str(save) in flushed, tag
 
 
 def test_truncated_file_falls_back_to_the_previous_checkpoint(reference, tmp_path):

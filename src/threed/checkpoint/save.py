@@ -1,6 +1,7 @@
 """Saving a training checkpoint so that a kill at any moment leaves a loadable directory: DeepSpeed writes the
-files, every rank reports what it wrote, and rank 0 publishes the manifest and then `latest` (threed.checkpoint
-.manifest says why that order is crash-safe).
+files, every rank flushes them to disk and reports what it wrote, and rank 0 publishes the manifest and then
+`latest` (threed.checkpoint.manifest says why that order is crash-safe; the flush makes it hold through a power
+cut or a node crash too, not only a killed process).
 
     saved = save(engine, cfg, rank, client_state={"consumed_samples": n})   # every rank
     guard.saved(saved.seconds)      # threed.train.guard keeps room for one more save in --exit-duration-in-mins
@@ -25,7 +26,7 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from threed.atomic import write_atomic
+from threed.atomic import fsync_dir, fsync_file, write_atomic
 from threed.checkpoint.format import LATEST, RUN_JSON, free_bytes, read_latest
 from threed.checkpoint.manifest import prune, remove_checkpoint, write_manifest
 from threed.config import RunConfig
@@ -121,10 +122,12 @@ def save(engine, cfg: RunConfig, rank: int, client_state: Optional[dict] = None)
     returned in `Built.client_state` on resume.
 
     Order, so that a kill at any moment leaves a loadable directory: a leftover directory of the same tag (an
-    earlier save cut short) is removed; every rank writes its files (DeepSpeed, without its own `latest`); a
-    barrier; rank 0 writes the run config, the manifest (every file and its size as the rank that wrote it sees
-    it), then `latest`, each atomically; then old checkpoints are pruned (`--keep-last`). Before all of it, the
-    weights are checked (`check_weights`): a diverged model is refused with exit 3 and nothing is written."""
+    earlier save cut short) is removed; every rank writes its files (DeepSpeed, without its own `latest`) and
+    flushes each to disk, then the directories naming them (so a power cut cannot leave a manifest vouching for
+    contents still in the page cache); a barrier; rank 0 writes the run config, the manifest (every file and its
+    size as the rank that wrote it sees it), then `latest`, each atomically (flushed too); then old checkpoints
+    are pruned (`--keep-last`). Before all of it, the weights are checked (`check_weights`): a diverged model is
+    refused with exit 3 and nothing is written."""
     ck = cfg.checkpoint
     assert ck.save
     check_weights(engine, cfg, rank)
@@ -145,6 +148,7 @@ def save(engine, cfg: RunConfig, rank: int, client_state: Optional[dict] = None)
                 save_latest=False,
                 client_state={"threed_run": cfg.to_dict(), "threed_client": dict(client_state or {})},
             )
+        fsync_dirs(written, step_dir)
     except (OSError, RuntimeError) as e:  # a full disk, a quota, a vanished mount: said once, by rank 0, below
         if isinstance(e, RuntimeError) and not torch_write_failed(e):
             raise  # a bug: its traceback
@@ -243,7 +247,8 @@ def publish(engine, cfg: RunConfig, step_dir: Path, files: dict, client_state: O
 @contextlib.contextmanager
 def recording_writes(engine) -> Iterator[list[str]]:
     """The paths DeepSpeed's checkpoint engine writes on this rank during the block (it writes every layer,
-    mp_rank and optimizer file through `checkpoint_engine.save`, and the file is complete when that returns)."""
+    mp_rank and optimizer file through `checkpoint_engine.save`, and the file is complete when that returns), each
+    flushed to disk as soon as it is complete (an OSError of the flush is the save's, as a failed write is)."""
     ce = engine.checkpoint_engine
     had_own = "save" in vars(ce)
     original = ce.save
@@ -251,6 +256,7 @@ def recording_writes(engine) -> Iterator[list[str]]:
 
     def save(state_dict, path, *args, **kwargs):
         out = original(state_dict, path, *args, **kwargs)
+        fsync_file(path)
         written.append(str(path))
         return out
 
@@ -262,6 +268,13 @@ def recording_writes(engine) -> Iterator[list[str]]:
             ce.save = original
         else:
             del ce.save
+
+
+def fsync_dirs(written: list[str], step_dir: Path) -> None:
+    """Flush the directories naming this rank's files (the tag directory, which DeepSpeed may nest files under)
+    and the save directory naming the tag directory: a file's contents on disk are no use if its name is not."""
+    for folder in sorted({Path(p).parent for p in written} | {step_dir, step_dir.parent}, reverse=True):
+        fsync_dir(folder)
 
 
 def stage_bounds(engine) -> Optional[list[int]]:

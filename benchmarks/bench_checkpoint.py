@@ -1,0 +1,140 @@
+"""What a checkpoint save costs the run (issue 37), measured in one process on one model: a real DeepSpeed engine
+(tp1 pp1, fp32, ZeRO-1, one rank) built through `threed.engine.build.build_engine`, saved through
+`threed.checkpoint.save.save`, as `threed train` saves. Prints, for one run:
+
+- the checkpoint's size and one training step's time (median, no save);
+- a durable save (every file and directory fsynced before the manifest and `latest` name them, as threed saves)
+  against the same save with the flushes turned off (what threed did before): median seconds each and the ratio,
+  saves interleaved. Between saves the page cache is flushed (`os.sync`, not timed), so no save pays for the
+  previous one's write-back.
+
+    .venv/bin/python benchmarks/bench_checkpoint.py [--hidden 1024 --layers 8 --vocab 32000 --repeats 3]
+
+The default shape (~0.17B parameters) makes a checkpoint of about 2.6 GB (fp32 weights 4 B + Adam's two moments
+8 B + ... per parameter). What a CPU with a local disk cannot show: a cluster's parallel file system, whose fsync
+goes to remote servers, and many ranks writing at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+
+def build(a: argparse.Namespace, save_dir: str):
+    """The engine, its runtime, the resolved config and a batch iterator: one rank, fp32, micro-batch 1."""
+    import torch
+
+    from threed.config import CheckpointConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
+    from threed.engine.build import build_engine
+    from threed.engine.resolved import resolve
+    from threed.parallel.distributed import init_distributed
+
+    torch.set_num_threads(a.threads)
+    rt = init_distributed()
+    model = ModelConfig(
+        name="bench-ckpt",
+        vocab_size=a.vocab,
+        hidden_size=a.hidden,
+        num_layers=a.layers,
+        num_heads=a.hidden // 64,
+        num_kv_heads=max(1, a.hidden // 256),
+        ffn_hidden_size=a.hidden * 11 // 4,
+        max_position_embeddings=a.seq,
+    )
+    cfg = RunConfig(
+        model=model,
+        parallel=ParallelConfig(tp=1, pp=1),
+        train=TrainConfig(dtype="fp32", micro_batch_size=1, global_batch_size=1, seq_length=a.seq, steps=10**6),
+        checkpoint=CheckpointConfig(save=save_dir, keep_last=1),
+    )
+    run = resolve(cfg, rt.world_size)
+    engine = build_engine(run, rt).engine
+    gen = torch.Generator().manual_seed(0)
+
+    def batches():
+        while True:
+            tokens = torch.randint(0, a.vocab, (1, a.seq + 1), generator=gen)
+            yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    return engine, rt, cfg, batches()
+
+
+def no_flushes():
+    """Turn off the flushes of the files DeepSpeed writes and of their directories (what threed saved before issue
+    37: only the manifest, the run config and `latest` were fsynced); returns what puts them back."""
+    import threed.checkpoint.save as ckpt
+
+    real = ckpt.fsync_file, ckpt.fsync_dir
+    ckpt.fsync_file = ckpt.fsync_dir = lambda path: None
+
+    def restore() -> None:
+        ckpt.fsync_file, ckpt.fsync_dir = real
+
+    return restore
+
+
+def timed_save(engine, cfg, rt, durable: bool) -> float:
+    """One save's wall time on this rank; the page cache is flushed afterwards, untimed."""
+    from threed.checkpoint.save import save
+
+    restore = None if durable else no_flushes()
+    try:
+        t0 = time.perf_counter()
+        save(engine, cfg, rt.rank, {"consumed_samples": engine.global_steps})
+        seconds = time.perf_counter() - t0
+    finally:
+        if restore is not None:
+            restore()
+    os.sync()
+    return seconds
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dir", default=None, help="where the checkpoints go (a temporary directory in it; default: /tmp)")
+    a = p.parse_args()
+    from threed.checkpoint.manifest import directory_bytes
+    from threed.units import human_bytes
+
+    root = tempfile.mkdtemp(prefix="bench-ckpt-", dir=a.dir)
+    try:
+        engine, rt, cfg, it = build(a, str(Path(root) / "save"))
+        params = sum(q.numel() for q in engine.module.parameters())
+        steps = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            engine.train_batch(data_iter=it)
+            steps.append(time.perf_counter() - t0)
+        durable, plain = [], []
+        for _ in range(a.repeats):
+            engine.train_batch(data_iter=it)  # a new step: a new tag, as a run's saves
+            durable.append(timed_save(engine, cfg, rt, durable=True))
+            engine.train_batch(data_iter=it)
+            plain.append(timed_save(engine, cfg, rt, durable=False))
+        size = directory_bytes(Path(cfg.checkpoint.save) / f"global_step{engine.global_steps}")
+        step, d, n = statistics.median(steps[1:]), statistics.median(durable), statistics.median(plain)
+        print(f"model: {params / 1e9:.3f}B parameters, fp32, one rank; checkpoint {human_bytes(size)}")
+        print(f"step (no save): {step:.2f} s (median of {len(steps) - 1})")
+        print(f"save, durable (fsync every file and directory): {d:.2f} s  {[round(x, 2) for x in durable]}")
+        print(f"save, without the flushes (before issue 37):    {n:.2f} s  {[round(x, 2) for x in plain]}")
+        print(
+            f"durable / unflushed = {d / n:.2f}; added per save {d - n:+.2f} s ({size / d / 2**20:.0f} MiB/s durable)"
+        )
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
