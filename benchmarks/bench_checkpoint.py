@@ -6,9 +6,13 @@
 - a durable save (every file and directory fsynced before the manifest and `latest` name them, as threed saves)
   against the same save with the flushes turned off (what threed did before): median seconds each and the ratio,
   saves interleaved. Between saves the page cache is flushed (`os.sync`, not timed), so no save pays for the
-  previous one's write-back.
+  previous one's write-back;
+- `--async-save`'s saves (threed.checkpoint.async_save): the seconds training was blocked (the host copy) against
+  the durable synchronous save's, and the seconds until each was published, training going on meanwhile;
+- the step rate over --steps steps saving every --every steps: not saving, saving asynchronously, synchronously.
 
     .venv/bin/python benchmarks/bench_checkpoint.py [--hidden 1024 --layers 8 --vocab 32000 --repeats 3]
+        [--steps 20 --every 10]
 
 The default shape (~0.17B parameters) makes a checkpoint of about 2.6 GB (fp32 weights 4 B + Adam's two moments
 8 B + ... per parameter). What a CPU with a local disk cannot show: a cluster's parallel file system, whose fsync
@@ -95,6 +99,52 @@ def timed_save(engine, cfg, rt, durable: bool) -> float:
     return seconds
 
 
+def async_saves(engine, cfg, rt, it, repeats: int) -> tuple[list[float], list[float]]:
+    """`repeats` asynchronous saves, each followed by training steps until it is published (polled at each step
+    boundary, as a run does): the seconds each blocked training and the seconds until each was published."""
+    from threed.checkpoint.async_save import AsyncSaver
+
+    saver = AsyncSaver(cfg, rt.rank, rt.device, lambda line: None)
+    blocked, published = [], []
+    for _ in range(repeats):
+        engine.train_batch(data_iter=it)
+        blocked.append(saver.save(engine, {"consumed_samples": engine.global_steps}))
+        done = None
+        while done is None:
+            engine.train_batch(data_iter=it)
+            done = saver.poll()
+        published.append(done.seconds)
+        os.sync()
+    return blocked, published
+
+
+def step_rate(engine, cfg, rt, it, steps: int, every: int, how: str) -> float:
+    """Mean seconds per step over `steps` steps saving every `every` steps (at its middle: steps every/2, ...,
+    so each save's background write falls inside the window) `how` ("none", "sync", "async"); what the last save
+    leaves to write after the window is not timed, nor the page cache's write-back (`os.sync` after)."""
+    from threed.checkpoint.async_save import AsyncSaver
+    from threed.checkpoint.save import save
+
+    saver = AsyncSaver(cfg, rt.rank, rt.device, lambda line: None) if how == "async" else None
+    t0 = time.perf_counter()
+    for i in range(1, steps + 1):
+        engine.train_batch(data_iter=it)
+        if saver is not None:
+            saver.poll()
+        if how != "none" and i % every == every // 2:
+            client = {"consumed_samples": engine.global_steps}
+            if saver is not None:
+                saver.finish("the next save")
+                saver.save(engine, client)
+            else:
+                save(engine, cfg, rt.rank, client)
+    seconds = (time.perf_counter() - t0) / steps
+    if saver is not None:
+        saver.finish("the end")
+    os.sync()
+    return seconds
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--hidden", type=int, default=1024)
@@ -103,37 +153,56 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=20, help="steps of each step-rate run (0: no step-rate runs)")
+    p.add_argument("--every", type=int, default=10, help="save every N steps in the step-rate runs")
     p.add_argument("--dir", default=None, help="where the checkpoints go (a temporary directory in it; default: /tmp)")
     a = p.parse_args()
-    from threed.checkpoint.manifest import directory_bytes
-    from threed.units import human_bytes
-
     root = tempfile.mkdtemp(prefix="bench-ckpt-", dir=a.dir)
     try:
         engine, rt, cfg, it = build(a, str(Path(root) / "save"))
-        params = sum(q.numel() for q in engine.module.parameters())
-        steps = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            engine.train_batch(data_iter=it)
-            steps.append(time.perf_counter() - t0)
-        durable, plain = [], []
-        for _ in range(a.repeats):
-            engine.train_batch(data_iter=it)  # a new step: a new tag, as a run's saves
-            durable.append(timed_save(engine, cfg, rt, durable=True))
-            engine.train_batch(data_iter=it)
-            plain.append(timed_save(engine, cfg, rt, durable=False))
-        size = directory_bytes(Path(cfg.checkpoint.save) / f"global_step{engine.global_steps}")
-        step, d, n = statistics.median(steps[1:]), statistics.median(durable), statistics.median(plain)
-        print(f"model: {params / 1e9:.3f}B parameters, fp32, one rank; checkpoint {human_bytes(size)}")
-        print(f"step (no save): {step:.2f} s (median of {len(steps) - 1})")
-        print(f"save, durable (fsync every file and directory): {d:.2f} s  {[round(x, 2) for x in durable]}")
-        print(f"save, without the flushes (before issue 37):    {n:.2f} s  {[round(x, 2) for x in plain]}")
-        print(
-            f"durable / unflushed = {d / n:.2f}; added per save {d - n:+.2f} s ({size / d / 2**20:.0f} MiB/s durable)"
-        )
+        report_saves(a, engine, cfg, rt, it)
+        if a.steps:
+            rates = {how: step_rate(engine, cfg, rt, it, a.steps, a.every, how) for how in ("none", "async", "sync")}
+            print(
+                f"step rate over {a.steps} steps, a save every {a.every}: "
+                + ", ".join(
+                    f"{how} {1 / s:.4f} steps/s ({s:.2f} s/step, step time {s / rates['none'] - 1:+.1%})"
+                    for how, s in rates.items()
+                )
+            )
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def report_saves(a: argparse.Namespace, engine, cfg, rt, it) -> None:
+    """The size, a step, durable against unflushed synchronous saves, and asynchronous saves' blocked and
+    time-to-publish seconds: printed."""
+    from threed.checkpoint.manifest import directory_bytes
+    from threed.units import human_bytes
+
+    params = sum(q.numel() for q in engine.module.parameters())
+    steps = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        engine.train_batch(data_iter=it)
+        steps.append(time.perf_counter() - t0)
+    durable, plain = [], []
+    for _ in range(a.repeats):
+        engine.train_batch(data_iter=it)  # a new step: a new tag, as a run's saves
+        durable.append(timed_save(engine, cfg, rt, durable=True))
+        engine.train_batch(data_iter=it)
+        plain.append(timed_save(engine, cfg, rt, durable=False))
+    size = directory_bytes(Path(cfg.checkpoint.save) / f"global_step{engine.global_steps}")
+    blocked, published = async_saves(engine, cfg, rt, it, a.repeats)
+    step, d, n = statistics.median(steps[1:]), statistics.median(durable), statistics.median(plain)
+    b, t = statistics.median(blocked), statistics.median(published)
+    print(f"model: {params / 1e9:.3f}B parameters, fp32, one rank; checkpoint {human_bytes(size)}")
+    print(f"step (no save): {step:.2f} s (median of {len(steps) - 1})")
+    print(f"save, durable (fsync every file and directory): {d:.2f} s  {[round(x, 2) for x in durable]}")
+    print(f"save, without the flushes (before issue 37):    {n:.2f} s  {[round(x, 2) for x in plain]}")
+    print(f"durable / unflushed = {d / n:.2f}; added per save {d - n:+.2f} s ({size / d / 2**20:.0f} MiB/s durable)")
+    print(f"async save: training blocked {b:.2f} s {[round(x, 2) for x in blocked]}; published after {t:.2f} s")
+    print(f"async blocked / durable synchronous save = {b / d:.3f}")
 
 
 if __name__ == "__main__":

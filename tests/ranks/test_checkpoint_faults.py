@@ -76,6 +76,10 @@ KILLS = [
     pytest.param("ds:4:0", marks=pytest.mark.slow),  # every file written, rank 0 killed before the manifest
     pytest.param("prune:4:0", marks=pytest.mark.slow),  # after `latest`, before pruning
     pytest.param("file1:2:all", marks=pytest.mark.slow),  # the very first save: no checkpoint yet, starts over
+    # --async-save: killed inside the background writer, after its first file of the step-4 save, while training
+    # has gone on to step 5 (the worker holds background writes until the next step)
+    pytest.param("async:file1:4:1", marks=pytest.mark.slow),
+    pytest.param("async:file1:4:all", marks=pytest.mark.slow),
 ]
 
 
@@ -83,13 +87,14 @@ KILLS = [
 @pytest.mark.parametrize("kill", KILLS)
 def test_kill_during_save_then_same_command_resumes_bit_identical(reference, kill, tmp_path):
     save, out = tmp_path / "save", tmp_path / "out"
-    killed = worker(2, out, "--save", str(save), *RUN, "--kill", kill)
+    mode = ["--async-save"] if kill.startswith("async:") else []
+    killed = worker(2, out, "--save", str(save), *RUN, *mode, "--kill", kill.removeprefix("async:"))
     assert killed.returncode != 0 and "SIGKILL" in killed.stdout, killed.stdout[-3000:]
-    resumed = worker(2, out, "--save", str(save), *RUN)
+    resumed = worker(2, out, "--save", str(save), *RUN, *mode)
     assert resumed.returncode == 0, resumed.stdout[-4000:]
     start = json.loads((out / "result.json").read_text())["start"]
     expected_start = {"file1:4:1": 2, "latest:4:0": 4, "file1:4:all": 2, "ds:4:0": 2, "prune:4:0": 4, "file1:2:all": 0}[
-        kill
+        kill.removeprefix("async:")
     ]
     assert start == expected_start, resumed.stdout[-3000:]
     if expected_start == 2:

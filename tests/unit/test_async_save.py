@@ -3,8 +3,8 @@ writes its files through `checkpoint_engine.save` as DeepSpeed does: the host co
 (views and shared storages kept, the file torch.save writes of it byte for byte the same); the background write
 publishes only at a step boundary that finds it finished, every file fsynced before `latest` moves; a failed
 background write ends the run at the next boundary with one line naming the file, `latest` unchanged; a pending
-save is waited for with a line saying so. The multi-rank run, its tensors against a synchronous save's and its
-resume: tests/ranks/test_checkpoint_faults.py."""
+save is waited for with a line saying so, by the divergence guard's stop too. The multi-rank run, its tensors
+against a synchronous save's and its resume: tests/ranks/test_checkpoint_faults.py."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import json
 import os
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from helpers import checkpoint_config, fake_checkpoint
 from threed.checkpoint import async_save as asv
 from threed.checkpoint.format import MANIFEST_NAME
 from threed.config import ConfigError
+from threed.train import loop
 from threed.units import human_bytes
 
 
@@ -168,3 +170,26 @@ def test_host_memory_that_cannot_hold_the_copy_is_refused_in_one_line(tmp_path, 
     assert msg.startswith("--async-save keeps a host copy of each rank's share of a checkpoint: about ")
     assert f"which has {human_bytes(1000)} of memory available" in msg
     assert "turn --async-save off" in msg and "\n" not in msg
+
+
+def test_the_divergence_stop_publishes_a_pending_save_before_exiting(tmp_path, capsys):
+    """threed.train.loop: the guard's exit 3 (every rank, the same step) waits for the pending save, whose weights
+    were checked when it began, and publishes it; the exit goes on."""
+    save, lines = tmp_path / "ck", []
+    gate = threading.Event()
+    s = saver(save, lines)
+    s.save(Engine(Writer(gate=gate)), {})
+    threading.Timer(0.3, gate.set).start()
+    r = SimpleNamespace(
+        saver=s,
+        guard=SimpleNamespace(saved=lambda seconds: None),
+        metrics=SimpleNamespace(log=lambda *a, **k: None),
+        result=SimpleNamespace(end_step=7),
+        consumed=7,
+        logger=True,
+    )
+    with pytest.raises(SystemExit) as e, loop._publishing_on_divergence(r):
+        raise SystemExit(3)
+    assert e.value.code == 3 and (save / "latest").read_text() == "global_step6"
+    assert lines == ["waiting for the checkpoint of step 6 to be written before exiting (the run diverged)"]
+    assert f"saved checkpoint step 6 to {save} | training blocked " in capsys.readouterr().out
