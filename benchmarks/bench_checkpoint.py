@@ -14,9 +14,11 @@
     .venv/bin/python benchmarks/bench_checkpoint.py [--hidden 1024 --layers 8 --vocab 32000 --repeats 3]
         [--steps 20 --every 10]
 
-The default shape (~0.17B parameters) makes a checkpoint of about 2.6 GB (fp32 weights 4 B + Adam's two moments
-8 B + ... per parameter). What a CPU with a local disk cannot show: a cluster's parallel file system, whose fsync
-goes to remote servers, and many ranks writing at once.
+The default shape (0.156B parameters) makes a checkpoint of 2.3 GiB (16 B per parameter: the fp32 weights in the
+layer files, ZeRO's fp32 master copy and AdamW's two moments in the optimizer shard). What a CPU with a local disk
+cannot show: a cluster's parallel file system, whose fsync goes to remote servers, and many ranks writing at once.
+On a CUDA device the same script measures the pinned device-to-host copy (`threed.parallel.device_policy` pins
+there).
 """
 
 from __future__ import annotations
@@ -201,7 +203,10 @@ def report_saves(a: argparse.Namespace, engine, cfg, rt, it) -> None:
     print(f"save, durable (fsync every file and directory): {d:.2f} s  {[round(x, 2) for x in durable]}")
     print(f"save, without the flushes (before issue 37):    {n:.2f} s  {[round(x, 2) for x in plain]}")
     print(f"durable / unflushed = {d / n:.2f}; added per save {d - n:+.2f} s ({size / d / 2**20:.0f} MiB/s durable)")
-    print(f"async save: training blocked {b:.2f} s {[round(x, 2) for x in blocked]}; published after {t:.2f} s")
+    print(
+        f"async save: training blocked {b:.2f} s {[round(x, 2) for x in blocked]} (the host copy at "
+        f"{size / b / 2**30:.1f} GiB/s, buffers reused); published after {t:.2f} s"
+    )
     print(f"async blocked / durable synchronous save = {b / d:.3f}")
 
 
