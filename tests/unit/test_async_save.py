@@ -14,7 +14,6 @@ import json
 import os
 import threading
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,8 +21,8 @@ import torch
 from helpers import checkpoint_config, fake_checkpoint
 from threed.checkpoint import async_save as asv
 from threed.checkpoint.format import MANIFEST_NAME
-from threed.config import ConfigError
-from threed.train import loop
+from threed.config import ConfigError, RunControlConfig
+from threed.train import guard
 from threed.units import human_bytes
 
 
@@ -172,24 +171,19 @@ def test_host_memory_that_cannot_hold_the_copy_is_refused_in_one_line(tmp_path, 
     assert "turn --async-save off" in msg and "\n" not in msg
 
 
-def test_the_divergence_stop_publishes_a_pending_save_before_exiting(tmp_path, capsys):
-    """threed.train.loop: the guard's exit 3 (every rank, the same step) waits for the pending save, whose weights
-    were checked when it began, and publishes it; the exit goes on."""
+def test_the_divergence_stop_publishes_a_pending_save_and_names_it(tmp_path, capsys):
+    """threed.train.guard with the loop's `settle_saves`: the exit 3 of a diverged run (every rank, the same step)
+    first publishes the pending save, whose weights were checked when it began, and names it as the last good one."""
     save, lines = tmp_path / "ck", []
+    fake_checkpoint(save, 4)
     gate = threading.Event()
-    s = saver(save, lines)
-    s.save(Engine(Writer(gate=gate)), {})
+    engine, s = Engine(Writer(gate=gate)), saver(save, lines)
+    g = guard.RunGuard(RunControlConfig(watchdog_factor=0), str(save), 0, engine, None)
+    g.settle_saves = lambda: s.finish("exiting (the run diverged)")
+    s.save(engine, {})
     threading.Timer(0.3, gate.set).start()
-    r = SimpleNamespace(
-        saver=s,
-        guard=SimpleNamespace(saved=lambda seconds: None),
-        metrics=SimpleNamespace(log=lambda *a, **k: None),
-        result=SimpleNamespace(end_step=7),
-        consumed=7,
-        logger=True,
-    )
-    with pytest.raises(SystemExit) as e, loop._publishing_on_divergence(r):
-        raise SystemExit(3)
+    with pytest.raises(SystemExit) as e:
+        g.after_step(7, float("nan"), float("inf"))
     assert e.value.code == 3 and (save / "latest").read_text() == "global_step6"
     assert lines == ["waiting for the checkpoint of step 6 to be written before exiting (the run diverged)"]
-    assert f"saved checkpoint step 6 to {save} | training blocked " in capsys.readouterr().out
+    assert f"Last good checkpoint: {save}/global_step6. Resume from it" in capsys.readouterr().err

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from threed.checkpoint.async_save import AsyncSaver, Published
 from threed.checkpoint.lock import SaveLock
-from threed.checkpoint.save import EXIT_DIVERGED, save
+from threed.checkpoint.save import save
 from threed.checkpoint.start import StartDecision, start as checkpoint_start
 from threed.config import ConfigError, RunConfig
 from threed.data.checks import check_cache_visible
@@ -190,7 +190,7 @@ def _train(run: ResolvedRun, rt: Runtime, splits: DataSplits, start_decision: St
     """The run, from the start rank 0 decided and prepared: build, step until the last step or a stop, close."""
     r = _begin(run, rt, splits, start_decision)
     # Python's garbage collector runs between steps only, never inside a micro-batch (threed.train.host_gc).
-    with StepCollector(rt.device, run.cfg.train.log_interval) as collector, _publishing_on_divergence(r):
+    with StepCollector(rt.device, run.cfg.train.log_interval) as collector:
         for step in range(r.result.start_step, run.cfg.train.steps):
             stop = _step(r, step)
             loud = collector.after_step(step + 1, r.metrics)
@@ -243,9 +243,12 @@ def _begin(run: ResolvedRun, rt: Runtime, splits: DataSplits, start_decision: St
     saver = None
     if cfg.checkpoint.save and cfg.checkpoint.async_save:  # refused here when the host copies cannot fit
         saver = AsyncSaver(cfg, rt.rank, rt.device, lambda line: log(logger, line))
-    return Running(
+    r = Running(
         run, rt, splits, engine, data, guard, metrics, samples, batches, counter, logger, consumed, result, saver=saver
     )
+    if saver is not None:  # a stop for divergence publishes a pending save, then names it as the last good one
+        guard.settle_saves = lambda: _published(r, saver.finish("exiting (the run diverged)"))
+    return r
 
 
 def start_line(run: ResolvedRun, rt: Runtime, resumed_from, start: int, consumed: int, splits: DataSplits) -> str:
@@ -387,15 +390,3 @@ def _published(r: Running, done: Optional[Published]) -> None:
         f"saved checkpoint step {done.step} to {done.path} | training blocked {done.blocked:.2f} s | published "
         f"after {done.seconds:.2f} s",
     )
-
-
-@contextlib.contextmanager
-def _publishing_on_divergence(r: Running) -> Iterator[None]:
-    """The divergence guard's stop (exit 3, on every rank at the same step) waits for a pending background save,
-    which holds weights checked sane when it began, and publishes it before the run exits."""
-    try:
-        yield
-    except SystemExit as e:
-        if r.saver is not None and e.code == EXIT_DIVERGED:
-            _published(r, r.saver.finish("exiting (the run diverged)"))
-        raise
