@@ -149,6 +149,26 @@ def test_a_failed_background_write_ends_the_run_at_the_next_boundary_naming_the_
     assert (save / "latest").read_text() == "global_step4"
 
 
+def test_a_copy_that_fails_ends_the_run_as_a_synchronous_save_does(tmp_path, capsys):
+    """DeepSpeed's own directory making fails inside the blocking part: no background write starts; exit 5, one
+    line, `latest` unchanged."""
+    save = tmp_path / "ck"
+    fake_checkpoint(save, 4)
+    engine = Engine(Writer())
+
+    def denied(*a, **k):
+        raise OSError(errno.EACCES, "Permission denied", str(save / "global_step6"))
+
+    engine.save_checkpoint = denied
+    s = saver(save, [])
+    with pytest.raises(SystemExit) as e:
+        s.save(engine, {})
+    assert e.value.code == 5 and s.pending is None and s.thread is None
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"Permission denied (EACCES) writing {save}/global_step6" in err[0], err
+    assert (save / "latest").read_text() == "global_step4"
+
+
 def test_finish_waits_for_a_pending_save_with_a_line(tmp_path):
     save, lines = tmp_path / "ck", []
     gate = threading.Event()

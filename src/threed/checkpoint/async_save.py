@@ -288,8 +288,8 @@ class AsyncSaver:
             return capturing(e, self.buffers)
 
         queued, failed = write_files(engine, self.cfg, self.rank, step_dir, client_state, copies)
-        if failed is not None:  # the copy failed (a directory DeepSpeed makes): ends the run as a synchronous save
-            settle(self.cfg, self.rank, step_dir, {}, failed, meta, t0, self.group)
+        if self._any(failed is not None):  # the copy failed somewhere (a directory DeepSpeed makes): every rank
+            settle(self.cfg, self.rank, step_dir, {}, failed, meta, t0, self.group)  # ends as a synchronous save
         blocked = time.time() - t0
         self.pending = Pending(step_dir, {**meta, "blocked_seconds": round(blocked, 2)}, t0, blocked)
         self.thread = threading.Thread(
@@ -299,9 +299,13 @@ class AsyncSaver:
         return blocked
 
     def running(self) -> bool:
-        """Whether any rank's writer is still writing (collective: a flag all-reduced on the gloo group)."""
+        """Whether any rank's writer is still writing (collective)."""
         assert self.pending is not None
-        flag = torch.tensor([0 if self.pending.done.is_set() else 1], dtype=torch.int32)
+        return self._any(not self.pending.done.is_set())
+
+    def _any(self, mine: bool) -> bool:
+        """Whether `mine` holds on any rank (collective: a flag all-reduced on the gloo group)."""
+        flag = torch.tensor([int(mine)], dtype=torch.int32)
         if self.group is not None:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return bool(flag.item())
