@@ -7,8 +7,8 @@ are published once every rank's writer has finished, found by a collective check
     published = saver.finish("the next save")      # every rank: waits for a pending save and publishes it
     blocked = saver.save(engine, client_state)     # every rank: the copy; the write goes on in the background
 
-The copy: DeepSpeed writes every file of a checkpoint (layer files, the mp_rank model states holding the client
-state: data position, guard state; the ZeRO optimizer shards with the RNG-free optimizer state) through
+The copy: DeepSpeed writes every file of a checkpoint (the layer files, the mp_rank model states holding the
+client state: the data position and the guard's state; the ZeRO optimizer shards) through
 `engine.checkpoint_engine.save(state_dict, path)`. During an asynchronous save that call copies `state_dict` into
 host memory and queues it instead (`host_copy`: pickle's traversal of it, the one torch.save makes, with each
 tensor storage copied once, views and shared storages kept as they were). The background thread hands each copy
