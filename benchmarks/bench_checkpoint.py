@@ -9,10 +9,11 @@
   previous one's write-back;
 - `--async-save`'s saves (threed.checkpoint.async_save): the seconds training was blocked (the host copy) against
   the durable synchronous save's, and the seconds until each was published, training going on meanwhile;
-- the step rate over --steps steps saving every --every steps: not saving, saving asynchronously, synchronously.
+- the step time of runs of --every steps that save once (not at all, asynchronously, synchronously), interleaved
+  over --rounds rounds, against not saving.
 
     .venv/bin/python benchmarks/bench_checkpoint.py [--hidden 1024 --layers 8 --vocab 32000 --repeats 3]
-        [--steps 20 --every 10]
+        [--rounds 2 --every 10]
 
 The default shape (0.156B parameters) makes a checkpoint of 2.3 GiB (16 B per parameter: the fp32 weights in the
 layer files, ZeRO's fp32 master copy and AdamW's two moments in the optimizer shard). What a CPU with a local disk
@@ -155,25 +156,32 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--steps", type=int, default=20, help="steps of each step-rate run (0: no step-rate runs)")
-    p.add_argument("--every", type=int, default=10, help="save every N steps in the step-rate runs")
+    p.add_argument("--rounds", type=int, default=2, help="rounds of the step-rate runs (0: none)")
+    p.add_argument("--every", type=int, default=10, help="steps of each step-rate run, which saves once")
     p.add_argument("--dir", default=None, help="where the checkpoints go (a temporary directory in it; default: /tmp)")
     a = p.parse_args()
     root = tempfile.mkdtemp(prefix="bench-ckpt-", dir=a.dir)
     try:
         engine, rt, cfg, it = build(a, str(Path(root) / "save"))
         report_saves(a, engine, cfg, rt, it)
-        if a.steps:
-            rates = {how: step_rate(engine, cfg, rt, it, a.steps, a.every, how) for how in ("none", "async", "sync")}
-            print(
-                f"step rate over {a.steps} steps, a save every {a.every}: "
-                + ", ".join(
-                    f"{how} {1 / s:.4f} steps/s ({s:.2f} s/step, step time {s / rates['none'] - 1:+.1%})"
-                    for how, s in rates.items()
-                )
-            )
+        if a.rounds:
+            report_rates(a, engine, cfg, rt, it)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def report_rates(a: argparse.Namespace, engine, cfg, rt, it) -> None:
+    """Step rates without saving, saving asynchronously and synchronously: runs of --every steps saving once,
+    interleaved over --rounds rounds (the machine's other load drifts), each the median of its rounds: printed."""
+    runs: dict[str, list[float]] = {"none": [], "async": [], "sync": []}
+    for _ in range(a.rounds):
+        for how in runs:
+            runs[how].append(step_rate(engine, cfg, rt, it, a.every, a.every, how))
+    rates = {how: statistics.median(r) for how, r in runs.items()}
+    print(f"step time, runs of {a.every} steps saving once, median of {a.rounds} interleaved rounds:")
+    for how, s in rates.items():
+        spread = [round(x, 2) for x in runs[how]]
+        print(f"  {how:5s} {s:.2f} s/step {spread}  ({s / rates['none'] - 1:+.1%} against no saves)")
 
 
 def report_saves(a: argparse.Namespace, engine, cfg, rt, it) -> None:

@@ -207,3 +207,21 @@ def test_the_divergence_stop_publishes_a_pending_save_and_names_it(tmp_path, cap
     assert e.value.code == 3 and (save / "latest").read_text() == "global_step6"
     assert lines == ["waiting for the checkpoint of step 6 to be written before exiting (the run diverged)"]
     assert f"Last good checkpoint: {save}/global_step6. Resume from it" in capsys.readouterr().err
+
+
+def test_the_background_writer_yields_the_cpu_to_training():
+    """The writer thread's own nice value goes up (Linux keeps one per thread); the training thread's stays."""
+    seen = {}
+
+    def writer():
+        me = threading.get_native_id()
+        before = os.getpriority(os.PRIO_PROCESS, me)
+        asv.yield_cpu()
+        seen["before"], seen["after"] = before, os.getpriority(os.PRIO_PROCESS, me)
+
+    main = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    t = threading.Thread(target=writer)
+    t.start()
+    t.join()
+    assert seen["after"] == min(19, seen["before"] + asv.WRITER_NICE)  # 19: the lowest priority there is
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main

@@ -189,6 +189,7 @@ def write_queued(queued: list, writer: Callable, rank: int, pending: Pending) ->
     renamed into place; then the directories fsynced. A failed write stops it (reported, not raised: the training
     thread says it at the next step boundary)."""
     staged = set()
+    yield_cpu()
     try:
         for path, state in queued:
             tmp = staging(path)
@@ -211,6 +212,19 @@ def write_queued(queued: list, writer: Callable, rank: int, pending: Pending) ->
             shutil.rmtree(folder, ignore_errors=True)
         queued.clear()  # the copies' structures go; their buffers stay in the pool for the next save
         pending.done.set()
+
+
+WRITER_NICE = 10  # how much lower the background writer's CPU priority is than training's
+
+
+def yield_cpu() -> None:
+    """The calling thread (the background writer) yields the CPU to training where both want it: its own nice
+    value raised (Linux keeps one per thread); elsewhere, or when refused, nothing changes."""
+    try:
+        me = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, me, os.getpriority(os.PRIO_PROCESS, me) + WRITER_NICE)
+    except (AttributeError, OSError):
+        pass
 
 
 def staging(path: str) -> Path:
