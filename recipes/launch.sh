@@ -148,6 +148,8 @@ EVAL_ITERS=${EVAL_ITERS-10}
 LOG_INTERVAL=${LOG_INTERVAL-1}
 # A 70B checkpoint is ~1 TB: the newest 3 stay (KEEP_LAST=0 keeps all; the dry run shows each one's size).
 KEEP_LAST=${KEEP_LAST-3}
+# ASYNC_SAVE=1: --async-save (training blocked only for a host copy of each save; off until measured on GPUs).
+ASYNC_SAVE=${ASYNC_SAVE-false}
 
 NNODES=${NNODES:-${SLURM_NNODES:-1}}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
@@ -229,9 +231,9 @@ for name in "${ORDER[@]}"; do
         job) ;; # the slurm job's own: the harness job below, not a training flag
         bare) # Megatron's store_true flag: bare when on, absent when off
             case "${!name:-false}" in
-                true) args+=("$flag") ;;
-                false) ;;
-                *) die "$name must be true or false, got '${!name}'" ;;
+                true | 1) args+=("$flag") ;;
+                false | 0) ;;
+                *) die "$name must be true or false (or 1 or 0), got '${!name}'" ;;
             esac ;;
         words) # a prefix, or a blend "WEIGHT PREFIX WEIGHT PREFIX ..." (Megatron's --data-path); a whole value
             # that names a dataset is one word, so a path with spaces works (threed.cli.recipe.data_words)

@@ -1,8 +1,10 @@
 """Writes that a crash never leaves half done: a reader sees the old content or the new, never a torn file or a
 half-filled directory. Every file or directory threed publishes (checkpoint manifests and `latest`, run configs,
-metrics state, converted checkpoints, preprocessed datasets, universal conversions) goes through here.
+metrics state, converted checkpoints, preprocessed datasets, universal conversions) goes through here, and a
+checkpoint's data files, which DeepSpeed writes, are flushed here (`fsync_file`) before a manifest names them.
 
     write_atomic(path, text)                   # a small text file: temp beside it, fsync, rename, fsync the dir
+    fsync_file(path); fsync_dir(folder)        # a file written by someone else, then the directory naming it
     with atomic_dir(out) as tmp: ...write...   # a directory: built under a temp name, renamed into place at the end
 """
 
@@ -27,6 +29,16 @@ def fsync_dir(path: PathLike) -> None:
         os.fsync(fd)
     except OSError:  # some file systems refuse fsync on directories; the rename is still atomic
         pass
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: PathLike) -> None:
+    """Flush a file that another writer (torch.save inside DeepSpeed) has already written and closed, so that its
+    contents survive a power cut: a descriptor of our own flushes the same pages."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
     finally:
         os.close(fd)
 

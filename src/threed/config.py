@@ -529,6 +529,14 @@ class CheckpointConfig:
         ),
     )
     keep_last: int = field(default=0, metadata=meta("keep the newest N complete checkpoints in --save; 0: all"))
+    # threed.checkpoint.async_save: training waits only for a host copy; `latest` moves once every rank has written.
+    async_save: bool = field(
+        default=False,
+        metadata=meta(
+            "save checkpoints in the background: training is blocked only while the states are copied to host "
+            "memory, and `latest` names the checkpoint once every rank has written and flushed its files"
+        ),
+    )
 
 
 @dataclass(frozen=True)

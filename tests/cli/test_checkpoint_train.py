@@ -1,10 +1,12 @@
 """The guard and the checkpoint module inside `threed train` itself (one process, fp32, the tiny preset): a run that
 diverges stops with exit 3 naming the step and the last good checkpoint and saves nothing more; a run that reaches
---exit-duration-in-mins saves and exits 0, and the same command then resumes from that checkpoint."""
+--exit-duration-in-mins saves and exits 0, and the same command then resumes from that checkpoint; --async-save
+says each save's blocked time and time-to-publish on separate fields, and its checkpoints resume."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 
 
@@ -52,3 +54,20 @@ def test_config_error_under_torchrun_is_one_line_from_rank_0(tiny_corpus, tmp_pa
     assert out.count("threed: configuration error: --steps must be >= 0, got -1") == 1, out[-3000:]
     assert "exitcode  : 2" in out and "src/threed/" not in out  # torchrun's traceback only, none of ours
     assert not (tmp_path / "save").exists()
+
+
+def test_async_save_logs_blocked_and_published_times_and_resumes(tiny_corpus, tmp_path):
+    save = tmp_path / "save"
+    p = tiny_train(tiny_corpus, save, "--steps", "4", "--save-interval", "2", "--async-save")
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    for step in (2, 4):
+        assert f"checkpoint step {step}: training blocked " in p.stdout, p.stdout[-2000:]
+        published = (
+            rf"saved checkpoint step {step} to {save} \| training blocked [0-9.]+ s \| published after [0-9.]+ s"
+        )
+        assert re.search(published, p.stdout), p.stdout[-2000:]
+    assert (save / "latest").read_text() == "global_step4"
+    p = tiny_train(tiny_corpus, save, "--steps", "5", "--async-save")
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert f"resumed from {save} at step 4" in p.stdout
+    assert (save / "latest").read_text() == "global_step5"

@@ -32,7 +32,7 @@ COMMON = {
     "SEQUENCE_PARALLEL": "true", "DATA": "0.25 /data/a_text_document 0.75 /data/b_text_document",
     "SPLIT": "90,5,5", "DATA_CACHE_PATH": "/data/cache", "PACK": "false", "EVAL_INTERVAL": "5", "EVAL_ITERS": "2",
     "TOKENIZER": "/data/tokenizer.json", "SAVE": "/ckpt/save", "SAVE_INTERVAL": "5", "LOG_INTERVAL": "2",
-    "KEEP_LAST": "2", "SKIP_NONFINITE": "3", "EXIT_DURATION": "30",
+    "KEEP_LAST": "2", "ASYNC_SAVE": "true", "SKIP_NONFINITE": "3", "EXIT_DURATION": "30",
     # the slurm job's (tests/cli/test_harness_job.py): no training flag
     "HARNESS_TASKS": "arc_easy", "HARNESS_LIMIT": "50",
     # CP 2: DP = 8 / (2 x 2 x 2) = 1, so GLOBAL 8 = MICRO 2 x GAS 4 x DP 1.
@@ -41,7 +41,7 @@ COMMON = {
 GROUPS = [
     {**COMMON, "ACT_CKPT": "true", "INIT_FROM": "/ckpt/init"},
     {**COMMON, "ACT_CKPT": "false", "RECOMPUTE_GRANULARITY": "full", "RECOMPUTE_METHOD": "block",
-     "RECOMPUTE_NUM_LAYERS": "1", "LOAD": "/ckpt/load", "PACK": "true"},
+     "RECOMPUTE_NUM_LAYERS": "1", "LOAD": "/ckpt/load", "PACK": "true", "ASYNC_SAVE": "1"},
 ]  # fmt: skip
 
 
@@ -87,8 +87,8 @@ def _expected(var: str, value: str):
         return tuple(value.split())
     if var == "GAS":  # empty: derived from GLOBAL, 8 = micro 2 x gas 4 x dp 1 (dp = 8 / (tp 2 x pp 2 x cp 2))
         return 4
-    if value in ("true", "false"):
-        return value == "true"
+    if value in ("true", "false") or by_name(var).form == "bare":  # a bare flag's 1 / 0 too
+        return value in ("true", "1")
     for cast in (int, float):
         try:
             return cast(value)

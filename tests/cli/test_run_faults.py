@@ -1,8 +1,8 @@
 """Faults of a whole single-process `threed train` (issue 29): a disk that fills up during a save (a real tmpfs,
-mounted when the tests run as root), SIGTERM to a run without --save, a configuration refused before any process
-group exists, the rendezvous port left to the store, and `threed report` on a run the guard stopped.
-tests/unit/test_save_faults.py checks the same save and space logic with the disk faked, everywhere. The SIGTERM
-run and the tmpfs runs are slow (`make test-slow`); the rest run in `make test`."""
+mounted when the tests run as root; with --async-save too, issue 37), SIGTERM to a run without --save, a
+configuration refused before any process group exists, the rendezvous port left to the store, and `threed report`
+on a run the guard stopped. tests/unit/test_save_faults.py checks the same save and space logic with the disk
+faked, everywhere. The SIGTERM run and the tmpfs runs are slow (`make test-slow`); the rest run in `make test`."""
 
 from __future__ import annotations
 
@@ -66,29 +66,70 @@ def test_disk_full_during_a_save_is_one_line_and_latest_is_kept(tiny_corpus, sma
     assert "threed: world" not in again.stdout
 
 
-@pytest.mark.slow
-def test_sigterm_to_a_run_without_save_says_nothing_could_be_saved(tiny_corpus, tmp_path):
-    argv = tiny_train_argv(tiny_corpus, tmp_path / "unused", "--steps", "3000", "--log-interval", "1")
-    i = argv.index("--save")
-    del argv[i : i + 2]
-    log = tmp_path / "run.log"
+@pytest.mark.slow  # one run on a real full disk; tests/unit/test_async_save.py fakes it in `make test`
+def test_disk_full_during_a_background_save_is_one_line_and_latest_is_kept(tiny_corpus, small_tmpfs):
+    """--async-save (issue 37): the step-4 save fills the disk in the background; the end of training waits for
+    it, and the run ends with one line naming the error and the file, exit 5, `latest` still step 2."""
+    save = small_tmpfs / "save"
+    p = tiny_train(tiny_corpus, save, "--steps", "4", "--save-interval", "2", "--async-save")
+    assert p.returncode == 5, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "Traceback" not in p.stderr
+    lines = errors(p)
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("threed: error: saving step 4 failed: rank 0: No space left on device (ENOSPC)")
+    assert f" writing {save}/global_step4/" in lines[0], lines[0]
+    assert f"`latest` still names {save}/global_step2" in lines[0]
+    assert (save / "latest").read_text() == "global_step2"
+    assert not list((save / "global_step4").glob(".threed-writing-*"))  # the staging folder went with the failure
+
+
+def sigterm_once(argv: list[str], log: Path, after: str) -> str:
+    """`python -m threed.cli ARGV`, sent SIGTERM once its output shows `after`; asserts it exits 0 and returns its
+    output."""
     cmd = [sys.executable, "-m", "threed.cli", *argv]
     p = subprocess.Popen(cmd, env=own_world_env(), stdout=log.open("w"), stderr=subprocess.STDOUT)
     try:
         deadline = time.time() + 240
-        while "step 2/" not in log.read_text():  # training: the handlers are in place
+        while after not in log.read_text():
             assert p.poll() is None and time.time() < deadline, log.read_text()[-3000:]
-            time.sleep(0.5)
+            time.sleep(0.2)
         p.send_signal(signal.SIGTERM)
         assert p.wait(timeout=120) == 0, log.read_text()[-3000:]
     finally:
         if p.poll() is None:
             p.kill()
-    out = log.read_text()
+    return log.read_text()
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_run_without_save_says_nothing_could_be_saved(tiny_corpus, tmp_path):
+    argv = tiny_train_argv(tiny_corpus, tmp_path / "unused", "--steps", "3000", "--log-interval", "1")
+    i = argv.index("--save")
+    del argv[i : i + 2]
+    out = sigterm_once(argv, tmp_path / "run.log", "step 2/")  # training: the handlers are in place
     assert "to None" not in out and "Traceback" not in out
     stopped = [line for line in out.splitlines() if line.startswith("stop requested")]
     assert len(stopped) == 1 and "nothing could be saved (the run has no --save)" in stopped[0], out[-2000:]
     assert not (tmp_path / "unused").exists()
+
+
+@pytest.mark.slow
+def test_sigterm_with_a_background_save_pending_publishes_it_and_the_stop_save(tiny_corpus, tmp_path):
+    """--async-save (issue 37): SIGTERM while saves run in the background (one every step); the stop's save waits
+    for the pending one, then for itself: the run exits 0 with `latest` naming the step it stopped at, and the
+    same command resumes from there."""
+    save = tmp_path / "save"
+    flags = ("--save-interval", "1", "--async-save", "--log-interval", "1")
+    argv = tiny_train_argv(tiny_corpus, save, "--steps", "3000", *flags)
+    out = sigterm_once(argv, tmp_path / "run.log", "checkpoint step 2: training blocked")  # a save in the background
+    assert "Traceback" not in out
+    stopped = [line for line in out.splitlines() if line.startswith("stop requested")]
+    assert len(stopped) == 1 and stopped[0].endswith("; exiting for a restart"), out[-2000:]
+    step = int(stopped[0].split("saved step ")[1].split()[0])
+    assert f"saved checkpoint step {step} to {save} | training blocked " in out
+    assert (save / "latest").read_text() == f"global_step{step}"
+    again = tiny_train(tiny_corpus, save, "--steps", str(step + 1), *flags)
+    assert again.returncode == 0 and f"resumed from {save} at step {step}" in again.stdout, again.stdout[-2000:]
 
 
 def test_a_bad_configuration_is_refused_before_any_process_group(tiny_corpus, tmp_path, own_process_group):

@@ -8,9 +8,16 @@ a generator seeded with i, and each dp rank takes its contiguous slice (Megatron
 
 Rank 0 appends `{"step", "loss", "norm"}` lines to OUT/losses.jsonl as it goes (a killed run leaves the steps it
 finished), every rank writes its local weights to OUT/weights_rank<R>.pt at the end, and OUT/result.json holds
-the start step and the client state a resume received. --lr-jump-step N sets the optimizer's lr to --lr-jump
-from step N on (a finite blow-up after sane, saved steps). Fault injection (--kill WHERE:STEP[:RANK]) makes the
-chosen rank (or every rank: RANK=all) SIGKILL itself at a point of the save of step STEP:
+the start step and the client state a resume received. --record-io makes every rank log each os.fsync (the path
+its descriptor names, when it returned) and os.replace (its target, when it began) to OUT/io_rank<R>.jsonl:
+the order test_checkpoint_faults.py checks (every file flushed before `latest` names its checkpoint).
+--async-save saves through threed.checkpoint.async_save as `threed train --async-save` does (the pending save polled
+at every step boundary, waited for before the next save and at the end); its background writes wait until
+training has taken the next step, so a copy sharing memory with the live state would write that step's values.
+--lr-jump-step N sets the optimizer's lr
+to --lr-jump from step N on (a finite blow-up after sane, saved steps).
+Fault injection (--kill WHERE:STEP[:RANK]) makes the chosen rank (or every rank: RANK=all) SIGKILL itself at a
+point of the save of step STEP:
   file1   after its first file of DeepSpeed's save      ds      after DeepSpeed's save, before the manifest
   latest  rank 0, after the manifest, before `latest`   prune   rank 0, after `latest`, before pruning
 """
@@ -21,10 +28,14 @@ import argparse
 import json
 import os
 import signal
+import threading
+import time
+from pathlib import Path
 
 import torch
 
 import threed.checkpoint.save as ckpt
+from threed.checkpoint.async_save import AsyncSaver
 from threed.config import CheckpointConfig, ModelConfig, ParallelConfig, RunConfig, RunControlConfig, TrainConfig
 from threed.parallel.distributed import Runtime
 from worker_setup import build_engine
@@ -78,7 +89,7 @@ def install_kill(spec: str, engine, rank: int) -> None:
 
         def save(state_dict, path, *a, **k):
             out = original(state_dict, path, *a, **k)
-            if at_save():
+            if mine and f"global_step{step_n}" in str(path):  # by the path: --async-save writes steps later
                 kill_self()
             return out
 
@@ -110,6 +121,43 @@ def install_kill(spec: str, engine, rank: int) -> None:
         raise SystemExit(f"unknown kill point {where}")
 
 
+def hold_writes(engine) -> threading.Event:
+    """Make the checkpoint engine's writes (the background thread's, under --async-save) wait until the returned
+    event is set: the worker sets it after each training step and clears it before each save."""
+    stepped = threading.Event()
+    write = engine.checkpoint_engine.save
+
+    def held(state_dict, path, *a, **k):
+        if not stepped.wait(120):
+            raise SystemExit("the held write waited 120 s for a training step")
+        return write(state_dict, path, *a, **k)
+
+    engine.checkpoint_engine.save = held
+    return stepped
+
+
+def record_io(out: Path, rank: int):
+    """Log every os.fsync and os.replace of this process until the returned function is called, which puts the
+    real ones back (a shared launch runs other workers after this one) and writes OUT/io_rank<R>.jsonl."""
+    real_fsync, real_replace = os.fsync, os.replace
+    events: list[dict] = []
+
+    def fsync(fd):
+        real_fsync(fd)
+        events.append({"ns": time.monotonic_ns(), "op": "fsync", "path": os.readlink(f"/proc/self/fd/{fd}")})
+
+    def replace(src, dst, *a, **k):
+        events.append({"ns": time.monotonic_ns(), "op": "replace", "path": os.path.realpath(dst)})
+        return real_replace(src, dst, *a, **k)
+
+    def done() -> None:
+        os.fsync, os.replace = real_fsync, real_replace
+        (out / f"io_rank{rank}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+
+    os.fsync, os.replace = fsync, replace
+    return done
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save")
     p.add_argument("--load")
@@ -126,6 +174,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--partition-method", default="balanced")
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--kill")
+    p.add_argument("--async-save", action="store_true")
+    p.add_argument("--record-io", action="store_true", help="log os.fsync and os.replace calls (see the docstring)")
     p.add_argument("--poison-step", type=int, default=0, help="make the loss NaN at this step")
     p.add_argument("--lr-jump-step", type=int, default=0, help="from this step on, the optimizer's lr is --lr-jump")
     p.add_argument("--lr-jump", type=float, default=1e3)
@@ -151,7 +201,9 @@ def main(a: argparse.Namespace, rt: Runtime) -> None:
             grad_clip=a.grad_clip,
             zero_stage=a.zero_stage,
         ),
-        checkpoint=CheckpointConfig(save=a.save, load=a.load, save_interval=a.save_interval, keep_last=a.keep_last),
+        checkpoint=CheckpointConfig(
+            save=a.save, load=a.load, save_interval=a.save_interval, keep_last=a.keep_last, async_save=a.async_save
+        ),
         control=RunControlConfig(
             skip_nonfinite=a.skip_nonfinite,
             watchdog_factor=3.0,
@@ -193,21 +245,39 @@ def main(a: argparse.Namespace, rt: Runtime) -> None:
         )
     it = batches(start, micro, gas, dp, dp_rank) if reads_data(engine) else None
     guard = RunGuard(cfg.control, cfg.checkpoint.save, rt.rank, engine, None, rt.device)
+    recorded = record_io(out, rt.rank) if a.record_io else None
+    saver = AsyncSaver(cfg, rt.rank, rt.device, print) if a.async_save and a.save else None
+    stepped = hold_writes(engine) if saver is not None else None
     for step in range(start, cfg.train.steps):
         if a.lr_jump_step and step + 1 >= a.lr_jump_step:  # a finite blow-up after sane steps (the scheduler sets
             for group in engine.optimizer.param_groups:  # the lr after the optimizer step: this one is used)
                 group["lr"] = a.lr_jump
         loss = engine.train_batch(data_iter=it).item()
+        if stepped is not None:
+            stepped.set()
         norm = engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else float("nan")
         if rt.rank == 0:
             with open(out / "losses.jsonl", "a") as f:
                 f.write(json.dumps({"step": step + 1, "loss": loss, "norm": norm}) + "\n")
         late = guard.after_step(step + 1, loss, norm)
+        if saver is not None:
+            saver.poll()
         if a.save and (late or (step + 1) % a.save_interval == 0 or step + 1 == cfg.train.steps):
-            guard.saved(ckpt.save(engine, cfg, rt.rank, {"consumed_samples": (step + 1) * glob}).seconds)
+            client = {"consumed_samples": (step + 1) * glob}
+            if saver is not None:
+                saver.finish("the next save")
+                stepped.clear()
+                saver.save(engine, client)
+            else:
+                guard.saved(ckpt.save(engine, cfg, rt.rank, client).seconds)
         if late:
             break
+    if saver is not None:
+        stepped.set()  # no step follows the last save
+        saver.finish("the end")
+    if recorded is not None:
+        recorded()
     guard.close()  # its watchdog thread: a shared launch (tests/ranks/rank_pool.py) runs other workers after this one
     torch.save(local_weights(engine, cfg.model), out / f"weights_rank{rt.rank}.pt")
 

@@ -55,8 +55,18 @@ def weights(out: Path, nproc: int = 2) -> list[dict[str, torch.Tensor]]:
 def reference(tmp_path_factory, rank_pool):
     """The uninterrupted run, in the session's 2-rank launch (the fault tests judge their own runs' exit status)."""
     root = tmp_path_factory.mktemp("reference")
-    rank_pool.run(2, WORKER, ["--out", str(root / "out"), "--save", str(root / "save"), *RUN], timeout=240)
-    return {"losses": losses(root / "out"), "weights": weights(root / "out"), "save": root / "save"}
+    out, save = root / "out", root / "save"
+    rank_pool.run(2, WORKER, ["--out", str(out), "--save", str(save), *RUN, "--record-io"], timeout=240)
+    return {"losses": losses(out), "weights": weights(out), "save": save, "out": out}
+
+
+@pytest.fixture(scope="module")
+def async_reference(tmp_path_factory, rank_pool):
+    """The same run saving with --async-save."""
+    root = tmp_path_factory.mktemp("async_reference")
+    out, save = root / "out", root / "save"
+    rank_pool.run(2, WORKER, ["--out", str(out), "--save", str(save), *RUN, "--async-save", "--record-io"], timeout=240)
+    return {"losses": losses(out), "weights": weights(out), "save": save, "out": out}
 
 
 KILLS = [
@@ -66,6 +76,10 @@ KILLS = [
     pytest.param("ds:4:0", marks=pytest.mark.slow),  # every file written, rank 0 killed before the manifest
     pytest.param("prune:4:0", marks=pytest.mark.slow),  # after `latest`, before pruning
     pytest.param("file1:2:all", marks=pytest.mark.slow),  # the very first save: no checkpoint yet, starts over
+    # --async-save: killed inside the background writer, after its first file of the step-4 save, while training
+    # has gone on to step 5 (the worker holds background writes until the next step)
+    pytest.param("async:file1:4:1", marks=pytest.mark.slow),
+    pytest.param("async:file1:4:all", marks=pytest.mark.slow),
 ]
 
 
@@ -73,13 +87,14 @@ KILLS = [
 @pytest.mark.parametrize("kill", KILLS)
 def test_kill_during_save_then_same_command_resumes_bit_identical(reference, kill, tmp_path):
     save, out = tmp_path / "save", tmp_path / "out"
-    killed = worker(2, out, "--save", str(save), *RUN, "--kill", kill)
+    mode = ["--async-save"] if kill.startswith("async:") else []
+    killed = worker(2, out, "--save", str(save), *RUN, *mode, "--kill", kill.removeprefix("async:"))
     assert killed.returncode != 0 and "SIGKILL" in killed.stdout, killed.stdout[-3000:]
-    resumed = worker(2, out, "--save", str(save), *RUN)
+    resumed = worker(2, out, "--save", str(save), *RUN, *mode)
     assert resumed.returncode == 0, resumed.stdout[-4000:]
     start = json.loads((out / "result.json").read_text())["start"]
     expected_start = {"file1:4:1": 2, "latest:4:0": 4, "file1:4:all": 2, "ds:4:0": 2, "prune:4:0": 4, "file1:2:all": 0}[
-        kill
+        kill.removeprefix("async:")
     ]
     assert start == expected_start, resumed.stdout[-3000:]
     if expected_start == 2:
@@ -96,6 +111,82 @@ def test_manifest_names_every_file_of_every_rank_with_its_size(reference):
     on_disk = {f.name: f.stat().st_size for f in step_dir.iterdir() if f.name != "threed_manifest.json"}
     assert manifest["files"] == on_disk and len(on_disk) == 7 + 2 + 2  # layers, mp_rank x pp, optimizer shards
     assert manifest["layout"] == {"tp": 1, "pp": 2, "dp": 1} and manifest["client_state"] == {"consumed_samples": 48}
+
+
+@pytest.mark.parametrize("run", ["reference", "async_reference"])
+def test_every_file_and_directory_is_flushed_before_latest_names_it(run, request):
+    """Issue 37, durability: between one move of `latest` and the next, some rank fsynced every file the new
+    checkpoint's manifest names, its tag directory and the save directory, all before `latest` was replaced (a power
+    cut after it must not find a file the manifest vouches for still in the page cache). Both ranks' logs share
+    one clock (CLOCK_MONOTONIC). The same of --async-save's background writes, which fsync each file in a staging
+    folder beside it and rename it into place."""
+    ran = request.getfixturevalue(run)
+    save = ran["save"].resolve()
+    events = [json.loads(line) for r in (0, 1) for line in (ran["out"] / f"io_rank{r}.jsonl").open()]
+    events.sort(key=lambda e: e["ns"])
+    moves = [e["ns"] for e in events if e["op"] == "replace" and e["path"] == str(save / "latest")]
+    tags = ["global_step2", "global_step4", "global_step6"]
+    assert len(moves) == len(tags), moves
+    for begin, end, tag in zip([0, *moves], moves, tags):
+        flushed = {e["path"] for e in events if e["op"] == "fsync" and begin < e["ns"] < end}
+        files = json.loads((save / tag / "threed_manifest.json").read_text())["files"]
+        assert len(files) == 11  # every layer, mp_rank and optimizer file of both ranks
+        renamed = {e["path"] for e in events if e["op"] == "replace" and begin < e["ns"] < end}
+        staged = {str(Path(p).parent.parent / Path(p).name) for p in flushed if Path(p).parent.name.startswith(".")}
+        durable = flushed | (staged & renamed)
+        unflushed = [name for name in files if str(save / tag / name) not in durable]
+        assert not unflushed, f"{tag}: not fsynced before `latest` named it: {unflushed}"
+        assert str(save / tag) in flushed and str(save) in flushed, tag
+
+
+def tensors_equal(a, b, where: str = "") -> None:
+    """Two loaded checkpoint files hold the same tensors and the same other values (the run config recorded in
+    the model states says whether the save was asynchronous: that one entry is left out)."""
+    assert type(a) is type(b), where
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            if k != "threed_run":
+                tensors_equal(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            tensors_equal(x, y, f"{where}[{i}]")
+    elif type(a).__module__ == "builtins":
+        assert a == b, where
+
+
+def test_async_save_writes_what_a_synchronous_save_writes(reference, async_reference):
+    """Issue 37, exact: the run saving asynchronously has the synchronous run's losses, and at every saved step its
+    files hold the same tensors (on CPU the layer and optimizer files are the same bytes)."""
+    assert async_reference["losses"] == reference["losses"]
+    for tag in ("global_step2", "global_step4", "global_step6"):
+        sync, asyn = reference["save"] / tag, async_reference["save"] / tag
+        files = json.loads((sync / "threed_manifest.json").read_text())["files"]
+        assert json.loads((asyn / "threed_manifest.json").read_text())["files"].keys() == files.keys()
+        for name in files:
+            a, b = torch.load(sync / name, weights_only=False), torch.load(asyn / name, weights_only=False)
+            tensors_equal(a, b, f"{tag}/{name}")
+            if not name.startswith("mp_rank"):
+                assert (sync / name).read_bytes() == (asyn / name).read_bytes(), name
+
+
+def test_resume_from_an_async_checkpoint_continues_bit_identical(reference, async_reference, tmp_path, rank_pool):
+    """Resumed from the asynchronously written step-4 checkpoint (step 6's removed), the run continues the
+    uninterrupted losses and ends with its weights, bit for bit."""
+    import shutil
+
+    save, out = tmp_path / "save", tmp_path / "out"
+    shutil.copytree(async_reference["save"], save)
+    shutil.rmtree(save / "global_step6")
+    (save / "latest").write_text("global_step4")
+    rank_pool.run(2, WORKER, ["--out", str(out), "--save", str(save), *RUN, "--async-save"], timeout=240)
+    assert json.loads((out / "result.json").read_text())["start"] == 4
+    assert losses(out) == {s: loss for s, loss in reference["losses"].items() if s > 4}
+    for got, want in zip(weights(out), reference["weights"]):
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_truncated_file_falls_back_to_the_previous_checkpoint(reference, tmp_path):

@@ -68,8 +68,8 @@ def test_on_device_moves_the_step_once_and_deepspeeds_copy_is_a_no_op():
 
 
 def test_pinning_is_cuda_only():
-    assert cuda_only("cuda").pinned_batches
-    assert not cuda_only("cpu").pinned_batches
+    assert cuda_only("cuda").pinned_batches and cuda_only("cuda").pinned_saves
+    assert not cuda_only("cpu").pinned_batches and not cuda_only("cpu").pinned_saves
 
 
 class Metrics:

@@ -1,6 +1,7 @@
 """Saving a training checkpoint so that a kill at any moment leaves a loadable directory: DeepSpeed writes the
-files, every rank reports what it wrote, and rank 0 publishes the manifest and then `latest` (threed.checkpoint
-.manifest says why that order is crash-safe).
+files, every rank flushes them to disk and reports what it wrote, and rank 0 publishes the manifest and then
+`latest` (threed.checkpoint.manifest says why that order is crash-safe; the flush makes it hold through a power
+cut or a node crash too, not only a killed process).
 
     saved = save(engine, cfg, rank, client_state={"consumed_samples": n})   # every rank
     guard.saved(saved.seconds)      # threed.train.guard keeps room for one more save in --exit-duration-in-mins
@@ -25,7 +26,7 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from threed.atomic import write_atomic
+from threed.atomic import fsync_dir, fsync_file, write_atomic
 from threed.checkpoint.format import LATEST, RUN_JSON, free_bytes, read_latest
 from threed.checkpoint.manifest import prune, remove_checkpoint, write_manifest
 from threed.config import RunConfig
@@ -121,57 +122,86 @@ def save(engine, cfg: RunConfig, rank: int, client_state: Optional[dict] = None)
     returned in `Built.client_state` on resume.
 
     Order, so that a kill at any moment leaves a loadable directory: a leftover directory of the same tag (an
-    earlier save cut short) is removed; every rank writes its files (DeepSpeed, without its own `latest`); a
-    barrier; rank 0 writes the run config, the manifest (every file and its size as the rank that wrote it sees
-    it), then `latest`, each atomically; then old checkpoints are pruned (`--keep-last`). Before all of it, the
-    weights are checked (`check_weights`): a diverged model is refused with exit 3 and nothing is written."""
-    ck = cfg.checkpoint
-    assert ck.save
+    earlier save cut short) is removed; every rank writes its files (DeepSpeed, without its own `latest`) and
+    flushes each to disk, then the directories naming them (so a power cut cannot leave a manifest vouching for
+    contents still in the page cache); a barrier; rank 0 writes the run config, the manifest (every file and its
+    size as the rank that wrote it sees it), then `latest`, each atomically (flushed too); then old checkpoints
+    are pruned (`--keep-last`). Before all of it, the weights are checked (`check_weights`): a diverged model is
+    refused with exit 3 and nothing is written."""
+    step_dir, t0 = begin_save(engine, cfg, rank)
+    meta = describe(engine, cfg, client_state)
+    written, failed = write_files(engine, cfg, rank, step_dir, client_state, recording_writes)
+    fsync_dirs(written, step_dir)
+    settle(cfg, rank, step_dir, written_sizes(written, step_dir), failed, meta, t0)
+    return Saved(path=str(step_dir.parent), tag=step_dir.name, seconds=time.time() - t0)
+
+
+def begin_save(engine, cfg: RunConfig, rank: int) -> tuple[Path, float]:
+    """Every rank, before a save writes anything: the weights checked (exit 3 when diverged), a leftover directory
+    of the same tag (an earlier save cut short) removed, a barrier. Returns the tag directory and the start time."""
+    assert cfg.checkpoint.save
     check_weights(engine, cfg, rank)
-    save_dir = Path(ck.save)
-    tag = f"global_step{engine.global_steps}"
-    step_dir = save_dir / tag
+    step_dir = Path(cfg.checkpoint.save) / f"global_step{engine.global_steps}"
     t0 = time.time()
     if rank == 0 and step_dir.exists():
         remove_checkpoint(step_dir)
     if is_multi_rank():
         dist.barrier()
-    failed: Optional[str] = None
+    return step_dir, t0
+
+
+def write_files(engine, cfg: RunConfig, rank: int, step_dir: Path, client_state: Optional[dict], recorder):
+    """DeepSpeed's save of every file of this rank into `step_dir`, through `recorder(engine)` (a context manager
+    around its checkpoint engine that yields the list of what it took: `recording_writes`, or the asynchronous
+    save's host copies). Returns (that list, None) or, when the write failed, (what was taken, the failure)."""
+    failed: Optional[tuple[str, str]] = None
+    taken: list = []
     try:
-        with recording_writes(engine) as written:
+        with recorder(engine) as taken:
             engine.save_checkpoint(
-                str(save_dir),
-                tag=tag,
+                str(step_dir.parent),
+                tag=step_dir.name,
                 save_latest=False,
                 client_state={"threed_run": cfg.to_dict(), "threed_client": dict(client_state or {})},
             )
-    except (OSError, RuntimeError) as e:  # a full disk, a quota, a vanished mount: said once, by rank 0, below
+    except (OSError, RuntimeError) as e:  # a full disk, a quota, a vanished mount: said once, by rank 0, in settle
         if isinstance(e, RuntimeError) and not torch_write_failed(e):
             raise  # a bug: its traceback
         failed = write_error(e, step_dir, rank)
         if is_multi_rank():
             dist.barrier()  # DeepSpeed's save ends in a barrier, where the ranks that wrote their files now wait
-    # Each rank reports the files it wrote, at the size it sees: on a network file system only the writer is
-    # sure to see the final size. A few names per rank, so the gather stays small at any world size.
-    mine = {Path(p).name: Path(p).stat().st_size for p in written if Path(p).parent == step_dir}
+    return taken, failed
+
+
+def written_sizes(written: list[str], step_dir: Path) -> dict[str, int]:
+    """Each file this rank wrote into `step_dir`, at the size it sees: on a network file system only the writer is
+    sure to see the final size."""
+    return {Path(p).name: Path(p).stat().st_size for p in written if Path(p).parent == step_dir}
+
+
+def settle(cfg: RunConfig, rank: int, step_dir: Path, mine: dict, failed, meta: dict, t0: float, group=None) -> None:
+    """Every rank, once its files are written (`mine`: name -> size) or failed: the ranks' reports gathered (a
+    few names per rank, so the gather stays small at any world size); any failure ends the run (exit 5, one line);
+    else rank 0 publishes (`publish`) and tells every rank whether that worked. `group`: the process group of
+    these collectives (the asynchronous save's own gloo group; None: the default)."""
+    step = meta["step"]
     views = [(mine, failed)]
     if is_multi_rank():
         views = [None] * dist.get_world_size()
-        dist.all_gather_object(views, (mine, failed))
+        dist.all_gather_object(views, (mine, failed), group=group)
     failures = [f for _, f in views if f is not None]
     if failures:
-        save_failed(cfg, rank, engine.global_steps, step_dir, failures[0])
+        save_failed(cfg, rank, step, step_dir, failures[0])
     try:
         if rank == 0:
-            publish(engine, cfg, step_dir, {n: s for view, _ in views for n, s in view.items()}, client_state, t0)
+            publish(cfg, step_dir, {n: s for view, _ in views for n, s in view.items()}, meta, t0)
     except OSError as e:
         failed = write_error(e, step_dir, 0)
     verdict = [failed if rank == 0 else None]
     if is_multi_rank():  # also the save's closing barrier: no rank goes on before `latest` is written
-        dist.broadcast_object_list(verdict, src=0)
+        dist.broadcast_object_list(verdict, src=0, group=group)
     if verdict[0] is not None:
-        save_failed(cfg, rank, engine.global_steps, step_dir, verdict[0])
-    return Saved(path=str(save_dir), tag=tag, seconds=time.time() - t0)
+        save_failed(cfg, rank, step, step_dir, verdict[0])
 
 
 LOW_SPACE = 64 * 2**20  # a file system with less free than this after a failed write is full
@@ -214,28 +244,29 @@ def save_failed(cfg: RunConfig, rank: int, step: int, step_dir: Path, failure: t
     raise SaveFailed(EXIT_SAVE_FAILED)
 
 
-def publish(engine, cfg: RunConfig, step_dir: Path, files: dict, client_state: Optional[dict], t0: float) -> None:
+def describe(engine, cfg: RunConfig, client_state: Optional[dict]) -> dict:
+    """What the manifest says of the save besides its files, read from the engine when the save begins (an
+    asynchronous save publishes steps later, when the engine has moved on)."""
+    dp = engine.grid.get_data_parallel_world_size() if hasattr(engine, "grid") else 1
+    return {
+        "step": engine.global_steps,
+        "dtype": cfg.train.dtype,
+        "model": cfg.to_dict()["model"],
+        "layout": {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": dp},
+        # which layers each stage held: a resume with another --partition-method goes through universal
+        "stages": stage_bounds(engine),
+        "client_state": _jsonable(client_state or {}),
+    }
+
+
+def publish(cfg: RunConfig, step_dir: Path, files: dict, meta: dict, t0: float) -> None:
     """Rank 0, once every rank's files are written: the run config, the manifest, `latest`, then pruning."""
     save_dir, tag = step_dir.parent, step_dir.name
     # The listing catches any file written another way; the writers' sizes win.
     files = {**{f.name: f.stat().st_size for f in step_dir.iterdir() if f.is_file()}, **files}
     # The run config beside the checkpoint lets `threed export` / `threed verify` rebuild the model.
     write_atomic(save_dir / RUN_JSON, json.dumps(cfg.to_dict(), indent=1))
-    dp = engine.grid.get_data_parallel_world_size() if hasattr(engine, "grid") else 1
-    write_manifest(
-        step_dir,
-        files,
-        {
-            "step": engine.global_steps,
-            "dtype": cfg.train.dtype,
-            "model": cfg.to_dict()["model"],
-            "layout": {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": dp},
-            # which layers each stage held: a resume with another --partition-method goes through universal
-            "stages": stage_bounds(engine),
-            "client_state": _jsonable(client_state or {}),
-            "save_seconds": round(time.time() - t0, 2),
-        },
-    )
+    write_manifest(step_dir, files, {**meta, "save_seconds": round(time.time() - t0, 2)})
     write_atomic(save_dir / LATEST, tag)
     prune(save_dir, cfg.checkpoint.keep_last, tag)
 
@@ -243,25 +274,42 @@ def publish(engine, cfg: RunConfig, step_dir: Path, files: dict, client_state: O
 @contextlib.contextmanager
 def recording_writes(engine) -> Iterator[list[str]]:
     """The paths DeepSpeed's checkpoint engine writes on this rank during the block (it writes every layer,
-    mp_rank and optimizer file through `checkpoint_engine.save`, and the file is complete when that returns)."""
-    ce = engine.checkpoint_engine
-    had_own = "save" in vars(ce)
-    original = ce.save
+    mp_rank and optimizer file through `checkpoint_engine.save`, and the file is complete when that returns), each
+    flushed to disk as soon as it is complete (an OSError of the flush is the save's, as a failed write is)."""
+    original = engine.checkpoint_engine.save
     written: list[str] = []
 
     def save(state_dict, path, *args, **kwargs):
         out = original(state_dict, path, *args, **kwargs)
+        fsync_file(path)
         written.append(str(path))
         return out
 
-    ce.save = save
-    try:
+    with swapped_save(engine.checkpoint_engine, save):
         yield written
+
+
+@contextlib.contextmanager
+def swapped_save(checkpoint_engine, save) -> Iterator[None]:
+    """DeepSpeed's `checkpoint_engine.save` replaced by `save` during the block (its own again afterwards, however
+    the block ends)."""
+    had_own = "save" in vars(checkpoint_engine)
+    original = checkpoint_engine.save
+    checkpoint_engine.save = save
+    try:
+        yield
     finally:
         if had_own:
-            ce.save = original
+            checkpoint_engine.save = original
         else:
-            del ce.save
+            del checkpoint_engine.save
+
+
+def fsync_dirs(written: list[str], step_dir: Path) -> None:
+    """Flush the directories naming this rank's files (the tag directory, which DeepSpeed may nest files under)
+    and the save directory naming the tag directory: a file's contents on disk are no use if its name is not."""
+    for folder in sorted({Path(p).parent for p in written} | {step_dir, step_dir.parent}, reverse=True):
+        fsync_dir(folder)
 
 
 def stage_bounds(engine) -> Optional[list[int]]:

@@ -11,7 +11,7 @@ FORM says how the launcher passes it:
     layout    always passed; the launcher checks it and does the batch arithmetic with it first
               (DP = WORLD / (TP x PP x CP), GAS from GLOBAL: train_batch_size = MICRO x GAS x DP)
     value     `FLAG VALUE` when set and not empty; empty: no flag, training's default
-    bare      Megatron's store_true flags: the bare flag when true, nothing when false
+    bare      Megatron's store_true flags: the bare flag when true (or 1), nothing when false (or 0)
     words     `FLAG W1 W2 ...`: the value split into words (DATA: a prefix, or a blend "WEIGHT PREFIX ...")
     env       not a recipe's: set by the environment (slurm/common.sh), passed as `FLAG VALUE`
     job       not training's: the slurm job's (slurm/common.sh), which after training submits `threed eval-harness
@@ -87,6 +87,7 @@ RECIPE_VARS: tuple[RecipeVar, ...] = (
     RecipeVar("SAVE_INTERVAL", "checkpoint.save_interval"),
     RecipeVar("LOG_INTERVAL", "train.log_interval"),
     RecipeVar("KEEP_LAST", "checkpoint.keep_last"),
+    RecipeVar("ASYNC_SAVE", "checkpoint.async_save", "bare"),
     RecipeVar("SKIP_NONFINITE", "control.skip_nonfinite"),
     RecipeVar("HARNESS_TASKS", "train.harness_tasks", "job", "--tasks"),
     RecipeVar("HARNESS_LIMIT", "train.harness_limit", "job", "--limit"),

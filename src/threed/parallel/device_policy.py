@@ -18,9 +18,11 @@ class CudaOnly:
     fused_swiglu: bool  # megatron's bias_activation_fusion: fused SwiGLU kernel in the MLP
     pinned_batches: bool  # a step's micro-batches staged in page-locked host memory (threed.data.loader.on_device):
     # pinning exists only where a CUDA driver does, and only a copy to a device needs it
+    pinned_saves: bool  # --async-save's host copy of a checkpoint in page-locked memory (threed.checkpoint.async_save):
+    # a copy from the device at full bandwidth
 
 
 def cuda_only(device) -> CudaOnly:
     """`device`: "cuda" / "cpu", or a torch.device (its type is read)."""
     on = getattr(device, "type", device) == "cuda"
-    return CudaOnly(fused_adamw=on, fused_swiglu=on, pinned_batches=on)
+    return CudaOnly(fused_adamw=on, fused_swiglu=on, pinned_batches=on, pinned_saves=on)

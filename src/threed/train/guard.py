@@ -382,6 +382,9 @@ class RunGuard:
         self.last_step_time = time.monotonic()
         self.step_seconds = 0.0
         self.save_seconds = 0.0  # the last checkpoint save's duration on this rank (told through `saved`)
+        # --async-save: publishes a save still being written (every rank; threed.train.loop sets it), so that a
+        # stop for divergence keeps it and names it as the last good checkpoint
+        self.settle_saves: Optional[Callable[[], None]] = None
         self.out_of_time = False
         self.spike_factor, self.dead_grad_norm = ctl.spike_factor, ctl.dead_grad_norm
         self.weight_jump_factor = ctl.weight_jump_factor
@@ -414,6 +417,10 @@ class RunGuard:
             print(msg, file=sys.stderr, flush=True)
 
     def last_checkpoint(self) -> str:
+        """The checkpoint a stop for divergence names (every rank asks, at the same step): a background save still
+        pending is published first, since its weights were checked when it began."""
+        if self.settle_saves is not None:
+            self.settle_saves()
         save = self.save_dir
         if not save:
             return "none (the run has no --save)"

@@ -26,6 +26,7 @@ from typing import Iterator, Optional
 
 import torch.distributed as dist
 
+from threed.checkpoint.async_save import AsyncSaver, Published
 from threed.checkpoint.lock import SaveLock
 from threed.checkpoint.save import save
 from threed.checkpoint.start import StartDecision, start as checkpoint_start
@@ -182,6 +183,7 @@ class Running:
     consumed: int  # samples consumed so far (positions the sampler)
     result: TrainResult
     waiting: bool = False  # an interval save is due and waits for an unconfirmed loss spike to end
+    saver: Optional[AsyncSaver] = None  # --async-save: the save being written in the background, if any
 
 
 def _train(run: ResolvedRun, rt: Runtime, splits: DataSplits, start_decision: StartDecision) -> TrainResult:
@@ -196,6 +198,8 @@ def _train(run: ResolvedRun, rt: Runtime, splits: DataSplits, start_decision: St
                 log(r.logger, loud)
             if stop:
                 break
+    if r.saver is not None:  # the last step's save was waited for; this one catches any other way out of the loop
+        _published(r, r.saver.finish("the run ends"))
     r.guard.close()
     r.metrics.close()
     r.result.samples_read = r.counter.samples
@@ -236,7 +240,15 @@ def _begin(run: ResolvedRun, rt: Runtime, splits: DataSplits, start_decision: St
         cfg, d, engine, rt, built.ds_config, start
     )  # every rank: times its stage; the loss rank writes
     result = TrainResult(start_step=start, end_step=start)
-    return Running(run, rt, splits, engine, data, guard, metrics, samples, batches, counter, logger, consumed, result)
+    saver = None
+    if cfg.checkpoint.save and cfg.checkpoint.async_save:  # refused here when the host copies cannot fit
+        saver = AsyncSaver(cfg, rt.rank, rt.device, lambda line: log(logger, line))
+    r = Running(
+        run, rt, splits, engine, data, guard, metrics, samples, batches, counter, logger, consumed, result, saver=saver
+    )
+    if saver is not None:  # a stop for divergence publishes a pending save, then names it as the last good one
+        guard.settle_saves = lambda: _published(r, saver.finish("exiting (the run diverged)"))
+    return r
 
 
 def start_line(run: ResolvedRun, rt: Runtime, resumed_from, start: int, consumed: int, splits: DataSplits) -> str:
@@ -333,16 +345,48 @@ def _save_or_stop(r: Running, step: int, stop_now: bool, last: bool) -> bool:
     interval = ckpt.save_interval
     r.waiting = r.waiting or bool(interval and step % interval == 0)
     due = last or (r.waiting and not r.guard.holding())
+    if r.saver is not None:  # every boundary: publishes a background save once every rank has written it
+        _published(r, r.saver.poll())
     if ckpt.save and (stop_now or due):
+        client = {"consumed_samples": r.consumed, "guard": r.guard.state()}
         with recorded_stop(r.metrics, step, r.consumed):  # a save of diverged weights is refused: exit 3
-            saved = save(r.engine, r.run.cfg, r.rt.rank, {"consumed_samples": r.consumed, "guard": r.guard.state()})
-        r.guard.saved(saved.seconds)  # the time budget keeps room for one more save
-        r.result.saved_to = saved.path
+            if r.saver is not None:
+                _save_async(r, step, client, "exiting" if stop_now or last else None)
+            else:
+                saved = save(r.engine, r.run.cfg, r.rt.rank, client)
+                r.guard.saved(saved.seconds)  # the time budget keeps room for one more save
+        r.result.saved_to = ckpt.save
         r.waiting = False
     if stop_now:
         r.result.preempted = True
         log(r.logger, stopped_line(r.run.cfg, step, r.result.saved_to))
         return True
-    if ckpt.save and due:
+    if ckpt.save and due and r.saver is None:
         log(r.logger, f"saved checkpoint step {step} to {ckpt.save}")
     return False
+
+
+def _save_async(r: Running, step: int, client: dict, final: Optional[str]) -> None:
+    """--async-save: a pending save is published first (a second save waits for the first), then this one is
+    copied and written in the background; `final` (the run is about to exit): waited for and published now."""
+    _published(r, r.saver.finish("the next save"))
+    blocked = r.saver.save(r.engine, client)
+    log(r.logger, f"checkpoint step {step}: training blocked {blocked:.2f} s; writing in the background")
+    if final:
+        _published(r, r.saver.finish(final))
+
+
+def _published(r: Running, done: Optional[Published]) -> None:
+    """A background save was published: its line (blocked and time-to-publish as separate fields), its metrics
+    (at the step just taken, which may be later than the checkpoint's), and the guard's time budget (which keeps
+    room for a whole save: the last one is waited for)."""
+    if done is None:
+        return
+    r.guard.saved(done.seconds)
+    scalars = {"checkpoint/step": done.step, "checkpoint/blocked_s": done.blocked, "checkpoint/publish_s": done.seconds}
+    r.metrics.log(r.result.end_step, scalars, samples=r.consumed, line=False)
+    log(
+        r.logger,
+        f"saved checkpoint step {done.step} to {done.path} | training blocked {done.blocked:.2f} s | published "
+        f"after {done.seconds:.2f} s",
+    )
