@@ -145,6 +145,40 @@ def check_lm_head_chunks(
         )
 
 
+def check_virtual_stages(pp: int, vpp: int, num_layers: int, schedule: str = "1f1b", gas: Optional[int] = None) -> None:
+    """`--vpp V`: the rules of Megatron's interleaved 1F1B that a config can break (training's, check-config's,
+    `threed memory`'s and the planner's, in one wording). Megatron spreads the blocks evenly over the pp x vpp
+    virtual stages, and its interleaved schedule takes micro-batches in groups of pp (its
+    microbatch_group_size_per_vp_stage, default pp): it refuses a last group of fewer than pp, so gas must be a
+    multiple of pp. ZB-H1's deferred weight gradients are not built over chunks."""
+    if vpp == 1:
+        return
+    if pp == 1:
+        raise ConfigError(
+            f"--vpp {vpp} needs pp > 1 (virtual stages interleave a pipeline; one stage has none); drop --vpp or "
+            f"use --pipeline-model-parallel-size 2 or more"
+        )
+    if schedule != "1f1b":
+        raise ConfigError(
+            f"--vpp {vpp} with --pipeline-schedule {schedule} is not built (interleaving is 1F1B's); use "
+            f"--pipeline-schedule 1f1b, or --vpp 1"
+        )
+    if num_layers % (pp * vpp):
+        fits = [v for v in range(1, num_layers // pp + 1) if num_layers % (pp * v) == 0]
+        raise ConfigError(
+            f"--vpp {vpp} cuts the {num_layers} blocks into pp x vpp = {pp * vpp} virtual stages of equal blocks "
+            f"(Megatron's rule): {pp * vpp} does not divide {num_layers}; at pp {pp} use --vpp "
+            f"{' or '.join(str(v) for v in fits)}"
+        )
+    if gas is not None and gas % pp:
+        raise ConfigError(
+            f"--vpp {vpp}: interleaved 1F1B runs the micro-batches in groups of pp = {pp} (Megatron's "
+            f"microbatch_group_size_per_vp_stage) and takes no smaller last group: {gas} micro-batches per step "
+            f"is not a multiple of {pp}; use a multiple of {pp} micro-batches (--grad-accum-steps, or a "
+            f"--global-batch-size of micro x dp x a multiple of {pp})"
+        )
+
+
 def check_torch_compile(mode: str, schedule: str = "1f1b") -> None:
     """`--torch-compile block` with ZB-H1 is refused because it is unchecked, not because it is known to fail: ZB-H1
     defers the linears' weight gradients from inside the block's backward (`threed.model.wgrad`), and the linears run
@@ -208,6 +242,22 @@ class ParallelConfig:
         ),
     )
 
+    # Megatron-LM's interleaved 1F1B (Narayanan et al. 2021, section 2.2): each rank holds vpp chunks of layers,
+    # virtual stage c * pp + r on rank r (threed.parallel.schedule.interleaved_order, threed.parallel.dims). The bubble
+    # falls by vpp, the sends between stages grow by vpp. As in Megatron it is no schedule name of its own: 1f1b
+    # with vpp > 1 interleaves.
+    vpp: int = field(
+        default=1,
+        metadata=meta(
+            "virtual pipeline stages per rank: each rank holds vpp non-contiguous chunks of layers (interleaved "
+            "1F1B: the bubble / vpp, vpp x the sends between stages); needs pp > 1, 1f1b, blocks divisible by pp x vpp "
+            "and micro-batches by pp",
+            at_least=1,
+            alias="--virtual-pipeline-model-parallel-size",
+            metavar="V",
+        ),
+    )
+
     def dp(self, world_size: int) -> int:
         return world_size // (self.tp * self.pp * self.cp)
 
@@ -240,6 +290,7 @@ class ParallelConfig:
                 f"pp={pp} is larger than num_layers={model.num_layers}: a pipeline stage would hold no "
                 f"transformer block. Use pp <= {model.num_layers}"
             )
+        check_virtual_stages(pp, self.vpp, model.num_layers, self.pipeline_schedule)
 
 
 @dataclass(frozen=True)
@@ -714,7 +765,8 @@ class RunConfig:
             self.train.lm_head_chunks, self.train.seq_length, p.tp, p.cp, p.sequence_parallel, p.pipeline_schedule
         )
         check_torch_compile(self.train.torch_compile, p.pipeline_schedule)
-        self.train.resolve_batch(self.parallel.dp(world_size))
+        _, gas, _ = self.train.resolve_batch(self.parallel.dp(world_size))
+        check_virtual_stages(p.pp, p.vpp, self.model.num_layers, p.pipeline_schedule, gas)
         if self.checkpoint.load and self.checkpoint.init_from:
             raise ConfigError("give either load (full resume) or init_from (weights only), not both")
 

@@ -59,6 +59,31 @@ def stage_order(schedule: str, pp: int, gas: int, stage: int) -> list[tuple[str,
     return order
 
 
+def interleaved_order(pp: int, vpp: int, gas: int, stage: int) -> list[tuple[str, int, int]]:
+    """("F" | "B", micro-batch, chunk) in the order pipeline rank `stage` runs them under interleaved 1F1B (`--vpp`),
+    as megatron-core 0.16.1's forward_backward_pipelining_with_interleaving does (tests/unit/test_schedule_vpp.py
+    compares it with megatron's own get_schedule_table and convert_schedule_table_to_order):
+      - the micro-batches go in groups of pp (megatron's microbatch_group_size_per_vp_stage, default pp): each
+        group through chunk 0, then through chunk 1, ..., then the next group; backward takes the same table with
+        the chunks reversed (the last chunk's backward first);
+      - warm-up: 2 (pp - 1 - stage) + (vpp - 1) pp forwards, then one forward, one backward, then the cool-down.
+    At vpp 1 it is 1F1B's order (`stage_order`), chunk 0, as megatron runs its non-interleaved schedule."""
+    if vpp == 1:
+        return [(kind, j, 0) for kind, j in stage_order("1f1b", pp, gas, stage)]
+    group = pp
+    table = [
+        (j, c) for first in range(0, gas, group) for c in range(vpp) for j in range(first, min(first + group, gas))
+    ]
+    total = len(table)
+    warmup = min(total, 2 * (pp - 1 - stage) + (vpp - 1) * group)
+    forward = [("F", j, c) for j, c in table]
+    backward = [("B", j, vpp - 1 - c) for j, c in table]
+    order = forward[:warmup]
+    for k in range(warmup, total):
+        order += [forward[k], backward[k - warmup]]
+    return order + backward[total - warmup :]
+
+
 def held(schedule: str, pp: int, gas: int, stage: int) -> list[tuple[int, int]]:
     """(micro-batches forwarded and not yet through B, micro-batches through B awaiting W) after each pass of the
     stage: the first holds a micro-batch's whole activations, the second only what its W needs (the linears'

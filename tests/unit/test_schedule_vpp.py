@@ -1,0 +1,117 @@
+"""Interleaved 1F1B (`--vpp`): the order each rank runs its (F/B, micro-batch, chunk) passes equals megatron-core
+0.16.1's own schedule table, called here (threed.parallel.schedule must not import megatron); the round-robin chunks
+of `RunDims`; and the rules a config at vpp > 1 can break, each refused in one line before anything is built."""
+
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+
+import pytest
+
+from threed.config import ConfigError, ParallelConfig, RunConfig, TrainConfig
+from threed.convert.resolve import model_config
+from threed.model.spec import pipeline_layers
+from threed.parallel.dims import resolve_dims
+from threed.parallel.schedule import interleaved_order, stage_order
+
+
+def megatron_order(pp: int, vpp: int, gas: int, stage: int) -> list[tuple[str, int, int]]:
+    """megatron-core's interleaved order for rank `stage`: its warm-up count (get_pp_rank_microbatches, on a stand-in
+    for its p2p communicator), its table (get_schedule_table) and the F/B interleave of that table that its CUDA-graph
+    capture uses (convert_schedule_table_to_order: c + 1 for chunk c's F, -(c + 1) for its B)."""
+    from megatron.core.pipeline_parallel import schedules  # megatron-core: heavy, the reference only
+    from megatron.core.transformer.cuda_graphs import convert_schedule_table_to_order  # megatron-core, as above
+
+    group = pp  # ModelConfig.microbatch_group_size_per_vp_stage: None means pp
+    comm = SimpleNamespace(
+        pp_group=SimpleNamespace(size=lambda: pp, rank=lambda: stage), virtual_pipeline_model_parallel_size=vpp
+    )
+    _, _, warmup, _ = schedules.get_pp_rank_microbatches(gas, vpp, group, p2p_communicator=comm)
+    table = schedules.get_schedule_table(gas, vpp, group)
+    signed = convert_schedule_table_to_order(warmup, vpp, table)
+    # Each chunk runs its micro-batches in table order, forward and backward alike (FIFO per chunk).
+    next_index = {("F", c): iter(j for j, cc in table if cc == c) for c in range(vpp)}
+    next_index.update({("B", c): iter(j for j, cc in table if cc == c) for c in range(vpp)})
+    out = []
+    for x in signed:
+        kind, chunk = ("F", x - 1) if x > 0 else ("B", -x - 1)
+        out.append((kind, next(next_index[(kind, chunk)]), chunk))
+    return out
+
+
+# (pp, vpp, micro-batches) megatron takes: gas a multiple of pp (its group size), from one group to several, with
+# warm-ups that cover all micro-batches (pp 4, vpp 4, gas 4) and ones that do not.
+CASES = [(pp, vpp, k * pp) for pp, vpp, k in itertools.product((2, 3, 4, 8), (2, 3, 4), (1, 2, 3))] + [
+    (2, 2, 16),
+    (4, 2, 32),
+    (16, 2, 32),
+]
+
+
+def test_the_grid_is_large_enough() -> None:
+    assert len(CASES) >= 20
+
+
+@pytest.mark.parametrize("pp, vpp, gas", CASES)
+def test_order_equals_megatron_core(pp: int, vpp: int, gas: int) -> None:
+    for stage in range(pp):
+        ours = interleaved_order(pp, vpp, gas, stage)
+        assert ours == megatron_order(pp, vpp, gas, stage), (pp, vpp, gas, stage)
+        # every (micro-batch, chunk) once forward and once backward, the backward after the forward
+        assert sorted(ours) == sorted((k, j, c) for k in "BF" for j in range(gas) for c in range(vpp))
+        assert all(ours.index(("F", j, c)) < ours.index(("B", j, c)) for j in range(gas) for c in range(vpp))
+
+
+def test_pp2_vpp2_gas4_by_hand() -> None:
+    # Rank 0: warm-up 2 x 1 + 1 x 2 = 4 forwards (group 0 through chunk 0, then chunk 1), then 1F1B; the first
+    # backward is chunk 1's (the last virtual stage's) of micro-batch 0.
+    assert interleaved_order(2, 2, 4, 0) == [
+        ("F", 0, 0), ("F", 1, 0), ("F", 0, 1), ("F", 1, 1),
+        ("F", 2, 0), ("B", 0, 1), ("F", 3, 0), ("B", 1, 1), ("F", 2, 1), ("B", 0, 0), ("F", 3, 1), ("B", 1, 0),
+        ("B", 2, 1), ("B", 3, 1), ("B", 2, 0), ("B", 3, 0),
+    ]  # fmt: skip
+
+
+def test_vpp1_is_1f1b() -> None:
+    for pp, gas, s in itertools.product((1, 2, 4), (1, 3, 8), range(4)):
+        if s < pp:
+            assert interleaved_order(pp, 1, gas, s) == [(k, j, 0) for k, j in stage_order("1f1b", pp, gas, s)]
+
+
+def _cfg(model: str = "tiny", gas: int = 4, **parallel) -> RunConfig:
+    return RunConfig(
+        model=model_config(model), parallel=ParallelConfig(**parallel), train=TrainConfig(grad_accum_steps=gas)
+    )
+
+
+def test_chunks_round_robin() -> None:
+    # tiny: 4 blocks; pp 2 x vpp 2 = 4 virtual stages of one block each; virtual stage k = chunk c x pp + rank r.
+    cfg = _cfg(tp=1, pp=2, vpp=2)
+    cfg.validate(2)
+    dims = resolve_dims(cfg, 2)
+    layers = [la.kind if la.kind != "block" else f"b{la.block}" for la in pipeline_layers(cfg.model)]
+    assert dims.vpp == 2 and len(dims.bounds) == 5
+    names = [[layers[a:b] for a, b in dims.chunks(r)] for r in range(2)]
+    assert names == [[["embedding", "b0"], ["b2"]], [["b1"], ["b3", "final_norm", "lm_head"]]]
+    assert dims.stages(cfg.model) == "0: embedding + block 0, block 2 | 1: block 1, block 3 + final_norm + lm_head"
+    # vpp 1: one chunk per rank, today's bounds
+    one = resolve_dims(_cfg(tp=1, pp=2), 2)
+    assert [one.chunks(r) for r in range(2)] == [[(one.bounds[0], one.bounds[1])], [(one.bounds[1], one.bounds[2])]]
+    assert len(one.bounds) == 3
+
+
+@pytest.mark.parametrize(
+    "parallel, gas, message",
+    [
+        ({"pp": 1, "vpp": 2}, 4, r"^--vpp 2 needs pp > 1 .*use --pipeline-model-parallel-size 2 or more$"),
+        ({"pp": 2, "vpp": 2, "pipeline_schedule": "zb-h1"}, 4, r"^--vpp 2 with --pipeline-schedule zb-h1 is not built"),
+        ({"pp": 2, "vpp": 3}, 4, r"^--vpp 3 cuts the 4 blocks into pp x vpp = 6 virtual stages .*use --vpp 1 or 2$"),
+        ({"pp": 2, "vpp": 2}, 3, r"^--vpp 2: interleaved 1F1B runs the micro-batches in groups of pp = 2 .*3 micro"),
+    ],
+)
+def test_refusals(parallel: dict, gas: int, message: str) -> None:
+    world = parallel["pp"]
+    with pytest.raises(ConfigError, match=message) as e:
+        _cfg(gas=gas, tp=1, **parallel).validate(world)
+    assert "\n" not in str(e.value)
