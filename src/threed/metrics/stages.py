@@ -3,7 +3,8 @@ one all-gather per log interval that brings every rank's numbers to the metrics 
 
 Each 1F1B instruction falls in one bucket:
   compute    LoadMicroBatch, ForwardPass, BackwardPass, and zb-h1's WeightPass (threed.parallel.zero_bubble)
-  p2p        SendActivation, RecvActivation, SendGrad, RecvGrad (time blocked on the neighbouring stage)
+  p2p        SendActivation, RecvActivation, SendGrad, RecvGrad (time blocked on the neighbouring stage), and the
+             interleaved engine's Exchange (threed.parallel.interleaved: RecvActivation / RecvGrad wait there)
   dp-reduce  ReduceGrads, ReduceTiedGrads (ZeRO-1 gradient reduction over DP)
   optimizer  OptimizerStep
   loss-sync  DeepSpeed's loss averaging over DP and broadcast over the pipe (earlier stages wait there for the last
@@ -27,6 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from threed.parallel.interleaved import Exchange
 from threed.parallel.zero_bubble import WeightPass
 
 BUCKETS = ("iteration", "compute", "p2p", "dp-reduce", "optimizer", "loss-sync")
@@ -46,6 +48,7 @@ def _instruction_buckets() -> dict[type, str]:
         s.RecvActivation: "p2p",
         s.SendGrad: "p2p",
         s.RecvGrad: "p2p",
+        Exchange: "p2p",  # interleaved stages post a tick's sends and receives (their waits: RecvActivation / RecvGrad)
         s.ReduceGrads: "dp-reduce",
         s.ReduceTiedGrads: "dp-reduce",
         s.OptimizerStep: "optimizer",

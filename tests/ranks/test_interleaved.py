@@ -1,0 +1,186 @@
+"""Interleaved stages (`--vpp`, issue 36) on DeepSpeed's engine, exact against 1F1B and a single process: fp32,
+HF's gqa31 weights (4 blocks: one per virtual stage at pp 2 vpp 2), 5 steps: the same losses, gradient norms,
+evaluation loss and final weights within 1e-6 relative. The messages' clock (`ticks`) is checked without ranks.
+
+`make test` runs pp 2 vpp 2 against pp 2 at gas 4 (2 ranks). Slow: gas 6, a single process, tp2 pp2 vpp2 dp2 with
+sequence parallelism and Llama 3.2's tied embedding (8 ranks), a checkpoint saved at vpp 2 resumed at vpp 2 and at
+vpp 1 (and back), and a universal resume at pp 4 vpp 1. The divergence guard at vpp 2: test_divergence.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from helpers import RANKS, write_dataset
+from threed.parallel.interleaved import InterleavedEngine, InterleavedSchedule, ticks
+from threed.parallel.schedule import interleaved_order
+
+REL = 1e-6
+
+
+@pytest.mark.parametrize("pp,vpp,gas", [(2, 2, 4), (2, 2, 6), (2, 3, 4), (4, 2, 8), (4, 3, 4), (3, 2, 6), (8, 2, 16)])
+def test_ticks_run_every_pass_in_order_and_pair_every_message(pp, vpp, gas) -> None:
+    orders = [interleaved_order(pp, vpp, gas, s) for s in range(pp)]
+    plan = ticks(orders, vpp)
+    at: dict[tuple[str, int, int], int] = {}  # (kind, micro-batch, virtual stage) -> tick index on its rank's clock
+    for r, mine in enumerate(plan):
+        assert [t.run for t in mine if t.run is not None] == orders[r], "each rank runs its own order"
+    # Sends and receives pair up per (sender, receiver, what), in the same order at both ends.
+    sent: dict[tuple[int, int], list] = {}
+    got: dict[tuple[int, int], list] = {}
+    for r, mine in enumerate(plan):
+        for n, tick in enumerate(mine):
+            if tick.run is not None:
+                kind, j, c = tick.run
+                at[(kind, j, c * pp + r)] = n
+            for what, j, c, peer in tick.sends:
+                k = c * pp + r
+                sent.setdefault((r, peer), []).append((what, j, k + 1 if what == "act" else k - 1))
+            for what, j, c, peer in tick.recvs:
+                got.setdefault((peer, r), []).append((what, j, c * pp + r))
+    assert sent == got
+    total = pp * vpp
+    # every activation but the last virtual stage's goes on, every gradient but the first's goes back
+    assert sum(len(v) for v in sent.values()) == 2 * gas * (total - 1)
+
+
+def test_schedule_commands_load_on_the_first_and_last_virtual_stage_only() -> None:
+    pp, vpp, gas = 2, 2, 4
+    for stage in range(pp):
+        cmds = [c for step in InterleavedSchedule(gas, pp, stage, vpp) for c in step]
+        names = [type(c).__name__ for c in cmds]
+        loads = [c.kwargs["chunk"] for c in cmds if names[cmds.index(c)] == "LoadMicroBatch"]
+        assert loads == ([0] if stage == 0 else [vpp - 1]) * gas
+        assert names[-3:] == ["ReduceTiedGrads", "ReduceGrads", "OptimizerStep"]
+        assert names.count("ForwardPass") == names.count("BackwardPass") == gas * vpp
+        evaluation = [type(c).__name__ for step in InterleavedSchedule(gas, pp, stage, vpp, train=False) for c in step]
+        assert "BackwardPass" not in evaluation and evaluation.count("ForwardPass") == gas * vpp
+    from threed.metrics.stages import _instruction_buckets
+
+    assert set(InterleavedEngine._INSTRUCTION_MAP) <= set(_instruction_buckets()), "every instruction is timed"
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory, rank_pool):
+    """interleaved_worker.py `scenario` on `world` ranks with `args`, on a random-token dataset: (every rank's
+    results, the output folder)."""
+    tokens = np.random.default_rng(0).integers(0, 200, 5000)
+    data = write_dataset(tmp_path_factory.mktemp("interleaved_data") / "random", tokens, 200)
+
+    def run(world: int, args: list[str], scenario: str = "main") -> tuple[list[dict], str]:
+        out = tmp_path_factory.mktemp("interleaved")
+        argv = [scenario, "--out", str(out), "--data", data, *args]
+        rank_pool.run(world, str(RANKS / "interleaved_worker.py"), argv, timeout=1200)
+        stem = "interleaved" if scenario == "main" else "resumed"
+        return [json.loads((out / f"{stem}_rank{r}.json").read_text()) for r in range(world)], str(out)
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def pp2(launch) -> list[dict]:
+    return launch(2, ["--pp", "2", "--gas", "4", "--vpps", "1,2"])[0]
+
+
+@pytest.fixture(scope="module")
+def pp2_more(launch) -> tuple[list[dict], str]:
+    return launch(2, ["--pp", "2", "--gas", "4,6", "--vpps", "1,2", "--resume"])
+
+
+@pytest.fixture(scope="module")
+def single(launch) -> list[dict]:
+    return launch(1, ["--pp", "1", "--gas", "4,6", "--vpps", "1"])[0]
+
+
+@pytest.fixture(scope="module")
+def tp2pp2dp2(launch) -> list[dict]:
+    return launch(8, ["--tp", "2", "--pp", "2", "--gas", "4", "--vpps", "1,2", "--sp", "--tied"])[0]
+
+
+def weights(ranks: list[dict], run: str) -> dict[str, list[float]]:
+    """Every parameter's checksum over the ranks of one run (names are global layer indices and TP ranks)."""
+    out: dict[str, list[float]] = {}
+    for r in ranks:
+        out.update(r[run]["weights"])
+    return out
+
+
+def assert_same_run(got: dict, want: dict, what: str) -> None:
+    assert got["losses"] == pytest.approx(want["losses"], rel=REL), f"{what}: losses"
+    assert got["grad_norms"] == pytest.approx(want["grad_norms"], rel=REL), f"{what}: gradient norms"
+    if "eval" in want:
+        assert got["eval"] == pytest.approx(want["eval"], rel=REL), f"{what}: evaluation loss"
+
+
+def assert_same_weights(got: dict, want: dict, what: str) -> None:
+    assert sorted(got) == sorted(want), f"{what}: the same parameters, by global name"
+    for name, (total, size) in want.items():
+        assert abs(got[name][0] - total) <= REL * size, f"{what}: final weight {name}"
+
+
+def check_against_1f1b(ranks: list[dict], gas: int) -> None:
+    for rank, r in enumerate(ranks):
+        one, inter = r[f"vpp1_gas{gas}"], r[f"vpp2_gas{gas}"]
+        assert one["class"] == "LeanPipelineEngine" and inter["class"] == "InterleavedEngine"
+        assert one["grad_norms"][0] > 0.5, "a run that learns something"
+        assert_same_run(inter, one, f"rank {rank} gas {gas}")
+    assert_same_weights(weights(ranks, f"vpp2_gas{gas}"), weights(ranks, f"vpp1_gas{gas}"), f"gas {gas}")
+
+
+def test_pp2_vpp2_is_1f1b_at_gas4(pp2) -> None:
+    check_against_1f1b(pp2, 4)
+
+
+def test_the_idle_metric_times_every_stage_at_vpp2(pp2) -> None:
+    """threed.metrics.stages times the interleaved engine's instructions: compute (loads, forwards, backwards) and
+    p2p (posting a tick's messages, waiting for a received one), from which the idle fraction comes."""
+    for rank, r in enumerate(pp2):
+        timing = r["vpp2_gas4"]["timing"]
+        assert timing["compute"] > 0 and timing["p2p"] > 0, (rank, timing)
+        assert timing["dp-reduce"] > 0 and timing["optimizer"] > 0, (rank, timing)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gas", [4, 6])
+def test_pp2_vpp2_is_1f1b_and_a_single_process(pp2_more, single, gas) -> None:
+    ranks, _ = pp2_more
+    check_against_1f1b(ranks, gas)
+    alone = single[0][f"vpp1_gas{gas}"]
+    for rank, r in enumerate(ranks):
+        assert_same_run(r[f"vpp2_gas{gas}"], alone, f"rank {rank} gas {gas} against one process")
+    assert_same_weights(weights(ranks, f"vpp2_gas{gas}"), alone["weights"], f"gas {gas} against one process")
+
+
+@pytest.mark.slow
+def test_tp2_pp2_vpp2_dp2_with_sequence_parallel_and_tied_embedding(tp2pp2dp2) -> None:
+    check_against_1f1b(tp2pp2dp2, 4)
+    names = weights(tp2pp2dp2, "vpp2_gas4")
+    assert "tp0/tied_modules.embedding.word_embeddings.weight" in names, "the tied embedding, one weight"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("saved,resumed", [(2, 2), (2, 1), (1, 2)])
+def test_a_checkpoint_resumes_under_either_vpp(pp2_more, saved, resumed) -> None:
+    """Saved at step 3, resumed: steps 4-5 as in the uninterrupted run. Layer files carry global indices, so the
+    same files load at vpp 1 and 2; the optimizer's ZeRO shards differ between them, so a change of vpp goes
+    through DeepSpeed's universal checkpoint (by parameter name)."""
+    ranks, _ = pp2_more
+    for rank, r in enumerate(ranks):
+        whole = r[f"vpp{saved}_gas4"]
+        got = r[f"vpp{saved}_then_vpp{resumed}"]
+        assert got["universal"] == (saved != resumed)
+        want = {"losses": whole["losses"][3:], "grad_norms": whole["grad_norms"][3:]}
+        assert_same_run(got, want, f"rank {rank} vpp {saved} -> {resumed}")
+
+
+@pytest.mark.slow
+def test_universal_resume_from_pp2_vpp2_at_pp4_vpp1(pp2_more, launch) -> None:
+    ranks, out = pp2_more
+    resumed, _ = launch(4, ["--pp", "4", "--gas", "4", "--vpps", "1", "--load", f"{out}/ckpt_vpp2"], "resume")
+    whole = ranks[0]["vpp2_gas4"]
+    for rank, r in enumerate(resumed):
+        assert r["universal"]
+        assert_same_run(r, {"losses": whole["losses"][3:], "grad_norms": whole["grad_norms"][3:]}, f"rank {rank}")
