@@ -20,10 +20,12 @@ import torch.distributed as dist
 
 # worker_setup first: it puts tests/ on sys.path (helpers, reference)
 from worker_setup import build_engine, load_hf_weights, rank_json, reads_data, run_worker
-from dist_worker import run_steps, train_dataset
+from dist_worker import train_dataset
 from helpers import hf_model, model_config
 from reference import PARITY
+from schedule_worker import VARIANTS, run
 from tied_worker import tied_hf_model, tied_model_config
+import threed.checkpoint.save as ckpt
 from threed.config import CheckpointConfig, DataConfig, ParallelConfig, RunConfig, TrainConfig
 from threed.metrics.stages import StageTimer
 from threed.parallel.distributed import Runtime
@@ -32,8 +34,11 @@ STEPS = 5
 SAVE_AT = 3
 
 
-def config(args: argparse.Namespace, vpp: int, gas: int) -> RunConfig:
+def config(args: argparse.Namespace, vpp: int, gas: int, variant: str = "") -> RunConfig:
+    """The run at `vpp`; `variant`: one of schedule_worker's VARIANTS (bf16, recompute, packed rows, ...)."""
     model = tied_model_config() if args.tied else model_config("gqa31")
+    changes = VARIANTS[variant][0] if variant else {}
+    train = {k: v for k, v in changes.items() if k not in ("pack", "sequence_parallel")}
     stages = args.pp * vpp
     return RunConfig(
         model=model,
@@ -43,10 +48,12 @@ def config(args: argparse.Namespace, vpp: int, gas: int) -> RunConfig:
             vpp=vpp,
             # one block per virtual stage at pp 2 vpp 2: the same blocks per rank as pp 2's layers:2,2
             partition_method="layers:" + ",".join([str(model.num_layers // stages)] * stages),
-            sequence_parallel=args.sp,
+            sequence_parallel=args.sp or changes.get("sequence_parallel", False),
         ),
-        train=TrainConfig(**{**PARITY, **dict(micro_batch_size=1, grad_accum_steps=gas, seq_length=32, steps=STEPS)}),
-        data=DataConfig(data_path=(args.data,)),
+        train=TrainConfig(
+            **{**PARITY, **dict(micro_batch_size=1, grad_accum_steps=gas, seq_length=32, steps=STEPS), **train}
+        ),
+        data=DataConfig(data_path=(args.data,), pack=changes.get("pack", False)),
     )
 
 
@@ -78,17 +85,19 @@ def trained(cfg: RunConfig, rt: Runtime, ds, hf_state: dict, save: str = "") -> 
     load_hf_weights(engine, cfg, hf_state)
     timer = StageTimer(engine, rt.device)  # the per-stage idle metric's timers (threed.metrics.stages)
     timer.install()
-    losses, norms = run_steps(engine, cfg, ds, 0, SAVE_AT if save else STEPS)
+    losses, norms = run(cfg, engine, ds, 0, SAVE_AT if save else STEPS)
     if save:
-        engine.save_checkpoint(save)
-        more = run_steps(engine, cfg, ds, SAVE_AT, STEPS)
+        # threed's save: its manifest records the (virtual) stage boundaries, by which a resume at another vpp
+        # knows to go through a universal checkpoint (DeepSpeed's optimizer shards hold other layers per rank)
+        ckpt.save(engine, cfg, rt.rank, {"consumed_samples": SAVE_AT * cfg.train.grad_accum_steps})
+        more = run(cfg, engine, ds, SAVE_AT, STEPS)
         losses, norms = losses + more[0], norms + more[1]
     timer.uninstall()
     return {
         "timing": {bucket: timer.totals[bucket] for bucket in ("compute", "p2p", "dp-reduce", "optimizer")},
         "losses": losses,
         "grad_norms": norms,
-        "eval": evaluation(engine, cfg),
+        "eval": None if cfg.data.pack else evaluation(engine, cfg),
         "class": type(engine).__name__,
         "stage": engine.stage_id,
         "dp_rank": engine.grid.get_data_parallel_rank(),
@@ -99,7 +108,7 @@ def trained(cfg: RunConfig, rt: Runtime, ds, hf_state: dict, save: str = "") -> 
 def resumed(cfg: RunConfig, rt: Runtime, ds, load: str) -> dict:
     built = build_engine(dataclasses.replace(cfg, checkpoint=CheckpointConfig(load=load)), rt)
     assert built.engine.global_steps == SAVE_AT, built.engine.global_steps
-    losses, norms = run_steps(built.engine, cfg, ds, SAVE_AT, STEPS)
+    losses, norms = run(cfg, built.engine, ds, SAVE_AT, STEPS)
     return {"losses": losses, "grad_norms": norms, "universal": bool(built.decision.universal)}
 
 
@@ -107,7 +116,7 @@ def main(args: argparse.Namespace, rt: Runtime) -> None:
     hf = (tied_hf_model() if args.tied else hf_model("gqa31")).state_dict()
     vpps = [int(v) for v in args.vpps.split(",")]
     results: dict[str, Any] = {}
-    for n, gas in enumerate(int(g) for g in args.gas.split(",")):
+    for n, gas in enumerate(int(g) for g in args.gas.split(",") if g):
         ds = train_dataset(config(args, 1, gas), rt.world_size)
         for vpp in vpps:
             save = f"{args.out}/ckpt_vpp{vpp}" if args.resume and n == 0 else ""
@@ -118,6 +127,10 @@ def main(args: argparse.Namespace, rt: Runtime) -> None:
                     results[f"vpp{saved}_then_vpp{now}"] = resumed(
                         config(args, now, gas), rt, ds, f"{args.out}/ckpt_vpp{saved}"
                     )
+    for variant in [v for v in args.variants.split(",") if v]:
+        ds = None if VARIANTS[variant][0].get("pack") else train_dataset(config(args, 1, 4, variant), rt.world_size)
+        for vpp in vpps:
+            results[f"{variant}_vpp{vpp}"] = trained(config(args, vpp, 4, variant), rt, ds, hf)
     dist.barrier()
     rank_json(args.out, "interleaved", results)
 
@@ -141,6 +154,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tied", action="store_true", help="the tied-embedding model (Llama 3.2's tie)")
     p.add_argument("--resume", action="store_true", help="save at step 3 under each vpp, resume under each")
     p.add_argument("--load", help="(resume) the checkpoint directory to resume from")
+    p.add_argument("--variants", default="", help="schedule_worker's VARIANTS, each at gas 4 under every vpp")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ micro-batches in the same order, so fp32 runs agree with 1F1B's to rounding in t
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -96,6 +97,16 @@ def ticks(orders: list[list[Pass]], vpp: int) -> list[list[Tick]]:
     return out
 
 
+@functools.lru_cache(maxsize=64)
+def rank_ticks(pp: int, vpp: int, gas: int, stage: int, train: bool = True) -> tuple[Tick, ...]:
+    """`ticks` of interleaved_order for one rank (every step asks again: computed once per layout). Without
+    `train` (evaluation) the forwards alone, in the same order."""
+    orders = [interleaved_order(pp, vpp, gas, s) for s in range(pp)]
+    if not train:
+        orders = [[p for p in order if p[0] == "F"] for order in orders]
+    return tuple(ticks(orders, vpp)[stage])
+
+
 class Exchange(ds_schedule.PipeInstruction):
     """Post one tick's sends and receives as one batch (`sends`, `recvs`: `Message`s); nothing waits here but the
     first step's meta messages. RecvActivation / RecvGrad wait for the batch that brings their input."""
@@ -115,11 +126,8 @@ class InterleavedSchedule(ds_schedule.PipeSchedule):
 
     def steps(self):
         pp, vpp = self.stages, self.vpp
-        orders = [interleaved_order(pp, vpp, self.micro_batches, s) for s in range(pp)]
-        if not self.train:
-            orders = [[p for p in order if p[0] == "F"] for order in orders]
         last = pp * vpp - 1
-        for tick in ticks(orders, vpp)[self.stage_id]:
+        for tick in rank_ticks(pp, vpp, self.micro_batches, self.stage_id, self.train):
             cmds: list[ds_schedule.PipeInstruction] = []
             if tick.run is not None:
                 kind, j, c = tick.run
