@@ -4,7 +4,9 @@ of `RunDims`; and the rules a config at vpp > 1 can break, each refused in one l
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -15,12 +17,15 @@ from threed.model.spec import pipeline_layers
 from threed.parallel.dims import resolve_dims
 from threed.parallel.schedule import (
     chunks_before_backward,
+    draw,
     held,
     held_per_chunk,
     interleaved_order,
     simulate,
     stage_order,
 )
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def megatron_order(pp: int, vpp: int, gas: int, stage: int) -> list[tuple[str, int, int]]:
@@ -163,3 +168,14 @@ def test_vpp1_keeps_the_old_counts() -> None:
         step, _ = simulate(schedule, pp, gas, 1.0, 1.0, 1.0)
         if schedule == "1f1b":
             assert step == (gas + pp - 1) * 3.0
+
+
+def test_the_docs_timelines_are_current() -> None:
+    """docs/schedules-and-memory.md's figure is what tools/gen_timelines.py draws from the schedule model today."""
+    spec = importlib.util.spec_from_file_location("gen_timelines", ROOT / "tools" / "gen_timelines.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    text = gen.DOC.read_text()
+    assert gen.BEGIN in text and text == gen.render(text), "stale: run `make docs` (tools/gen_timelines.py)"
+    # the drawing is the timeline: rank 0 at pp 2, vpp 2, gas 4 starts with group 0 through chunk 0, then chunk 1
+    assert draw("1f1b", 2, 4, 2)[1] == "rank 0 |F0F1f0f1F2  b0--F3b1--f2B0--f3B1--  b2--  b3--B2--B3--|"

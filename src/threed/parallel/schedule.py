@@ -140,24 +140,23 @@ def chunks_before_backward(
     return [(chunk, live, waiting) for (kind, _, chunk), (live, waiting) in zip(order, before) if kind == "B"]
 
 
-@functools.lru_cache(maxsize=4096)
-def simulate(
-    schedule: str,
-    pp: int,
-    gas: int,
-    f: float = 1.0,
-    b: float = 1.0,
-    w: float = 1.0,
-    vpp: int = 1,
-) -> tuple[float, tuple[float, ...]]:
-    """(step time, each stage's idle fraction) of one step when every stage takes f, b and w per micro-batch for
-    its F, B and W passes and messages are free. Under 1f1b a backward costs b + w. At vpp > 1 each chunk costs
-    1/vpp of them, and a pass waits for the same micro-batch on the virtual stage before (F) or after (B) it:
-    virtual stage c x pp + r is chunk c of rank r, so chunk c of rank 0 waits for chunk c - 1 of rank pp - 1."""
+def pass_costs(schedule: str, f: float, b: float, w: float, vpp: int = 1) -> dict[str, float]:
+    """What one pass of one chunk costs: a v-th of the stage's; under 1f1b B is the whole backward (b + w)."""
+    return {"F": f / vpp, "B": (b + w if schedule == "1f1b" else b) / vpp, "W": w / vpp}
+
+
+def timeline(
+    schedule: str, pp: int, gas: int, f: float = 1.0, b: float = 1.0, w: float = 1.0, vpp: int = 1
+) -> list[list[tuple[str, int, int, float, float]]]:
+    """Per rank, its passes as (pass, micro-batch, chunk, start, end) when every rank runs its passes in its order
+    (`rank_order`) as soon as their input is there and messages are free. A pass waits for the same micro-batch on
+    the virtual stage before it (F) or after it (B; the last virtual stage's B for its own F): virtual stage c x pp + r
+    is chunk c of rank r, so chunk c of rank 0 waits for chunk c - 1 of rank pp - 1."""
     orders = [rank_order(schedule, pp, gas, s, vpp) for s in range(pp)]
-    cost = {"F": f / vpp, "B": (b + w if schedule == "1f1b" else b) / vpp, "W": w / vpp}
+    cost = pass_costs(schedule, f, b, w, vpp)
     last = pp * vpp - 1
     finish: dict[tuple[str, int, int], float] = {}
+    lanes: list[list[tuple[str, int, int, float, float]]] = [[] for _ in range(pp)]
     clock, at = [0.0] * pp, [0] * pp
     remaining = sum(len(o) for o in orders)
     while remaining:
@@ -177,10 +176,49 @@ def simulate(
                 start = max(clock[s], finish[dep] if dep is not None else 0.0)
                 clock[s] = start + cost[kind]
                 finish[(kind, k, j)] = clock[s]
+                lanes[s].append((kind, j, chunk, start, clock[s]))
                 at[s] += 1
                 remaining -= 1
                 progressed = True
         assert progressed, "schedule deadlocks"
-    step = max(clock)
-    busy = [sum(cost[k] for k, _, _ in o) for o in orders]
+    return lanes
+
+
+@functools.lru_cache(maxsize=4096)
+def simulate(
+    schedule: str,
+    pp: int,
+    gas: int,
+    f: float = 1.0,
+    b: float = 1.0,
+    w: float = 1.0,
+    vpp: int = 1,
+) -> tuple[float, tuple[float, ...]]:
+    """(step time, each stage's idle fraction) of one step when every stage takes f, b and w per micro-batch for
+    its F, B and W passes and messages are free (`timeline`). Under 1f1b a backward costs b + w. At vpp > 1 each
+    chunk costs 1/vpp of them."""
+    lanes = timeline(schedule, pp, gas, f, b, w, vpp)
+    cost = pass_costs(schedule, f, b, w, vpp)
+    step = max(lane[-1][4] for lane in lanes)
+    busy = [sum(cost[kind] for kind, *_ in lane) for lane in lanes]
     return step, tuple(1 - x / step for x in busy)
+
+
+def draw(schedule: str, pp: int, gas: int, vpp: int = 1, per_unit: int = 4) -> list[str]:
+    """A text timeline of one step in unit costs (F = B = W = 1; a chunk a v-th of that), `per_unit` characters per
+    unit: each pass is its letter and micro-batch, `F3--`, then dashes to its length; chunk 0's passes in capitals,
+    a later chunk's in small letters; idle time blank. For docs/schedules-and-memory.md (tools/gen_timelines.py)."""
+    lanes = timeline(schedule, pp, gas, 1.0, 1.0, 1.0, vpp)
+    step, idle = simulate(schedule, pp, gas, 1.0, 1.0, 1.0, vpp)
+    width = round(step * per_unit)
+    name = "1f1b" if vpp == 1 else f"1f1b --vpp {vpp}"
+    name = schedule if schedule != "1f1b" else name
+    lines = [f"{name}, pp {pp}, gas {gas}: {step:g} units, each rank idle {max(idle):.0%}"]
+    for r, lane in enumerate(lanes):
+        row = [" "] * width
+        for kind, j, chunk, start, end in lane:
+            a, z = round(start * per_unit), round(end * per_unit)
+            cell = (kind if chunk == 0 else kind.lower()) + str(j % 10)
+            row[a:z] = list((cell + "-" * (z - a))[: z - a])
+        lines.append(f"rank {r} |{''.join(row)}|")
+    return lines
