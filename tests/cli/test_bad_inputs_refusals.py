@@ -123,6 +123,16 @@ ROWS = [
     # --vpp (interleaved 1F1B): Megatron's rules, before any process group
     ("vpp-pp1", TRAIN + ["--vpp", "2"], r"--vpp 2 needs pp > 1 .*use --pipeline-model-parallel-size 2 or more$"),
     (
+        "vpp-layers-per-stage",
+        TRAIN + ["--pp", "2", "--num-layers-per-virtual-pipeline-stage", "3"],
+        r"--num-layers-per-virtual-pipeline-stage 3: pp x N = 2 x 3 must divide the 4 blocks; use N = 1 or 2$",
+    ),
+    (
+        "check-vpp-two-ways",
+        CHECK + ["--world", "2", "--pp", "2", "--vpp", "2", "--num-layers-per-virtual-pipeline-stage", "2"],
+        r"--num-layers-per-virtual-pipeline-stage 2 means --vpp 1 at pp 2 \(4 blocks\), not --vpp 2; give one of them$",
+    ),
+    (
         "check-vpp-zb-h1",
         CHECK + ["--world", "2", "--pp", "2", "--vpp", "2", "--pipeline-schedule", "zb-h1"],
         r"--vpp 2 with --pipeline-schedule zb-h1 is not built .*use --pipeline-schedule 1f1b, or --vpp 1$",

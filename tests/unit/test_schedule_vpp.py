@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from threed.cli.flags import parse_run_config
 from threed.config import ConfigError, ParallelConfig, RunConfig, TrainConfig
 from threed.convert.resolve import model_config
 from threed.model.spec import pipeline_layers
@@ -95,6 +96,17 @@ def _cfg(model: str = "tiny", gas: int = 4, **parallel) -> RunConfig:
     return RunConfig(
         model=model_config(model), parallel=ParallelConfig(**parallel), train=TrainConfig(grad_accum_steps=gas)
     )
+
+
+def test_megatrons_other_names_say_the_same() -> None:
+    """Megatron's --virtual-pipeline-model-parallel-size and --num-virtual-stages-per-pipeline-rank are --vpp;
+    --num-layers-per-virtual-pipeline-stage N sets vpp = blocks / (pp x N), so every reader finds it in vpp."""
+    base = ["--model", "tiny", "--pp", "2", "--grad-accum-steps", "4"]
+    for flag in ("--vpp", "--virtual-pipeline-model-parallel-size", "--num-virtual-stages-per-pipeline-rank"):
+        assert parse_run_config([*base, flag, "2"]).parallel.vpp == 2
+    cfg = parse_run_config([*base, "--num-layers-per-virtual-pipeline-stage", "1"])
+    assert cfg.parallel.vpp == 2 and RunConfig.from_dict(cfg.to_dict()) == cfg
+    assert parse_run_config([*base, "--num-layers-per-virtual-pipeline-stage", "2"]).parallel.vpp == 1
 
 
 def test_chunks_round_robin() -> None:
