@@ -4,6 +4,7 @@ of `RunDims`; and the rules a config at vpp > 1 can break, each refused in one l
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import itertools
 from pathlib import Path
@@ -191,3 +192,26 @@ def test_the_docs_timelines_are_current() -> None:
     assert gen.BEGIN in text and text == gen.render(text), "stale: run `make docs` (tools/gen_timelines.py)"
     # the drawing is the timeline: rank 0 at pp 2, vpp 2, gas 4 starts with group 0 through chunk 0, then chunk 1
     assert draw("1f1b", 2, 4, 2)[1] == "rank 0 |F0F1f0f1F2  b0--F3b1--f2B0--f3B1--  b2--  b3--B2--B3--|"
+
+
+def test_the_logged_ideal_bubble_is_the_simulated_one() -> None:
+    """The metrics' `pipeline/ideal-bubble` (each stage's idle fraction is logged beside it) is the schedule model's
+    idle fraction in unit costs, interleaved or not."""
+    from threed.metrics.stages import ideal_bubble  # DeepSpeed and torch: heavy, only this test needs them
+
+    for pp, gas, vpp in ((2, 4, 1), (2, 4, 2), (4, 32, 1), (4, 32, 2), (4, 32, 4), (8, 16, 2)):
+        assert ideal_bubble(pp, gas, vpp) == pytest.approx(max(simulate("1f1b", pp, gas, 1, 1, 1, vpp)[1]), rel=1e-12)
+
+
+def test_recompute_counts_blocks_per_virtual_stage() -> None:
+    """Megatron's --recompute-num-layers N counts per virtual stage at vpp > 1; a refusal names the chunk."""
+    recompute = dict(recompute_granularity="full", recompute_method="block")
+    ok = RunConfig(
+        model=model_config("tiny"),
+        parallel=ParallelConfig(pp=2, vpp=2),
+        train=TrainConfig(grad_accum_steps=4, recompute_num_layers=1, **recompute),
+    )
+    assert resolve_dims(ok, 2).recompute_phrase == "full, block: the first 1 of 1 blocks on each of 4 virtual stages"
+    two = dataclasses.replace(ok, train=dataclasses.replace(ok.train, recompute_num_layers=2))
+    with pytest.raises(ConfigError, match=r"^--recompute-method block --recompute-num-layers 2: virtual stage 0 "):
+        resolve_dims(two, 2)
