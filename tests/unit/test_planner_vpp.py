@@ -99,7 +99,7 @@ def test_plan_and_memory_commands_take_vpp(capsys) -> None:
     memory = "memory --model llama3.1-70b --tp 8 --pp 4 --dp 16 --micro-batch-size 1 --grad-accum-steps 32 "
     assert main((memory + "--seq-length 8192 --sequence-parallel --vpp 2").split()) == 0
     out = capsys.readouterr().out
-    assert re.search(r"bubble 4\.5%", out), out
+    assert re.search(r"bubble 4\.5%", out) and "(stage 0 of 4, 2 chunks, 2.27B params;" in out, out
     assert main((memory + "--seq-length 8192 --sequence-parallel --vpp 3").split()) == 2
     err = capsys.readouterr().err.strip()
     assert re.fullmatch(r"threed memory: --vpp 3 cuts the 80 blocks into pp x vpp = 12 virtual stages .*", err), err

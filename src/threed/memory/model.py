@@ -208,8 +208,9 @@ class Memory:
             )
         )
         params = f"{self.params / 1e9:.2f}B" if self.params >= 1e8 else f"{self.params / 1e6:.2f}M"
+        chunks = f", {len(self.stage.chunks)} chunks" if self.stage.chunks else ""  # --vpp
         return (
-            f"~{self.peak / scale:.0f} {unit}/GPU = {parts} (stage {self.stage.index} of {pp}, {params} "
+            f"~{self.peak / scale:.0f} {unit}/GPU = {parts} (stage {self.stage.index} of {pp}{chunks}, {params} "
             f"params; plus CUDA/NCCL overhead)"
         )
 
