@@ -25,12 +25,17 @@ class Meta:
     """What a field says about itself besides its type and default."""
 
     help: str = ""  # the one line of `threed train --help`
-    alias: Optional[str] = None  # Megatron-LM's flag, where it differs from ours
+    alias: Optional[str | tuple[str, ...]] = None  # Megatron-LM's flag(s), where they differ from ours
     metavar: Optional[str] = None  # argparse metavar (default: from the type)
     nargs: Optional[str] = None  # "+" for the Megatron blends (WEIGHT PREFIX ...)
     at_least: float = 0  # numeric fields: value >= at_least
     above: Optional[float] = None  # value > above
     below: Optional[float] = None  # value < below
+
+    @property
+    def aliases(self) -> tuple[str, ...]:
+        """Every other name of the flag, in the order given."""
+        return (self.alias,) if isinstance(self.alias, str) else tuple(self.alias or ())
 
 
 def meta(help: str = "", **kw: Any) -> dict[str, Meta]:
@@ -253,9 +258,19 @@ class ParallelConfig:
             "1F1B: the bubble / vpp, vpp x the sends between stages); needs pp > 1, 1f1b, blocks divisible by pp x vpp "
             "and micro-batches by pp",
             at_least=1,
-            alias="--virtual-pipeline-model-parallel-size",
+            # Megatron's older and newer names; the issue's --virtual-pipeline-stages
+            alias=(
+                "--virtual-pipeline-model-parallel-size",
+                "--num-virtual-stages-per-pipeline-rank",
+                "--virtual-pipeline-stages",
+            ),
             metavar="V",
         ),
+    )
+    # Megatron-LM's other way to say it: blocks per virtual stage, vpp = num_layers / (pp x N); RunConfig sets vpp.
+    num_layers_per_virtual_pipeline_stage: Optional[int] = field(
+        default=None,
+        metadata=meta("blocks per virtual pipeline stage: sets --vpp to blocks / (pp x N)", at_least=1, metavar="N"),
     )
 
     def dp(self, world_size: int) -> int:
@@ -731,6 +746,28 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     control: RunControlConfig = field(default_factory=RunControlConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    def __post_init__(self) -> None:
+        """`--num-layers-per-virtual-pipeline-stage N` becomes the vpp it means, so that every reader of the config
+        finds the chunks in `parallel.vpp`; ConfigError (one line) when N does not fit or contradicts --vpp."""
+        p, n = self.parallel, self.parallel.num_layers_per_virtual_pipeline_stage
+        if n is None:
+            return
+        blocks = self.model.num_layers
+        if n < 1 or p.pp < 1 or blocks % (p.pp * n):
+            fits = [str(k) for k in range(1, blocks + 1) if p.pp >= 1 and blocks % (p.pp * k) == 0]
+            fix = f"use N = {' or '.join(fits)}" if fits else f"pp {p.pp} does not divide them: change pp"
+            raise ConfigError(
+                f"--num-layers-per-virtual-pipeline-stage {n}: pp x N = {p.pp} x {n} must divide the {blocks} "
+                f"blocks; {fix}"
+            )
+        vpp = blocks // (p.pp * n)
+        if p.vpp not in (1, vpp):
+            raise ConfigError(
+                f"--num-layers-per-virtual-pipeline-stage {n} means --vpp {vpp} at pp {p.pp} ({blocks} blocks), "
+                f"not --vpp {p.vpp}; give one of them"
+            )
+        object.__setattr__(self, "parallel", dataclasses.replace(p, vpp=vpp))
 
     def validate(self, world_size: int) -> None:
         """Every field's range, then the arithmetic: what training, the dry run and `threed check-config` check

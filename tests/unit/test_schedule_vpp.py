@@ -4,16 +4,30 @@ of `RunDims`; and the rules a config at vpp > 1 can break, each refused in one l
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import itertools
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from threed.cli.flags import parse_run_config
 from threed.config import ConfigError, ParallelConfig, RunConfig, TrainConfig
 from threed.convert.resolve import model_config
 from threed.model.spec import pipeline_layers
 from threed.parallel.dims import resolve_dims
-from threed.parallel.schedule import interleaved_order, stage_order
+from threed.parallel.schedule import (
+    chunks_before_backward,
+    draw,
+    held,
+    held_per_chunk,
+    interleaved_order,
+    simulate,
+    stage_order,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def megatron_order(pp: int, vpp: int, gas: int, stage: int) -> list[tuple[str, int, int]]:
@@ -85,6 +99,17 @@ def _cfg(model: str = "tiny", gas: int = 4, **parallel) -> RunConfig:
     )
 
 
+def test_megatrons_other_names_say_the_same() -> None:
+    """Megatron's --virtual-pipeline-model-parallel-size and --num-virtual-stages-per-pipeline-rank are --vpp;
+    --num-layers-per-virtual-pipeline-stage N sets vpp = blocks / (pp x N), so every reader finds it in vpp."""
+    base = ["--model", "tiny", "--pp", "2", "--grad-accum-steps", "4"]
+    for flag in ("--vpp", "--virtual-pipeline-model-parallel-size", "--num-virtual-stages-per-pipeline-rank"):
+        assert parse_run_config([*base, flag, "2"]).parallel.vpp == 2
+    cfg = parse_run_config([*base, "--num-layers-per-virtual-pipeline-stage", "1"])
+    assert cfg.parallel.vpp == 2 and RunConfig.from_dict(cfg.to_dict()) == cfg
+    assert parse_run_config([*base, "--num-layers-per-virtual-pipeline-stage", "2"]).parallel.vpp == 1
+
+
 def test_chunks_round_robin() -> None:
     # tiny: 4 blocks; pp 2 x vpp 2 = 4 virtual stages of one block each; virtual stage k = chunk c x pp + rank r.
     cfg = _cfg(tp=1, pp=2, vpp=2)
@@ -115,3 +140,78 @@ def test_refusals(parallel: dict, gas: int, message: str) -> None:
     with pytest.raises(ConfigError, match=message) as e:
         _cfg(gas=gas, tp=1, **parallel).validate(world)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("pp, vpp, gas", [(2, 2, 4), (4, 2, 8), (4, 2, 32), (4, 4, 32), (8, 2, 16), (16, 2, 32)])
+def test_simulated_bubble_is_interleaved_theory(pp: int, vpp: int, gas: int) -> None:
+    """Narayanan et al. 2021: the bubble of interleaved 1F1B is (pp - 1) / (vpp gas + pp - 1) of the step (1F1B's at
+    vpp 1); the simulation of megatron's order, with chunk c of rank 0 waiting for chunk c - 1 of rank pp - 1, finds
+    it for uneven F and B too."""
+    for f, b in ((1.0, 1.0), (1.0, 2.0)):
+        step, idle = simulate("1f1b", pp, gas, f, b, 0.5, vpp)
+        theory = (pp - 1) / (vpp * gas + pp - 1)
+        assert idle == pytest.approx((theory,) * pp, rel=1e-9)
+        assert step == pytest.approx((gas + (pp - 1) / vpp) * (f + b + 0.5), rel=1e-12)
+    # the issue's numbers: the 64-node 70B recipe's pp 4, gas 32: 8.6% -> 4.5% at vpp 2, 2.3% at vpp 4
+    assert [round(max(simulate("1f1b", 4, 32, 1, 1, 1, v)[1]), 3) for v in (1, 2, 4)] == [0.086, 0.045, 0.023]
+
+
+@pytest.mark.parametrize("pp, vpp, gas", [(2, 2, 4), (4, 2, 8), (4, 4, 32), (8, 2, 16), (8, 3, 24)])
+def test_first_rank_holds_megatrons_count(pp: int, vpp: int, gas: int) -> None:
+    """Rank 0 holds at most 2 (pp - 1) + (vpp - 1) pp + 1 chunk micro-batches: in a stage's micro-batches (each
+    chunk 1/vpp of the stage), pp (1 + (pp - 1) / (pp vpp)), the factor of Korthikanti et al. (2022) for
+    interleaving; rank r holds 2 r chunk micro-batches fewer (its warm-up is shorter)."""
+    counts = [max(live for live, _ in held("1f1b", pp, gas, r, vpp)) for r in range(pp)]
+    assert counts[0] / vpp == pytest.approx(pp * (1 + (pp - 1) / (pp * vpp)), rel=1e-12)
+    assert counts == [2 * (pp - 1 - r) + (vpp - 1) * pp + 1 for r in range(pp)]
+    # per chunk: the warm-up's forwards go through every chunk, the first chunk holds the most
+    per_chunk = [max(live[c] for live, _ in held_per_chunk("1f1b", pp, gas, 0, vpp)) for c in range(vpp)]
+    assert per_chunk[0] == max(per_chunk) and sum(per_chunk) >= counts[0]
+    before = chunks_before_backward("1f1b", pp, gas, 0, vpp)
+    assert len(before) == gas * vpp and all(live[c] >= 1 for c, live, _ in before)  # the B's own micro-batch
+
+
+def test_vpp1_keeps_the_old_counts() -> None:
+    """At vpp 1 the chunk-aware functions are the stage's: one chunk, the counts `held` always gave."""
+    for schedule, pp, gas in itertools.product(("1f1b", "zb-h1"), (2, 4), (1, 4, 8)):
+        for s in range(pp):
+            per = held_per_chunk(schedule, pp, gas, s)
+            assert [(live[0], w) for live, w in per] == held(schedule, pp, gas, s)
+            assert max(live for live, _ in held(schedule, pp, gas, s)) == min(pp - s, gas)
+        step, _ = simulate(schedule, pp, gas, 1.0, 1.0, 1.0)
+        if schedule == "1f1b":
+            assert step == (gas + pp - 1) * 3.0
+
+
+def test_the_docs_timelines_are_current() -> None:
+    """docs/schedules-and-memory.md's figure is what tools/gen_timelines.py draws from the schedule model today."""
+    spec = importlib.util.spec_from_file_location("gen_timelines", ROOT / "tools" / "gen_timelines.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    text = gen.DOC.read_text()
+    assert gen.BEGIN in text and text == gen.render(text), "stale: run `make docs` (tools/gen_timelines.py)"
+    # the drawing is the timeline: rank 0 at pp 2, vpp 2, gas 4 starts with group 0 through chunk 0, then chunk 1
+    assert draw("1f1b", 2, 4, 2)[1] == "rank 0 |F0F1f0f1F2  b0--F3b1--f2B0--f3B1--  b2--  b3--B2--B3--|"
+
+
+def test_the_logged_ideal_bubble_is_the_simulated_one() -> None:
+    """The metrics' `pipeline/ideal-bubble` (each stage's idle fraction is logged beside it) is the schedule model's
+    idle fraction in unit costs, interleaved or not."""
+    from threed.metrics.stages import ideal_bubble  # DeepSpeed and torch: heavy, only this test needs them
+
+    for pp, gas, vpp in ((2, 4, 1), (2, 4, 2), (4, 32, 1), (4, 32, 2), (4, 32, 4), (8, 16, 2)):
+        assert ideal_bubble(pp, gas, vpp) == pytest.approx(max(simulate("1f1b", pp, gas, 1, 1, 1, vpp)[1]), rel=1e-12)
+
+
+def test_recompute_counts_blocks_per_virtual_stage() -> None:
+    """Megatron's --recompute-num-layers N counts per virtual stage at vpp > 1; a refusal names the chunk."""
+    recompute = dict(recompute_granularity="full", recompute_method="block")
+    ok = RunConfig(
+        model=model_config("tiny"),
+        parallel=ParallelConfig(pp=2, vpp=2),
+        train=TrainConfig(grad_accum_steps=4, recompute_num_layers=1, **recompute),
+    )
+    assert resolve_dims(ok, 2).recompute_phrase == "full, block: the first 1 of 1 blocks on each of 4 virtual stages"
+    two = dataclasses.replace(ok, train=dataclasses.replace(ok.train, recompute_num_layers=2))
+    with pytest.raises(ConfigError, match=r"^--recompute-method block --recompute-num-layers 2: virtual stage 0 "):
+        resolve_dims(two, 2)

@@ -14,8 +14,9 @@ On CPU the host clock times each instruction; on CUDA events on the compute stre
 waits for NCCL's streams, so it cannot make ZB-H1's sends wait for their receivers.
 
 The idle fraction of a stage is p2p / (compute + p2p): the share of the pipelined (forward/backward) phase a
-stage spends waiting on its neighbours. With equal stages it is the bubble (pp-1)/(gas+pp-1); more means imbalance
-or slow transfers. Only `train_batch` is timed: `eval_batch` runs the same handlers and is not counted.
+stage spends waiting on its neighbours. With equal stages it is the bubble (pp-1)/(gas+pp-1), at --vpp v
+(pp-1)/(v gas+pp-1); more means imbalance or slow transfers. Only `train_batch` is timed: `eval_batch` runs the
+same handlers and is not counted.
 """
 
 from __future__ import annotations
@@ -265,5 +266,7 @@ def per_stage(rows: torch.Tensor, pp: int, timed: bool = True) -> dict[str, floa
     return out
 
 
-def ideal_bubble(pp: int, gas: int) -> float:
-    return (pp - 1) / (gas + pp - 1)
+def ideal_bubble(pp: int, gas: int, vpp: int = 1) -> float:
+    """The idle fraction of equal stages under 1F1B, interleaved over `vpp` chunks per rank (--vpp; Narayanan et
+    al. 2021): (pp - 1) / (vpp gas + pp - 1), what `threed.parallel.schedule.simulate` finds in unit costs."""
+    return (pp - 1) / (vpp * gas + pp - 1)

@@ -82,7 +82,7 @@ def resolve_dims(cfg: RunConfig, world: int) -> RunDims:
         seq_length=t.seq_length,
         bounds=bounds,
         recompute=full_recompute(t),
-        recompute_phrase=recompute_phrase(t, list(bounds), cfg.model),
+        recompute_phrase=recompute_phrase(t, list(bounds), cfg.model, p.pp),
         schedule=p.pipeline_schedule,
         vpp=p.vpp,
     )

@@ -187,11 +187,19 @@ def stage_blocks(bounds: list[int], model: ModelConfig) -> list[int]:
     return [sum(la.kind == "block" for la in layers[a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
-def recompute_phrase(train: TrainConfig, bounds: list[int], model: ModelConfig) -> str:
+def stage_name(stage: int, pp: int, stages: int) -> str:
+    """`pipeline stage 3`, or at --vpp > 1 (more `stages` than `pp`) `virtual stage 3 (rank 1, chunk 1)`."""
+    return (
+        f"pipeline stage {stage}" if stages <= pp else f"virtual stage {stage} (rank {stage % pp}, chunk {stage // pp})"
+    )
+
+
+def recompute_phrase(train: TrainConfig, bounds: list[int], model: ModelConfig, pp: Optional[int] = None) -> str:
     """What backward recomputes, as a phrase for the start-up line; ConfigError when --recompute-num-layers does not
     fit the stages `bounds`. Megatron asks for N "between 1 and num_layers_per_pipeline_rank": with `block` each
     stage must hold N blocks (a stage with fewer would silently recompute fewer); with `uniform` a chunk never crosses
-    a stage, so N above the largest stage's blocks means nothing (a smaller stage is one chunk, as in Megatron)."""
+    a stage, so N above the largest stage's blocks means nothing (a smaller stage is one chunk, as in Megatron). At
+    --vpp > 1 `bounds` are the virtual stages (pass `pp` to name them): Megatron counts N per virtual stage."""
     if train.recompute_granularity == "selective":
         return "selective (the core attention of every block)"
     plan = full_recompute(train)
@@ -200,25 +208,29 @@ def recompute_phrase(train: TrainConfig, bounds: list[int], model: ModelConfig) 
     method, n = plan
     counts = stage_blocks(bounds, model)
     flags = f"--recompute-method {method} --recompute-num-layers {n}"
+    pp = pp or len(counts)
     if method == "uniform":
         most = max(counts)
         if n > most:
             raise ConfigError(
-                f"{flags}: a recompute chunk lies within one pipeline stage and the largest, stage "
-                f"{counts.index(most)}, holds {most} blocks; use --recompute-num-layers {most} or fewer"
+                f"{flags}: a recompute chunk lies within one pipeline stage and the largest, "
+                f"{stage_name(counts.index(most), pp, len(counts)).removeprefix('pipeline ')}, holds {most} blocks; "
+                f"use --recompute-num-layers {most} or fewer"
             )
         return f"full, uniform: every block, in chunks of {n}"
     for stage, blocks in enumerate(counts):
         if n > blocks:
             raise ConfigError(
-                f"{flags}: pipeline stage {stage} holds {blocks} block{'s' * (blocks != 1)}, fewer "
+                f"{flags}: {stage_name(stage, pp, len(counts))} holds {blocks} block{'s' * (blocks != 1)}, fewer "
                 f"than {n} to recompute; use --recompute-num-layers {min(counts)} or fewer (the "
                 f"smallest stage's blocks), or --recompute-method uniform to recompute every block"
             )
     if len(set(counts)) == 1:
-        return f"full, block: the first {n} of {counts[0]} blocks on each of {len(counts)} stages"
+        virtual = "virtual " * (len(counts) > pp)
+        return f"full, block: the first {n} of {counts[0]} blocks on each of {len(counts)} {virtual}stages"
     return "full, block " + ", ".join(
-        f"{n} of {blocks} block{'s' * (blocks != 1)} on stage {stage}" for stage, blocks in enumerate(counts)
+        f"{n} of {blocks} block{'s' * (blocks != 1)} on {stage_name(stage, pp, len(counts)).removeprefix('pipeline ')}"
+        for stage, blocks in enumerate(counts)
     )
 
 
