@@ -37,6 +37,8 @@ SAVE_AT = 3
 def config(args: argparse.Namespace, vpp: int, gas: int, variant: str = "") -> RunConfig:
     """The run at `vpp`; `variant`: one of schedule_worker's VARIANTS (bf16, recompute, packed rows, ...)."""
     model = tied_model_config() if args.tied else model_config("gqa31")
+    if args.layers:  # more blocks than HF's gqa31 (pp 4 vpp 2: 8 virtual stages), from threed's own init
+        model = dataclasses.replace(model, num_layers=args.layers)
     changes = VARIANTS[variant][0] if variant else {}
     train = {k: v for k, v in changes.items() if k not in ("pack", "sequence_parallel")}
     stages = args.pp * vpp
@@ -82,7 +84,8 @@ def trained(cfg: RunConfig, rt: Runtime, ds, hf_state: dict, save: str = "") -> 
     if save:
         cfg = dataclasses.replace(cfg, checkpoint=CheckpointConfig(save=save, auto_resume=False))
     engine = build_engine(cfg, rt).engine
-    load_hf_weights(engine, cfg, hf_state)
+    if cfg.model.num_layers == hf_model_layers():
+        load_hf_weights(engine, cfg, hf_state)
     timer = StageTimer(engine, rt.device)  # the per-stage idle metric's timers (threed.metrics.stages)
     timer.install()
     losses, norms = run(cfg, engine, ds, 0, SAVE_AT if save else STEPS)
@@ -103,6 +106,10 @@ def trained(cfg: RunConfig, rt: Runtime, ds, hf_state: dict, save: str = "") -> 
         "dp_rank": engine.grid.get_data_parallel_rank(),
         "weights": checksums(engine, rt),
     }
+
+
+def hf_model_layers() -> int:
+    return model_config("gqa31").num_layers
 
 
 def resumed(cfg: RunConfig, rt: Runtime, ds, load: str) -> dict:
@@ -154,6 +161,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tied", action="store_true", help="the tied-embedding model (Llama 3.2's tie)")
     p.add_argument("--resume", action="store_true", help="save at step 3 under each vpp, resume under each")
     p.add_argument("--load", help="(resume) the checkpoint directory to resume from")
+    p.add_argument("--layers", type=int, default=0, help="blocks (0: gqa31's, with its HF weights)")
     p.add_argument("--variants", default="", help="schedule_worker's VARIANTS, each at gas 4 under every vpp")
 
 

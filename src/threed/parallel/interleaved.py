@@ -14,7 +14,8 @@ backward, loss, data loading and gradient reductions, and replaces the instructi
   to the one before) form one batch on each side (torch's batch_isend_irecv: one NCCL group; separate isend /
   irecv under gloo), posted at that tick by sender and receiver alike: every channel carries its messages in the
   same order at both ends, and nothing waits for a send. A pass waits only for the batch that brought its input,
-  posted in an earlier tick; so no rank can wait on one that waits on it.
+  posted in an earlier tick; so no rank can wait on one that waits on it. A sent tensor is let go once a later
+  batch from its receiver has come in (`_let_go_of_sends`): the receiver has posted its receive by then.
 - Buffers are per (micro-batch, chunk) slot, gas x V of them, each freed when its pass is done; the last virtual
   stage keeps each micro-batch's loss until its backward (its F and B need not be adjacent).
 - The tensor meta (shapes, dtypes) of the activations into each chunk comes once, in the first message's tick
@@ -51,6 +52,7 @@ META_SIZE = 32  # int64 words of one activation meta message: (is tensor, count,
 
 @dataclass(frozen=True)
 class Tick:
+    time: int  # on the common clock
     run: Optional[Pass]  # the pass this rank runs at the tick, if any
     sends: tuple[Message, ...]
     recvs: tuple[Message, ...]
@@ -93,7 +95,7 @@ def ticks(orders: list[list[Pass]], vpp: int) -> list[list[Tick]]:
     for r in range(pp):
         runs = dict(placed[r])
         times = sorted(set(runs) | {t for rank, t in sends if rank == r} | {t for rank, t in recvs if rank == r})
-        out.append([Tick(runs.get(t), tuple(sends.get((r, t), ())), tuple(recvs.get((r, t), ()))) for t in times])
+        out.append([Tick(t, runs.get(t), tuple(sends.get((r, t), ())), tuple(recvs.get((r, t), ()))) for t in times])
     return out
 
 
@@ -143,7 +145,7 @@ class InterleavedSchedule(ds_schedule.PipeSchedule):
                         cmds.append(ds_schedule.RecvGrad(slot, chunk=c))
                     cmds.append(ds_schedule.BackwardPass(slot, chunk=c))
             if tick.sends or tick.recvs:
-                cmds.append(Exchange(sends=tick.sends, recvs=tick.recvs))
+                cmds.append(Exchange(tick=tick.time, sends=tick.sends, recvs=tick.recvs))
             yield cmds
         if self.train:
             yield [ds_schedule.ReduceTiedGrads(), ds_schedule.ReduceGrads(), ds_schedule.OptimizerStep()]
@@ -151,10 +153,13 @@ class InterleavedSchedule(ds_schedule.PipeSchedule):
 
 class Batch:
     """One tick's posted sends and receives, waited for once: a gloo work waited for a second time waits for a
-    second message (torch 2.13's gloo receive times out there)."""
+    second message (torch 2.13's gloo receive times out there). `peers`: the global ranks it sends to."""
 
-    def __init__(self, ops: list):
+    def __init__(self, ops: list, tick: int = -1):
         self.works = dist.batch_isend_irecv(ops)
+        self.tick = tick
+        self.peers = {op.peer for op in ops if op.op is dist.isend}
+        self.sources = {op.peer for op in ops if op.op is dist.irecv}
         self.done = False
 
     def wait(self) -> None:
@@ -172,6 +177,7 @@ class InFlight:
     grads: dict[int, Any] = field(default_factory=dict)  # slot -> received output gradient, until its backward
     losses: dict[int, torch.Tensor] = field(default_factory=dict)  # slot -> loss, until its backward
     sends: list[tuple[Batch, list[torch.Tensor]]] = field(default_factory=list)  # kept alive until sent
+    heard: dict[int, int] = field(default_factory=dict)  # global rank -> latest tick of a batch received from it
     specs: dict[int, tuple[bool, list]] = field(default_factory=dict)  # chunk -> its activations' meta
     meta_sent: set[int] = field(default_factory=set)  # chunks whose outputs' meta went out
 
@@ -180,6 +186,7 @@ class InFlight:
         self.grads.clear()
         self.losses.clear()
         self.sends.clear()
+        self.heard.clear()
 
 
 def _as_list(x: Any) -> list[torch.Tensor]:
@@ -277,11 +284,30 @@ class InterleavedEngine(LeanPipelineEngine):
         self._flight().grads[buffer_id] = tensors[0] if is_tensor else tensors
 
     def _received(self, kind: str, slot: int) -> tuple[list[torch.Tensor], bool]:
-        batch, tensors, is_tensor = self._flight().recvd.pop((kind, slot))
+        flight = self._flight()
+        batch, tensors, is_tensor = flight.recvd.pop((kind, slot))
         batch.wait()
+        for peer in batch.sources:
+            flight.heard[peer] = max(flight.heard.get(peer, -1), batch.tick)
+        self._let_go_of_sends()
         return tensors, is_tensor
 
-    def _exec_exchange(self, sends, recvs):
+    def _let_go_of_sends(self) -> None:
+        """Sent tensors (a gradient is referenced by nothing else) are kept until their batch is done. A peer whose
+        tick-t batch reached us has posted every receive of its ticks up to t, ours among them: our sends to it up
+        to tick t finish without waiting on the peer (gloo's `is_completed` stays False until waited for), so they
+        are waited for and let go here, not only at the step's end (gas x vpp gradients held otherwise)."""
+        flight = self._flight()
+        kept = []
+        for batch, tensors in flight.sends:
+            # (its receives too: from each source a later batch has come, so this one's is in)
+            if all(flight.heard.get(peer, -1) >= batch.tick for peer in batch.peers | batch.sources):
+                batch.wait()
+            else:
+                kept.append((batch, tensors))
+        flight.sends[:] = kept
+
+    def _exec_exchange(self, tick, sends, recvs):
         flight, vpp = self._flight(), self.module.vpp
         self._exchange_meta(sends, recvs)
         ops, sent, posted = [], [], []
@@ -293,7 +319,7 @@ class InterleavedEngine(LeanPipelineEngine):
             tensors, is_tensor = self._incoming(kind, j * vpp + chunk, chunk)
             posted.append(((kind, j * vpp + chunk), tensors, is_tensor))
             ops += [dist.P2POp(dist.irecv, t, self.grid.stage_to_global(peer)) for t in tensors]
-        batch = Batch(ops)
+        batch = Batch(ops, tick)
         for key, tensors, is_tensor in posted:
             flight.recvd[key] = (batch, tensors, is_tensor)
         if sent:
