@@ -47,6 +47,7 @@ def config(args: argparse.Namespace, vpp: int, gas: int, variant: str = "") -> R
         parallel=ParallelConfig(
             tp=args.tp,
             pp=args.pp,
+            cp=args.cp,
             vpp=vpp,
             # one block per virtual stage at pp 2 vpp 2: the same blocks per rank as pp 2's layers:2,2
             partition_method="layers:" + ",".join([str(model.num_layers // stages)] * stages),
@@ -100,7 +101,8 @@ def trained(cfg: RunConfig, rt: Runtime, ds, hf_state: dict, save: str = "") -> 
         "timing": {bucket: timer.totals[bucket] for bucket in ("compute", "p2p", "dp-reduce", "optimizer")},
         "losses": losses,
         "grad_norms": norms,
-        "eval": None if cfg.data.pack else evaluation(engine, cfg),
+        # (no evaluation with packed rows or under CP: `evaluation`'s rows are whole, not split as run_steps splits)
+        "eval": None if cfg.data.pack or cfg.parallel.cp > 1 else evaluation(engine, cfg),
         "class": type(engine).__name__,
         "stage": engine.stage_id,
         "dp_rank": engine.grid.get_data_parallel_rank(),
@@ -155,6 +157,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", required=True)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=2)
+    p.add_argument("--cp", type=int, default=1)
     p.add_argument("--gas", default="4")
     p.add_argument("--vpps", default="1,2")
     p.add_argument("--sp", action="store_true", help="sequence parallelism")

@@ -2,10 +2,11 @@
 HF's gqa31 weights (4 blocks: one per virtual stage at pp 2 vpp 2), 5 steps: the same losses, gradient norms,
 evaluation loss and final weights within 1e-6 relative. The messages' clock (`ticks`) is checked without ranks.
 
-`make test` runs pp 2 vpp 2 against pp 2 at gas 4 (2 ranks). Slow: gas 6, a single process, tp2 pp2 vpp2 dp2 with
-sequence parallelism and Llama 3.2's tied embedding (8 ranks), bf16, full and selective recompute and packed rows
-at pp 2, a checkpoint saved at vpp 2 resumed at vpp 2 and at vpp 1 (and back), a universal resume at pp 4 vpp 1 (and
-back), a rank killed mid-save. The divergence guard at vpp 2: test_divergence.py.
+`make test` runs pp 2 vpp 2 against pp 2 at gas 4 (2 ranks). Slow: gas 6, a single process, pp 4, cp 2, tp2 pp2
+vpp2 dp2 with sequence parallelism and Llama 3.2's tied embedding (8 ranks), bf16, full and selective recompute and
+packed rows at pp 2, a checkpoint saved at vpp 2 resumed at vpp 2 and at vpp 1 (and back), a universal resume at
+pp 4 vpp 1 (and back), a rank killed mid-save, and the memory model's activation peak. The divergence guard at
+vpp 2: test_divergence.py.
 """
 
 from __future__ import annotations
@@ -108,6 +109,11 @@ def pp4(launch) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
+def cp2pp2(launch) -> list[dict]:
+    return launch(4, ["--pp", "2", "--cp", "2", "--gas", "4", "--vpps", "1,2"])[0]
+
+
+@pytest.fixture(scope="module")
 def pp2_variants(launch) -> list[dict]:
     return launch(2, ["--pp", "2", "--gas", "", "--vpps", "1,2", "--variants", "bf16,uniform1,selective,packed"])[0]
 
@@ -173,6 +179,11 @@ def test_pp4_vpp2_is_1f1b(pp4, gas) -> None:
     """Four ranks: each sends to the next and the one before, which differ, and rank 3's chunk c feeds rank 0's
     chunk c + 1 (8 blocks, threed's own init, the same at any layout)."""
     check_against_1f1b(pp4, gas)
+
+
+@pytest.mark.slow
+def test_cp2_pp2_vpp2_is_cp2_pp2(cp2pp2) -> None:
+    check_against_1f1b(cp2pp2, 4)
 
 
 @pytest.mark.slow
