@@ -101,9 +101,12 @@ export: $(STAMP)
 	$(PY) -m threed.cli export --ckpt $(CKPT) --out $(OUT) $(ARGS)
 
 # docs/flags.md from the config fields' metadata, the same the parser is built from (tools/gen_flags.py;
-# tests/unit/test_docs.py fails when the file is stale). PYTHONPATH: this checkout's source, whatever the venv holds.
+# tests/unit/test_docs.py fails when the file is stale), and the pipeline timelines of docs/schedules-and-memory.md
+# from the schedule model (tools/gen_timelines.py; tests/unit/test_schedule_vpp.py). PYTHONPATH: this checkout's
+# source, whatever the venv holds.
 docs: $(STAMP)
 	PYTHONPATH=src $(PY) tools/gen_flags.py
+	PYTHONPATH=src $(PY) tools/gen_timelines.py
 
 clean:
 	rm -rf runs .pytest_cache

@@ -82,7 +82,11 @@ def worker(a: argparse.Namespace) -> None:
     cfg = RunConfig(
         model=bench_model(a.layers),
         parallel=ParallelConfig(
-            tp=1, pp=a.pp, partition_method=a.partition, pipeline_schedule=a.schedule if a.pp > 1 else "1f1b"
+            tp=1,
+            pp=a.pp,
+            vpp=a.vpp if a.pp > 1 else 1,
+            partition_method=a.partition,
+            pipeline_schedule=a.schedule if a.pp > 1 else "1f1b",
         ),
         train=TrainConfig(
             dtype="fp32",
@@ -171,7 +175,7 @@ def worker(a: argparse.Namespace) -> None:
         "idle": idle,
         "loss": loss,
     }
-    Path(a.out, f"pp{a.pp}_{a.schedule}_rank{rt.rank}.json").write_text(json.dumps(result))
+    Path(a.out, f"pp{a.pp}_{a.schedule}_v{a.vpp}_rank{rt.rank}.json").write_text(json.dumps(result))
 
 
 def launch(a: argparse.Namespace, pp: int, out: str) -> list[dict]:
@@ -199,11 +203,13 @@ def launch(a: argparse.Namespace, pp: int, out: str) -> list[dict]:
         str(a.layers),
         "--schedule",
         a.schedule,
+        "--vpp",
+        str(a.vpp),
         "--wait-quiet",
         str(a.wait_quiet),
     ]
     run_ranks(pp, os.path.abspath(__file__), args, env={"OMP_NUM_THREADS": "1"}, timeout=1800)
-    return [json.loads(Path(out, f"pp{pp}_{a.schedule}_rank{r}.json").read_text()) for r in range(pp)]
+    return [json.loads(Path(out, f"pp{pp}_{a.schedule}_v{a.vpp}_rank{r}.json").read_text()) for r in range(pp)]
 
 
 def main() -> int:
@@ -223,6 +229,7 @@ def main() -> int:
     )
     p.add_argument("--layers", type=int, default=MODEL["num_layers"], help="transformer blocks (default: %(default)s)")
     p.add_argument("--schedule", default="1f1b", choices=("1f1b", "zb-h1"), help="--pipeline-schedule of the pp2 run")
+    p.add_argument("--vpp", type=int, default=1, help="--vpp of the pp2 run (interleaved stages)")
     p.add_argument(
         "--wait-quiet",
         type=float,

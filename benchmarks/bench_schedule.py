@@ -1,8 +1,9 @@
 """Pipeline schedules against each other: the benchmark model of `bench_pipeline.py` (its worker, one thread per
 rank, fp32, synthetic batches, the metrics writer's per-stage timings) at pp2 and pp4 with gas = 2·pp, under
-`--pipeline-schedule 1f1b` and `zb-h1` (one launch each, alternating `--rounds` times). Prints each stage's idle
-fraction (time blocked on its neighbours / time in the pipelined phase, `threed.metrics.stages`) under both schedules,
-next to what `threed.parallel.schedule.simulate` predicts in unit costs, and the step-time ratio 1f1b / zb-h1.
+`--pipeline-schedule 1f1b`, `zb-h1` and interleaved 1F1B at `--vpp 2` (one launch each, alternating `--rounds`
+times). Prints each stage's idle fraction (time blocked on its neighbours / time in the pipelined phase,
+`threed.metrics.stages`) under each, next to what `threed.parallel.schedule.simulate` predicts in unit costs, and
+each schedule's step-time ratio and mean idle against 1f1b's.
 
     .venv/bin/python benchmarks/bench_schedule.py [--pps 2,4] [--gas 0] [--rounds 2] [--wait-quiet 120]
 
@@ -24,14 +25,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_pipeline import MODEL, launch, measured_partition, sample_run_queue  # noqa: E402  (its worker and model)
 
-SCHEDULES = ("1f1b", "zb-h1")
+# name -> (--pipeline-schedule, --vpp)
+SCHEDULES = {"1f1b": ("1f1b", 1), "zb-h1": ("zb-h1", 1), "1f1b-vpp2": ("1f1b", 2)}
 
 
 def measure(a: argparse.Namespace, pp: int, gas: int, schedule: str, out: str) -> dict:
     """One launch: the step time (median chunk; a step ends on the slowest rank) and the writer's per-stage idle
     fractions, over the chunks that ran alone under --wait-quiet."""
     b = copy.copy(a)
-    b.gas, b.schedule = gas, schedule
+    b.gas, (b.schedule, b.vpp) = gas, SCHEDULES[schedule]
     ranks = launch(b, pp, out)
     quiet = [i for i, q in enumerate(ranks[0]["queues"]) if not a.wait_quiet or q <= pp + 1] or list(range(a.repeats))
     steps = [max(r["chunks"][i] for r in ranks) for i in quiet]
@@ -93,8 +95,8 @@ def main() -> int:
                 }
                 for s, rs in runs.items()
             }
-            for s in SCHEDULES:
-                unit = simulate(s, pp, gas)[1]
+            for s, (schedule, vpp) in SCHEDULES.items():
+                unit = simulate(schedule, pp, gas, vpp=vpp)[1]
                 print(
                     f"pp{pp} gas{gas} {s:>5}: step {got[s]['step'] * 1000:.0f} ms; idle per stage "
                     + " ".join(f"{x * 100:.1f}%" for x in got[s]["idle"])
@@ -103,14 +105,15 @@ def main() -> int:
                     + " ms",
                     flush=True,
                 )
-            base, zb = got["1f1b"], got["zb-h1"]
-            print(
-                f"pp{pp} gas{gas}: zb-h1 speed-up over 1f1b {base['step'] / zb['step']:.3f}x; mean idle "
-                f"{statistics.mean(zb['idle']) * 100:.1f}% vs {statistics.mean(base['idle']) * 100:.1f}% "
-                f"({statistics.mean(zb['idle']) / statistics.mean(base['idle']):.2f} of 1f1b's); losses "
-                f"{runs['1f1b'][0]['loss']:.6f} / {runs['zb-h1'][0]['loss']:.6f}",
-                flush=True,
-            )
+            base = got["1f1b"]
+            for s in list(SCHEDULES)[1:]:
+                print(
+                    f"pp{pp} gas{gas}: {s} speed-up over 1f1b {base['step'] / got[s]['step']:.3f}x; mean idle "
+                    f"{statistics.mean(got[s]['idle']) * 100:.1f}% vs {statistics.mean(base['idle']) * 100:.1f}% "
+                    f"({statistics.mean(got[s]['idle']) / statistics.mean(base['idle']):.2f} of 1f1b's); losses "
+                    f"{runs['1f1b'][0]['loss']:.6f} / {runs[s][0]['loss']:.6f}",
+                    flush=True,
+                )
     sampling.set()
     if queue:
         mean = statistics.mean(queue)

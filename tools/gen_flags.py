@@ -119,7 +119,7 @@ def section_table(section: str, cls: type) -> list[str]:
         rec = Recorder()
         add_field_flag(rec, section, f.name)
         (names, kw), m = rec.calls[0], field_meta(f)
-        alias = f"`{m.alias}`" if m.alias else ""
+        alias = ", ".join(f"`{a}`" for a in m.aliases)
         row = [f"`{names[0]}`", alias, cell(type_text(kw, m)), cell(default_text(kw["default"])), cell(m.help)]
         lines.append("| " + " | ".join(row) + " |")
     return lines + [""]

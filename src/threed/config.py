@@ -25,12 +25,17 @@ class Meta:
     """What a field says about itself besides its type and default."""
 
     help: str = ""  # the one line of `threed train --help`
-    alias: Optional[str] = None  # Megatron-LM's flag, where it differs from ours
+    alias: Optional[str | tuple[str, ...]] = None  # Megatron-LM's flag(s), where they differ from ours
     metavar: Optional[str] = None  # argparse metavar (default: from the type)
     nargs: Optional[str] = None  # "+" for the Megatron blends (WEIGHT PREFIX ...)
     at_least: float = 0  # numeric fields: value >= at_least
     above: Optional[float] = None  # value > above
     below: Optional[float] = None  # value < below
+
+    @property
+    def aliases(self) -> tuple[str, ...]:
+        """Every other name of the flag, in the order given."""
+        return (self.alias,) if isinstance(self.alias, str) else tuple(self.alias or ())
 
 
 def meta(help: str = "", **kw: Any) -> dict[str, Meta]:
@@ -145,6 +150,40 @@ def check_lm_head_chunks(
         )
 
 
+def check_virtual_stages(pp: int, vpp: int, num_layers: int, schedule: str = "1f1b", gas: Optional[int] = None) -> None:
+    """`--vpp V`: the rules of Megatron's interleaved 1F1B that a config can break (training's, check-config's,
+    `threed memory`'s and the planner's, in one wording). Megatron spreads the blocks evenly over the pp x vpp
+    virtual stages, and its interleaved schedule takes micro-batches in groups of pp (its
+    microbatch_group_size_per_vp_stage, default pp): it refuses a last group of fewer than pp, so gas must be a
+    multiple of pp. ZB-H1's deferred weight gradients are not built over chunks."""
+    if vpp == 1:
+        return
+    if pp == 1:
+        raise ConfigError(
+            f"--vpp {vpp} needs pp > 1 (virtual stages interleave a pipeline; one stage has none); drop --vpp or "
+            f"use --pipeline-model-parallel-size 2 or more"
+        )
+    if schedule != "1f1b":
+        raise ConfigError(
+            f"--vpp {vpp} with --pipeline-schedule {schedule} is not built (interleaving is 1F1B's); use "
+            f"--pipeline-schedule 1f1b, or --vpp 1"
+        )
+    if num_layers % (pp * vpp):
+        fits = [v for v in range(1, num_layers // pp + 1) if num_layers % (pp * v) == 0]
+        raise ConfigError(
+            f"--vpp {vpp} cuts the {num_layers} blocks into pp x vpp = {pp * vpp} virtual stages of equal blocks "
+            f"(Megatron's rule): {pp * vpp} does not divide {num_layers}; at pp {pp} use --vpp "
+            f"{' or '.join(str(v) for v in fits)}"
+        )
+    if gas is not None and gas % pp:
+        raise ConfigError(
+            f"--vpp {vpp}: interleaved 1F1B runs the micro-batches in groups of pp = {pp} (Megatron's "
+            f"microbatch_group_size_per_vp_stage) and takes no smaller last group: {gas} micro-batches per step "
+            f"is not a multiple of {pp}; use a multiple of {pp} micro-batches (--grad-accum-steps, or a "
+            f"--global-batch-size of micro x dp x a multiple of {pp})"
+        )
+
+
 def check_torch_compile(mode: str, schedule: str = "1f1b") -> None:
     """`--torch-compile block` with ZB-H1 is refused because it is unchecked, not because it is known to fail: ZB-H1
     defers the linears' weight gradients from inside the block's backward (`threed.model.wgrad`), and the linears run
@@ -208,6 +247,32 @@ class ParallelConfig:
         ),
     )
 
+    # Megatron-LM's interleaved 1F1B (Narayanan et al. 2021, section 2.2): each rank holds vpp chunks of layers,
+    # virtual stage c * pp + r on rank r (threed.parallel.schedule.interleaved_order, threed.parallel.dims). The bubble
+    # falls by vpp, the sends between stages grow by vpp. As in Megatron it is no schedule name of its own: 1f1b
+    # with vpp > 1 interleaves.
+    vpp: int = field(
+        default=1,
+        metadata=meta(
+            "virtual pipeline stages per rank: each rank holds vpp non-contiguous chunks of layers (interleaved "
+            "1F1B: the bubble / vpp, vpp x the sends between stages); needs pp > 1, 1f1b, blocks divisible by pp x vpp "
+            "and micro-batches by pp",
+            at_least=1,
+            # Megatron's older and newer names; the issue's --virtual-pipeline-stages
+            alias=(
+                "--virtual-pipeline-model-parallel-size",
+                "--num-virtual-stages-per-pipeline-rank",
+                "--virtual-pipeline-stages",
+            ),
+            metavar="V",
+        ),
+    )
+    # Megatron-LM's other way to say it: blocks per virtual stage, vpp = num_layers / (pp x N); RunConfig sets vpp.
+    num_layers_per_virtual_pipeline_stage: Optional[int] = field(
+        default=None,
+        metadata=meta("blocks per virtual pipeline stage: sets --vpp to blocks / (pp x N)", at_least=1, metavar="N"),
+    )
+
     def dp(self, world_size: int) -> int:
         return world_size // (self.tp * self.pp * self.cp)
 
@@ -240,6 +305,7 @@ class ParallelConfig:
                 f"pp={pp} is larger than num_layers={model.num_layers}: a pipeline stage would hold no "
                 f"transformer block. Use pp <= {model.num_layers}"
             )
+        check_virtual_stages(pp, self.vpp, model.num_layers, self.pipeline_schedule)
 
 
 @dataclass(frozen=True)
@@ -751,6 +817,28 @@ class RunConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
 
+    def __post_init__(self) -> None:
+        """`--num-layers-per-virtual-pipeline-stage N` becomes the vpp it means, so that every reader of the config
+        finds the chunks in `parallel.vpp`; ConfigError (one line) when N does not fit or contradicts --vpp."""
+        p, n = self.parallel, self.parallel.num_layers_per_virtual_pipeline_stage
+        if n is None:
+            return
+        blocks = self.model.num_layers
+        if n < 1 or p.pp < 1 or blocks % (p.pp * n):
+            fits = [str(k) for k in range(1, blocks + 1) if p.pp >= 1 and blocks % (p.pp * k) == 0]
+            fix = f"use N = {' or '.join(fits)}" if fits else f"pp {p.pp} does not divide them: change pp"
+            raise ConfigError(
+                f"--num-layers-per-virtual-pipeline-stage {n}: pp x N = {p.pp} x {n} must divide the {blocks} "
+                f"blocks; {fix}"
+            )
+        vpp = blocks // (p.pp * n)
+        if p.vpp not in (1, vpp):
+            raise ConfigError(
+                f"--num-layers-per-virtual-pipeline-stage {n} means --vpp {vpp} at pp {p.pp} ({blocks} blocks), "
+                f"not --vpp {p.vpp}; give one of them"
+            )
+        object.__setattr__(self, "parallel", dataclasses.replace(p, vpp=vpp))
+
     def validate(self, world_size: int) -> None:
         """Every field's range, then the arithmetic: what training, the dry run and `threed check-config` check
         before anything is built."""
@@ -785,7 +873,8 @@ class RunConfig:
             self.train.lm_head_chunks, self.train.seq_length, p.tp, p.cp, p.sequence_parallel, p.pipeline_schedule
         )
         check_torch_compile(self.train.torch_compile, p.pipeline_schedule)
-        self.train.resolve_batch(self.parallel.dp(world_size))
+        _, gas, _ = self.train.resolve_batch(self.parallel.dp(world_size))
+        check_virtual_stages(p.pp, p.vpp, self.model.num_layers, p.pipeline_schedule, gas)
         if self.checkpoint.load and self.checkpoint.init_from:
             raise ConfigError("give either load (full resume) or init_from (weights only), not both")
 

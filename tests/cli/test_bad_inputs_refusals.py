@@ -120,12 +120,49 @@ ROWS = [
         PLAN + ["--gpu-memory", "80", "--pp", "1", "--pipeline-schedule", "zb-h1"],
         r"none together\. .*drop or change --pp 1 --pipeline-schedule zb-h1$",
     ),
+    # --vpp (interleaved 1F1B): Megatron's rules, before any process group
+    ("vpp-pp1", TRAIN + ["--vpp", "2"], r"--vpp 2 needs pp > 1 .*use --pipeline-model-parallel-size 2 or more$"),
+    (
+        "vpp-layers-per-stage",
+        TRAIN + ["--pp", "2", "--num-layers-per-virtual-pipeline-stage", "3"],
+        r"--num-layers-per-virtual-pipeline-stage 3: pp x N = 2 x 3 must divide the 4 blocks; use N = 1 or 2$",
+    ),
+    (
+        "check-vpp-two-ways",
+        CHECK + ["--world", "2", "--pp", "2", "--vpp", "2", "--num-layers-per-virtual-pipeline-stage", "2"],
+        r"--num-layers-per-virtual-pipeline-stage 2 means --vpp 1 at pp 2 \(4 blocks\), not --vpp 2; give one of them$",
+    ),
+    (
+        "check-vpp-zb-h1",
+        CHECK + ["--world", "2", "--pp", "2", "--vpp", "2", "--pipeline-schedule", "zb-h1"],
+        r"--vpp 2 with --pipeline-schedule zb-h1 is not built .*use --pipeline-schedule 1f1b, or --vpp 1$",
+    ),
+    (
+        "check-vpp-blocks",
+        CHECK + ["--world", "2", "--pp", "2", "--virtual-pipeline-model-parallel-size", "3"],
+        r"--vpp 3 cuts the 4 blocks into pp x vpp = 6 virtual stages of equal blocks .* use --vpp 1 or 2$",
+    ),
+    (
+        "check-vpp-gas",
+        CHECK + ["--world", "2", "--pp", "2", "--vpp", "2", "--grad-accum-steps", "3"],
+        r"--vpp 2: interleaved 1F1B runs the micro-batches in groups of pp = 2 .* 3 micro-batches per step is not",
+    ),
+    (
+        "plan-filter-vpp",
+        PLAN + ["--gpu-memory", "80", "--vpp", "3"],
+        r"--vpp 3 alone leaves none\..* vpp > 1 1f1b with pp x vpp dividing the blocks .*change --vpp 3$",
+    ),
     # the launcher's values: the variable named, no usage dump
     (
         "launch-schedule",
         ("launch", "recipes/tiny.sh", {"PIPELINE_SCHEDULE": "zb-h2"}, True),
         r"PIPELINE_SCHEDULE=zb-h2 is not one of 1f1b, zb-h1 \(it becomes --pipeline-schedule zb-h2\); fix "
         r"PIPELINE_SCHEDULE",
+    ),
+    (
+        "launch-vpp",
+        ("launch", "recipes/tiny.sh", {"VPP": "two"}, True),
+        r"VPP=two is not a whole number \(it becomes --vpp two\); fix VPP",
     ),
     (
         "launch-recompute-layers",

@@ -25,10 +25,10 @@ REPO = Path(__file__).resolve().parents[2]
 LAUNCH = REPO / "recipes" / "launch.sh"
 
 # Values unlike the launcher's and tiny.sh's defaults, in groups training accepts together (ACT_CKPT and the
-# RECOMPUTE_* flags are two ways to say recompute; LOAD and INIT_FROM two ways to start).
+# RECOMPUTE_* flags are two ways to say recompute; LOAD and INIT_FROM two ways to start; VPP > 1 is 1F1B's).
 COMMON = {
-    "MODEL": "tiny", "TP": "2", "PP": "2", "PIPELINE_SCHEDULE": "zb-h1", "MICRO": "2", "GAS": "", "GLOBAL": "8",
-    "SEQ": "64", "LR": "0.002", "MIN_LR": "0.0002", "WARMUP": "3", "STEPS": "7", "DTYPE": "fp32",
+    "MODEL": "tiny", "TP": "2", "PP": "2", "PIPELINE_SCHEDULE": "zb-h1", "VPP": "", "MICRO": "2", "GAS": "",
+    "GLOBAL": "8", "SEQ": "64", "LR": "0.002", "MIN_LR": "0.0002", "WARMUP": "3", "STEPS": "7", "DTYPE": "fp32",
     "SEQUENCE_PARALLEL": "true", "DATA": "0.25 /data/a_text_document 0.75 /data/b_text_document",
     "SPLIT": "90,5,5", "DATA_CACHE_PATH": "/data/cache", "PACK": "false", "EVAL_INTERVAL": "5", "EVAL_ITERS": "2",
     "TOKENIZER": "/data/tokenizer.json", "SAVE": "/ckpt/save", "SAVE_INTERVAL": "5", "LOG_INTERVAL": "2",
@@ -41,7 +41,8 @@ COMMON = {
 GROUPS = [
     {**COMMON, "ACT_CKPT": "true", "INIT_FROM": "/ckpt/init"},
     {**COMMON, "ACT_CKPT": "false", "RECOMPUTE_GRANULARITY": "full", "RECOMPUTE_METHOD": "block",
-     "RECOMPUTE_NUM_LAYERS": "1", "LOAD": "/ckpt/load", "PACK": "true", "ASYNC_SAVE": "1"},
+     "RECOMPUTE_NUM_LAYERS": "1", "LOAD": "/ckpt/load", "PACK": "true", "ASYNC_SAVE": "1",
+     "PIPELINE_SCHEDULE": "1f1b", "VPP": "2"},
 ]  # fmt: skip
 
 

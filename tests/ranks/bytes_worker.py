@@ -64,7 +64,7 @@ def deepspeeds_own() -> Iterator[None]:
     with (
         mock.patch.object(BF16_Optimizer, "_update_hp_grad", getattr(current, "deepspeed", current)),
         mock.patch.object(fp32_accumulate, "install", lambda: False),
-        mock.patch.object(engine_build, "use_schedule", lambda engine, schedule: engine),
+        mock.patch.object(engine_build, "use_schedule", lambda engine, *schedule: engine),
     ):
         yield
 

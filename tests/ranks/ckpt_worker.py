@@ -163,6 +163,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--vpp", type=int, default=1, help="virtual stages per pipeline rank (interleaved 1F1B)")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--save-interval", type=int, default=2)
     p.add_argument("--keep-last", type=int, default=0)
@@ -188,7 +189,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(a: argparse.Namespace, rt: Runtime) -> None:
     cfg = RunConfig(
         model=MODEL,
-        parallel=ParallelConfig(tp=a.tp, pp=a.pp, partition_method=a.partition_method),
+        parallel=ParallelConfig(tp=a.tp, pp=a.pp, vpp=a.vpp, partition_method=a.partition_method),
         train=TrainConfig(
             dtype=a.dtype,
             micro_batch_size=a.micro,

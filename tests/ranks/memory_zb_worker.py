@@ -69,6 +69,7 @@ def deferred_cases(args: argparse.Namespace, rt: Runtime) -> None:
 
 
 PEAKS = dict(micro=2, gas=4, seq=512)
+SCHEDULES = {"1f1b": ("1f1b", 1), "zb-h1": ("zb-h1", 1), "1f1b-vpp2": ("1f1b", 2)}  # name -> (schedule, vpp)
 
 
 def schedule_peaks(args: argparse.Namespace, rt: Runtime) -> None:
@@ -76,10 +77,11 @@ def schedule_peaks(args: argparse.Namespace, rt: Runtime) -> None:
     what it held before, and the estimate's largest phase (activations here) with CPU kernels."""
     pp, (micro, gas, seq) = rt.world_size, (PEAKS["micro"], PEAKS["gas"], PEAKS["seq"])
     results = {}
-    for schedule in ("1f1b", "zb-h1"):
+    for name in args.schedules.split(","):
+        schedule, vpp = SCHEDULES[name]
         cfg = RunConfig(
             model=SP_MODEL,
-            parallel=ParallelConfig(tp=1, pp=pp, pipeline_schedule=schedule),
+            parallel=ParallelConfig(tp=1, pp=pp, vpp=vpp, pipeline_schedule=schedule),
             train=TrainConfig(dtype="bf16", micro_batch_size=micro, grad_accum_steps=gas, seq_length=seq),
         )
         engine = build_engine(cfg, rt).engine
@@ -93,9 +95,9 @@ def schedule_peaks(args: argparse.Namespace, rt: Runtime) -> None:
         dist.barrier()
         # tests/gpu/test_gpu.py runs this on CUDA: torch.cuda's peak and the estimate with CUDA kernels
         measured = cuda_peak(step) if rt.device.type == "cuda" else cpu_peak(step)
-        stage = stages(SP_MODEL, pp, 1, seq)[engine.stage_id]
+        stage = stages(SP_MODEL, pp, 1, seq, vpp=vpp)[engine.stage_id]
         mem = stage_memory(SP_MODEL, 1, pp, 1, micro, gas, seq, False, stage, rt.device.type, schedule=schedule)
-        results[schedule] = {
+        results[name] = {
             "stage": engine.stage_id,
             "measured": measured,
             "activations": mem.activations,
@@ -117,8 +119,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--schedule-peaks",
         action="store_true",
-        help="the CPU peak of a train step under 1f1b and zb-h1, pp = the world",
+        help="the CPU peak of a train step under each of --schedules, pp = the world",
     )
+    p.add_argument("--schedules", default="1f1b,zb-h1", help=f"for --schedule-peaks, of {', '.join(SCHEDULES)}")
 
 
 def main(args: argparse.Namespace, rt: Runtime) -> None:

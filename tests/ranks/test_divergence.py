@@ -406,11 +406,13 @@ def test_finite_blow_up_at_pp2_exits_3_and_saves_nothing_distrusted(tmp_path):
     assert not (save / "latest").exists() and not list(save.glob("global_step*"))
 
 
-def test_finite_blow_up_at_pp2_after_saves_names_the_last_sane_checkpoint(tmp_path):
+@pytest.mark.parametrize("vpp", ["1", pytest.param("2", marks=pytest.mark.slow)])
+def test_finite_blow_up_at_pp2_after_saves_names_the_last_sane_checkpoint(tmp_path, vpp):
     """Steps 1-4 at --lr 1e-3, saved at 2 and 4; from step 5 the lr is 1e3 and the weights jump. Step 4's
-    checkpoint is named and kept, with sane weights, and nothing of step 5 or later is written."""
+    checkpoint is named and kept, with sane weights, and nothing of step 5 or later is written. Also with
+    interleaved stages (--vpp 2, tests/ranks/test_interleaved.py)."""
     save, out = tmp_path / "save", tmp_path / "out"
-    p = worker(2, out, "--save", str(save), *RUN, "--lr-jump-step", "5", "--lr-jump", "1e3")
+    p = worker(2, out, "--save", str(save), *RUN, "--vpp", vpp, "--lr-jump-step", "5", "--lr-jump", "1e3")
     assert "exitcode  : 3" in p.stdout, p.stdout[-3000:]
     lines = [line for line in p.stdout.splitlines() if "threed: error" in line]
     assert len(lines) == 1, p.stdout[-3000:]

@@ -83,8 +83,7 @@ def rank_json(out: Path, stem: str, results: Any) -> None:
 
 def local_layers(engine) -> Iterator[tuple[int, torch.nn.Module]]:
     """(global layer index, layer) for each pipeline layer this rank's stage holds."""
-    mod = engine.module
-    return zip(range(mod._local_start, mod._local_stop), mod.forward_funcs)
+    return iter(engine.module.indexed_layers())
 
 
 def local_weights(engine, model: ModelConfig) -> dict[str, torch.Tensor]:

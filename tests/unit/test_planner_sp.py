@@ -28,7 +28,7 @@ def test_sp_layouts_fit_without_full_recompute(flagship) -> None:
     assert sp_light, "SP must bring 70B at 8k under 75 GB without recomputing every block"
     assert best.sp and not best.act_ckpt
     # 1F1B's (ZB-H1's, faster, come first and do not fit: tests/unit/test_planner_schedule.py)
-    tp8pp4 = [la for la in every if (la.tp, la.pp, la.micro, la.schedule) == (8, 4, 1, "1f1b")]
+    tp8pp4 = [la for la in every if (la.tp, la.pp, la.micro, la.schedule, la.vpp) == (8, 4, 1, "1f1b", 1)]
     plain = next(la for la in tp8pp4 if not la.sp and not la.recomputed)
     sp = next(la for la in tp8pp4 if la.sp and not la.recomputed)
     assert plain.memory.peak > 100 * GB and not plain.fits  # the issue's ~104 GB
@@ -55,6 +55,7 @@ def test_fewest_recomputed_blocks_is_the_least_that_fits(flagship) -> None:
                 8192,
                 Recompute.first_blocks(la.recomputed - 1),
                 sequence_parallel=la.sp,
+                vpp=la.vpp,
             )
         )
         assert fewer.peak > Hardware(**FLAGSHIP).budget, la.name()

@@ -51,6 +51,13 @@ def test_a_missing_tokenizer_or_prompts_file_is_one_line(tmp_path):
         prepare(cfg)
 
 
+def test_samples_during_an_interleaved_run_are_refused(tmp_path):
+    """The decode loop runs whole pipeline stages (threed.generate.decode); --vpp 2's chunks are not."""
+    cfg = config(tmp_path, ParallelConfig(pp=2, vpp=2), generate_interval=2, generate_prompts="p.jsonl")
+    with pytest.raises(ConfigError, match=r"not on --vpp 2's interleaved chunks: drop them"):
+        prepare(cfg)
+
+
 def test_harness_scores_are_named_task_and_metric():
     results = {"results": {"arc": {"alias": "arc", "acc,none": 0.5, "acc_stderr,none": "N/A", "sample_len": 9}}}
     assert harness_scores(results) == {"harness/arc/acc": 0.5}

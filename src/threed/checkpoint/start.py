@@ -258,8 +258,13 @@ def recorded_stages(cfg: RunConfig, found: Found) -> Optional[list[int]]:
         if not run or "train" not in run:
             return None
         was = RunConfig.from_dict(run)
+        # over its virtual stages (--vpp): a run at another vpp holds other layers on each rank
         return resolve_partition(
-            was.parallel.partition_method, cfg.model, found.layout.pp, was.train.seq_length, found.layout.tp
+            was.parallel.partition_method,
+            cfg.model,
+            found.layout.pp * was.parallel.vpp,
+            was.train.seq_length,
+            found.layout.tp,
         )
     except (CheckpointError, ConfigError, KeyError, TypeError, ValueError):
         return None

@@ -1,13 +1,13 @@
 """`threed check-config`: the checks `threed train` runs before it builds anything, in one process, in a few seconds:
 numeric ranges, the model, tp / pp against heads and layers, seq against positions, the batch arithmetic at a given
 world size (DP, GAS and train_batch_size = micro x gas x DP), which stage holds which layers (--partition-method;
-DeepSpeed's own methods import DeepSpeed for its split functions), and the memory model's estimate per GPU for the
-heaviest stage (`threed.memory`: the same line as `threed memory` with these flags); with `--paths`, also every
-check `threed train` runs on what is on disk before it builds (`threed.train.preflight.check_run`, the same
-function: the data paths, duplicate prefixes, validation splits, each dataset's .bin/.idx and sidecar, the
---tensorboard-dir, wandb for --wandb-project), and what the run would do with its checkpoint directories (resume,
-refuse to overwrite a run, room for a checkpoint), without creating anything. A dataset that cannot be checked
-(no sidecar) is said on stderr.
+at --vpp > 1 each rank's chunks; DeepSpeed's own methods import DeepSpeed for its split functions), and the memory
+model's estimate per GPU for the heaviest stage (`threed.memory`: the same line as `threed memory` with these
+flags); with `--paths`, also every check `threed train` runs on what is on disk before it builds
+(`threed.train.preflight.check_run`, the same function: the data paths, duplicate prefixes, validation splits,
+each dataset's .bin/.idx and sidecar, the --tensorboard-dir, wandb for --wandb-project), and what the run would do
+with its checkpoint directories (resume, refuse to overwrite a run, room for a checkpoint), without creating
+anything. A dataset that cannot be checked (no sidecar) is said on stderr.
 
     threed check-config --world 8 --model tiny --tp 2 --pp 2 --micro-batch-size 4 --grad-accum-steps 4 ...
 
@@ -46,7 +46,8 @@ def check(ns: argparse.Namespace) -> str:
     d = run.dims
     dp, micro, gas, glob = d.dp, d.micro, d.gas, d.global_batch
     recompute = d.recompute_phrase
-    stages = f"stages: {d.stages(cfg.model)}; " if d.pp > 1 else ""
+    chunks = f" (interleaved: {d.vpp} chunks per rank, virtual stage c x pp + r on rank r)" if d.vpp > 1 else ""
+    stages = f"stages{chunks}: {d.stages(cfg.model)}; " if d.pp > 1 else ""
     start = check_paths(cfg, d) if ns.paths else unchecked_start(cfg)
     summary = (
         f"config ok: {cfg.model.name} ({parameter_count(cfg.model) / 1e6:.1f}M params), world {ns.world} = "
@@ -74,6 +75,7 @@ def memory(cfg: RunConfig, dp: int, micro: int, gas: int) -> str:
         schedule=p.pipeline_schedule,
         cp=p.cp,
         head_chunks=t.lm_head_chunks,
+        vpp=p.vpp,
     )
     line = heaviest(mems).line(p.pp)
     return line if t.dtype == "bf16" else f"{line} (the model is of a bf16 run; this one is {t.dtype})"

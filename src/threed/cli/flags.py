@@ -74,7 +74,7 @@ def add_field_flag(
         default = f.default if f.default is not dataclasses.MISSING else None
     kind, choices, several = _field_type(cls, f)
     shown = " ".join(default) if isinstance(default, tuple) else default
-    names = [flag_name(f)] + ([m.alias] if m.alias else []) + list(old)
+    names = [flag_name(f), *m.aliases, *old]
     metavar = m.metavar or (
         "{true,false}" if kind is _bool else "{" + ",".join(choices) + "}" if choices else _METAVARS.get(kind, "VALUE")
     )

@@ -4,8 +4,9 @@ predicts for this one layout (`threed.plan.planner.build_layout`, the planner's 
 line saying which compute rates it rests on (`threed.plan.calibration`).
 
     threed memory --model llama3.1-70b --tp 8 --pp 4 --dp 16 --micro-batch-size 1 --grad-accum-steps 32 \
-        --seq-length 8192 --sequence-parallel [--pipeline-schedule zb-h1] [--cp 2] [--lm-head-chunks 8] [--all-stages] \
-        [--calibrate benchmarks/measured/2026-11-28-h200.json | gpu_check.json | --tflops 400] [--gpus-per-node 8]
+        --seq-length 8192 --sequence-parallel [--pipeline-schedule zb-h1 | --vpp 2] [--cp 2] [--lm-head-chunks 8] \
+        [--all-stages] [--calibrate benchmarks/measured/2026-11-28-h200.json | gpu_check.json | --tflops 400] \
+        [--gpus-per-node 8]
 
 The flags are training's (`threed.cli.flags`: the same names, Megatron aliases and checks as `threed train`); the
 earlier short names (--micro, --gas, --seq, --act-ckpt) stay as aliases. `--dp` is the one flag training does not
@@ -20,7 +21,7 @@ import argparse
 import sys
 
 from threed.cli.flags import add_command, add_field_flag, add_model_flag, field_value, standalone
-from threed.config import ConfigError, TrainConfig, check_lm_head_chunks, check_sequence_parallel
+from threed.config import ConfigError, TrainConfig, check_lm_head_chunks, check_sequence_parallel, check_virtual_stages
 from threed.errors import guarded
 from threed.memory import model as memory_model
 from threed.memory.model import estimate, heaviest
@@ -44,6 +45,7 @@ OPTIONAL = (
     ("train", "recompute_method", ()),
     ("train", "recompute_num_layers", ()),
     ("parallel", "pipeline_schedule", ()),
+    ("parallel", "vpp", ()),
     ("parallel", "cp", ()),
     ("train", "lm_head_chunks", ()),
 )
@@ -71,11 +73,11 @@ def lines(ns: argparse.Namespace) -> list[str]:
     bad step-time flag (--calibrate FILE read and fitted here), before anything is computed."""
     tp, pp, micro, gas, seq = (field_value(ns, s, n) for s, n, _ in REQUIRED)
     cp, sp = field_value(ns, "parallel", "cp"), field_value(ns, "parallel", "sequence_parallel")
-    schedule = field_value(ns, "parallel", "pipeline_schedule")
-    if min(tp, pp, ns.dp, micro, gas, seq, cp) < 1:
+    schedule, vpp = field_value(ns, "parallel", "pipeline_schedule"), field_value(ns, "parallel", "vpp")
+    if min(tp, pp, ns.dp, micro, gas, seq, cp, vpp) < 1:
         raise ConfigError(
-            "--tp, --pp, --dp, --cp, --micro-batch-size, --grad-accum-steps and --seq-length must all be positive "
-            "integers"
+            "--tp, --pp, --dp, --cp, --vpp, --micro-batch-size, --grad-accum-steps and --seq-length must all be "
+            "positive integers"
         )
     check_sequence_parallel(tp, sp)
     if cp > 1:  # the CP layout's own rule and message (2 x cp chunks, x tp under sequence parallelism)
@@ -83,15 +85,17 @@ def lines(ns: argparse.Namespace) -> list[str]:
     chunks = field_value(ns, "train", "lm_head_chunks")
     check_lm_head_chunks(chunks, seq, tp, cp, sp, schedule)
     model = model_config(ns.model)
+    check_virtual_stages(pp, vpp, model.num_layers, schedule, gas)  # training's rules for --vpp, in its words
     rc = recompute(ns, model)
     world = tp * pp * cp * ns.dp
     # the step's cluster: just the layout's GPUs (memory is not weighed against a GPU's size here: no fit verdict)
     hw, rates = step_hardware(ns, -(-world // max(ns.gpus_per_node, 1)), gpu_memory=0.0, reserve=0.0)
     mems = estimate(
-        model, tp, pp, ns.dp, micro, gas, seq, rc, sequence_parallel=sp, schedule=schedule, cp=cp, head_chunks=chunks
-    )
+        model, tp, pp, ns.dp, micro, gas, seq, rc, sequence_parallel=sp, schedule=schedule, cp=cp, head_chunks=chunks,
+        vpp=vpp,
+    )  # fmt: skip
     out = [m.line(pp) for m in (mems if ns.all_stages else [heaviest(mems)])]
-    step = build_layout(model, hw, seq, tp, pp, ns.dp, micro, gas, rc, sp, schedule, cp)  # threed plan's own
+    step = build_layout(model, hw, seq, tp, pp, ns.dp, micro, gas, rc, sp, schedule, cp, vpp=vpp)  # threed plan's own
     tokens = seq * micro * gas * ns.dp
     out.append(
         f"predicted: {step.step_s:.2f} s/step ({tokens / step.step_s:,.0f} tokens/s, {tokens:,} tokens per step), "

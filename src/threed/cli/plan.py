@@ -3,7 +3,7 @@ what it searches and how).
 
     threed plan --model llama3.1-70b --nodes 4 --gpus-per-node 8 --gpu-memory 80 --seq-length 8192 \
         --global-batch-size 512 [--tp 8] [--pp 4] [--cp 2] [--micro-batch-size 1] [--sequence-parallel true] \
-        [--calibrate benchmarks/measured/2026-11-28-h200.json | gpu_check.json]
+        [--vpp 2] [--calibrate benchmarks/measured/2026-11-28-h200.json | gpu_check.json]
 
 The step time's compute rates are fitted to measured GPU runs (`threed.plan.calibration`): by default to the
 committed H200 runs (the first line printed says so), with --calibrate FILE to the runs of FILE.
@@ -24,7 +24,13 @@ from threed.cli.flags import add_command, add_field_flag, add_model_flag, field_
 from threed.config import ConfigError
 from threed.errors import guarded
 from threed.convert.resolve import model_config
-from threed.plan.layout import context_parallel_verdict, full_recompute_verdict, schedule_verdict, table
+from threed.plan.layout import (
+    context_parallel_verdict,
+    full_recompute_verdict,
+    interleave_verdict,
+    schedule_verdict,
+    table,
+)
 from threed.plan import planner
 from threed.plan.planner import FILTER_FIELDS, FILTER_FLAGS, candidates, check_positive, plan, recipe_lines
 from threed.plan.planner import step_numbers
@@ -40,6 +46,7 @@ FILTERS = {
     "sequence_parallel": ((), "with (true) / without (false) sequence parallelism"),
     "schedule": ((), "this pipeline schedule"),
     "cp": ((), "this context-parallel size"),
+    "vpp": ((), "this many interleaved chunks per rank (1: no interleaving)"),
 }
 
 
@@ -124,6 +131,7 @@ def run(ns: argparse.Namespace) -> int:
         print(f"({len(fitting) - ns.top} slower layouts that fit not shown; --top N lists more)")
     print(full_recompute_verdict(every))
     print(f"pipeline schedule: {schedule_verdict(best, every)}")
+    print(f"interleaving: {interleave_verdict(best, every)}")
     print(context_parallel_verdict(best, every))
     print("\n".join(fitted))
     print(
@@ -157,8 +165,9 @@ def refuse_empty_filters(model, hw: Hardware, seq: int, global_batch: int, only:
         f"no valid layout of {model.name} on {hw.nodes} node(s) x {hw.gpus_per_node} GPUs with "
         f"{shown(list(given))} (--global-batch-size {global_batch} is fine without them): {why}. A layout needs "
         f"tp dividing {model.num_heads} heads, {model.num_kv_heads} KV heads and {hw.gpus_per_node} GPUs per node, "
-        f"pp <= {model.num_layers} layers and dividing the GPUs, micro x dp dividing the global batch, and a "
-        f"zero-bubble schedule pp > 1; drop or change {shown(alone or list(given))}"
+        f"pp <= {model.num_layers} layers and dividing the GPUs, micro x dp dividing the global batch, a "
+        f"zero-bubble schedule pp > 1, and vpp > 1 1f1b with pp x vpp dividing the blocks and pp the micro-batches; "
+        f"drop or change {shown(alone or list(given))}"
     )
 
 
@@ -166,7 +175,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_command(
         sub,
         "plan",
-        "rank (tp, cp, pp, micro, gas, sequence parallel, schedule, recompute) layouts for a cluster",
+        "rank (tp, cp, pp, micro, gas, sequence parallel, schedule, vpp, recompute) layouts for a cluster",
         planner.__doc__,
         add_arguments,
         run,

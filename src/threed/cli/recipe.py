@@ -60,6 +60,7 @@ RECIPE_VARS: tuple[RecipeVar, ...] = (
     RecipeVar("PP", "parallel.pp", "layout"),
     RecipeVar("CP", "parallel.cp", "layout"),
     RecipeVar("PIPELINE_SCHEDULE", "parallel.pipeline_schedule"),
+    RecipeVar("VPP", "parallel.vpp"),
     RecipeVar("MICRO", "train.micro_batch_size", "layout"),
     RecipeVar("GAS", "train.grad_accum_steps", "layout"),
     RecipeVar("GLOBAL", "train.global_batch_size", "layout"),

@@ -83,9 +83,9 @@ def build_engine(
         engine, _, _, _ = deepspeed.initialize(
             model=module, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
         )
-        # 6. The pipeline schedule (1F1B, ZB-H1): installed on the engine DeepSpeed returned, which runs it (both
-        # engines' last stage lets go of its logits once the loss is computed: threed.parallel.lean_engine).
-        use_schedule(engine, dims.schedule)
+        # 6. The schedule (1F1B, ZB-H1, interleaved at --vpp > 1) on the engine DeepSpeed returned, which runs it
+        # (every engine's last stage lets go of its logits after the loss: threed.parallel.lean_engine).
+        use_schedule(engine, dims.schedule, dims.vpp)
     # 7. What the run starts from: a full resume, weights (at this layout or sliced from another), or nothing.
     client_state = load_start(engine, cfg.model, dims.tp, decision)
     # Every rank's peak memory from here on: the training steps' (BF16_Optimizer reset rank 0's alone at its init).

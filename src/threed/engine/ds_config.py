@@ -59,10 +59,12 @@ def deepspeed_config(dims: RunDims, train: TrainConfig, parallel: ParallelConfig
         # every input of a checkpointed block to require grad, which the integer ids cannot (the first stage fails
         # with "element 0 of tensors does not require grad"); the non-reentrant variant takes them as they are.
         ds["pipeline"] = {"use_reentrant": False}
-    if parallel.sequence_parallel:
+    if parallel.sequence_parallel or dims.vpp > 1:
         # DeepSpeed's pipe_partitioned / grad_partitioned (on by default under TP) assume every TP rank holds the
         # same activation, send 1/tp of it and all-gather it over TP after the receive. Under sequence parallelism
         # each rank's [s/tp, b, h] is already its own part: it goes as it is, with no gather (1/tp per rank still).
+        # Interleaved stages (threed.parallel.interleaved) send their activations whole, as DeepSpeed's DualPipeV
+        # does: without SP each TP rank sends the full [s, b, h] (tp x the bytes of the partitioned hand-off).
         ds.setdefault("pipeline", {}).update(pipe_partitioned=False, grad_partitioned=False)
     return ds
 

@@ -62,6 +62,7 @@ class Stage:
 def stage_of(engine, model: ModelConfig) -> Stage:
     """The generation view of `engine`'s stage (a DeepSpeed PipelineEngine that threed built)."""
     module, grid = engine.module, engine.grid
+    assert module.vpp == 1, "generation runs whole stages (threed.train.samples refuses --vpp > 1)"
     layers = pipeline_layers(model)
     funcs = [
         (layers[i].kind, fn) for i, fn in zip(range(module._local_start, module._local_stop), module.forward_funcs)

@@ -60,6 +60,13 @@ cp 2 against cp 1 (`activation_ratio`).
                grad groups into one copy when they share a 5e8-element bucket; torch's AdamW: none when fused
                (CUDA), two fp32 partitions in the CPU single-tensor path (`exp_avg_sq.sqrt() / c`).
 
+Interleaved 1F1B (--vpp v > 1, `threed.parallel.schedule.interleaved_order`): a rank holds v chunks (`Stage.chunks`,
+virtual stage c x pp + r), each keeping per micro-batch its own blocks' activations and its own edges (received
+input, kept output: v of each per micro-batch), and one p2p buffer per chunk. Held micro-batches are counted per
+chunk (`threed.parallel.schedule.held_per_chunk`) and weighed by what one keeps in that chunk; the peak is the
+largest over the B of every chunk. Rank 0 warms up 2 (p - 1) + (v - 1) p + 1 chunk micro-batches: p (1 + (p - 1) /
+(p v)) stages' worth, Korthikanti et al.'s factor (tests/unit/test_planner_vpp.py checks the two agree within 1.5%).
+
 Context parallelism (cp > 1, `threed.model.context`): a rank holds s / cp tokens of every row, so every per-token
 term above counts s b / cp tokens (the p2p buffer, the logits, RoPE's angles and cos/sin, megatron's SP buffer too).
 The attention keeps q, each query chunk's SDPA output and their concatenation; the K/V all-gather keeps nothing of
@@ -87,7 +94,7 @@ from threed.memory.deferred import awaiting_w_bytes, deferred_bytes_per_token
 from threed.memory.recompute import Recompute
 from threed.parallel.device_policy import CudaOnly, cuda_only
 from threed.parallel.partition import resolve_partition
-from threed.parallel.schedule import held_before_backward
+from threed.parallel.schedule import chunks_before_backward
 
 GB = 1e9
 BF16 = 2
@@ -101,6 +108,14 @@ class Stage:
     blocks: int
     first: bool  # holds the embedding
     last: bool  # holds the final norm and the LM head
+    # --vpp > 1: the pipeline rank's chunks (virtual stages, `index` their virtual stage), in chunk order; the rank's
+    # totals above are their sums. Empty at vpp 1: the stage is its one chunk.
+    chunks: tuple["Stage", ...] = ()
+
+    @property
+    def parts(self) -> tuple["Stage", ...]:
+        """The chunks one micro-batch's activations are kept in: the stage itself at vpp 1."""
+        return self.chunks or (self,)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -111,14 +126,23 @@ def stage_bounds(model: ModelConfig, pp: int, tp: int, seq: int, method: str | N
         return tuple(resolve_partition(method or ParallelConfig().partition_method, model, pp, seq, tp))
 
 
-def stages(model: ModelConfig, pp: int, tp: int, seq: int, method: str | None = None) -> list[Stage]:
-    bounds = stage_bounds(model, pp, tp, seq, method)
+def stages(model: ModelConfig, pp: int, tp: int, seq: int, method: str | None = None, vpp: int = 1) -> list[Stage]:
+    """One `Stage` per pipeline rank; at vpp > 1 with its chunks, virtual stage c x pp + r being chunk c of rank r
+    (`threed.parallel.dims`: the partition method splits the layers into pp x vpp virtual stages)."""
+    bounds = stage_bounds(model, pp * vpp, tp, seq, method)
     last_index = model.num_layers + 2  # pipeline_layers: 0 embedding, 1..L blocks, L+1 final norm, L+2 LM head
-    out = []
-    for s in range(pp):
+    virtual = []
+    for s in range(pp * vpp):
         lo, hi = bounds[s], bounds[s + 1]
         blocks = max(0, min(hi, model.num_layers + 1) - max(lo, 1))
-        out.append(Stage(index=s, blocks=blocks, first=lo == 0 < hi, last=lo <= last_index < hi))
+        virtual.append(Stage(index=s, blocks=blocks, first=lo == 0 < hi, last=lo <= last_index < hi))
+    if vpp == 1:
+        return virtual
+    out = []
+    for r in range(pp):
+        mine = tuple(virtual[r::pp])
+        first, last = any(c.first for c in mine), any(c.last for c in mine)
+        out.append(Stage(index=r, blocks=sum(c.blocks for c in mine), first=first, last=last, chunks=mine))
     return out
 
 
@@ -184,8 +208,9 @@ class Memory:
             )
         )
         params = f"{self.params / 1e9:.2f}B" if self.params >= 1e8 else f"{self.params / 1e6:.2f}M"
+        chunks = f", {len(self.stage.chunks)} chunks" if self.stage.chunks else ""  # --vpp
         return (
-            f"~{self.peak / scale:.0f} {unit}/GPU = {parts} (stage {self.stage.index} of {pp}, {params} "
+            f"~{self.peak / scale:.0f} {unit}/GPU = {parts} (stage {self.stage.index} of {pp}{chunks}, {params} "
             f"params; plus CUDA/NCCL overhead)"
         )
 
@@ -279,19 +304,50 @@ def _edge_bytes(
 
 
 def _held_before_b(
-    schedule: str, pp: int, gas: int, stage: Stage, tokens: int, h: int, tp: int, per_micro: float, awaiting_w: int
-) -> float:
-    """What the other micro-batches hold when a B starts (1F1B: min(pp - s, gas) - 1 in flight; exact, as
-    integers), plus under ZB-H1 the gradients still in flight to the stage before."""
+    schedule: str, pp: int, gas: int, stage: Stage, tokens: int, h: int, tp: int, per_micro: list, awaiting_w: int
+) -> list:
+    """Per chunk of the stage: the most the other micro-batches hold when a B of that chunk starts (1F1B:
+    min(pp - s, gas) - 1 in flight at vpp 1; exact, as integers), each chunk's micro-batches weighed by what one keeps
+    there (`per_micro`), plus under ZB-H1 the gradients still in flight to the stage before."""
     deferred = schedule != "1f1b"
     # ZB-H1 sends without waiting for the receiver (threed.parallel.schedule): the gradients a later stage sent stay
     # alive until the stage before has received them, and are let go at its next send; during a B that is the last two
     # micro-batches' (1/tp of [s, b, h] each per TP rank; measured: tests/ranks/test_memory_zb.py).
     in_send = deferred * (stage.index > 0) * min(2, gas - 1) * BF16 * tokens * h // tp
-    return in_send + max(
-        (live - 1) * per_micro + waiting * awaiting_w
-        for live, waiting in held_before_backward(schedule, pp, gas, stage.index)
-    )
+    most: list = [None] * len(per_micro)
+    for chunk, live, waiting in chunks_before_backward(schedule, pp, gas, stage.index, len(per_micro)):
+        held = sum((n - (c == chunk)) * kept for c, (n, kept) in enumerate(zip(live, per_micro)))
+        held += waiting * awaiting_w
+        most[chunk] = held if most[chunk] is None else max(most[chunk], held)
+    return [in_send + m for m in most]
+
+
+def _kept_per_micro(
+    model: ModelConfig,
+    tp: int,
+    chunk: Stage,
+    tokens: int,
+    full_block: int,
+    rc: Recompute,
+    sp: bool,
+    device: Device,
+    head_chunks: int,
+) -> tuple[float, float]:
+    """(what one micro-batch keeps in `chunk` from its F to its B, of which the last stage's head) on this rank's
+    `tokens`: its blocks (recomputed ones: their chunks' inputs), its edges and, on the last stage, the head's."""
+    h, v = model.hidden_size, model.padded_vocab_size(tp) // tp
+    # DeepSpeed partitions p2p activations over TP (pipe_partitioned); sequence parallelism splits them instead.
+    part = h // tp if tp > 1 else h
+    recomputed = rc.recomputed(chunk.blocks)
+    chunk_input = BF16 * (part if sp else h) * tokens  # what a checkpointed chunk keeps
+    kept_blocks = (chunk.blocks - recomputed) * full_block + rc.kept_inputs(chunk.blocks) * chunk_input
+    extras = _edge_bytes(chunk, h, part, tokens, tp, sp, device, recomputed)
+    # Last stage: final norm (on [s/tp] under sequence parallelism), fp32 softmax, labels. The bf16 logits live
+    # through the loss's forward only (threed.parallel.lean_engine): 2V/tp, as much as their gradient in the loss's
+    # backward (`head_phase`), which is the larger phase.
+    kept_logits, _ = logits_bytes(v, tokens, head_chunks)
+    head = (_norm_bytes(h, device) // (tp if sp else 1) + 8) * tokens + kept_logits if chunk.last else 0.0
+    return kept_blocks + extras + head, head
 
 
 def logits_bytes(v: int, tokens: int, chunks: int = 1) -> tuple[int, int]:
@@ -323,46 +379,41 @@ def stage_activations(
 ) -> float:
     """Peak bytes of the forward/backward phase on one rank of `stage`, beyond the static terms. `act_ckpt`: True
     (every block recomputed), False, or a `Recompute` (Megatron's flags); `schedule`: `threed.parallel.schedule`'s;
-    `cp`: context parallelism, each rank holding seq / cp tokens of every row; `head_chunks`: `--lm-head-chunks`."""
+    `cp`: context parallelism, each rank holding seq / cp tokens of every row; `head_chunks`: `--lm-head-chunks`.
+    A stage with chunks (--vpp > 1) weighs each chunk's micro-batches in flight by what one keeps in that chunk
+    (`threed.parallel.schedule.held_per_chunk`), and its peak is the largest over the B of each chunk."""
     rc = Recompute.of(act_ckpt)
     sp = sequence_parallel and tp > 1
     h, f, v = model.hidden_size, model.ffn_hidden_size, model.padded_vocab_size(tp) // tp
     tokens = seq * micro // cp  # this rank's tokens: everything per token below is per local token
     full_block = _full_block_bytes(model, tp, device, sp, rc, cp, seq, micro, tokens)
-    # DeepSpeed partitions p2p activations over TP (pipe_partitioned); sequence parallelism splits them instead.
-    part = h // tp if tp > 1 else h
-    recomputed = rc.recomputed(stage.blocks)
-    chunk_input = BF16 * (part if sp else h) * tokens  # what a checkpointed chunk keeps
-    kept_blocks = (stage.blocks - recomputed) * full_block + rc.kept_inputs(stage.blocks) * chunk_input
-    extras = _edge_bytes(stage, h, part, tokens, tp, sp, device, recomputed)
-    # Last stage: final norm (on [s/tp] under sequence parallelism), fp32 softmax, labels. The bf16 logits live
-    # through the loss's forward only (threed.parallel.lean_engine): 2V/tp, as much as their gradient in the loss's
-    # backward (`head_phase`), which is the larger phase.
-    kept_logits, loss_backward = logits_bytes(v, tokens, head_chunks)
-    head = (_norm_bytes(h, device) // (tp if sp else 1) + 8) * tokens + kept_logits if stage.last else 0.0
-    per_micro = kept_blocks + extras + head
+    kept = [_kept_per_micro(model, tp, c, tokens, full_block, rc, sp, device, head_chunks) for c in stage.parts]
+    _, loss_backward = logits_bytes(v, tokens, head_chunks)
     grad = BF16 * max_param  # one parameter's bf16 .grad before the hook adds it to the fp32 buffer
     deferred = schedule != "1f1b"  # under 1F1B, B computes the weight gradients: nothing awaits W
     awaiting_w = deferred * awaiting_w_bytes(model, tp, stage_kinds(stage), sp) * tokens
-    others = _held_before_b(schedule, pp, gas, stage, tokens, h, tp, per_micro, awaiting_w)
-    # Backward through the blocks: the loss's tensors of this micro-batch are gone by then (ZB-H1: but the LM
-    # head's W tensors); a recomputed chunk is re-created (one at a time). Blocks go last to first, so by the
-    # recomputed ones (`block`: the first N) the kept blocks of this micro-batch are freed. ZB-H1: a block past B
-    # holds its W tensors instead, so the larger end counts (with recompute, W's tensors outweigh a chunk's
-    # input). Assumed: ZB-H1's B makes 1F1B's gradient transients; the bf16 .grad (`grad`) moves to W.
-    head_w = deferred * stage.last * deferred_bytes_per_token(model, tp, "lm_head", sp) * tokens
-    # (ZB-H1: B runs on its own copy of the received output gradient, one [s/tp, b, h], threed.parallel.schedule.)
-    this = max(per_micro - head + head_w, awaiting_w) + deferred * (not stage.last) * BF16 * tokens * h // tp
-    recreated = max(0, rc.live_blocks(stage.blocks) - (stage.blocks - recomputed)) * full_block
+    others = _held_before_b(schedule, pp, gas, stage, tokens, h, tp, [k for k, _ in kept], awaiting_w)
     # Context parallelism: the gathered K/V's gradient, [s, b, kv_heads / tp, d] each, before its reduce-scatter.
     cp_grad = kv_row_bytes(model, tp, seq, micro) if cp > 1 else 0
-    blocks_phase = others + this + recreated + BF16 * (3 * f // tp + h) * tokens + grad + cp_grad
-    # The loss backward: the logits' bf16 gradient (ZB-H1: the LM head's output gradient, kept for W). Chunked, autograd
-    # sums the chunks' gradients of the head's weight [V/tp, h] before its AccumulateGrad: that sum lives beside each
-    # chunk's own (measured: tests/ranks/test_memory_head.py).
+    # The loss backward's chunked head: autograd sums the chunks' gradients of the head's weight [V/tp, h] before
+    # its AccumulateGrad, beside each chunk's own (measured: tests/ranks/test_memory_head.py).
     chunk_sum = BF16 * v * h if head_chunks > 1 else 0
-    head_phase = others + per_micro + loss_backward + grad + chunk_sum if stage.last else 0.0
-    return max(blocks_phase, head_phase)
+    phases = []
+    for chunk, (per_micro, head), held in zip(stage.parts, kept, others):
+        # Backward through the blocks: the loss's tensors of this micro-batch are gone by then (ZB-H1: but the LM
+        # head's W tensors); a recomputed chunk is re-created (one at a time). Blocks go last to first, so by the
+        # recomputed ones (`block`: the first N) the kept blocks of this micro-batch are freed. ZB-H1: a block past B
+        # holds its W tensors instead, so the larger end counts (with recompute, W's tensors outweigh a chunk's
+        # input). Assumed: ZB-H1's B makes 1F1B's gradient transients; the bf16 .grad (`grad`) moves to W.
+        head_w = deferred * chunk.last * deferred_bytes_per_token(model, tp, "lm_head", sp) * tokens
+        # (ZB-H1: B runs on its own copy of the received output gradient, one [s/tp, b, h], threed.parallel.schedule.)
+        this = max(per_micro - head + head_w, awaiting_w) + deferred * (not chunk.last) * BF16 * tokens * h // tp
+        recomputed = rc.recomputed(chunk.blocks)
+        recreated = max(0, rc.live_blocks(chunk.blocks) - (chunk.blocks - recomputed)) * full_block
+        phases.append(held + this + recreated + BF16 * (3 * f // tp + h) * tokens + grad + cp_grad)
+        if chunk.last:  # the loss backward: the logits' bf16 gradient (ZB-H1: the LM head's output gradient, for W)
+            phases.append(held + per_micro + loss_backward + grad + chunk_sum)
+    return max(phases)
 
 
 def reduce_copy_bytes(groups: Sequence[int]) -> int:
@@ -404,7 +455,8 @@ def stage_memory(
     padded = [math.ceil(n / align) * align for n in groups]
     buffers = 4 * seq // cp * d * stage.blocks  # RoPE angles cached per block (fp32), the rank's positions
     if not (stage.first and stage.last):  # p2p buffer: a TP partition of [s, b, h] and its meta tensor
-        buffers += BF16 * tokens * h if tp == 1 else BF16 * tokens * (h // tp) + (0 if sp else 72)
+        # (--vpp > 1: one per chunk, each receiving from its own virtual stage before)
+        buffers += len(stage.parts) * (BF16 * tokens * h if tp == 1 else BF16 * tokens * (h // tp) + (0 if sp else 72))
     if sp and (stage.blocks or stage.last):  # megatron's all-gather buffer of the column-parallel linears' input
         buffers += BF16 * tokens * h
     max_param = largest_parameter(model, tp, stage_kinds(stage))
@@ -439,16 +491,17 @@ def estimate(
     schedule: str = "1f1b",
     cp: int = 1,
     head_chunks: int = 1,
+    vpp: int = 1,
 ) -> list[Memory]:
     """Memory of every stage (one rank each; the TP and CP ranks of a stage hold equal shards) under `schedule`;
-    `dp` excludes `cp` (world = tp x pp x cp x dp); `head_chunks`: `--lm-head-chunks`."""
+    `dp` excludes `cp` (world = tp x pp x cp x dp); `head_chunks`: `--lm-head-chunks`; `vpp`: chunks per rank."""
     if isinstance(model, str):
         model = model_config(model)
     return [
         stage_memory(
             model, tp, pp, dp, micro, gas, seq, act_ckpt, s, device, sequence_parallel, schedule, cp, head_chunks
         )
-        for s in stages(model, pp, tp, seq, partition_method)
+        for s in stages(model, pp, tp, seq, partition_method, vpp)
     ]
 
 

@@ -3,7 +3,8 @@ one all-gather per log interval that brings every rank's numbers to the metrics 
 
 Each 1F1B instruction falls in one bucket:
   compute    LoadMicroBatch, ForwardPass, BackwardPass, and zb-h1's WeightPass (threed.parallel.zero_bubble)
-  p2p        SendActivation, RecvActivation, SendGrad, RecvGrad (time blocked on the neighbouring stage)
+  p2p        SendActivation, RecvActivation, SendGrad, RecvGrad (time blocked on the neighbouring stage), and the
+             interleaved engine's Exchange (threed.parallel.interleaved: RecvActivation / RecvGrad wait there)
   dp-reduce  ReduceGrads, ReduceTiedGrads (ZeRO-1 gradient reduction over DP)
   optimizer  OptimizerStep
   loss-sync  DeepSpeed's loss averaging over DP and broadcast over the pipe (earlier stages wait there for the last
@@ -13,8 +14,9 @@ On CPU the host clock times each instruction; on CUDA events on the compute stre
 waits for NCCL's streams, so it cannot make ZB-H1's sends wait for their receivers.
 
 The idle fraction of a stage is p2p / (compute + p2p): the share of the pipelined (forward/backward) phase a
-stage spends waiting on its neighbours. With equal stages it is the bubble (pp-1)/(gas+pp-1); more means imbalance
-or slow transfers. Only `train_batch` is timed: `eval_batch` runs the same handlers and is not counted.
+stage spends waiting on its neighbours. With equal stages it is the bubble (pp-1)/(gas+pp-1), at --vpp v
+(pp-1)/(v gas+pp-1); more means imbalance or slow transfers. Only `train_batch` is timed: `eval_batch` runs the
+same handlers and is not counted.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from threed.parallel.interleaved import Exchange
 from threed.parallel.zero_bubble import WeightPass
 
 BUCKETS = ("iteration", "compute", "p2p", "dp-reduce", "optimizer", "loss-sync")
@@ -46,6 +49,7 @@ def _instruction_buckets() -> dict[type, str]:
         s.RecvActivation: "p2p",
         s.SendGrad: "p2p",
         s.RecvGrad: "p2p",
+        Exchange: "p2p",  # interleaved stages post a tick's sends and receives (their waits: RecvActivation / RecvGrad)
         s.ReduceGrads: "dp-reduce",
         s.ReduceTiedGrads: "dp-reduce",
         s.OptimizerStep: "optimizer",
@@ -262,5 +266,7 @@ def per_stage(rows: torch.Tensor, pp: int, timed: bool = True) -> dict[str, floa
     return out
 
 
-def ideal_bubble(pp: int, gas: int) -> float:
-    return (pp - 1) / (gas + pp - 1)
+def ideal_bubble(pp: int, gas: int, vpp: int = 1) -> float:
+    """The idle fraction of equal stages under 1F1B, interleaved over `vpp` chunks per rank (--vpp; Narayanan et
+    al. 2021): (pp - 1) / (vpp gas + pp - 1), what `threed.parallel.schedule.simulate` finds in unit costs."""
+    return (pp - 1) / (vpp * gas + pp - 1)

@@ -111,7 +111,7 @@ class RunMetrics:
         check_metrics_config(cfg.metrics)
         self.device = rt.device
         self.dims = dims
-        self.pp = dims.pp
+        self.pp, self.vpp = dims.pp, dims.vpp
         # dp excludes cp: DeepSpeed's data axis (grid) holds dp x cp ranks, whose CP ranks read the same rows.
         self.gas, self.batch = dims.gas, dims.global_batch
         self.seq = cfg.train.seq_length
@@ -192,7 +192,7 @@ class RunMetrics:
             if record is not None:
                 record.update(per_stage(rows, self.pp, timed=self.timer.instructions))
                 if self.timer.instructions:
-                    record["pipeline/ideal-bubble"] = ideal_bubble(self.pp, self.gas)
+                    record["pipeline/ideal-bubble"] = ideal_bubble(self.pp, self.gas, self.vpp)
                 if self._t_first is None or iteration <= self.start + 1:
                     eta = None
                 else:

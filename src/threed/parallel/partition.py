@@ -84,6 +84,7 @@ def min_max_partition(costs: list[float], parts: int, has_block: list[bool]) -> 
 
 
 def _explicit(spec: str, model: ModelConfig, pp: int) -> list[int]:
+    # pp: the stages to fill, pp x vpp virtual stages at --vpp > 1 (one count each, in virtual-stage order)
     try:
         counts = [int(x) for x in spec.split(",")]
     except ValueError:
@@ -94,8 +95,8 @@ def _explicit(spec: str, model: ModelConfig, pp: int) -> list[int]:
     if len(counts) != pp or min(counts) < 1 or sum(counts) != model.num_layers:
         raise ConfigError(
             f"partition_method layers:{spec} gives {len(counts)} stages holding {sum(counts)} blocks; "
-            f"this run has pp={pp} and {model.num_layers} blocks: give {pp} counts, each >= 1, "
-            f"summing to {model.num_layers}"
+            f"this run has {pp} pipeline stages (pp x vpp) and {model.num_layers} blocks: give {pp} counts, each "
+            f">= 1, summing to {model.num_layers}"
         )
     # Layer 0 is the embedding (stage 0); the norm and head after the last block belong to the last stage.
     bounds, block = [0], 0
@@ -106,7 +107,8 @@ def _explicit(spec: str, model: ModelConfig, pp: int) -> list[int]:
 
 
 def resolve_partition(method: str, model: ModelConfig, pp: int, seq_length: int, tp: int = 1) -> list[int]:
-    """Stage boundaries over `pipeline_layers(model)`: stage s holds layers [bounds[s], bounds[s+1])."""
+    """Stage boundaries over `pipeline_layers(model)`: stage s holds layers [bounds[s], bounds[s+1]). At --vpp > 1
+    the caller passes pp x vpp: the method splits the layers into virtual stages (threed.parallel.dims)."""
     layers = pipeline_layers(model)
     is_block = [layer.kind == "block" for layer in layers]
     m = method.strip()
@@ -141,18 +143,27 @@ def resolve_partition(method: str, model: ModelConfig, pp: int, seq_length: int,
     raise ConfigError(f"unknown partition_method {method!r}; use one of: {METHODS}")
 
 
-def describe(bounds: list[int], model: ModelConfig) -> str:
-    """`0: embedding + blocks 0-4 | 1: blocks 5-7 + final_norm + lm_head` (for the start-up log)."""
+def describe_layers(layers: list[PipelineLayer]) -> str:
+    """`embedding + blocks 0-4`: a run of consecutive pipeline layers."""
+    blocks = [la.block for la in layers if la.kind == "block"]
+    names = [la.kind for la in layers if la.kind == "embedding"]
+    if blocks:
+        names.append(f"blocks {blocks[0]}-{blocks[-1]}" if len(blocks) > 1 else f"block {blocks[0]}")
+    names += [la.kind for la in layers if la.kind in ("final_norm", "lm_head")]
+    return " + ".join(names) or "nothing"
+
+
+def describe(bounds: list[int], model: ModelConfig, pp: Optional[int] = None) -> str:
+    """`0: embedding + blocks 0-4 | 1: blocks 5-7 + final_norm + lm_head` (for the start-up log). With `pp` below
+    the virtual stages in `bounds` (--vpp > 1), per rank its chunks in chunk order (virtual stage c x pp + r):
+    `0: embedding + block 0, block 2 | 1: block 1, block 3 + final_norm + lm_head`."""
     layers = pipeline_layers(model)
+    virtual = len(bounds) - 1
+    pp = pp or virtual
     out = []
-    for s in range(len(bounds) - 1):
-        mine = layers[bounds[s] : bounds[s + 1]]
-        blocks = [la.block for la in mine if la.kind == "block"]
-        names = [la.kind for la in mine if la.kind == "embedding"]
-        if blocks:
-            names.append(f"blocks {blocks[0]}-{blocks[-1]}" if len(blocks) > 1 else f"block {blocks[0]}")
-        names += [la.kind for la in mine if la.kind in ("final_norm", "lm_head")]
-        out.append(f"{s}: {' + '.join(names) or 'nothing'}")
+    for r in range(pp):
+        chunks = [describe_layers(layers[bounds[k] : bounds[k + 1]]) for k in range(r, virtual, pp)]
+        out.append(f"{r}: {', '.join(chunks)}")
     return " | ".join(out)
 
 
@@ -176,11 +187,19 @@ def stage_blocks(bounds: list[int], model: ModelConfig) -> list[int]:
     return [sum(la.kind == "block" for la in layers[a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
-def recompute_phrase(train: TrainConfig, bounds: list[int], model: ModelConfig) -> str:
+def stage_name(stage: int, pp: int, stages: int) -> str:
+    """`pipeline stage 3`, or at --vpp > 1 (more `stages` than `pp`) `virtual stage 3 (rank 1, chunk 1)`."""
+    return (
+        f"pipeline stage {stage}" if stages <= pp else f"virtual stage {stage} (rank {stage % pp}, chunk {stage // pp})"
+    )
+
+
+def recompute_phrase(train: TrainConfig, bounds: list[int], model: ModelConfig, pp: Optional[int] = None) -> str:
     """What backward recomputes, as a phrase for the start-up line; ConfigError when --recompute-num-layers does not
     fit the stages `bounds`. Megatron asks for N "between 1 and num_layers_per_pipeline_rank": with `block` each
     stage must hold N blocks (a stage with fewer would silently recompute fewer); with `uniform` a chunk never crosses
-    a stage, so N above the largest stage's blocks means nothing (a smaller stage is one chunk, as in Megatron)."""
+    a stage, so N above the largest stage's blocks means nothing (a smaller stage is one chunk, as in Megatron). At
+    --vpp > 1 `bounds` are the virtual stages (pass `pp` to name them): Megatron counts N per virtual stage."""
     if train.recompute_granularity == "selective":
         return "selective (the core attention of every block)"
     plan = full_recompute(train)
@@ -189,25 +208,29 @@ def recompute_phrase(train: TrainConfig, bounds: list[int], model: ModelConfig) 
     method, n = plan
     counts = stage_blocks(bounds, model)
     flags = f"--recompute-method {method} --recompute-num-layers {n}"
+    pp = pp or len(counts)
     if method == "uniform":
         most = max(counts)
         if n > most:
             raise ConfigError(
-                f"{flags}: a recompute chunk lies within one pipeline stage and the largest, stage "
-                f"{counts.index(most)}, holds {most} blocks; use --recompute-num-layers {most} or fewer"
+                f"{flags}: a recompute chunk lies within one pipeline stage and the largest, "
+                f"{stage_name(counts.index(most), pp, len(counts)).removeprefix('pipeline ')}, holds {most} blocks; "
+                f"use --recompute-num-layers {most} or fewer"
             )
         return f"full, uniform: every block, in chunks of {n}"
     for stage, blocks in enumerate(counts):
         if n > blocks:
             raise ConfigError(
-                f"{flags}: pipeline stage {stage} holds {blocks} block{'s' * (blocks != 1)}, fewer "
+                f"{flags}: {stage_name(stage, pp, len(counts))} holds {blocks} block{'s' * (blocks != 1)}, fewer "
                 f"than {n} to recompute; use --recompute-num-layers {min(counts)} or fewer (the "
                 f"smallest stage's blocks), or --recompute-method uniform to recompute every block"
             )
     if len(set(counts)) == 1:
-        return f"full, block: the first {n} of {counts[0]} blocks on each of {len(counts)} stages"
+        virtual = "virtual " * (len(counts) > pp)
+        return f"full, block: the first {n} of {counts[0]} blocks on each of {len(counts)} {virtual}stages"
     return "full, block " + ", ".join(
-        f"{n} of {blocks} block{'s' * (blocks != 1)} on stage {stage}" for stage, blocks in enumerate(counts)
+        f"{n} of {blocks} block{'s' * (blocks != 1)} on {stage_name(stage, pp, len(counts)).removeprefix('pipeline ')}"
+        for stage, blocks in enumerate(counts)
     )
 
 

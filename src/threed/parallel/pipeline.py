@@ -60,8 +60,10 @@ def build_pipeline_module(
         loss_fn=token_weighted_loss if token_weighted else causal_lm_loss,
         topology=make_topology(dims.tp, dims.pp, dims.dp, dims.cp),
         # Stage boundaries resolved once by threed.parallel.dims (--partition-method; DeepSpeed's PipelineModule
-        # underneath).
+        # underneath); with --vpp V > 1 the pp x V virtual stages', rank r holding virtual stages r, r + pp, ...
+        # (its chunks, `dims.chunks(r)`).
         partition_method=stage_boundaries(dims.bounds),
+        vpp=dims.vpp,
         # Full recompute (Megatron's uniform / block, --activation-checkpointing = uniform 1): which blocks, and in
         # which chunks, is StagedPipelineModule's; interval 1 only tells DeepSpeed's engine that it is on.
         activation_checkpoint_interval=1 if dims.recompute else 0,
@@ -121,12 +123,13 @@ def layer_spec(layer: PipelineLayer, model: ModelConfig, mcore: TransformerConfi
     return LayerSpec(LMHeadPipe, model, mcore, head_chunks)
 
 
-def local_modules(module: PipelineModule, model: ModelConfig) -> list[tuple[PipelineLayer, torch.nn.Module]]:
-    """This stage's layer modules, each once, with the spec layer whose parameters it holds: a tied head's entry is
-    the embedding module it runs with (the last stage's copy; at pp=1 the embedding itself, listed once)."""
+def local_modules(module: StagedPipelineModule, model: ModelConfig) -> list[tuple[PipelineLayer, torch.nn.Module]]:
+    """This stage's layer modules (of every chunk under --vpp), each once, with the spec layer whose parameters it
+    holds: a tied head's entry is the embedding module it runs with (the last stage's copy; at pp=1 the embedding
+    itself, listed once)."""
     layers = pipeline_layers(model)
     out: list[tuple[PipelineLayer, torch.nn.Module]] = []
-    for index, fn in zip(range(module._local_start, module._local_stop), module.forward_funcs):
+    for index, fn in module.indexed_layers():
         layer = layers[index]
         if layer.tied_to is not None:
             layer = layers[layer.tied_to]

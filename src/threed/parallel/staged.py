@@ -7,6 +7,10 @@
   N`): the chunks are `threed.parallel.partition.recompute_chunks`, counted over blocks as Megatron counts them.
 - Sequence parallelism's norm-gradient sum over the TP group, which megatron's finalize_model_grads does and
   DeepSpeed's pipeline engine does not.
+- Interleaved stages (`--vpp V`): a rank builds V chunks of layers, round-robin as Megatron assigns them (virtual
+  stage k = chunk c x pp + rank r; the boundaries arrive as pp x V + 1 `parts`). Each layer keeps its global index
+  (module name, layer file `layer_NN`), so a checkpoint is the same whatever the layout; `activate_chunk` exposes
+  one chunk as the module's forward, bounds and recompute runs, as DeepSpeed's DualPipeVModule does its phases.
 
 A module of its own, apart from partition.py, so that the pure partitioner imports no DeepSpeed: the planner, the
 memory model and check-config resolve stages in a second, without torch.
@@ -29,7 +33,10 @@ class StagedPipelineModule(PipelineModule):
     activation_checkpoint_interval 1, which only keeps DeepSpeed's engine treating it as checkpointed (the
     reentrant variant's first-stage inputs); `forward` runs `recompute_runs` instead of DeepSpeed's chunks."""
 
-    def __init__(self, *args: Any, recompute: Optional[tuple[str, int]] = None, **kwargs: Any):
+    def __init__(self, *args: Any, recompute: Optional[tuple[str, int]] = None, vpp: int = 1, **kwargs: Any):
+        # Read by _partition_layers and _build, which DeepSpeed's __init__ calls (a plain int: nn.Module allows it
+        # before its own __init__).
+        self.vpp = vpp
         super().__init__(*args, **kwargs)
         # DeepSpeed cuts a stage's layers into chunks of `activation_checkpoint_interval` counted from its first
         # layer (on stage 0 the embedding: a chunk of N would mix it with N-1 blocks and not be checkpointed at
@@ -37,11 +44,57 @@ class StagedPipelineModule(PipelineModule):
         # from the first block; block: only the first N), so the runs are Megatron's, over the layers that
         # DeepSpeed's `_is_checkpointable` accepts (`checkpointable_layers`: the blocks).
         self.recompute = recompute
-        self.recompute_runs: list[tuple[int, int, bool]] = (
-            []
-            if recompute is None
-            else recompute_chunks([self._is_checkpointable([f]) for f in self.forward_funcs], *recompute)
-        )
+        # Megatron's full recompute counts the blocks of each model chunk (each is a TransformerBlock of its own).
+        self.chunk_runs = [
+            [] if recompute is None else recompute_chunks([self._is_checkpointable([f]) for f in funcs], *recompute)
+            for funcs in self.chunk_funcs
+        ]
+        self.activate_chunk(0)
+
+    def _build(self) -> None:
+        # Each chunk through DeepSpeed's own _build over its bounds: modules registered under their global layer
+        # index, a tied module built once (where its first chunk is) and shared by a later chunk holding it.
+        self.chunk_funcs: list[list] = []
+        for start, stop in self.chunk_bounds:
+            self._set_bounds(start, stop)
+            self.forward_funcs = []
+            super()._build()
+            self.chunk_funcs.append(self.forward_funcs)
+
+    def activate_chunk(self, chunk: int) -> None:
+        """Expose chunk `chunk` (of this rank's `vpp`) as the module's layers: forward, bounds, recompute runs."""
+        self.active_chunk = chunk
+        self.forward_funcs = self.chunk_funcs[chunk]
+        self._local_start, self._local_stop = self.chunk_bounds[chunk]
+        self.recompute_runs: list[tuple[int, int, bool]] = self.chunk_runs[chunk]
+
+    def indexed_layers(self) -> list[tuple[int, Any]]:
+        """(global pipeline-layer index, layer) of every layer this rank holds, chunk by chunk."""
+        return [
+            (index, fn)
+            for (start, stop), funcs in zip(self.chunk_bounds, self.chunk_funcs)
+            for index, fn in zip(range(start, stop), funcs)
+        ]
+
+    def stage_owner(self, layer_idx: int) -> int:
+        # The pipeline rank holding the layer (DeepSpeed asks it for the tied groups): virtual stage k lies on rank
+        # k mod pp.
+        for k in range(len(self.parts) - 1):
+            if self.parts[k] <= layer_idx < self.parts[k + 1]:
+                return k % self.num_stages
+        raise RuntimeError(f"layer {layer_idx} outside {self.parts}")
+
+    def save_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        for chunk in range(self.vpp):  # layer files by global index: the same files at any vpp
+            self.activate_chunk(chunk)
+            super().save_state_dict(*args, **kwargs)
+        self.activate_chunk(0)
+
+    def load_state_dir(self, *args: Any, **kwargs: Any) -> None:
+        for chunk in range(self.vpp):
+            self.activate_chunk(chunk)
+            super().load_state_dir(*args, **kwargs)
+        self.activate_chunk(0)
 
     def forward(self, forward_input: Any) -> Any:
         if self.recompute is None:
@@ -89,11 +142,18 @@ class StagedPipelineModule(PipelineModule):
 
     def _partition_layers(self, method: str = "uniform") -> None:
         if not method.startswith(PARTS_PREFIX):
-            return super()._partition_layers(method)
+            assert self.vpp == 1, "interleaved stages take explicit boundaries"
+            super()._partition_layers(method)
+            self.chunk_bounds = [(self._local_start, self._local_stop)]
+            return
         self.parts = [int(b) for b in method[len(PARTS_PREFIX) :].split(",")]
-        assert len(self.parts) == self.num_stages + 1 and self.parts[-1] == len(self._layer_specs), self.parts
+        pp = self.num_stages
+        assert len(self.parts) == pp * self.vpp + 1 and self.parts[-1] == len(self._layer_specs), self.parts
         if dist.get_rank() == 0:
             model = self._layer_specs[0].module_args[0]
-            print(f"pipeline stages: {describe(self.parts, model)}", flush=True)
+            what = "pipeline stages" if self.vpp == 1 else f"virtual pipeline stages (on rank k mod {pp})"
+            print(f"{what}: {describe(self.parts, model)}", flush=True)
         stage = self._topo.get_coord(self.global_rank).pipe
-        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+        # Megatron's round-robin: chunk c of rank r is virtual stage c x pp + r.
+        self.chunk_bounds = [(self.parts[c * pp + stage], self.parts[c * pp + stage + 1]) for c in range(self.vpp)]
+        self._set_bounds(*self.chunk_bounds[0])

@@ -24,6 +24,7 @@ from deepspeed.runtime.pipe import p2p
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
 from threed.model.wgrad import DEFERRED
+from threed.parallel.interleaved import InterleavedEngine
 from threed.parallel.lean_engine import LeanPipelineEngine
 from threed.parallel.schedule import stage_order
 
@@ -157,7 +158,12 @@ class ZeroBubbleEngine(LeanPipelineEngine):
     }
 
 
-def use_schedule(engine: Any, schedule: str) -> Any:
-    """Make a DeepSpeed PipelineEngine run `schedule` (1f1b: DeepSpeed's own, in `LeanPipelineEngine`)."""
-    engine.__class__ = ZeroBubbleEngine if schedule == "zb-h1" else LeanPipelineEngine
+def use_schedule(engine: Any, schedule: str, vpp: int = 1) -> Any:
+    """Make a DeepSpeed PipelineEngine run `schedule` (1f1b: DeepSpeed's own, in `LeanPipelineEngine`; with vpp > 1
+    interleaved, `threed.parallel.interleaved`)."""
+    if vpp > 1:
+        assert schedule == "1f1b", schedule  # refused by the config (threed.config.check_virtual_stages)
+        engine.__class__ = InterleavedEngine
+    else:
+        engine.__class__ = ZeroBubbleEngine if schedule == "zb-h1" else LeanPipelineEngine
     return engine

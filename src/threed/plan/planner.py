@@ -10,7 +10,9 @@ context parallelism cp (`threed.model.context`) divides world / tp, is at most M
 16 nodes) and cuts the sequence into 2 cp chunks (2 cp tp under sequence parallelism), each rank keeping at least
 MIN_CP_TOKENS of a row unless --cp names the degree; pp <= layers; dp = world / (tp cp pp); micro x dp divides the
 global batch and gas = global / (micro dp); Megatron's sequence parallelism on and off (tp > 1); the pipeline
-schedule (`threed.parallel.schedule.SCHEDULES`, pp > 1: ZB-H1 idles less and holds more); and recompute: none,
+schedule (`threed.parallel.schedule.SCHEDULES`, pp > 1: ZB-H1 idles less and holds more), 1F1B also interleaved
+over VPP_CHOICES chunks per rank where Megatron's rules allow (a bubble / v, v x the sends, rank 0 holding up to
+pp + (pp - 1) / v micro-batches); and recompute: none,
 every block, and the fewest recomputed blocks per stage that fit (Megatron's full recompute, method block: the
 first N blocks of every stage), found by bisection over N = 0..the largest stage's blocks (memory falls and step
 time grows with N, so no other N can win).
@@ -25,7 +27,7 @@ import dataclasses
 from functools import partial
 from typing import Optional
 
-from threed.config import SECTIONS, ConfigError, ModelConfig, check_sequence_parallel, flag_name
+from threed.config import SECTIONS, ConfigError, ModelConfig, check_sequence_parallel, check_virtual_stages, flag_name
 from threed.memory.model import GB, estimate, heaviest, stages
 from threed.memory.recompute import Recompute
 
@@ -44,6 +46,7 @@ FILTER_FIELDS = {
     "sequence_parallel": ("parallel", "sequence_parallel"),
     "schedule": ("parallel", "pipeline_schedule"),
     "cp": ("parallel", "cp"),
+    "vpp": ("parallel", "vpp"),
 }
 # The largest CP degree searched: Meta trained Llama 3 405B at 131K tokens with cp 16 (beside tp 8); past that the
 # K/V all-gather of every block crosses too many ranks to pay.
@@ -53,6 +56,9 @@ MAX_CP = 16
 # thinner micro-batches (at 8K it ranked cp 8 first). NeMo's Llama 3 recipes keep 8K-16K per rank (8B 16K cp 2 ...
 # 128K cp 8).
 MIN_CP_TOKENS = 8192
+# The interleaved chunks per rank searched (--vpp; Megatron-LM's Llama recipes use 2 to 8): the bubble falls with v,
+# the sends between stages grow with it, and so do rank 0's activations, towards pp + 1 micro-batches' worth.
+VPP_CHOICES = (1, 2, 4)
 FILTER_FLAGS = {
     key: flag_name(next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == name))
     for key, (section, name) in FILTER_FIELDS.items()
@@ -75,12 +81,14 @@ def candidates(
     sequence_parallel: Optional[bool] = None,
     schedule: Optional[str] = None,
     cp: Optional[int] = None,
+    vpp: Optional[int] = None,
 ) -> list[Layout]:
     """Every valid layout (optionally restricted), fitting or not, fastest first. `act_ckpt`: only every block
     recomputed (True) or none (False); None: none, every block and the fewest that fit. Each schedule is searched
-    on its own (ZB-H1 may need more recompute to fit); at pp 1 they are one."""
+    on its own (ZB-H1 may need more recompute to fit), 1F1B also interleaved (`VPP_CHOICES`, where the blocks and the
+    micro-batches divide as Megatron asks); at pp 1 they are one."""
     out: list[Layout] = []
-    only = dict(micro=micro, act_ckpt=act_ckpt, sequence_parallel=sequence_parallel, schedule=schedule)
+    only = dict(micro=micro, act_ckpt=act_ckpt, sequence_parallel=sequence_parallel, schedule=schedule, vpp=vpp)
     for t in _divisors(hw.gpus_per_node):
         if model.num_heads % t or model.num_kv_heads % t or (tp and t != tp):
             continue
@@ -106,11 +114,12 @@ def _shapes(
     act_ckpt: Optional[bool],
     sequence_parallel: Optional[bool],
     schedule: Optional[str],
+    vpp: Optional[int] = None,
 ) -> list[Layout]:
-    """The layouts of one (tp, pp, cp): every micro-batch size, sequence parallelism, schedule and recompute."""
+    """The layouts of one (tp, pp, cp): every micro-batch size, sequence parallelism, schedule (interleaved or
+    not) and recompute."""
     out = []
     dp = hw.world // (t * p * c)
-    most = max(st.blocks for st in stages(model, p, t, seq))
     for m in [micro] if micro else [1, 2, 4, 8, 16]:
         if global_batch % (m * dp):
             continue
@@ -121,13 +130,33 @@ def _shapes(
             for sched in SCHEDULES:
                 if (p == 1 and sched != "1f1b") or schedule not in (None, sched):
                     continue
-                layout = partial(_recomputing, (model, hw, seq, t, p, dp, m, gas, sp, sched, c), most)
-                none, every = layout(0), layout(most)
-                out += {False: [none], True: [every]}.get(act_ckpt, [none, every])  # type: ignore[arg-type]
-                if act_ckpt is None and every.fits and not none.fits and most > 1:
-                    fewest = _fewest_fitting(layout, most)
-                    out += [fewest] if fewest.recomputed < most else []
+                for v in vpp_choices(model, p, gas, sched, vpp):
+                    most = largest_chunk(model, p, t, seq, v)
+                    layout = partial(_recomputing, (model, hw, seq, t, p, dp, m, gas, sp, sched, c), most, v)
+                    none, every = layout(0), layout(most)
+                    out += {False: [none], True: [every]}.get(act_ckpt, [none, every])  # type: ignore[arg-type]
+                    if act_ckpt is None and every.fits and not none.fits and most > 1:
+                        fewest = _fewest_fitting(layout, most)
+                        out += [fewest] if fewest.recomputed < most else []
     return out
+
+
+def vpp_choices(model: ModelConfig, pp: int, gas: int, schedule: str, only: Optional[int]) -> list[int]:
+    """The chunks per rank searched for this pipeline: `VPP_CHOICES` (or --vpp's one value) that training takes
+    (`threed.config.check_virtual_stages`: pp > 1, 1f1b, blocks divisible by pp x vpp, gas by pp)."""
+    out = []
+    for v in [only] if only else VPP_CHOICES:
+        try:
+            check_virtual_stages(pp, v, model.num_layers, schedule, gas)
+        except ConfigError:
+            continue
+        out.append(v)
+    return out
+
+
+def largest_chunk(model: ModelConfig, pp: int, tp: int, seq: int, vpp: int = 1) -> int:
+    """The most blocks a stage holds (at vpp > 1 a chunk: Megatron's recompute counts its blocks per chunk)."""
+    return max(c.blocks for st in stages(model, pp, tp, seq, None, vpp) for c in st.parts)
 
 
 def cp_divides(seq: int, cp: int, tp: int, sp: bool) -> bool:
@@ -148,11 +177,12 @@ def check_cp(seq: int, cp: int, tp: int, sp: bool) -> None:
     check_divisible(seq, cp, tp, sp)
 
 
-def _recomputing(shape: tuple, most: int, n: int) -> Layout:
+def _recomputing(shape: tuple, most: int, vpp: int, n: int) -> Layout:
     """The layout of `shape` (`build_layout`'s arguments before and after its recompute: model, hw, seq, tp, pp, dp,
-    micro, gas; sp, schedule, cp) recomputing the first N blocks of each stage (N = `most`: every block)."""
+    micro, gas; sp, schedule, cp) at `vpp` recomputing the first N blocks of each stage, or chunk (N = `most`: every
+    block)."""
     rc = Recompute.of(True) if n >= most else Recompute.first_blocks(n)
-    return build_layout(*shape[:8], rc, *shape[8:], most)
+    return build_layout(*shape[:8], rc, *shape[8:], most, vpp)
 
 
 def build_layout(
@@ -169,17 +199,19 @@ def build_layout(
     schedule: str = "1f1b",
     cp: int = 1,
     most: Optional[int] = None,
+    vpp: int = 1,
 ) -> Layout:
     """One layout, its memory and its predicted step (`threed.plan.steptime`): what the search ranks, and what
-    `threed memory` prints for the one layout it is given. `most`: the largest stage's blocks, when known."""
-    most = most if most is not None else max(st.blocks for st in stages(model, pp, tp, seq))
-    mems = estimate(model, tp, pp, dp, micro, gas, seq, rc, sequence_parallel=sp, schedule=schedule, cp=cp)
-    passes = pass_times(model, hw, tp, pp, dp, micro, seq, rc, sp, schedule, cp)
+    `threed memory` prints for the one layout it is given. `most`: the largest stage's (chunk's) blocks, when known;
+    `vpp`: interleaved chunks per rank."""
+    most = most if most is not None else largest_chunk(model, pp, tp, seq, vpp)
+    mems = estimate(model, tp, pp, dp, micro, gas, seq, rc, sequence_parallel=sp, schedule=schedule, cp=cp, vpp=vpp)
+    passes = pass_times(model, hw, tp, pp, dp, micro, seq, rc, sp, schedule, cp, vpp)
     seconds = step_time(
-        model, hw, tp, pp, dp, micro, gas, seq, rc, max(x.params for x in mems), sp, schedule, passes, cp
+        model, hw, tp, pp, dp, micro, gas, seq, rc, max(x.params for x in mems), sp, schedule, passes, cp, vpp
     )
     fits = heaviest(mems).peak <= hw.budget
-    return Layout(tp, pp, dp, micro, gas, rc, heaviest(mems), seconds, fits, sp, most, schedule, passes, cp)
+    return Layout(tp, pp, dp, micro, gas, rc, heaviest(mems), seconds, fits, sp, most, schedule, passes, cp, vpp)
 
 
 def _fewest_fitting(layout, most: int) -> Layout:
@@ -285,7 +317,7 @@ def _more_nodes(model: ModelConfig, hw: Hardware, seq: int) -> str:
 def recipe_lines(model: str, best: Layout, global_batch: int, seq: int) -> list[str]:
     """What to paste into a recipe (recipes/launch.sh's variables; GAS empty so GLOBAL decides it). Partial
     recompute goes as Megatron's flags (RECOMPUTE_*), every block as ACT_CKPT; a schedule other than 1f1b as
-    PIPELINE_SCHEDULE."""
+    PIPELINE_SCHEDULE, interleaving as VPP."""
     values = {
         "MODEL": model,
         "TP": best.tp,
@@ -302,4 +334,6 @@ def recipe_lines(model: str, best: Layout, global_batch: int, seq: int) -> list[
         values.update(RECOMPUTE_GRANULARITY="full", RECOMPUTE_METHOD="block", RECOMPUTE_NUM_LAYERS=best.recomputed)
     if best.schedule != "1f1b":  # --pipeline-schedule
         values.update(PIPELINE_SCHEDULE=best.schedule)
+    if best.vpp > 1:  # --vpp
+        values.update(VPP=best.vpp)
     return [f"{k}=${{{k}-{v}}}" for k, v in values.items()]

@@ -23,7 +23,9 @@ compute/communication overlap the engine has (below: megatron's linear backward 
   ones and the gradient send B's, SP's re-gathers for the weight gradients W's (under ZB-H1 also the row-parallel
   output gradients'). pipeline(): the step `threed.parallel.schedule.simulate` finds when every stage runs the
   slowest stage's passes (the slowest sets the pace): under 1F1B (gas + pp - 1)(F + B + W), a bubble of
-  (pp - 1) / (gas + pp - 1); under ZB-H1 less.
+  (pp - 1) / (gas + pp - 1); under ZB-H1 less. Interleaved (--vpp v > 1, 1F1B's order over v chunks per rank, each a
+  v-th of the stage): (gas + (pp - 1) / v)(F + B + W), a bubble of (pp - 1) / (v gas + pp - 1), but each micro-batch
+  crosses the stages v times: v p2p sends in F and in B where 1F1B has one.
   n_tp, in all-reduces of [s, b, h] (a ring all-reduce moves the bytes of one all-gather plus one reduce-scatter):
   per block 2 forward (attention and MLP outputs) + 2 backward (their inputs' gradients) + 2 more per recomputed
   block; plus the embedding's and the LM head's one each. Sequence parallelism (Megatron's) replaces each
@@ -139,9 +141,11 @@ def pass_times(
     sequence_parallel: bool = False,
     schedule: str = "1f1b",
     cp: int = 1,
+    vpp: int = 1,
 ) -> tuple[float, float, float]:
     """Seconds of one micro-batch's F, B and W passes on the slowest stage (the model in the module docstring);
-    `recompute`: True (every block), False, or Megatron's flags; `cp`: context parallelism (dp excludes it)."""
+    `recompute`: True (every block), False, or Megatron's flags; `cp`: context parallelism (dp excludes it); `vpp`:
+    chunks per rank (the passes of all its chunks together, each chunk's sends counted)."""
     rc = Recompute.of(recompute)
     sp = sequence_parallel and tp > 1
     h = model.hidden_size
@@ -153,8 +157,8 @@ def pass_times(
 
     deferred = schedule != "1f1b" and pp > 1  # ZB-H1 splits the backward (at pp 1 it is refused: 1F1B's backward)
     slowest = (0.0, 0.0, 0.0)
-    for st in stages(model, pp, tp, seq):
-        recomputed = rc.recomputed(st.blocks)
+    for st in stages(model, pp, tp, seq, None, vpp):
+        recomputed = sum(rc.recomputed(c.blocks) for c in st.parts)  # Megatron's recompute counts per chunk
         f_tp = 2 * st.blocks + st.first  # attention and MLP outputs; the embedding's
         b_tp = 2 * st.blocks + 2 * recomputed + st.last  # their inputs' gradients, the recompute's; LM head's
         # megatron's re-gather of the column-parallel inputs; a deferred W (threed.model.wgrad) also re-gathers
@@ -173,7 +177,8 @@ def pass_times(
             p2p = act_bytes / tp / link_bytes_per_s(hw, tp * cp * dp)  # stages are tp cp dp ranks apart
             if not sp:  # DeepSpeed's TP partition, all-gathered over TP on arrival
                 p2p += (tp - 1) / tp * act_bytes / (hw.nvlink_gbps * 1e9)
-            f, b = f + p2p, b + p2p
+            # interleaved (vpp > 1): a micro-batch crosses from each chunk to the next virtual stage, vpp sends
+            f, b = f + vpp * p2p, b + vpp * p2p
         if f + b + w > sum(slowest):
             slowest = (f, b, w)
     return slowest
@@ -260,13 +265,14 @@ def step_time(
     schedule: str = "1f1b",
     passes: Optional[tuple[float, float, float]] = None,
     cp: int = 1,
+    vpp: int = 1,
 ) -> float:
     """Predicted seconds per optimizer step (the model in the module docstring); `params`: the largest stage's
     parameters per GPU; `recompute`: True (every block), False, or Megatron's flags; `schedule`:
     `threed.parallel.schedule`'s; `passes`: `pass_times` of the same arguments, when the caller has them already;
-    `cp`: context parallelism (gradients reduce and ZeRO-1 shards over dp x cp)."""
-    passes = passes or pass_times(model, hw, tp, pp, dp, micro, seq, recompute, sequence_parallel, schedule, cp)
-    pipeline, _ = simulate(schedule, pp, gas, *passes)
+    `cp`: context parallelism (gradients reduce and ZeRO-1 shards over dp x cp); `vpp`: interleaved chunks per rank."""
+    passes = passes or pass_times(model, hw, tp, pp, dp, micro, seq, recompute, sequence_parallel, schedule, cp, vpp)
+    pipeline, _ = simulate(schedule, pp, gas, *passes, vpp)
     return pipeline + once_per_step_s(model, hw, tp, pp, dp * cp, params)
 
 

@@ -68,6 +68,13 @@ def prepare(cfg: RunConfig) -> Optional[DuringTraining]:
     t = cfg.train
     if not t.generate_interval and not t.harness_interval:
         return None
+    if cfg.parallel.vpp > 1:
+        # The decode loop hands hidden states from stage to stage (threed.generate.decode): an interleaved rank's
+        # chunks are not one contiguous stage.
+        raise ConfigError(
+            f"--generate-interval / --harness-interval run on whole pipeline stages, not on --vpp {cfg.parallel.vpp}'s "
+            f"interleaved chunks: drop them (threed generate / eval-harness load this run's checkpoints at any vpp)"
+        )
     # Under --sequence-parallel and --context-parallel-size the decode loop runs whole sequences all the same: its
     # `evaluation` switches the split off for its duration (threed.generate.decode).
     with kept_rng():

@@ -1,0 +1,172 @@
+"""Interleaved-stage scenarios for tests/ranks/test_interleaved.py: the same fp32 run (HF's gqa31 weights, 4 blocks, 5
+steps) at --vpp 1 and --vpp 2 on this launch's tp x pp (and at one rank, pp 1, for the single-process reference):
+losses, gradient norms, an evaluation loss and every parameter's final checksum; a checkpoint written at step 3
+under one vpp, resumed under the same and the other.
+
+    python -m torch.distributed.run --nproc-per-node 2 tests/ranks/interleaved_worker.py main --out /tmp/x \
+        --data PREFIX --tp 1 --pp 2 --gas 4 --vpps 1,2 --resume
+    python -m torch.distributed.run --nproc-per-node 4 tests/ranks/interleaved_worker.py resume --out /tmp/y \
+        --data PREFIX --tp 1 --pp 4 --gas 4 --vpps 1 --load /tmp/x/ckpt_vpp2     (a universal resume)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# worker_setup first: it puts tests/ on sys.path (helpers, reference)
+from worker_setup import build_engine, load_hf_weights, rank_json, reads_data, run_worker
+from dist_worker import train_dataset
+from helpers import hf_model, model_config
+from reference import PARITY
+from schedule_worker import VARIANTS, run
+from tied_worker import tied_hf_model, tied_model_config
+import threed.checkpoint.save as ckpt
+from threed.config import CheckpointConfig, DataConfig, ParallelConfig, RunConfig, TrainConfig
+from threed.metrics.stages import StageTimer
+from threed.parallel.distributed import Runtime
+
+STEPS = 5
+SAVE_AT = 3
+
+
+def config(args: argparse.Namespace, vpp: int, gas: int, variant: str = "") -> RunConfig:
+    """The run at `vpp`; `variant`: one of schedule_worker's VARIANTS (bf16, recompute, packed rows, ...)."""
+    model = tied_model_config() if args.tied else model_config("gqa31")
+    if args.layers:  # more blocks than HF's gqa31 (pp 4 vpp 2: 8 virtual stages), from threed's own init
+        model = dataclasses.replace(model, num_layers=args.layers)
+    changes = VARIANTS[variant][0] if variant else {}
+    train = {k: v for k, v in changes.items() if k not in ("pack", "sequence_parallel")}
+    stages = args.pp * vpp
+    return RunConfig(
+        model=model,
+        parallel=ParallelConfig(
+            tp=args.tp,
+            pp=args.pp,
+            cp=args.cp,
+            vpp=vpp,
+            # one block per virtual stage at pp 2 vpp 2: the same blocks per rank as pp 2's layers:2,2
+            partition_method="layers:" + ",".join([str(model.num_layers // stages)] * stages),
+            sequence_parallel=args.sp or changes.get("sequence_parallel", False),
+        ),
+        train=TrainConfig(
+            **{**PARITY, **dict(micro_batch_size=1, grad_accum_steps=gas, seq_length=32, steps=STEPS), **train}
+        ),
+        data=DataConfig(data_path=(args.data,), pack=changes.get("pack", False)),
+    )
+
+
+def checksums(engine, rt: Runtime) -> dict[str, list[float]]:
+    """Every parameter this rank holds, `tp<rank>/<name>` -> [sum, sum of |x|] (float64): names are global layer
+    indices, the same at any pp and vpp."""
+    tp_rank = engine.grid.get_slice_parallel_rank()
+    return {
+        f"tp{tp_rank}/{k}": [float(v.detach().double().sum()), float(v.detach().double().abs().sum())]
+        for k, v in engine.module.named_parameters()
+    }
+
+
+def evaluation(engine, cfg: RunConfig) -> float:
+    gen = torch.Generator().manual_seed(3)
+    vocab, micro, seq = cfg.model.vocab_size, cfg.train.micro_batch_size, cfg.train.seq_length
+    batches = [
+        (t[:, :-1].contiguous(), t[:, 1:].contiguous())
+        for t in (torch.randint(0, vocab, (micro, seq + 1), generator=gen) for _ in range(cfg.train.grad_accum_steps))
+    ]
+    return float(engine.eval_batch(iter(batches) if reads_data(engine) else None))
+
+
+def trained(cfg: RunConfig, rt: Runtime, ds, hf_state: dict, save: str = "") -> dict:
+    """STEPS steps from HF's weights; with `save`, a checkpoint there at step SAVE_AT."""
+    if save:
+        cfg = dataclasses.replace(cfg, checkpoint=CheckpointConfig(save=save, auto_resume=False))
+    engine = build_engine(cfg, rt).engine
+    if cfg.model.num_layers == hf_model_layers():
+        load_hf_weights(engine, cfg, hf_state)
+    timer = StageTimer(engine, rt.device)  # the per-stage idle metric's timers (threed.metrics.stages)
+    timer.install()
+    losses, norms = run(cfg, engine, ds, 0, SAVE_AT if save else STEPS)
+    if save:
+        # threed's save: its manifest records the (virtual) stage boundaries, by which a resume at another vpp
+        # knows to go through a universal checkpoint (DeepSpeed's optimizer shards hold other layers per rank)
+        ckpt.save(engine, cfg, rt.rank, {"consumed_samples": SAVE_AT * cfg.train.grad_accum_steps})
+        more = run(cfg, engine, ds, SAVE_AT, STEPS)
+        losses, norms = losses + more[0], norms + more[1]
+    timer.uninstall()
+    return {
+        "timing": {bucket: timer.totals[bucket] for bucket in ("compute", "p2p", "dp-reduce", "optimizer")},
+        "losses": losses,
+        "grad_norms": norms,
+        # (no evaluation with packed rows or under CP: `evaluation`'s rows are whole, not split as run_steps splits)
+        "eval": None if cfg.data.pack or cfg.parallel.cp > 1 else evaluation(engine, cfg),
+        "class": type(engine).__name__,
+        "stage": engine.stage_id,
+        "dp_rank": engine.grid.get_data_parallel_rank(),
+        "weights": checksums(engine, rt),
+    }
+
+
+def hf_model_layers() -> int:
+    return model_config("gqa31").num_layers
+
+
+def resumed(cfg: RunConfig, rt: Runtime, ds, load: str) -> dict:
+    built = build_engine(dataclasses.replace(cfg, checkpoint=CheckpointConfig(load=load)), rt)
+    assert built.engine.global_steps == SAVE_AT, built.engine.global_steps
+    losses, norms = run(cfg, built.engine, ds, SAVE_AT, STEPS)
+    return {"losses": losses, "grad_norms": norms, "universal": bool(built.decision.universal)}
+
+
+def main(args: argparse.Namespace, rt: Runtime) -> None:
+    hf = (tied_hf_model() if args.tied else hf_model("gqa31")).state_dict()
+    vpps = [int(v) for v in args.vpps.split(",")]
+    results: dict[str, Any] = {}
+    for n, gas in enumerate(int(g) for g in args.gas.split(",") if g):
+        ds = train_dataset(config(args, 1, gas), rt.world_size)
+        for vpp in vpps:
+            save = f"{args.out}/ckpt_vpp{vpp}" if args.resume and n == 0 else ""
+            results[f"vpp{vpp}_gas{gas}"] = trained(config(args, vpp, gas), rt, ds, hf, save)
+        if args.resume and n == 0:
+            for saved in vpps:
+                for now in vpps:
+                    results[f"vpp{saved}_then_vpp{now}"] = resumed(
+                        config(args, now, gas), rt, ds, f"{args.out}/ckpt_vpp{saved}"
+                    )
+    for variant in [v for v in args.variants.split(",") if v]:
+        ds = None if VARIANTS[variant][0].get("pack") else train_dataset(config(args, 1, 4, variant), rt.world_size)
+        for vpp in vpps:
+            results[f"{variant}_vpp{vpp}"] = trained(config(args, vpp, 4, variant), rt, ds, hf)
+    dist.barrier()
+    rank_json(args.out, "interleaved", results)
+
+
+def resume(args: argparse.Namespace, rt: Runtime) -> None:
+    """Steps SAVE_AT + 1 .. STEPS from the checkpoint in --load, at this launch's layout and the one vpp of --vpps."""
+    gas, vpp = int(args.gas), int(args.vpps)
+    ds = train_dataset(config(args, 1, gas), rt.world_size)
+    result = resumed(config(args, vpp, gas), rt, ds, args.load)
+    dist.barrier()
+    rank_json(args.out, "resumed", result)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", required=True)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=2)
+    p.add_argument("--cp", type=int, default=1)
+    p.add_argument("--gas", default="4")
+    p.add_argument("--vpps", default="1,2")
+    p.add_argument("--sp", action="store_true", help="sequence parallelism")
+    p.add_argument("--tied", action="store_true", help="the tied-embedding model (Llama 3.2's tie)")
+    p.add_argument("--resume", action="store_true", help="save at step 3 under each vpp, resume under each")
+    p.add_argument("--load", help="(resume) the checkpoint directory to resume from")
+    p.add_argument("--layers", type=int, default=0, help="blocks (0: gqa31's, with its HF weights)")
+    p.add_argument("--variants", default="", help="schedule_worker's VARIANTS, each at gas 4 under every vpp")
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_worker({"main": main, "resume": resume}, add_arguments))
