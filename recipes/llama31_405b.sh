@@ -17,6 +17,8 @@
 #          against 123 s recomputing every block (ACT_CKPT=true, no SP) and 120 s recomputing 7 of 8 without SP.
 #          SEQ=8192: the same command with --seq-length 8192 chooses RECOMPUTE_NUM_LAYERS=5 (~69 GB, 216 s/step
 #          against 238 s recomputing every block).
+#          No interleaving (VPP=1): Megatron's rule wants pp x vpp to divide the 126 blocks, which no vpp > 1 does at
+#          PP=16 (the planner says so on its `interleaving:` line).
 # Data     DATA: a megatron .bin/.idx prefix or a blend "W1 PREFIX1 W2 PREFIX2" 
 #          made by `threed preprocess --append-eod --tokenizer $TOKENIZER` or Megatron-LM (the HF Llama 3 tokenizer directory, 128256 pieces).
 # Weights  random init; INIT_FROM=<`threed convert` output of HF Llama-3.1-405B> starts from the HF weights.

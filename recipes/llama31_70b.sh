@@ -17,6 +17,10 @@
 #          recomputing 12 blocks per stage without SP. Without --tp/--pp/--micro-batch-size it ranks every layout;
 #          tp8 pp2 dp2 recomputing 10 of 41 blocks comes first by 0.3% (145.5 s: half the micro-batches per step,
 #          each paying the fitted 36 ms), well inside the model's error; this one recomputes nothing.
+#          Interleaving (VPP, --vpp): at 4 nodes (GAS 512, bubble 0.6%) the planner keeps VPP=1 (VPP=4: 146.4 s, VPP=2
+#          does not fit: 76 GB). At 64 nodes (DP 16, GAS 32) the same command with --nodes 64 picks VPP=4 (5 blocks per
+#          virtual stage): 9.8 s/step against 10.4 at VPP=1 (bubble 8.6% -> 2.3%), ~46 GB/GPU against 41:
+#          VPP=4 sbatch --nodes=64 slurm/llama70b_tp8_pp4.sh
 # Data     DATA: a megatron .bin/.idx prefix or a blend "W1 PREFIX1 W2 PREFIX2" 
 #          made by `threed preprocess --append-eod --tokenizer $TOKENIZER` or Megatron-LM (the HF Llama 3 tokenizer directory, 128256 pieces).
 # Weights  random init; INIT_FROM=<`threed convert` output of HF Llama-3.1-70B> starts from the HF weights.
