@@ -877,6 +877,11 @@ class RunConfig:
         check_virtual_stages(p.pp, p.vpp, self.model.num_layers, p.pipeline_schedule, gas)
         if self.checkpoint.load and self.checkpoint.init_from:
             raise ConfigError("give either load (full resume) or init_from (weights only), not both")
+        if self.checkpoint.async_save and not self.checkpoint.save:
+            raise ConfigError(
+                "--async-save without --save: no checkpoint would be written; give --save DIR (launcher: SAVE=) or "
+                "drop --async-save (ASYNC_SAVE=)"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

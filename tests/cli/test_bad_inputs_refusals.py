@@ -120,6 +120,9 @@ ROWS = [
         PLAN + ["--gpu-memory", "80", "--pp", "1", "--pipeline-schedule", "zb-h1"],
         r"none together\. .*drop or change --pp 1 --pipeline-schedule zb-h1$",
     ),
+    # --async-save with nothing to save into
+    ("async-save-no-save", TRAIN + ["--async-save"], r"--async-save without --save: no checkpoint would be written"),
+    ("check-async-save-no-save", CHECK + ["--async-save"], r"--async-save without --save: .* drop --async-save"),
     # --vpp (interleaved 1F1B): Megatron's rules, before any process group
     ("vpp-pp1", TRAIN + ["--vpp", "2"], r"--vpp 2 needs pp > 1 .*use --pipeline-model-parallel-size 2 or more$"),
     (

@@ -280,7 +280,7 @@ def moved_layers(cfg: RunConfig, found: Found, dims: RunDims) -> str:
     if was == list(dims.bounds):
         return ""
     return (
-        f"stages {describe(was, cfg.model)}; this run's --partition-method {cfg.parallel.partition_method} gives "
+        f"stages {describe(was, cfg.model, found.layout.pp)}; this run's --partition-method {cfg.parallel.partition_method} gives "
         f"{dims.stages(cfg.model)}"
     )
 

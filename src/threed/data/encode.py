@@ -261,8 +261,11 @@ def run_parallel(
     finally:
         if not clean:
             # Error or Ctrl-C: stop the workers now rather than let the chunks already queued run to the end
-            # (seconds each). ProcessPoolExecutor has no public terminate before Python 3.14.
+            # (seconds each). ProcessPoolExecutor has no public terminate before Python 3.14. SIGKILL, not SIGTERM:
+            # an error at the first chunk reaches a worker forked a moment ago, before `_init_worker` reset the
+            # SIGTERM handler it inherited (the CLI's): it survived, blocked on the call queue's lock that a killed
+            # sibling held, and the shutdown below waited for it forever (a test hung so, 2026-11-29).
             for proc in list(getattr(ex, "_processes", {}).values()):
-                proc.terminate()
+                proc.kill()
         ex.shutdown(wait=True, cancel_futures=True)
         gc.unfreeze()
