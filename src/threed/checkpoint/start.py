@@ -280,8 +280,8 @@ def moved_layers(cfg: RunConfig, found: Found, dims: RunDims) -> str:
     if was == list(dims.bounds):
         return ""
     return (
-        f"stages {describe(was, cfg.model, found.layout.pp)}; this run's --partition-method {cfg.parallel.partition_method} gives "
-        f"{dims.stages(cfg.model)}"
+        f"stages {describe(was, cfg.model, found.layout.pp)}; this run's --partition-method "
+        f"{cfg.parallel.partition_method} gives {dims.stages(cfg.model)}"
     )
 
 
