@@ -19,19 +19,24 @@ recomputed, tensors, so this does not depend on the recompute flags.
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Iterable
 
 from threed.config import ModelConfig
-from threed.model.spec import LayerKind, layer_parameters, shard_shape, split_axis
+from threed.model.spec import LayerKind, Param, layer_parameters, shard_shape, split_axis
 
 BF16 = 2
 
 
 def deferred_bytes_per_token(model: ModelConfig, tp: int, kind: LayerKind, sequence_parallel: bool = False) -> int:
     """Bytes one layer of `kind` keeps per token of the sequence for its deferred weight gradients (0: none)."""
-    sp = sequence_parallel and tp > 1
+    return _deferred_bytes(model, tp, layer_parameters(kind), sequence_parallel and tp > 1)
+
+
+@cache  # pure; a planner's search asks it for every layer of every layout it weighs (keyed by the table's rows)
+def _deferred_bytes(model: ModelConfig, tp: int, params: tuple[Param, ...], sp: bool) -> int:
     total = 0
-    for p in layer_parameters(kind):
+    for p in params:
         if not p.megatron_linear:
             continue
         out_width, in_width = shard_shape(model, p, tp)

@@ -94,7 +94,7 @@ from threed.memory.deferred import awaiting_w_bytes, deferred_bytes_per_token
 from threed.memory.recompute import Recompute
 from threed.parallel.device_policy import CudaOnly, cuda_only
 from threed.parallel.partition import resolve_partition
-from threed.parallel.schedule import chunks_before_backward
+from threed.parallel.schedule import distinct_before_backward
 
 GB = 1e9
 BF16 = 2
@@ -315,7 +315,7 @@ def _held_before_b(
     # micro-batches' (1/tp of [s, b, h] each per TP rank; measured: tests/ranks/test_memory_zb.py).
     in_send = deferred * (stage.index > 0) * min(2, gas - 1) * BF16 * tokens * h // tp
     most: list = [None] * len(per_micro)
-    for chunk, live, waiting in chunks_before_backward(schedule, pp, gas, stage.index, len(per_micro)):
+    for chunk, live, waiting in distinct_before_backward(schedule, pp, gas, stage.index, len(per_micro)):
         held = sum((n - (c == chunk)) * kept for c, (n, kept) in enumerate(zip(live, per_micro)))
         held += waiting * awaiting_w
         most[chunk] = held if most[chunk] is None else max(most[chunk], held)

@@ -240,6 +240,18 @@ def optimizer_parameters(model: ModelConfig, tp: int, pp: int) -> int:
     return parameter_count(model, tp) + extra
 
 
+@cache
+def _layer_sizes(model: ModelConfig, tp: int, params: tuple[Param, ...]) -> tuple[tuple[Optional[str], bool, int], ...]:
+    """(tie group or None, a matrix?, elements on one TP rank) of each of a layer's parameters: the sizes
+    `stage_parameters` adds up, worked out once per shape (a planner's search asks for them about a million times).
+    Keyed by the rows themselves, so that a changed table is never answered from the cache."""
+    out = []
+    for p in params:
+        shape = shard_shape(model, p, tp)
+        out.append((p.tie if tied(model) else None, len(shape) > 1, math.prod(shape)))
+    return tuple(out)
+
+
 def stage_parameters(model: ModelConfig, tp: int, kinds: list[LayerKind]) -> tuple[int, int]:
     """(matrices, norms) elements on one TP rank of a stage holding these layers (one entry per layer, a block
     once per block): `threed.engine.build`'s two optimizer groups (decay / no decay). Vocabulary padded for `tp`.
@@ -248,14 +260,12 @@ def stage_parameters(model: ModelConfig, tp: int, kinds: list[LayerKind]) -> tup
     matrices = norms = 0
     seen: set[str] = set()
     for kind in kinds:
-        for p in layer_parameters(kind):
-            if p.tie and tied(model):
-                if p.tie in seen:
+        for tie, matrix, n in _layer_sizes(model, tp, layer_parameters(kind)):
+            if tie:
+                if tie in seen:
                     continue
-                seen.add(p.tie)
-            shape = shard_shape(model, p, tp)
-            n = math.prod(shape)
-            if len(shape) > 1:
+                seen.add(tie)
+            if matrix:
                 matrices += n
             else:
                 norms += n

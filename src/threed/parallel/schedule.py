@@ -140,9 +140,53 @@ def chunks_before_backward(
     return [(chunk, live, waiting) for (kind, _, chunk), (live, waiting) in zip(order, before) if kind == "B"]
 
 
+@functools.lru_cache(maxsize=1024)
+def distinct_before_backward(
+    schedule: str, pp: int, gas: int, stage: int, vpp: int = 1
+) -> tuple[tuple[int, tuple[int, ...], int], ...]:
+    """`chunks_before_backward` with each (chunk, live per chunk, awaiting W) once, in first-seen order: what the
+    memory model takes the most of (a 70B plan asks it thousands of times, of gas up to hundreds of B passes that
+    hold only a few distinct counts)."""
+    return tuple(dict.fromkeys(chunks_before_backward(schedule, pp, gas, stage, vpp)))
+
+
 def pass_costs(schedule: str, f: float, b: float, w: float, vpp: int = 1) -> dict[str, float]:
     """What one pass of one chunk costs: a v-th of the stage's; under 1f1b B is the whole backward (b + w)."""
     return {"F": f / vpp, "B": (b + w if schedule == "1f1b" else b) / vpp, "W": w / vpp}
+
+
+@functools.lru_cache(maxsize=256)
+def _pass_order(schedule: str, pp: int, gas: int, vpp: int) -> tuple[tuple[int, str, int, int, tuple, tuple], ...]:
+    """Every pass of a step as (rank, pass, micro-batch, chunk, its key, the key it waits for or ()), in an order
+    where each pass comes after what it waits for and after the passes before it on its rank: ranks taken in turn,
+    each running its passes in its order (`rank_order`) until one's input is not there yet. Which passes can run
+    depends on what has run, not on what the passes cost, so `timeline` reuses one order for every cost (the
+    planner asks for thousands of costs of a few shapes)."""
+    orders = [rank_order(schedule, pp, gas, s, vpp) for s in range(pp)]
+    last = pp * vpp - 1
+    done: set[tuple] = set()
+    out = []
+    at = [0] * pp
+    while len(out) < sum(len(o) for o in orders):
+        progressed = False
+        for s in range(pp):
+            while at[s] < len(orders[s]):
+                kind, j, chunk = orders[s][at[s]]
+                k = chunk * pp + s  # the virtual stage
+                if kind == "F":
+                    dep = ("F", k - 1, j) if k > 0 else ()
+                elif kind == "B":
+                    dep = ("B", k + 1, j) if k < last else ("F", k, j)
+                else:
+                    dep = ()
+                if dep and dep not in done:
+                    break
+                done.add((kind, k, j))
+                out.append((s, kind, j, chunk, (kind, k, j), dep))
+                at[s] += 1
+                progressed = True
+        assert progressed, "schedule deadlocks"
+    return tuple(out)
 
 
 def timeline(
@@ -151,36 +195,16 @@ def timeline(
     """Per rank, its passes as (pass, micro-batch, chunk, start, end) when every rank runs its passes in its order
     (`rank_order`) as soon as their input is there and messages are free. A pass waits for the same micro-batch on
     the virtual stage before it (F) or after it (B; the last virtual stage's B for its own F): virtual stage c x pp + r
-    is chunk c of rank r, so chunk c of rank 0 waits for chunk c - 1 of rank pp - 1."""
-    orders = [rank_order(schedule, pp, gas, s, vpp) for s in range(pp)]
+    is chunk c of rank r, so chunk c of rank 0 waits for chunk c - 1 of rank pp - 1 (`_pass_order`)."""
     cost = pass_costs(schedule, f, b, w, vpp)
-    last = pp * vpp - 1
-    finish: dict[tuple[str, int, int], float] = {}
+    finish: dict[tuple, float] = {}
     lanes: list[list[tuple[str, int, int, float, float]]] = [[] for _ in range(pp)]
-    clock, at = [0.0] * pp, [0] * pp
-    remaining = sum(len(o) for o in orders)
-    while remaining:
-        progressed = False
-        for s in range(pp):
-            while at[s] < len(orders[s]):
-                kind, j, chunk = orders[s][at[s]]
-                k = chunk * pp + s  # the virtual stage
-                if kind == "F":
-                    dep = ("F", k - 1, j) if k > 0 else None
-                elif kind == "B":
-                    dep = ("B", k + 1, j) if k < last else ("F", k, j)
-                else:
-                    dep = None
-                if dep is not None and dep not in finish:
-                    break
-                start = max(clock[s], finish[dep] if dep is not None else 0.0)
-                clock[s] = start + cost[kind]
-                finish[(kind, k, j)] = clock[s]
-                lanes[s].append((kind, j, chunk, start, clock[s]))
-                at[s] += 1
-                remaining -= 1
-                progressed = True
-        assert progressed, "schedule deadlocks"
+    clock = [0.0] * pp
+    for s, kind, j, chunk, key, dep in _pass_order(schedule, pp, gas, vpp):
+        start = max(clock[s], finish[dep] if dep else 0.0)
+        clock[s] = start + cost[kind]
+        finish[key] = clock[s]
+        lanes[s].append((kind, j, chunk, start, clock[s]))
     return lanes
 
 
@@ -197,10 +221,15 @@ def simulate(
     """(step time, each stage's idle fraction) of one step when every stage takes f, b and w per micro-batch for
     its F, B and W passes and messages are free (`timeline`). Under 1f1b a backward costs b + w. At vpp > 1 each
     chunk costs 1/vpp of them."""
-    lanes = timeline(schedule, pp, gas, f, b, w, vpp)
+    # `timeline`'s clock without its lanes: the planner simulates every layout it weighs.
     cost = pass_costs(schedule, f, b, w, vpp)
-    step = max(lane[-1][4] for lane in lanes)
-    busy = [sum(cost[kind] for kind, *_ in lane) for lane in lanes]
+    finish: dict[tuple, float] = {}
+    clock, busy = [0.0] * pp, [0] * pp
+    for s, kind, _, _, key, dep in _pass_order(schedule, pp, gas, vpp):
+        clock[s] = max(clock[s], finish[dep] if dep else 0.0) + cost[kind]
+        finish[key] = clock[s]
+        busy[s] += cost[kind]  # in each rank's order, as a sum over its lane would add them
+    step = max(clock)
     return step, tuple(1 - x / step for x in busy)
 
 
