@@ -1,5 +1,5 @@
 """What a checkpoint save costs the run (issue 37), measured in one process on one model: a real DeepSpeed engine
-(tp1 pp1, fp32, ZeRO-1, one rank) built through `threed.engine.build.build_engine`, saved through
+(tp1 pp1, fp32 unless --dtype bf16, ZeRO-1, one rank) built through `threed.engine.build.build_engine`, saved through
 `threed.checkpoint.save.save`, as `threed train` saves. Prints, for one run:
 
 - the checkpoint's size and one training step's time (median, no save);
@@ -14,6 +14,13 @@
 
     .venv/bin/python benchmarks/bench_checkpoint.py [--hidden 1024 --layers 8 --vocab 32000 --repeats 3]
         [--rounds 2 --every 10]
+    python benchmarks/bench_checkpoint.py --model llama3.2-1b --dtype bf16 --json save.json   # tools/gpu_check.sh
+
+`--json FILE` (the save phase of tools/gpu_check.sh, docs/gpu.md) measures once each instead, the least a budget
+allows: one durable synchronous save's seconds (all of them blocking training), one asynchronous save's blocked
+seconds, its host copy (bytes, seconds copying, seconds allocating the buffers: pinned on CUDA, so the GB/s is the
+pinned device-to-host copy's) against the memory model's host-copy figure for the rank, and the seconds until it was
+published; FILE is rewritten after each measurement, so a cut leaves what finished.
 
 The default shape (0.156B parameters) makes a checkpoint of 2.3 GiB (16 B per parameter: the fp32 weights in the
 layer files, ZeRO's fp32 master copy and AdamW's two moments in the optimizer shard). What a CPU with a local disk
@@ -38,26 +45,31 @@ def build(a: argparse.Namespace, save_dir: str):
     import torch
 
     from threed.config import CheckpointConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
+    from threed.convert.resolve import model_config
     from threed.engine.build import build_engine
     from threed.engine.resolved import resolve
     from threed.parallel.distributed import init_distributed
 
     torch.set_num_threads(a.threads)
     rt = init_distributed()
-    model = ModelConfig(
-        name="bench-ckpt",
-        vocab_size=a.vocab,
-        hidden_size=a.hidden,
-        num_layers=a.layers,
-        num_heads=a.hidden // 64,
-        num_kv_heads=max(1, a.hidden // 256),
-        ffn_hidden_size=a.hidden * 11 // 4,
-        max_position_embeddings=a.seq,
+    model = (
+        model_config(a.model)
+        if a.model
+        else ModelConfig(
+            name="bench-ckpt",
+            vocab_size=a.vocab,
+            hidden_size=a.hidden,
+            num_layers=a.layers,
+            num_heads=a.hidden // 64,
+            num_kv_heads=max(1, a.hidden // 256),
+            ffn_hidden_size=a.hidden * 11 // 4,
+            max_position_embeddings=a.seq,
+        )
     )
     cfg = RunConfig(
         model=model,
         parallel=ParallelConfig(tp=1, pp=1),
-        train=TrainConfig(dtype="fp32", micro_batch_size=1, global_batch_size=1, seq_length=a.seq, steps=10**6),
+        train=TrainConfig(dtype=a.dtype, micro_batch_size=1, global_batch_size=1, seq_length=a.seq, steps=10**6),
         checkpoint=CheckpointConfig(save=save_dir, keep_last=1),
     )
     run = resolve(cfg, rt.world_size)
@@ -66,7 +78,7 @@ def build(a: argparse.Namespace, save_dir: str):
 
     def batches():
         while True:
-            tokens = torch.randint(0, a.vocab, (1, a.seq + 1), generator=gen)
+            tokens = torch.randint(0, model.vocab_size, (1, a.seq + 1), generator=gen)
             yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
     return engine, rt, cfg, batches()
@@ -159,15 +171,58 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="rounds of the step-rate runs (0: none)")
     p.add_argument("--every", type=int, default=10, help="steps of each step-rate run, which saves once")
     p.add_argument("--dir", default=None, help="where the checkpoints go (a temporary directory in it; default: /tmp)")
+    p.add_argument("--model", default=None, help="a preset (llama3.2-1b) instead of --hidden / --layers / --vocab")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--json", type=Path, default=None, help="one save of each kind, the figures into this file")
     a = p.parse_args()
     root = tempfile.mkdtemp(prefix="bench-ckpt-", dir=a.dir)
     try:
         engine, rt, cfg, it = build(a, str(Path(root) / "save"))
+        if a.json:
+            one_save_each(a.json, engine, cfg, rt, it)
+            return
         report_saves(a, engine, cfg, rt, it)
         if a.rounds:
             report_rates(a, engine, cfg, rt, it)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def one_save_each(path: Path, engine, cfg, rt, it) -> None:
+    """--json: one durable synchronous save, then one asynchronous save (a step between: a new tag), each
+    checkpoint removed once measured (the disk holds one at a time); `path` rewritten after each figure."""
+    import json
+
+    from threed.checkpoint.async_save import AsyncSaver, copy_bytes
+    from threed.checkpoint.manifest import directory_bytes
+
+    engine.train_batch(data_iter=it)
+    step_dir = Path(cfg.checkpoint.save) / f"global_step{engine.global_steps}"
+    params = sum(q.numel() for q in engine.module.parameters())
+    out = {"model": cfg.model.name, "params": params, "dtype": cfg.train.dtype, "device": str(rt.device)}
+    out["sync_save_s"] = round(timed_save(engine, cfg, rt, durable=True), 3)
+    out["checkpoint_bytes"] = directory_bytes(step_dir)
+    shutil.rmtree(step_dir)
+    path.write_text(json.dumps(out, indent=1))
+    engine.train_batch(data_iter=it)
+    saver = AsyncSaver(cfg, rt.rank, rt.device, lambda line: None)
+    blocked = saver.save(engine, {"consumed_samples": engine.global_steps})
+    b = saver.buffers
+    out.update(
+        async_blocked_s=round(blocked, 3),
+        blocked_ratio=round(blocked / out["sync_save_s"], 4),
+        host_copy_bytes=b.copied,
+        model_host_copy_bytes=copy_bytes(cfg, 1, range(1)),
+        host_copy_s=round(b.copy_s, 4),
+        host_alloc_s=round(b.alloc_s, 3),
+        host_copy_gbps=round(b.copied / max(b.copy_s, 1e-9) / 1e9, 2),
+        pinned=b.pin,
+    )
+    path.write_text(json.dumps(out, indent=1))
+    done = saver.finish("the end")
+    out["async_published_s"] = round(done.seconds, 3) if done else None
+    path.write_text(json.dumps(out, indent=1))
+    print(json.dumps(out, indent=1))
 
 
 def report_rates(a: argparse.Namespace, engine, cfg, rt, it) -> None:

@@ -2,8 +2,8 @@
 # tools/gpu_check.sh OUTDIR: the one call on the lent GPU machine (docs/gpu.md). Why one script: a task that draws a
 # GPU gets 15 minutes of device time in all, starts included, so everything that needs the GPU runs in one command
 # that ends by itself within 9 minutes on one H100 and leaves its results where the device tool brings them back
-# (OUTDIR, at most 8 files: env.log, bench.log, profile.log, tests.log, one_gpu.log and gpu_check.json, which
-# sums them up). The phases run in the order of what their results are worth, so a budget cut takes the least:
+# (OUTDIR, at most 8 files: env.log, bench.log, profile.log, save.log, tests.log, one_gpu.log and gpu_check.json,
+# which sums them up). The phases run in the order of what their results are worth, so a budget cut takes the least:
 #
 #   1. install  gpu-bundle/ (make gpu-bundle, carried with the tree) with pip --no-index --no-deps --target
 #   2. env      python, torch, CUDA, the GPU, every version and where it is imported from, capability probes
@@ -13,9 +13,12 @@
 #               rope-norm), each against the default run
 #   4. profile  bench_gpu.py --profile: torch.profiler on 2 steps of threed at seq 4096: the top kernels by
 #               device time, the device's idle holes between kernels (PROFILE_CAP_S, default 90 s)
-#   5. tests    every GPU test one GPU can run: `pytest -m gpu tests/gpu` with THREED_DEVICE=cuda (test_one_gpu.py
+#   5. save     benchmarks/bench_checkpoint.py --json at Llama-3.2-1B's shape, one rank, bf16 (issue 37): one
+#               durable synchronous save against one --async-save save, the seconds each blocks training, and the
+#               pinned host copy's GB/s (SAVE_CAP_S, default 120 s)
+#   6. tests    every GPU test one GPU can run: `pytest -m gpu tests/gpu` with THREED_DEVICE=cuda (test_one_gpu.py
 #               apart; only tests/gpu, whose imports the image has: tests/unit's need the dev extras, e.g. grimp)
-#   6. one_gpu  with the time left: tests/gpu/test_one_gpu.py (training against HF, resume, recompute, ZB-H1, SFT)
+#   7. one_gpu  with the time left: tests/gpu/test_one_gpu.py (training against HF, resume, recompute, ZB-H1, SFT)
 #
 # Each phase runs under `timeout` with what is left of GPU_CHECK_BUDGET_S (default 540 s), so the script ends in
 # time whatever hangs; a phase that no longer fits is skipped and says so. DRY=1 runs the same phases on CPU at a
@@ -26,10 +29,10 @@
 #   DRY=1 tools/gpu_check.sh /tmp/dry    here
 #
 # A second call reruns only what the first missed (docs/gpu.md, "A second call"):
-#   GPU_CHECK_PHASES  the phases after env (default "bench profile tests one_gpu")
+#   GPU_CHECK_PHASES  the phases after env (default "bench profile save tests one_gpu")
 #   BENCH_RUNS        the benchmark's runs, impl:seq:on|off[:mb2][:VARIANT] comma-separated (default: its plan);
 #                     BENCH_CAP_S its cap (390); PROFILE_CAP_S the profile phase's (90), PROFILE_STEPS its profiled
-#                     steps (2)
+#                     steps (2); SAVE_CAP_S the save phase's cap (120)
 #   ONE_GPU_ONLY      the one-GPU scenarios (tests/gpu/one_gpu_worker.py's names, or "universal"; default all)
 set -uo pipefail
 OUT=${1:?usage: tools/gpu_check.sh OUTDIR (DRY=1 for the CPU dry run)}
@@ -56,10 +59,12 @@ if [ "$DRY" = 1 ]; then
   unset THREED_DEVICE  # auto: CPU here; the GPU tests skip
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
   BENCH_ARGS=(--tiny --seqs 64)
+  SAVE_ARGS=(--hidden 128 --layers 2 --vocab 512)
 else
   export THREED_DEVICE=cuda  # a missing GPU is an error, not a silent CPU run
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
   BENCH_ARGS=()
+  SAVE_ARGS=(--model llama3.2-1b)
 fi
 
 left() { echo $((BUDGET - (SECONDS - START) - RESERVE)); }
@@ -69,14 +74,14 @@ limit_for() { # limit_for CAP: the seconds a phase may take, CAP or what is left
   echo $(($1 < l ? $1 : l))
 }
 
-PICK=" ${GPU_CHECK_PHASES:-bench profile tests one_gpu} "
+PICK=" ${GPU_CHECK_PHASES:-bench profile save tests one_gpu} "
 export ONE_GPU_ONLY=${ONE_GPU_ONLY:-}
 BENCH_RUNS=${BENCH_RUNS:-}
 
 phase() { # phase NAME LIMIT LOG CMD...: CMD under timeout, its output appended to LOG, a row in phases.tsv
   local name=$1 limit=$2 log=$3 t0 rc=0
   shift 3
-  if [[ $name =~ ^(tests|bench|profile|one_gpu)$ && $PICK != *" $name "* ]]; then
+  if [[ $name =~ ^(tests|bench|profile|save|one_gpu)$ && $PICK != *" $name "* ]]; then
     echo "gpu_check: $name skipped: not in GPU_CHECK_PHASES=${PICK# }" | tee -a "$log"
     printf '%s\tskipped\t0\t%s\t%s\n' "$name" "$limit" "$(basename "$log")" >>"$PHASES"
     return 0
@@ -141,11 +146,21 @@ PROFILE_LIMIT=$(limit_for "${PROFILE_CAP_S:-$([ "$DRY" = 1 ] && echo 150 || echo
 phase profile "$PROFILE_LIMIT" "$OUT/profile.log" "$PY" benchmarks/bench_gpu.py --profile --json "$TMP/profile.json" \
   --profile-steps "${PROFILE_STEPS:-2}" "${BENCH_ARGS[@]}"
 
-# 5. every GPU test one GPU can run, test_one_gpu.py apart (phase 6)
+# 5. what a checkpoint save blocks (issue 37): at the 1B shape (bf16, tp1 pp1, one rank) a durable save writes ~17 GB
+# (2.5 GB of weights, 14.8 GB of fp32 master weights and AdamW moments). 120 s: python and the imports ~15 s, the
+# build ~15 s, the synchronous save 10-35 s (the disk's write and flush), the asynchronous save's copy 2-8 s (pinning
+# 17 GB of host memory, then the copy), its background write 10-35 s until published. One save of each kind: the
+# JSON is rewritten after each figure, so a cut keeps what finished. Checkpoints go under the temporary folder
+# (removed at the end), never to OUTDIR.
+# DRY: a tiny model on CPU (~20 s).
+phase save "$(limit_for "${SAVE_CAP_S:-120}")" "$OUT/save.log" "$PY" benchmarks/bench_checkpoint.py --dtype bf16 \
+  --json "$TMP/save.json" --dir "$TMP" "${SAVE_ARGS[@]}"
+
+# 6. every GPU test one GPU can run, test_one_gpu.py apart (phase 7)
 phase tests "$(limit_for 150)" "$OUT/tests.log" "$PY" -m pytest -q -s -ra --durations=10 -p no:cacheprovider \
   -m gpu tests/gpu --ignore-glob='*test_one_gpu.py' --junitxml="$TMP/tests.xml"
 
-# 6. the one-GPU checks, with the time left
+# 7. the one-GPU checks, with the time left
 ONE_GPU=$(find tests -name test_one_gpu.py | head -1)
 phase one_gpu "$(limit_for 600)" "$OUT/one_gpu.log" "$PY" -m pytest -q -s -ra --durations=10 -p no:cacheprovider \
   -m gpu "${ONE_GPU:-tests/gpu/test_one_gpu.py}" --junitxml="$TMP/one_gpu.xml"

@@ -189,6 +189,7 @@ def summary(tmp: Path, out: Path, dry: bool, budget: int, elapsed: int) -> int:
         "one_gpu": junit(tmp / "one_gpu.xml"),
         "bench": read_json(tmp / "bench.json"),
         "profile": read_json(tmp / "profile.json"),
+        "save": read_json(tmp / "save.json"),  # benchmarks/bench_checkpoint.py --json: sync against async save
     }
     # the planner's step-time model fitted to the benchmark's threed runs (bench_gpu.py writes it after every run,
     # as `threed plan --calibrate gpu_check.json` would fit them): on top, where a reader looks first
@@ -209,6 +210,13 @@ def summary(tmp: Path, out: Path, dry: bool, budget: int, elapsed: int) -> int:
         print(f"  bench {key}: {value}")
     for line in profile_lines(result["profile"], result["fit"]):
         print(line)
+    save = result["save"] or {}
+    if "async_blocked_s" in save:
+        print(
+            f"  save: synchronous {save['sync_save_s']} s, async blocked {save['async_blocked_s']} s (host copy "
+            f"{save['host_copy_gbps']} GB/s, pinned {save['pinned']}), published after "
+            f"{save.get('async_published_s')} s"
+        )
     return 0
 
 

@@ -42,7 +42,9 @@ EXPECTED = {
     "typing-extensions": "4.16.0",
     "hjson": "3.1.0",
 }
-SUMMARY_KEYS = {"dry", "budget_s", "elapsed_s", "phases", "env", "tests", "one_gpu", "bench", "profile", "fit", "files"}
+SUMMARY_KEYS = {
+    *("dry", "budget_s", "elapsed_s", "phases", "env", "tests", "one_gpu", "bench", "profile", "save", "fit", "files"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +72,7 @@ def test_dry_run_passes_and_leaves_at_most_8_files(dry):
     assert all((out / f).is_file() and re.fullmatch(r"[A-Za-z0-9._-]+", f) for f in files), files
     assert len(files) <= 8, files
     assert [f for f in files if f.endswith(".json")] == ["gpu_check.json"], files
-    assert {"env.log", "tests.log", "bench.log", "profile.log", "one_gpu.log"} <= set(files)
+    assert {"env.log", "tests.log", "bench.log", "profile.log", "save.log", "one_gpu.log"} <= set(files)
 
 
 @pytest.mark.slow  # the dry run of every phase (~250 s on 2 loaded cores): make test-slow
@@ -82,6 +84,7 @@ def test_dry_run_summary_holds_every_phase(dry):
         ("env", "ok"),
         ("bench", "ok"),
         ("profile", "ok"),
+        ("save", "ok"),
         ("tests", "ok"),
         ("one_gpu", "ok"),
     ]
@@ -159,6 +162,20 @@ def test_dry_run_profile_says_where_the_time_goes(dry):
     idle = g["idle_between_kernels_ms_per_step"] + g["idle_before_first_ms_per_step"] + g["idle_after_last_ms_per_step"]
     assert g["busy_ms_per_step"] + idle == pytest.approx(g["wall_ms_per_step"], abs=1e-2), g
     assert g["largest"] and all(h["ms"] > 0 and h["after"] and h["before"] for h in g["largest"]), g
+
+
+@pytest.mark.slow  # the dry run of every phase (~250 s on 2 loaded cores): make test-slow
+def test_dry_run_save_phase_measures_a_sync_and_an_async_save(dry):
+    """Issue 37's save phase (benchmarks/bench_checkpoint.py --json), on CPU at a tiny shape in bf16: one durable
+    synchronous save and one asynchronous one, the seconds each blocked, the host copy's bytes (the memory model's
+    figure for the rank, within 10%), its speed, and the seconds until it was published; the summary prints it."""
+    s = json.loads((dry["out"] / "gpu_check.json").read_text())["save"]
+    assert s["dtype"] == "bf16" and s["device"] == "cpu" and s["pinned"] is False, s
+    assert s["sync_save_s"] > 0 and s["async_blocked_s"] > 0 and s["blocked_ratio"] > 0, s
+    assert s["async_published_s"] >= s["async_blocked_s"], s
+    assert abs(s["host_copy_bytes"] / s["model_host_copy_bytes"] - 1) < 0.10, s
+    assert s["host_copy_bytes"] <= s["checkpoint_bytes"] and s["host_copy_gbps"] > 0, s
+    assert f"  save: synchronous {s['sync_save_s']} s, async blocked {s['async_blocked_s']} s" in dry["proc"].stdout
 
 
 @pytest.mark.slow  # the dry run of every phase (~250 s on 2 loaded cores): make test-slow

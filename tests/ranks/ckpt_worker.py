@@ -20,6 +20,13 @@ Fault injection (--kill WHERE:STEP[:RANK]) makes the chosen rank (or every rank:
 point of the save of step STEP:
   file1   after its first file of DeepSpeed's save      ds      after DeepSpeed's save, before the manifest
   latest  rank 0, after the manifest, before `latest`   prune   rank 0, after `latest`, before pruning
+  mid     (--async-save) in the background writer, part way through its first file of the save: the bytes so far
+          flushed, the file still under its staging name
+--writer-bug STEP:RANK makes the chosen rank's background writer (--async-save) raise a ValueError, not an OSError,
+at its first file of the save of step STEP (a bug in the writer); the worker then records each rank's exit status
+in OUT/exit_rank<R>.json and returns, so a shared launch goes on. --async-save also records, after the save of
+step 2, the bytes each rank copied into host memory beside the memory model's and the refusal's figures for it
+(OUT/host_copy_rank<R>.json).
 """
 
 from __future__ import annotations
@@ -35,7 +42,8 @@ from pathlib import Path
 import torch
 
 import threed.checkpoint.save as ckpt
-from threed.checkpoint.async_save import AsyncSaver
+from threed.checkpoint.async_save import AsyncSaver, copy_bytes
+from threed.checkpoint.save import SaveFailed
 from threed.config import CheckpointConfig, ModelConfig, ParallelConfig, RunConfig, RunControlConfig, TrainConfig
 from threed.parallel.distributed import Runtime
 from worker_setup import build_engine
@@ -76,6 +84,44 @@ def kill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+MIDWAY = 16 * 1024  # bytes of a file written before `mid` kills: every file of the model here is larger
+
+
+class KilledMidway:
+    """A file object torch.save writes into: once MIDWAY bytes are in, they are flushed to disk and the process
+    SIGKILLs itself, in the middle of the file (torch.save writes a record at a time)."""
+
+    def __init__(self, path: str) -> None:
+        self.f, self.n = open(path, "wb"), 0
+
+    def write(self, data) -> int:
+        n = self.f.write(data)
+        self.n += n
+        if self.n >= MIDWAY:
+            self.f.flush()
+            os.fsync(self.f.fileno())
+            kill_self()
+        return n
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def install_writer_bug(spec: str, engine, rank: int) -> None:
+    """--writer-bug STEP:RANK: the checkpoint engine's writer raises a ValueError for that rank's first file of
+    step STEP (under --async-save only the background thread calls it: the copy swaps it out)."""
+    step, who = spec.split(":")
+    original, fired = engine.checkpoint_engine.save, []
+
+    def save(state_dict, path, *a, **k):
+        if int(who) == rank and f"global_step{step}" in str(path) and not fired:
+            fired.append(path)
+            raise ValueError("injected bug in the writer")
+        return original(state_dict, path, *a, **k)
+
+    engine.checkpoint_engine.save = save
+
+
 def install_kill(spec: str, engine, rank: int) -> None:
     where, step, who = (spec.split(":") + ["all"])[:3]
     step_n = int(step)
@@ -84,7 +130,16 @@ def install_kill(spec: str, engine, rank: int) -> None:
     def at_save() -> bool:
         return engine.global_steps == step_n and mine
 
-    if where == "file1":
+    if where == "mid":
+        original_save = engine.checkpoint_engine.save
+
+        def save_midway(state_dict, path, *a, **k):
+            if mine and f"global_step{step_n}" in str(path):  # the background writer's first file of the step
+                return original_save(state_dict, KilledMidway(str(path)), *a, **k)
+            return original_save(state_dict, path, *a, **k)
+
+        engine.checkpoint_engine.save = save_midway
+    elif where == "file1":
         original = engine.checkpoint_engine.save
 
         def save(state_dict, path, *a, **k):
@@ -175,6 +230,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--partition-method", default="balanced")
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--kill")
+    p.add_argument("--writer-bug", help="STEP:RANK: that rank's background writer raises at step STEP's save")
     p.add_argument("--async-save", action="store_true")
     p.add_argument("--record-io", action="store_true", help="log os.fsync and os.replace calls (see the docstring)")
     p.add_argument("--poison-step", type=int, default=0, help="make the loss NaN at this step")
@@ -217,6 +273,8 @@ def main(a: argparse.Namespace, rt: Runtime) -> None:
     out = a.out
     if a.kill:
         install_kill(a.kill, engine, rt.rank)
+    if a.writer_bug:
+        install_writer_bug(a.writer_bug, engine, rt.rank)
     if a.poison_step and engine.is_last_stage():
         head = engine.module.forward_funcs[-1]
         head.register_forward_hook(lambda m, i, o: o * float("nan") if engine.global_steps + 1 == a.poison_step else o)
@@ -249,6 +307,37 @@ def main(a: argparse.Namespace, rt: Runtime) -> None:
     recorded = record_io(out, rt.rank) if a.record_io else None
     saver = AsyncSaver(cfg, rt.rank, rt.device, print) if a.async_save and a.save else None
     stepped = hold_writes(engine) if saver is not None else None
+    try:
+        train(a, cfg, rt, engine, it, guard, saver, stepped, start, glob)
+    except SaveFailed as e:  # --writer-bug: every rank's exit status, recorded; a shared launch goes on
+        if not a.writer_bug:
+            raise
+        write_json(out / f"exit_rank{rt.rank}.json", {"code": e.code})
+        guard.close()
+        return
+    if recorded is not None:
+        recorded()
+    guard.close()  # its watchdog thread: a shared launch (tests/ranks/rank_pool.py) runs other workers after this one
+    torch.save(local_weights(engine, cfg.model), out / f"weights_rank{rt.rank}.pt")
+
+
+def record_host_copy(out: Path, cfg: RunConfig, rank: int, world: int, saver: AsyncSaver) -> None:
+    """The bytes this rank's last save copied into host memory, beside the memory model's figure for the rank and
+    the one the refusal computes (threed.checkpoint.async_save.copy_bytes)."""
+    from threed.memory.model import host_copy_bytes  # the memory model: only this record reads it
+
+    p, mine = cfg.parallel, range(rank, rank + 1)
+    dp = world // (p.tp * p.pp * p.cp)
+    model = host_copy_bytes(
+        cfg.model, p.tp, p.pp, dp, cfg.train.seq_length, mine, p.cp, p.vpp, p.partition_method, cfg.train.dtype
+    )
+    figures = {"copied": saver.buffers.copied, "model": model, "refusal": copy_bytes(cfg, world, mine)}
+    write_json(out / f"host_copy_rank{rank}.json", figures)
+
+
+def train(a, cfg: RunConfig, rt: Runtime, engine, it, guard, saver, stepped, start: int, glob: int) -> None:
+    """The steps, each followed by the guard, the pending save's poll and the save when due (as threed.train's)."""
+    out = a.out
     for step in range(start, cfg.train.steps):
         if a.lr_jump_step and step + 1 >= a.lr_jump_step:  # a finite blow-up after sane steps (the scheduler sets
             for group in engine.optimizer.param_groups:  # the lr after the optimizer step: this one is used)
@@ -270,6 +359,8 @@ def main(a: argparse.Namespace, rt: Runtime) -> None:
                 saver.finish("the next save")
                 stepped.clear()
                 saver.save(engine, client)
+                if step + 1 == 2:
+                    record_host_copy(out, cfg, rt.rank, rt.world_size, saver)
             else:
                 guard.saved(ckpt.save(engine, cfg, rt.rank, client).seconds)
         if late:
@@ -277,10 +368,6 @@ def main(a: argparse.Namespace, rt: Runtime) -> None:
     if saver is not None:
         stepped.set()  # no step follows the last save
         saver.finish("the end")
-    if recorded is not None:
-        recorded()
-    guard.close()  # its watchdog thread: a shared launch (tests/ranks/rank_pool.py) runs other workers after this one
-    torch.save(local_weights(engine, cfg.model), out / f"weights_rank{rt.rank}.pt")
 
 
 if __name__ == "__main__":

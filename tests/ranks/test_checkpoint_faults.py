@@ -1,7 +1,9 @@
 """Faults on 2 gloo ranks (tp1 pp2, fp32; tests/ranks/ckpt_worker.py): kill -9 of one rank or of every rank at points of
 a save, then the same command resumes, and the losses and final weights are bit-identical to an uninterrupted
 run; a diverging run stops with exit 3 naming the step and the last good checkpoint and saves nothing after it;
---skip-nonfinite skips the batch; the watchdog prints every rank's stacks and exits 4.
+--skip-nonfinite skips the batch; the watchdog prints every rank's stacks and exits 4. --async-save: kills in its
+background writer (after a file, and part way through one), a bug in the writer (every rank exits 5, one line), and
+the host memory its copies take against the memory model's figure.
 
 `make test` runs the reference (in the session's 2-rank launch, tests/ranks/rank_pool.py) and the checks on its
 checkpoint; the kill points, divergence, --skip-nonfinite and the watchdog are marked slow (`make test-slow`), each
@@ -80,6 +82,10 @@ KILLS = [
     # has gone on to step 5 (the worker holds background writes until the next step)
     pytest.param("async:file1:4:1", marks=pytest.mark.slow),
     pytest.param("async:file1:4:all", marks=pytest.mark.slow),
+    # --async-save: killed inside the background writer part way through a file (its first bytes flushed, the file
+    # under its staging name), on one rank and on every rank
+    pytest.param("async:mid:4:1", marks=pytest.mark.slow),
+    pytest.param("async:mid:4:all", marks=pytest.mark.slow),
 ]
 
 
@@ -90,12 +96,24 @@ def test_kill_during_save_then_same_command_resumes_bit_identical(reference, kil
     mode = ["--async-save"] if kill.startswith("async:") else []
     killed = worker(2, out, "--save", str(save), *RUN, *mode, "--kill", kill.removeprefix("async:"))
     assert killed.returncode != 0 and "SIGKILL" in killed.stdout, killed.stdout[-3000:]
+    if kill.startswith("async:mid:"):  # the kill came mid-file: a torn file under a staging name, none in place
+        torn = [f for f in (save / "global_step4").glob(".threed-writing-*/*") if f.is_file()]
+        assert torn and all(f.stat().st_size >= 16 * 1024 for f in torn), torn
+        assert not any((save / "global_step4" / f.name).exists() for f in torn), torn
+        assert (save / "latest").read_text() == "global_step2"
     resumed = worker(2, out, "--save", str(save), *RUN, *mode)
     assert resumed.returncode == 0, resumed.stdout[-4000:]
     start = json.loads((out / "result.json").read_text())["start"]
-    expected_start = {"file1:4:1": 2, "latest:4:0": 4, "file1:4:all": 2, "ds:4:0": 2, "prune:4:0": 4, "file1:2:all": 0}[
-        kill.removeprefix("async:")
-    ]
+    expected_start = {
+        "file1:4:1": 2,
+        "latest:4:0": 4,
+        "file1:4:all": 2,
+        "ds:4:0": 2,
+        "prune:4:0": 4,
+        "file1:2:all": 0,
+        "mid:4:1": 2,
+        "mid:4:all": 2,
+    }[kill.removeprefix("async:")]
     assert start == expected_start, resumed.stdout[-3000:]
     if expected_start == 2:
         assert "skipping checkpoint" in resumed.stdout and "global_step4" in resumed.stdout
@@ -187,6 +205,34 @@ def test_resume_from_an_async_checkpoint_continues_bit_identical(reference, asyn
     assert losses(out) == {s: loss for s, loss in reference["losses"].items() if s > 4}
     for got, want in zip(weights(out), reference["weights"]):
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_bug_in_the_background_writer_ends_every_rank_with_one_line(tmp_path, rank_pool):
+    """Issue 37: rank 1's background writer raises a ValueError (not a failed write) at its first file of the
+    step-4 save. Every rank ends at a later step boundary with exit 5 (no rank left waiting in a collective), rank 0
+    says one line naming the rank, the file, the exception and where it was raised, nothing prints a traceback,
+    and `latest` still names step 2."""
+    save, out = tmp_path / "save", tmp_path / "out"
+    run = ["--out", str(out), "--save", str(save), *RUN, "--async-save", "--writer-bug", "4:1"]
+    p = rank_pool.run(2, WORKER, run, timeout=240)
+    assert [json.loads((out / f"exit_rank{r}.json").read_text())["code"] for r in (0, 1)] == [5, 5]
+    lines = [line for line in p.stdout.splitlines() if "threed: error: saving step 4 failed" in line]
+    assert len(lines) == 1, p.stdout[-3000:]
+    assert f"rank 1: the background writer failed writing {save}/global_step4/layer_" in lines[0], lines[0]
+    assert "ValueError: injected bug in the writer (raised at ckpt_worker.py:" in lines[0], lines[0]
+    assert f"`latest` still names {save}/global_step2" in lines[0] and "drop --async-save" in lines[0], lines[0]
+    assert "Traceback" not in p.stdout, p.stdout[-3000:]
+    assert (save / "latest").read_text() == "global_step2" and not (save / "global_step6").exists()
+
+
+def test_the_memory_models_host_copy_is_what_async_save_copies(async_reference):
+    """Issue 37: the host memory the memory model counts for --async-save on each rank (threed.memory.model,
+    what `threed memory` and `threed check-config` report) is within 10% of the bytes the rank's save of step 2
+    copied, and the refusal's figure (threed.checkpoint.async_save.copy_bytes) is the model's."""
+    for r in (0, 1):
+        got = json.loads((async_reference["out"] / f"host_copy_rank{r}.json").read_text())
+        assert got["refusal"] == got["model"] > 0, got
+        assert abs(got["model"] / got["copied"] - 1) < 0.10, got
 
 
 def test_truncated_file_falls_back_to_the_previous_checkpoint(reference, tmp_path):

@@ -3,7 +3,9 @@ writes its files through `checkpoint_engine.save` as DeepSpeed does: the host co
 (views and shared storages kept, the file torch.save writes of it byte for byte the same); the background write
 publishes only at a step boundary that finds it finished, every file fsynced before `latest` moves; a failed
 background write ends the run at the next boundary with one line naming the file, `latest` unchanged; a pending
-save is waited for with a line saying so, by the divergence guard's stop too. The multi-rank run, its tensors
+save is waited for with a line saying so, by the divergence guard's stop too; a bug in the writer ends the run as a
+failed write does; `threed memory` and `threed check-config` report the host memory of the copies per node, the
+refusal's own figure. The multi-rank run, its tensors
 against a synchronous save's and its resume: tests/ranks/test_checkpoint_faults.py."""
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import torch
 from helpers import checkpoint_config, fake_checkpoint
 from threed.checkpoint import async_save as asv
 from threed.checkpoint.format import MANIFEST_NAME
-from threed.config import ConfigError, RunControlConfig
+from threed.config import CheckpointConfig, ConfigError, ParallelConfig, RunConfig, RunControlConfig, TrainConfig
+from threed.convert.resolve import model_config
 from threed.train import guard
 from threed.units import human_bytes
 
@@ -225,3 +228,52 @@ def test_the_background_writer_yields_the_cpu_to_training():
     t.join()
     assert seen["after"] == min(19, seen["before"] + asv.WRITER_NICE)  # 19: the lowest priority there is
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main
+
+
+class Buggy(Writer):
+    """A checkpoint engine whose writer has a bug (not an OSError)."""
+
+    def save(self, state_dict, path, *a, **k):
+        raise KeyError("a bug")
+
+
+def test_a_bug_in_the_writer_ends_the_run_at_the_next_boundary_in_one_line(tmp_path, capsys):
+    """Not an OSError: the writer's exception is reported, not raised on its own rank, and the boundary that finds
+    the writer done ends the run (exit 5) with one line naming the file and where the exception was raised."""
+    save, lines = tmp_path / "ck", []
+    fake_checkpoint(save, 4)
+    s = saver(save, lines)
+    s.save(Engine(Buggy()), {})
+    s.pending.done.wait(30)
+    with pytest.raises(SystemExit) as e:
+        s.poll()
+    err = capsys.readouterr().err
+    assert e.value.code == 5 and err.count("threed: error:") == 1 and "Traceback" not in err, err
+    assert f"rank 0: the background writer failed writing {save}/global_step6/layer_01-model_00" in err, err
+    assert "KeyError: 'a bug' (raised at test_async_save.py:" in err and "drop --async-save" in err, err
+    assert (save / "latest").read_text() == "global_step4" and s.pending is None
+
+
+def test_memory_and_check_config_report_the_refusals_host_copy_per_node(capsys):
+    """`threed memory --async-save` and `threed check-config` print the host memory of the copies on the heaviest
+    node: the figure the refusal computes for the ranks of that node (tp 2 x pp 2 x dp 2, 4 ranks per node)."""
+    from threed.cli.main import main
+
+    layout = "--model tiny --tp 2 --pp 2 --micro-batch-size 1 --grad-accum-steps 4 --seq-length 64".split()
+    assert main(["memory", *layout, "--dp", "2", "--async-save", "--gpus-per-node", "4"]) == 0
+    mem = capsys.readouterr().out
+    argv = ["check-config", "--world", "8", *layout, "--save", "/nowhere", "--async-save", "--ranks-per-node", "4"]
+    assert main(argv) == 0
+    check = capsys.readouterr().out
+    cfg = RunConfig(
+        model=model_config("tiny"),
+        parallel=ParallelConfig(tp=2, pp=2),
+        train=TrainConfig(micro_batch_size=1, grad_accum_steps=4, seq_length=64),
+        checkpoint=CheckpointConfig(save="/nowhere", async_save=True),
+    )
+    nodes = [asv.copy_bytes(cfg, 8, range(n, n + 4)) for n in (0, 4)]
+    assert (
+        min(nodes) > 0
+    )  # each node holds one stage: its 4 ZeRO shards, and its weights twice (dp rank 0's 2 tp ranks)
+    line = f"memory: host ~{human_bytes(max(nodes))} per node of 4 rank(s) for --async-save's checkpoint copies"
+    assert line in mem and line in check, (mem, check)

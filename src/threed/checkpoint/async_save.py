@@ -19,7 +19,13 @@ memory anyway.
 
 Host memory: pinned on CUDA (threed.parallel.device_policy), plain on CPU, kept from one save to the next (the
 states have the same sizes each time, and pinning gigabytes anew costs seconds). `AsyncSaver` refuses, before the
-first step, a run whose copies cannot fit in the memory its node has available.
+first step, a run whose copies cannot fit in the memory its node has available: each rank's copy is what it writes
+(threed.checkpoint.format.node_checkpoint_bytes, the figure `threed memory` and `threed check-config` report).
+
+Anything the background thread raises that is not a failed write (a bug) ends the run as a failed write does: at
+the next step boundary every rank exits 5 and rank 0 says one line naming the rank, the file, the exception and
+where it was raised; `latest` keeps naming the previous checkpoint (not a traceback on one rank while the others
+wait for it in a collective).
 
 Why not DeepSpeed's own asynchronous writers: under PipelineEngine its decoupled engine never writes `latest` and
 tore the fp32 master weights, and its fast writer's config fails under torchrun (KeyError CROSS_SIZE). The crash
@@ -36,6 +42,7 @@ import pickle
 import shutil
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -44,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from threed.atomic import fsync_file
-from threed.checkpoint.format import checkpoint_bytes
+from threed.checkpoint.format import node_checkpoint_bytes
 from threed.checkpoint.save import (
     begin_save,
     describe,
@@ -56,7 +63,9 @@ from threed.checkpoint.save import (
 )
 from threed.config import ConfigError, RunConfig
 from threed.errors import torch_write_failed
+from threed.model.spec import pipeline_layers
 from threed.parallel.device_policy import cuda_only
+from threed.parallel.dims import resolve_dims
 from threed.parallel.distributed import is_multi_rank
 from threed.units import human_bytes
 
@@ -70,15 +79,21 @@ class HostBuffers:
         self.pin = pin
         self.pool: list[torch.Tensor] = []
         self.used = 0
+        # the last save's figures (benchmarks/bench_checkpoint.py reports them): bytes copied, seconds copying,
+        # seconds allocating (pinning) new buffers
+        self.copied, self.copy_s, self.alloc_s = 0, 0.0, 0.0
 
     def start(self) -> None:
         self.used = 0
+        self.copied, self.copy_s, self.alloc_s = 0, 0.0, 0.0
 
     def take(self, nbytes: int) -> torch.Tensor:
         i, self.used = self.used, self.used + 1
         if i < len(self.pool) and self.pool[i].numel() == nbytes:
             return self.pool[i]
+        t0 = time.perf_counter()
         buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        self.alloc_s += time.perf_counter() - t0
         if i < len(self.pool):
             self.pool[i] = buf
         else:
@@ -113,7 +128,10 @@ class _Copier(pickle.Pickler):
         key = (str(storage.device), storage.data_ptr(), storage.nbytes())
         if key not in self.copies:
             host = self.buffers.take(storage.nbytes())
+            t0 = time.perf_counter()  # a copy into host memory returns once it is done (not non_blocking)
             host.copy_(torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage))
+            self.buffers.copy_s += time.perf_counter() - t0
+            self.buffers.copied += storage.nbytes()
             self.copies[key] = host.untyped_storage()
         return key
 
@@ -171,8 +189,9 @@ class Pending:
     blocked: float  # seconds training waited for the copy
     done: threading.Event = field(default_factory=threading.Event)
     written: dict[str, int] = field(default_factory=dict)  # file name -> size, as this rank wrote them
-    failure: Optional[tuple[str, str]] = None  # a failed write: (what, the fix) (threed.checkpoint.save.write_error)
-    error: Optional[BaseException] = None  # anything else the thread raised: raised again on the training thread
+    # a failed write, or anything else the thread raised (`writer_bug`): (what, the fix), said by rank 0 at the next
+    # step boundary (threed.checkpoint.save.settle), where every rank ends with exit 5
+    failure: Optional[tuple[str, str]] = None
 
 
 @dataclass(frozen=True)
@@ -186,12 +205,15 @@ class Published:
 def write_queued(queued: list, writer: Callable, rank: int, pending: Pending) -> None:
     """The background thread: each copy written through the checkpoint engine's own save into a hidden staging
     folder beside its file (under its own name: torch.save names the archive inside after the file), fsynced and
-    renamed into place; then the directories fsynced. A failed write stops it (reported, not raised: the training
-    thread says it at the next step boundary)."""
+    renamed into place; then the directories fsynced. A failed write stops it, and so does any other exception (a
+    bug: `writer_bug`): reported, not raised, so that every rank, not only this one, ends at the next step
+    boundary with one line naming the file, instead of one rank's traceback and the others waiting for it."""
     staged = set()
+    current = str(pending.step_dir)  # what the thread was writing when it failed
     yield_cpu()
     try:
         for path, state in queued:
+            current = path
             tmp = staging(path)
             staged.add(tmp.parent)
             try:
@@ -204,9 +226,12 @@ def write_queued(queued: list, writer: Callable, rank: int, pending: Pending) ->
                 pending.failure = named(write_error(e, pending.step_dir, rank), tmp, path)
                 return
             pending.written[Path(path).name] = Path(path).stat().st_size
+        current = str(pending.step_dir)
         fsync_dirs([p for p, _ in queued], pending.step_dir)
-    except BaseException as e:  # a bug: its traceback, on the training thread
-        pending.error = e
+    except OSError as e:  # flushing the directories
+        pending.failure = write_error(e, pending.step_dir, rank)
+    except BaseException as e:  # a bug (the run ends as after a failed write; its innermost frame named)
+        pending.failure = writer_bug(e, current, rank)
     finally:
         for folder in staged:
             shutil.rmtree(folder, ignore_errors=True)
@@ -242,6 +267,20 @@ def named(failure: tuple[str, str], tmp: Path, path: str) -> tuple[str, str]:
     return (what if path in what else f"{what} writing {path}"), fix
 
 
+def writer_bug(e: BaseException, path: str, rank: int) -> tuple[str, str]:
+    """A failure of the background writer that is not a failed write (a bug, or an exception from the checkpoint
+    engine's writer): (one clause naming the rank, the file, the exception and where it was raised, the fix), the
+    shape of threed.checkpoint.save.write_error's."""
+    frames = traceback.extract_tb(e.__traceback__)
+    where = f" (raised at {Path(frames[-1].filename).name}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    what = f"{type(e).__name__}: {first}" if first else type(e).__name__
+    return (
+        f"rank {rank}: the background writer failed writing {path}: {what}{where}",
+        "This is a fault of the writer, not of the disk (report it with this line); drop --async-save",
+    )
+
+
 def available_memory() -> Optional[int]:
     """Bytes of memory this node can still give without swapping (MemAvailable: free plus reclaimable cache)."""
     try:
@@ -254,17 +293,32 @@ def available_memory() -> Optional[int]:
     return None
 
 
-def host_memory_problem(cfg: RunConfig, world: int, local: int, available: Optional[int]) -> Optional[str]:
-    """Why this node cannot hold its ranks' copies of a checkpoint (`local` of the `world` ranks share its memory,
-    and a checkpoint spreads about evenly over the ranks), or None."""
-    need = checkpoint_bytes(cfg) * local // max(world, 1)
+def copy_bytes(cfg: RunConfig, world: int, ranks: range) -> int:
+    """Bytes of host memory the copies of `ranks` take: what each writes of a checkpoint
+    (threed.checkpoint.format.node_checkpoint_bytes, the figure threed.memory.model reports per node)."""
+    p = cfg.parallel
+    d = resolve_dims(cfg, max(world, p.tp * p.pp * p.cp))  # a process standing in for a whole layout: one replica
+    layers = pipeline_layers(cfg.model)
+    kinds = [[layers[i].kind for lo, hi in d.chunks(s) for i in range(lo, hi)] for s in range(d.pp)]
+    return node_checkpoint_bytes(cfg.model, cfg.train.dtype, (d.tp, d.dp, d.cp), kinds, ranks)
+
+
+def host_memory_problem(cfg: RunConfig, world: int, node: range, available: Optional[int]) -> Optional[str]:
+    """Why this node, whose memory the ranks `node` share, cannot hold their copies of a checkpoint, or None."""
+    need = copy_bytes(cfg, world, node)
     if available is None or need <= available:
         return None
     return (
         f"--async-save keeps a host copy of each rank's share of a checkpoint: about {human_bytes(need)} for the "
-        f"{local} rank(s) of this node, which has {human_bytes(available)} of memory available; turn --async-save "
-        f"off (saves block training while they write) or run on more nodes"
+        f"{len(node)} rank(s) of this node, which has {human_bytes(available)} of memory available; turn "
+        f"--async-save off (saves block training while they write) or run on more nodes"
     )
+
+
+def node_ranks(rank: int) -> range:
+    """The ranks sharing this rank's node: torchrun numbers a node's LOCAL_WORLD_SIZE ranks consecutively."""
+    local, local_rank = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
+    return range(rank - local_rank, rank - local_rank + local)
 
 
 class AsyncSaver:
@@ -280,8 +334,7 @@ class AsyncSaver:
         self.pending: Optional[Pending] = None
         self.thread: Optional[threading.Thread] = None
         world = dist.get_world_size() if is_multi_rank() else 1
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        problems = [host_memory_problem(cfg, world, local, available_memory())]
+        problems = [host_memory_problem(cfg, world, node_ranks(rank), available_memory())]
         if self.group is not None:  # every rank refuses, with the line of a node that cannot hold its copies
             mine, problems = problems[0], [None] * world
             dist.all_gather_object(problems, mine, group=self.group)
@@ -345,8 +398,6 @@ class AsyncSaver:
         assert pending is not None and self.thread is not None
         self.thread.join()
         self.thread = None
-        if pending.error is not None:
-            raise pending.error
         settle(
             self.cfg,
             self.rank,

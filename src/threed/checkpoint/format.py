@@ -33,7 +33,7 @@ import re
 import shutil
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Protocol, Sequence
 
 from threed.config import ModelConfig, RunConfig
 from threed.errors import ConfigError
@@ -44,6 +44,7 @@ from threed.model.spec import (
     parameter_count,
     pipeline_layers,
     shard_shapes,
+    stage_parameters,
     stored_layers,
 )
 
@@ -97,6 +98,27 @@ def checkpoint_bytes(cfg: RunConfig) -> int:
     shards; a tied weight's at pp > 1 twice: each stage's optimizer holds its copy)."""
     weights = parameter_count(cfg.model, cfg.parallel.tp) * (2 if cfg.train.dtype == "bf16" else 4)
     return weights + 12 * optimizer_parameters(cfg.model, cfg.parallel.tp, cfg.parallel.pp)
+
+
+def node_checkpoint_bytes(
+    model: ModelConfig, dtype: str, layout: tuple[int, int, int], stage_kinds: Sequence[list], ranks: Iterable[int]
+) -> int:
+    """Bytes the ranks `ranks` (one node's, or one rank) write of a checkpoint: what --async-save copies into their
+    host memory (threed.checkpoint.async_save refuses a node that cannot hold it; `threed memory` and `threed
+    check-config` report it per node through threed.memory.model, from this same function). `layout` is (tp, dp,
+    cp); `stage_kinds[s]` the layer kinds pipeline rank s holds (threed.memory.model.stage_kinds: one entry per
+    layer). Each rank writes its ZeRO-1 shard of the fp32 master weights and AdamW's two moments (12 B per
+    parameter of its stage over the dp x cp ranks that share it); the first of those ranks also the stage's weights
+    in the training dtype (DeepSpeed writes a stage's layer files from data-parallel rank 0 only). Rank order:
+    threed.parallel.distributed.grid_coordinates (tp fastest, then cp, dp, pp)."""
+    tp, dp, cp = layout
+    shards, width = dp * cp, 4 if dtype == "fp32" else 2
+    total = 0
+    for rank in ranks:
+        groups = [n for n in stage_parameters(model, tp, stage_kinds[rank // (tp * shards)]) if n]
+        writes_layers = rank // tp % shards == 0
+        total += 12 * sum(-(-n // shards) for n in groups) + (width * sum(groups) if writes_layers else 0)
+    return total
 
 
 def free_bytes(path: str | os.PathLike) -> int:

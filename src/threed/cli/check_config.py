@@ -14,7 +14,8 @@ anything. A dataset that cannot be checked (no sidecar) is said on stderr.
 recipes/launch.sh runs it before torchrun (and in its dry run), so a bad recipe fails once, with one line.
 Exit status (with --paths) 0 when the run would start, 2 (and one `threed: configuration error: ...` line) when
 not; without --paths, when its flags would (the dry run: data and checkpoints need not exist yet). Output: the
-summary line, then `memory: ~N GB/GPU = ...`.
+summary line, then `memory: ~N GB/GPU = ...`; with --async-save also `memory: host ~N per node of R rank(s) ...`
+(--ranks-per-node R, default 8: the host memory of its checkpoint copies, the figure the run refuses a node by).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import sys
 from threed.checkpoint.format import checkpoint_bytes
 from threed.config import ConfigError, RunConfig
 from threed.errors import guarded
-from threed.memory.model import estimate, heaviest
+from threed.memory.model import estimate, heaviest, host_copy_line
 from threed.memory.recompute import Recompute
 from threed.cli.flags import add_run_flags, run_config_from_args
 from threed.model.spec import parameter_count
@@ -55,7 +56,14 @@ def check(ns: argparse.Namespace) -> str:
         f"{gas} x dp {dp}, seq {cfg.train.seq_length}, {cfg.train.steps} steps; {stages}recompute: {recompute}; "
         f"start: {start}; {checkpoints(cfg)}"
     )
-    return f"{summary}\nmemory: {memory(cfg, dp, micro, gas)}"
+    host = ""
+    if cfg.checkpoint.async_save:  # the host memory of its checkpoint copies (what the run refuses a node by)
+        p = cfg.parallel
+        host = "\n" + host_copy_line(
+            cfg.model, p.tp, p.pp, dp, cfg.train.seq_length, ns.ranks_per_node, p.cp, vpp=p.vpp,
+            partition_method=p.partition_method, dtype=cfg.train.dtype,
+        )  # fmt: skip
+    return f"{summary}\nmemory: {memory(cfg, dp, micro, gas)}{host}"
 
 
 def memory(cfg: RunConfig, dp: int, micro: int, gas: int) -> str:
@@ -130,6 +138,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("check-config", help="run training's config checks at a world size, build nothing")
     add_run_flags(p)
     p.add_argument("--world", type=int, required=True, help="number of ranks (nodes x ranks per node)")
+    p.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=8,
+        metavar="N",
+        help="ranks per node (GPUS_PER_NODE), for --async-save's host memory per node (default 8)",
+    )
     p.add_argument(
         "--paths",
         action="store_true",

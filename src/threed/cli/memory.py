@@ -6,13 +6,14 @@ line saying which compute rates it rests on (`threed.plan.calibration`).
     threed memory --model llama3.1-70b --tp 8 --pp 4 --dp 16 --micro-batch-size 1 --grad-accum-steps 32 \
         --seq-length 8192 --sequence-parallel [--pipeline-schedule zb-h1 | --vpp 2] [--cp 2] [--lm-head-chunks 8] \
         [--all-stages] [--calibrate benchmarks/measured/2026-11-28-h200.json | gpu_check.json | --tflops 400] \
-        [--gpus-per-node 8]
+        [--gpus-per-node 8] [--async-save]
 
 The flags are training's (`threed.cli.flags`: the same names, Megatron aliases and checks as `threed train`); the
 earlier short names (--micro, --gas, --seq, --act-ckpt) stay as aliases. `--dp` is the one flag training does not
 have: a training run derives it from its world size. The step-time flags (--calibrate, --tflops, --gpus-per-node,
 --nvlink-gbps, --network-gbps, --hbm-gbps) are `threed plan`'s, with its defaults and refusals: by default the rates
 fitted to the committed H200 runs (the line says so). `threed check-config` prints the same memory estimate for a run.
+`--async-save` adds a line: the host memory its checkpoint copies take per node of --gpus-per-node ranks.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from threed.cli.flags import add_command, add_field_flag, add_model_flag, field_
 from threed.config import ConfigError, TrainConfig, check_lm_head_chunks, check_sequence_parallel, check_virtual_stages
 from threed.errors import guarded
 from threed.memory import model as memory_model
-from threed.memory.model import estimate, heaviest
+from threed.memory.model import estimate, heaviest, host_copy_line
 from threed.memory.recompute import Recompute
 from threed.convert.resolve import model_config
 from threed.plan.planner import build_layout, check_cp
@@ -48,6 +49,7 @@ OPTIONAL = (
     ("parallel", "vpp", ()),
     ("parallel", "cp", ()),
     ("train", "lm_head_chunks", ()),
+    ("checkpoint", "async_save", ()),  # a line for the host memory of its checkpoint copies, per --gpus-per-node
 )
 
 
@@ -95,6 +97,8 @@ def lines(ns: argparse.Namespace) -> list[str]:
         vpp=vpp,
     )  # fmt: skip
     out = [m.line(pp) for m in (mems if ns.all_stages else [heaviest(mems)])]
+    if field_value(ns, "checkpoint", "async_save"):
+        out.append(host_copy_line(model, tp, pp, ns.dp, seq, ns.gpus_per_node, cp, vpp=vpp))
     step = build_layout(model, hw, seq, tp, pp, ns.dp, micro, gas, rc, sp, schedule, cp, vpp=vpp)  # threed plan's own
     tokens = seq * micro * gas * ns.dp
     out.append(

@@ -74,6 +74,10 @@ its input, so the QKV output and the local k are freed. Per block the gathered K
 in backward the gathered row's gradient before its reduce-scatter. ZeRO-1's shard and AdamW's temporaries divide by
 dp x cp (CP ranks reduce gradients with the DP ranks); weights and fp32 grads stay whole.
 
+Host memory (per node, not per GPU): --async-save keeps a copy of what each rank writes of a checkpoint, pinned on
+CUDA (`host_copy_bytes`, `host_copy_line`: threed.checkpoint.format.node_checkpoint_bytes, the figure the run's
+refusal of a node that cannot hold it uses).
+
 Not included: CUDA context, NCCL/gloo buffers, allocator fragmentation (budget several GB). fp32 runs use
 DeepSpeed's ZeRO optimizer instead of BF16_Optimizer and are not modelled.
 """
@@ -87,6 +91,7 @@ import sys
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
+from threed.checkpoint.format import node_checkpoint_bytes
 from threed.config import ModelConfig, ParallelConfig
 from threed.convert.resolve import model_config
 from threed.model.spec import LayerKind, largest_parameter, stage_parameters
@@ -95,6 +100,7 @@ from threed.memory.recompute import Recompute
 from threed.parallel.device_policy import CudaOnly, cuda_only
 from threed.parallel.partition import resolve_partition
 from threed.parallel.schedule import distinct_before_backward
+from threed.units import human_bytes
 
 GB = 1e9
 BF16 = 2
@@ -517,3 +523,41 @@ def activation_ratio(
 
 def heaviest(mems: list[Memory]) -> Memory:
     return max(mems, key=lambda m: m.peak)
+
+
+# --------------------------------------------------------------------------- host memory: --async-save's copies
+
+
+def host_copy_bytes(
+    model: ModelConfig,
+    tp: int,
+    pp: int,
+    dp: int,
+    seq: int,
+    ranks: range,
+    cp: int = 1,
+    vpp: int = 1,
+    partition_method: str | None = None,
+    dtype: str = "bf16",
+) -> int:
+    """Host memory (pinned on CUDA) that --async-save's copy of a checkpoint takes on the ranks `ranks`: what each
+    of them writes (threed.checkpoint.format.node_checkpoint_bytes, the figure threed.checkpoint.async_save refuses
+    a node by). Not a GPU term: per node, in the host's RAM."""
+    kinds = [stage_kinds(s) for s in stages(model, pp, tp, seq, partition_method, vpp)]
+    return node_checkpoint_bytes(model, dtype, (tp, dp, cp), kinds, ranks)
+
+
+def host_copy_line(
+    model: ModelConfig, tp: int, pp: int, dp: int, seq: int, ranks_per_node: int, cp: int = 1, **kw
+) -> str:
+    """`memory: host ...`: the host memory of --async-save's copies on the heaviest node (ranks numbered node by
+    node, `ranks_per_node` each) and on the heaviest rank; `kw`: `host_copy_bytes`' vpp, partition_method, dtype."""
+    world = tp * pp * cp * dp
+    per = max(1, min(ranks_per_node, world))
+    each = [host_copy_bytes(model, tp, pp, dp, seq, range(r, r + 1), cp, **kw) for r in range(world)]
+    node = max(sum(each[n : n + per]) for n in range(0, world, per))
+    return (
+        f"memory: host ~{human_bytes(node)} per node of {per} rank(s) for --async-save's checkpoint copies (pinned "
+        f"on CUDA; the heaviest rank's {human_bytes(max(each))}: its ZeRO shard, and its stage's weights on "
+        f"data-parallel rank 0)"
+    )
