@@ -8,6 +8,8 @@ many engines its requests build (dispatch_worker.share_groups_by_membership)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -77,3 +79,56 @@ def test_a_launch_makes_each_group_once(tmp_path, rank_pool):
     }
     assert all(r["same"] == [True, True] for runs in got.values() for r in runs), got
     assert [r["threads"] for r in got["two"]] == [r["threads"] for r in got["one"]], got
+
+
+def states(pids: list[int]) -> list[str]:
+    """Each process's state letter (/proc/PID/stat: R running, S sleeping, T stopped); "gone" once it has exited."""
+    out = []
+    for pid in pids:
+        try:
+            out.append(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0])
+        except OSError:
+            out.append("gone")
+    return out
+
+
+def settle(pids: list[int], want: list[str], seconds: float = 60) -> list[str]:
+    """The processes' states once they are `want` (a signal takes effect when its process next runs), or after
+    `seconds`, whatever they are then."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and states(pids) != want:
+        time.sleep(0.1)
+    return states(pids)
+
+
+def test_a_launch_waits_stopped_between_requests(tmp_path, rank_pool):
+    """Between two requests a launch's ranks are stopped (their gloo groups' event loops would wake 100 times a second
+    each), and the next request continues them."""
+    rank_pool.run(2, PROBE, ["ok", "--out", str(tmp_path / "a")], timeout=300)
+    launch = rank_pool.current[2]
+    pids = [int(f.read_text()) for f in sorted(launch.inbox.glob("rank*.pid"))]
+    assert settle(pids, ["T", "T"], 10) == ["T", "T"]
+    rank_pool.run(2, PROBE, ["ok", "--out", str(tmp_path / "b")], timeout=300)
+    assert (tmp_path / "b").exists() and settle(pids, ["T", "T"], 10) == ["T", "T"]
+
+
+@pytest.mark.slow  # a 2-rank launch of its own (~15 s of start-up on 2 busy cores)
+def test_stopped_ranks_exit_when_the_pytest_process_is_killed(tmp_path):
+    """The pool's watchdog continues the stopped ranks of a pytest process killed by SIGKILL (no fixture teardown
+    runs), and they exit: nothing is left stopped for ever."""
+    script = tmp_path / "owner.py"
+    script.write_text(
+        "import sys, time\n"
+        f"sys.path[:0] = [{str(RANKS)!r}, {str(RANKS.parent)!r}]\n"
+        "from pathlib import Path\nfrom rank_pool import RankPool\n"
+        f"pool = RankPool(Path({str(tmp_path / 'pool')!r}))\n"
+        f"pool.run(2, {str(PROBE)!r}, ['ok', '--out', {str(tmp_path / 'ok')!r}], timeout=300)\n"
+        "print('ran', flush=True)\ntime.sleep(600)\n"
+    )
+    owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    assert owner.stdout.readline().strip() == "ran"
+    pids = [int(f.read_text()) for f in sorted((tmp_path / "pool").glob("*/inbox/rank*.pid"))]
+    assert settle(pids, ["T", "T"], 10) == ["T", "T"]
+    owner.kill()
+    owner.wait()
+    assert settle(pids, ["gone", "gone"]) == ["gone", "gone"]
