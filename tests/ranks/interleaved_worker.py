@@ -12,8 +12,9 @@ under one vpp, resumed under the same and the other.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -27,7 +28,7 @@ from schedule_worker import VARIANTS, run
 from tied_worker import tied_hf_model, tied_model_config
 import threed.checkpoint.save as ckpt
 from threed.config import CheckpointConfig, DataConfig, ParallelConfig, RunConfig, TrainConfig
-from threed.metrics.stages import StageTimer
+from threed.metrics.stages import StageTimer, gather_rows, per_stage
 from threed.parallel.distributed import Runtime
 
 STEPS = 5
@@ -80,6 +81,29 @@ def evaluation(engine, cfg: RunConfig) -> float:
     return float(engine.eval_batch(iter(batches) if reads_data(engine) else None))
 
 
+@contextlib.contextmanager
+def pipe_group_calls(engine) -> Iterator[list[str]]:
+    """The collectives of this rank on its pipeline group, in order, while in the block ("all_reduce", or "p2p" for
+    a batch_isend_irecv whose every op is on the group; "p2p-other-group" for one that is not)."""
+    group, calls = engine.grid.get_pipe_parallel_group(), []
+    batch, all_reduce = dist.batch_isend_irecv, dist.all_reduce
+
+    def logged_batch(ops):
+        calls.append("p2p" if all(op.group is group for op in ops) else "p2p-other-group")
+        return batch(ops)
+
+    def logged_all_reduce(tensor, *args, **kwargs):
+        if kwargs.get("group") is group:
+            calls.append("all_reduce")
+        return all_reduce(tensor, *args, **kwargs)
+
+    dist.batch_isend_irecv, dist.all_reduce = logged_batch, logged_all_reduce
+    try:
+        yield calls
+    finally:
+        dist.batch_isend_irecv, dist.all_reduce = batch, all_reduce
+
+
 def trained(cfg: RunConfig, rt: Runtime, ds, hf_state: dict, save: str = "") -> dict:
     """STEPS steps from HF's weights; with `save`, a checkpoint there at step SAVE_AT."""
     if save:
@@ -89,7 +113,8 @@ def trained(cfg: RunConfig, rt: Runtime, ds, hf_state: dict, save: str = "") -> 
         load_hf_weights(engine, cfg, hf_state)
     timer = StageTimer(engine, rt.device)  # the per-stage idle metric's timers (threed.metrics.stages)
     timer.install()
-    losses, norms = run(cfg, engine, ds, 0, SAVE_AT if save else STEPS)
+    with pipe_group_calls(engine) as calls:
+        losses, norms = run(cfg, engine, ds, 0, SAVE_AT if save else STEPS)
     if save:
         # threed's save: its manifest records the (virtual) stage boundaries, by which a resume at another vpp
         # knows to go through a universal checkpoint (DeepSpeed's optimizer shards hold other layers per rank)
@@ -97,8 +122,14 @@ def trained(cfg: RunConfig, rt: Runtime, ds, hf_state: dict, save: str = "") -> 
         more = run(cfg, engine, ds, SAVE_AT, STEPS)
         losses, norms = losses + more[0], norms + more[1]
     timer.uninstall()
+    # the metrics writer's numbers of this run: every rank's row, gathered, per stage (and per chunk at vpp > 1)
+    stages = per_stage(gather_rows(timer, rt.device), cfg.parallel.pp)
     return {
         "timing": {bucket: timer.totals[bucket] for bucket in ("compute", "p2p", "dp-reduce", "optimizer")},
+        "chunk_timing": timer.chunk_totals,
+        "per_stage": {k: v for k, v in stages.items() if "idle" in k or "time" in k},
+        # the first 3 collectives on the pipeline group, and whether every batch of sends and receives was on it
+        "pipe_group": {"first": calls[:3], "p2p_elsewhere": "p2p-other-group" in calls, "p2p": calls.count("p2p")},
         "losses": losses,
         "grad_norms": norms,
         # (no evaluation with packed rows or under CP: `evaluation`'s rows are whole, not split as run_steps splits)

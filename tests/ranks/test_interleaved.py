@@ -77,7 +77,7 @@ def launch(tmp_path_factory, rank_pool):
         out = tmp_path_factory.mktemp("interleaved")
         argv = [scenario, "--out", str(out), "--data", data, *args]
         rank_pool.run(world, str(RANKS / "interleaved_worker.py"), argv, timeout=1200)
-        stem = "interleaved" if scenario == "main" else "resumed"
+        stem = {"main": "interleaved", "resume": "resumed"}.get(scenario, scenario)
         return [json.loads((out / f"{stem}_rank{r}.json").read_text()) for r in range(world)], str(out)
 
     return run
@@ -153,13 +153,35 @@ def test_pp2_vpp2_is_1f1b_at_gas4(pp2) -> None:
     check_against_1f1b(pp2, 4)
 
 
-def test_the_idle_metric_times_every_stage_at_vpp2(pp2) -> None:
+def test_the_idle_metric_times_every_stage_and_chunk_at_vpp2(pp2) -> None:
     """threed.metrics.stages times the interleaved engine's instructions: compute (loads, forwards, backwards) and
-    p2p (posting a tick's messages, waiting for a received one), from which the idle fraction comes."""
+    p2p (posting a tick's messages, waiting for a received one), from which the idle fraction comes; and each
+    chunk's compute and waits apart, whose idle fractions add up to at most the stage's (the metrics writer's
+    per_stage over the gathered rows; none at vpp 1)."""
     for rank, r in enumerate(pp2):
-        timing = r["vpp2_gas4"]["timing"]
+        timing, chunks = r["vpp2_gas4"]["timing"], r["vpp2_gas4"]["chunk_timing"]
         assert timing["compute"] > 0 and timing["p2p"] > 0, (rank, timing)
         assert timing["dp-reduce"] > 0 and timing["optimizer"] > 0, (rank, timing)
+        assert len(chunks) == 2 and all(c["compute"] > 0 for c in chunks), (rank, chunks)
+        assert 0 < sum(c["p2p"] for c in chunks) <= timing["p2p"], (rank, chunks, timing)
+        assert sum(c["compute"] for c in chunks) == pytest.approx(timing["compute"], rel=1e-9)
+        assert r["vpp1_gas4"]["chunk_timing"] == [] and not any("chunk" in k for k in r["vpp1_gas4"]["per_stage"])
+    stages = pp2[0]["vpp2_gas4"]["per_stage"]
+    for s in range(2):
+        idle = [stages[f"stage{s}/chunk{c}/idle-fraction"] for c in range(2)]
+        assert f"stage{s}/chunk2/idle-fraction" not in stages
+        assert 0 < sum(idle) <= stages[f"stage{s}/idle-fraction"] + 1e-12, (s, idle, stages)
+
+
+def test_the_pipeline_group_opens_with_all_its_ranks_and_carries_every_message(pp2) -> None:
+    """The interleaved sends and receives go over the rank's pipeline group, whose first collective is an
+    all-reduce of all its ranks (NCCL: a batch_isend_irecv of some of them first is undefined); 1F1B's go over
+    DeepSpeed's own blocking p2p, no batch."""
+    for rank, r in enumerate(pp2):
+        calls = r["vpp2_gas4"]["pipe_group"]
+        assert calls["first"][0] == "all_reduce" and "p2p" in calls["first"], (rank, calls)
+        assert not calls["p2p_elsewhere"] and calls["p2p"] > 0, (rank, calls)
+        assert r["vpp1_gas4"]["pipe_group"]["p2p"] == 0
 
 
 @pytest.mark.slow
