@@ -1,19 +1,24 @@
 """Interleaved-stage scenarios for tests/ranks/test_interleaved.py: the same fp32 run (HF's gqa31 weights, 4 blocks, 5
 steps) at --vpp 1 and --vpp 2 on this launch's tp x pp (and at one rank, pp 1, for the single-process reference):
 losses, gradient norms, an evaluation loss and every parameter's final checksum; a checkpoint written at step 3
-under one vpp, resumed under the same and the other.
+under one vpp, resumed under the same and the other; the engine `threed generate` / `eval-harness` build from such
+a checkpoint, its weights and a greedy generation (`inference`).
 
     python -m torch.distributed.run --nproc-per-node 2 tests/ranks/interleaved_worker.py main --out /tmp/x \
         --data PREFIX --tp 1 --pp 2 --gas 4 --vpps 1,2 --resume
     python -m torch.distributed.run --nproc-per-node 4 tests/ranks/interleaved_worker.py resume --out /tmp/y \
         --data PREFIX --tp 1 --pp 4 --gas 4 --vpps 1 --load /tmp/x/ckpt_vpp2     (a universal resume)
+    python -m torch.distributed.run --nproc-per-node 2 tests/ranks/interleaved_worker.py inference --out /tmp/z \
+        --data PREFIX --tp 1 --pp 2 --load /tmp/x/ckpt_vpp2
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -27,11 +32,16 @@ from schedule_worker import VARIANTS, run
 from tied_worker import tied_hf_model, tied_model_config
 import threed.checkpoint.save as ckpt
 from threed.config import CheckpointConfig, DataConfig, ParallelConfig, RunConfig, TrainConfig
-from threed.metrics.stages import StageTimer
+from threed.generate.decode import generate_all
+from threed.generate.prompts import Sampling
+from threed.generate.run import pinned_engine
+from threed.metrics.stages import StageTimer, gather_rows, per_stage
 from threed.parallel.distributed import Runtime
 
 STEPS = 5
 SAVE_AT = 3
+PROMPTS = [[5, 17, 9, 1, 32], [20, 3], [7, 7, 150, 61, 12, 99, 4]]  # token ids (gqa31's vocabulary of 200)
+NEW_TOKENS = 6
 
 
 def config(args: argparse.Namespace, vpp: int, gas: int, variant: str = "") -> RunConfig:
@@ -80,6 +90,29 @@ def evaluation(engine, cfg: RunConfig) -> float:
     return float(engine.eval_batch(iter(batches) if reads_data(engine) else None))
 
 
+@contextlib.contextmanager
+def pipe_group_calls(engine) -> Iterator[list[str]]:
+    """The collectives of this rank on its pipeline group, in order, while in the block ("all_reduce", or "p2p" for
+    a batch_isend_irecv whose every op is on the group; "p2p-other-group" for one that is not)."""
+    group, calls = engine.grid.get_pipe_parallel_group(), []
+    batch, all_reduce = dist.batch_isend_irecv, dist.all_reduce
+
+    def logged_batch(ops):
+        calls.append("p2p" if all(op.group is group for op in ops) else "p2p-other-group")
+        return batch(ops)
+
+    def logged_all_reduce(tensor, *args, **kwargs):
+        if kwargs.get("group") is group:
+            calls.append("all_reduce")
+        return all_reduce(tensor, *args, **kwargs)
+
+    dist.batch_isend_irecv, dist.all_reduce = logged_batch, logged_all_reduce
+    try:
+        yield calls
+    finally:
+        dist.batch_isend_irecv, dist.all_reduce = batch, all_reduce
+
+
 def trained(cfg: RunConfig, rt: Runtime, ds, hf_state: dict, save: str = "") -> dict:
     """STEPS steps from HF's weights; with `save`, a checkpoint there at step SAVE_AT."""
     if save:
@@ -89,16 +122,24 @@ def trained(cfg: RunConfig, rt: Runtime, ds, hf_state: dict, save: str = "") -> 
         load_hf_weights(engine, cfg, hf_state)
     timer = StageTimer(engine, rt.device)  # the per-stage idle metric's timers (threed.metrics.stages)
     timer.install()
-    losses, norms = run(cfg, engine, ds, 0, SAVE_AT if save else STEPS)
+    with pipe_group_calls(engine) as calls:
+        losses, norms = run(cfg, engine, ds, 0, SAVE_AT if save else STEPS)
     if save:
         # threed's save: its manifest records the (virtual) stage boundaries, by which a resume at another vpp
         # knows to go through a universal checkpoint (DeepSpeed's optimizer shards hold other layers per rank)
         ckpt.save(engine, cfg, rt.rank, {"consumed_samples": SAVE_AT * cfg.train.grad_accum_steps})
+        saved = checksums(engine, rt)
         more = run(cfg, engine, ds, SAVE_AT, STEPS)
         losses, norms = losses + more[0], norms + more[1]
     timer.uninstall()
+    # the metrics writer's numbers of this run: every rank's row, gathered, per stage (and per chunk at vpp > 1)
+    stages = per_stage(gather_rows(timer, rt.device), cfg.parallel.pp)
     return {
         "timing": {bucket: timer.totals[bucket] for bucket in ("compute", "p2p", "dp-reduce", "optimizer")},
+        "chunk_timing": timer.chunk_totals,
+        "per_stage": {k: v for k, v in stages.items() if "idle" in k or "time" in k},
+        # the first 3 collectives on the pipeline group, and whether every batch of sends and receives was on it
+        "pipe_group": {"first": calls[:3], "p2p_elsewhere": "p2p-other-group" in calls, "p2p": calls.count("p2p")},
         "losses": losses,
         "grad_norms": norms,
         # (no evaluation with packed rows or under CP: `evaluation`'s rows are whole, not split as run_steps splits)
@@ -107,6 +148,7 @@ def trained(cfg: RunConfig, rt: Runtime, ds, hf_state: dict, save: str = "") -> 
         "stage": engine.stage_id,
         "dp_rank": engine.grid.get_data_parallel_rank(),
         "weights": checksums(engine, rt),
+        "saved_weights": saved if save else None,  # at step SAVE_AT, what the checkpoint holds
     }
 
 
@@ -153,6 +195,24 @@ def resume(args: argparse.Namespace, rt: Runtime) -> None:
     rank_json(args.out, "resumed", result)
 
 
+def inference(args: argparse.Namespace, rt: Runtime) -> None:
+    """The engine `threed generate` and `eval-harness` build from the checkpoint in --load (`pinned_engine`: no
+    optimizer, vpp 1, this launch's tp x pp), its weights' checksums, and greedy generation on PROMPTS with each
+    step's top-1 / top-2 margin."""
+    model = model_config("gqa31")
+    request = SimpleNamespace(load=args.load, model=model, tp=args.tp, pp=args.pp, dtype="fp32", tag=None)
+    engine = pinned_engine(request, rt)
+    out = generate_all(engine, model, PROMPTS, NEW_TOKENS, Sampling(), batch_size=len(PROMPTS))
+    result = {
+        "weights": checksums(engine, rt),
+        "tokens": [r.tokens for r in out],
+        "margins": [r.margins for r in out],
+        "vpp": engine.module.vpp,
+    }
+    dist.barrier()
+    rank_json(args.out, "inference", result)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", required=True)
     p.add_argument("--tp", type=int, default=1)
@@ -169,4 +229,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_worker({"main": main, "resume": resume}, add_arguments))
+    raise SystemExit(run_worker({"main": main, "resume": resume, "inference": inference}, add_arguments))

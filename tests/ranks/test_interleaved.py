@@ -5,18 +5,27 @@ evaluation loss and final weights within 1e-6 relative. The messages' clock (`ti
 `make test` runs pp 2 vpp 2 against pp 2 at gas 4 (2 ranks). Slow: gas 6, a single process, pp 4, cp 2, tp2 pp2
 vpp2 dp2 with sequence parallelism and Llama 3.2's tied embedding (8 ranks), bf16, full and selective recompute and
 packed rows at pp 2, a checkpoint saved at vpp 2 resumed at vpp 2 and at vpp 1 (and back), a universal resume at
-pp 4 vpp 1 (and back), a rank killed mid-save, and the memory model's activation peak. The divergence guard at
-vpp 2: test_divergence.py.
+pp 4 vpp 1 (and back) and at tp 2, a rank killed mid-save, the memory model's activation peak; `threed export`,
+`reshard` and `verify` of a vpp-2 checkpoint, the engine `threed generate` / `eval-harness` load from it (its weights,
+HF's greedy tokens), and packed SFT at vpp 2 against HF (sft_vpp_worker.py). The divergence guard at vpp 2:
+test_divergence.py.
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
-from helpers import RANKS, write_dataset
+from convert_fixtures import assert_identical, hf_tensors
+from interleaved_worker import NEW_TOKENS, PROMPTS
+from helpers import RANKS, hf_model, model_config, sft_examples, write_dataset, write_sft_dataset
+from reference import sft_reference
+from sft_worker import sft_config
+from threed.cli.main import main
 from test_checkpoint_faults import RUN, losses, worker
 from threed.parallel.interleaved import InterleavedEngine, InterleavedSchedule, ticks
 from threed.parallel.schedule import interleaved_order
@@ -77,7 +86,7 @@ def launch(tmp_path_factory, rank_pool):
         out = tmp_path_factory.mktemp("interleaved")
         argv = [scenario, "--out", str(out), "--data", data, *args]
         rank_pool.run(world, str(RANKS / "interleaved_worker.py"), argv, timeout=1200)
-        stem = "interleaved" if scenario == "main" else "resumed"
+        stem = {"main": "interleaved", "resume": "resumed"}.get(scenario, scenario)
         return [json.loads((out / f"{stem}_rank{r}.json").read_text()) for r in range(world)], str(out)
 
     return run
@@ -153,13 +162,35 @@ def test_pp2_vpp2_is_1f1b_at_gas4(pp2) -> None:
     check_against_1f1b(pp2, 4)
 
 
-def test_the_idle_metric_times_every_stage_at_vpp2(pp2) -> None:
+def test_the_idle_metric_times_every_stage_and_chunk_at_vpp2(pp2) -> None:
     """threed.metrics.stages times the interleaved engine's instructions: compute (loads, forwards, backwards) and
-    p2p (posting a tick's messages, waiting for a received one), from which the idle fraction comes."""
+    p2p (posting a tick's messages, waiting for a received one), from which the idle fraction comes; and each
+    chunk's compute and waits apart, whose idle fractions add up to at most the stage's (the metrics writer's
+    per_stage over the gathered rows; none at vpp 1)."""
     for rank, r in enumerate(pp2):
-        timing = r["vpp2_gas4"]["timing"]
+        timing, chunks = r["vpp2_gas4"]["timing"], r["vpp2_gas4"]["chunk_timing"]
         assert timing["compute"] > 0 and timing["p2p"] > 0, (rank, timing)
         assert timing["dp-reduce"] > 0 and timing["optimizer"] > 0, (rank, timing)
+        assert len(chunks) == 2 and all(c["compute"] > 0 for c in chunks), (rank, chunks)
+        assert 0 < sum(c["p2p"] for c in chunks) <= timing["p2p"], (rank, chunks, timing)
+        assert sum(c["compute"] for c in chunks) == pytest.approx(timing["compute"], rel=1e-9)
+        assert r["vpp1_gas4"]["chunk_timing"] == [] and not any("chunk" in k for k in r["vpp1_gas4"]["per_stage"])
+    stages = pp2[0]["vpp2_gas4"]["per_stage"]
+    for s in range(2):
+        idle = [stages[f"stage{s}/chunk{c}/idle-fraction"] for c in range(2)]
+        assert f"stage{s}/chunk2/idle-fraction" not in stages
+        assert 0 < sum(idle) <= stages[f"stage{s}/idle-fraction"] + 1e-12, (s, idle, stages)
+
+
+def test_the_pipeline_group_opens_with_all_its_ranks_and_carries_every_message(pp2) -> None:
+    """The interleaved sends and receives go over the rank's pipeline group, whose first collective is an
+    all-reduce of all its ranks (NCCL: a batch_isend_irecv of some of them first is undefined); 1F1B's go over
+    DeepSpeed's own blocking p2p, no batch."""
+    for rank, r in enumerate(pp2):
+        calls = r["vpp2_gas4"]["pipe_group"]
+        assert calls["first"][0] == "all_reduce" and "p2p" in calls["first"], (rank, calls)
+        assert not calls["p2p_elsewhere"] and calls["p2p"] > 0, (rank, calls)
+        assert r["vpp1_gas4"]["pipe_group"]["p2p"] == 0
 
 
 @pytest.mark.slow
@@ -276,3 +307,88 @@ def test_the_activation_peak_at_vpp2_is_the_memory_model_s(rank_pool, tmp_path) 
         print("; vpp 2", inter["measured"], inter["phase"])
         assert inter["phase"] > one["phase"], "interleaving holds more on every rank here"
         assert abs(inter["phase"] - inter["measured"]) <= 0.10 * inter["measured"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("vpp", [2, 1])
+def test_universal_resume_from_tp1_pp2_vpp2_at_tp2(pp2_more, launch, vpp) -> None:
+    """A change of tp at vpp 2: every weight and its Adam state cut in two over TP (DeepSpeed's universal checkpoint,
+    by parameter name), resumed at tp2 pp2 with the same and with one chunk per rank."""
+    ranks, out = pp2_more
+    args = ["--tp", "2", "--pp", "2", "--gas", "4", "--vpps", str(vpp), "--load", f"{out}/ckpt_vpp2"]
+    resumed, _ = launch(4, args, "resume")
+    assert_continues_universally(resumed, ranks[0]["vpp2_gas4"])
+
+
+@pytest.fixture(scope="module")
+def exported(pp2_more, tmp_path_factory) -> dict[int, Path]:
+    """`threed export` of the step-3 checkpoints written at vpp 1 and at vpp 2 (tp1 pp2): vpp -> HF folder."""
+    _, out = pp2_more
+    folders = {}
+    for vpp in (1, 2):
+        folders[vpp] = tmp_path_factory.mktemp(f"exported_vpp{vpp}") / "hf"
+        assert main(["export", "--ckpt", f"{out}/ckpt_vpp{vpp}", "--out", str(folders[vpp]), "--quiet"]) == 0
+    return folders
+
+
+@pytest.mark.slow
+def test_export_reshard_and_verify_read_a_vpp2_checkpoint(pp2_more, exported, tmp_path, capsys, verify_in_pool):
+    """The layer files carry global indices, so the tools read an interleaved checkpoint as any other: its export
+    holds the weights of the same 3 steps run at vpp 1 (within the runs' 1e-6), `threed reshard` of it to tp2 pp1
+    exports bit for bit the same, and `threed verify` of it against its export agrees on the logits."""
+    _, out = pp2_more
+    inter, one = hf_tensors(exported[2]), hf_tensors(exported[1])
+    assert sorted(inter) == sorted(one) and len(inter) == 4 * 9 + 3
+    for name, want in one.items():
+        assert (inter[name] - want).abs().max() <= 1e-5 * want.abs().max(), name
+    resharded = tmp_path / "tp2pp1"
+    assert main(["reshard", "--ckpt", f"{out}/ckpt_vpp2", "--tp", "2", "--pp", "1", "--out", str(resharded)]) == 0
+    assert main(["export", "--ckpt", str(resharded), "--out", str(tmp_path / "again"), "--quiet"]) == 0
+    assert_identical(hf_tensors(tmp_path / "again"), inter)
+    capsys.readouterr()
+    assert main(["verify", "--hf", str(exported[2]), "--ckpt", f"{out}/ckpt_vpp2", "--tol", "1e-5"]) == 0
+    line = [ly for ly in capsys.readouterr().out.splitlines() if ly.startswith("threed verify:")][-1]
+    print(line)
+
+
+@pytest.mark.slow
+def test_generation_and_the_harness_engine_load_a_vpp2_checkpoint(pp2_more, exported, launch) -> None:
+    """The engine `threed generate` / `eval-harness` build (`pinned_engine`, vpp 1) from a vpp-2 checkpoint holds the
+    weights the run saved, bit for bit, and generates greedily HF's tokens on the checkpoint's export; every compared
+    step's top-1 / top-2 margin is above 1e-5, so no near-tie decides it."""
+    ranks, out = pp2_more
+    got, _ = launch(2, ["--tp", "1", "--pp", "2", "--load", f"{out}/ckpt_vpp2"], "inference")
+    assert [r["vpp"] for r in got] == [1, 1]
+    loaded = {k: v for r in got for k, v in r["weights"].items()}
+    saved = {k: v for r in ranks for k, v in r["vpp2_gas4"]["saved_weights"].items()}
+    assert loaded == saved
+    from transformers import AutoModelForCausalLM  # heavy (~1.5 s of CPU): only this test runs HF's generate
+
+    hf = AutoModelForCausalLM.from_pretrained(str(exported[2])).eval()
+    with torch.no_grad():
+        want = [
+            hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=NEW_TOKENS, pad_token_id=0,
+                        eos_token_id=None)[0, len(p):].tolist()
+            for p in PROMPTS
+        ]  # fmt: skip
+    assert got[1]["tokens"] == want
+    margins = [m for row in got[1]["margins"] for m in row]
+    assert len(margins) == len(PROMPTS) * NEW_TOKENS and min(margins) > 1e-5, margins
+
+
+@pytest.mark.slow
+def test_sft_with_packed_rows_at_vpp2_is_single_process_hf(tmp_path, rank_pool) -> None:
+    """test_sft_train.py's packed SFT run (5 fp32 steps through threed.train, loss over the response tokens of the
+    global batch, validation after the last step) at tp1 pp2 vpp2 dp2: the same global batch of 8 packed rows, so
+    the same reference (HF's model trained on each example alone), within 1e-5."""
+    data = write_sft_dataset(tmp_path / "chat", sft_examples(400, model_config("gqa31").vocab_size), 200)
+    ran = rank_pool.run(4, str(RANKS / "sft_vpp_worker.py"), ["--out", str(tmp_path), "--data", data], timeout=1200)
+    assert "chunks idle" in ran.stdout, "the log line's per-chunk idle time (interleaved: two chunks per rank)"
+    ranks = [json.loads((tmp_path / f"sft_vpp_rank{r}.json").read_text()) for r in range(4)]
+    ref_losses, ref_norms, ref_valid, ref_counts = sft_reference(hf_model("gqa31"), sft_config(data, True, 5))
+    got = ranks[0]
+    assert len(got["losses"]) == 5
+    assert got["losses"] == pytest.approx(ref_losses, rel=1e-5)
+    assert got["grad_norms"] == pytest.approx(ref_norms, rel=1e-5)
+    assert ranks[2]["loss_tokens"] == ref_counts  # the loss rank: last stage, dp 0
+    assert got["evals"][0]["loss"] == pytest.approx(ref_valid, rel=1e-5)

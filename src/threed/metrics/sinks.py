@@ -107,6 +107,17 @@ def _mb(v: float) -> str:
     return f"{v / 2**20:.0f}"
 
 
+def chunk_idle(r: dict[str, Any], stages: list[int]) -> str:
+    """'12+3/4+9': each stage's chunks' idle percentages (threed.metrics.stages.per_chunk), stage by stage."""
+    out = []
+    for s in stages:
+        chunks: list[str] = []
+        while f"stage{s}/chunk{len(chunks)}/idle-fraction" in r:
+            chunks.append(f"{r[f'stage{s}/chunk{len(chunks)}/idle-fraction'] * 100:.0f}")
+        out.append("+".join(chunks))
+    return "/".join(out)
+
+
 def stdout_line(record: dict[str, Any], total_steps: int, eta_s: Optional[float], pp: int) -> str:
     """Today's readable line, plus the per-stage part in compact form (stage values joined by '/')."""
     r = record
@@ -139,6 +150,8 @@ def stdout_line(record: dict[str, Any], total_steps: int, eta_s: Optional[float]
             f"wait {join('p2p-wait-time', lambda v: f'{v * 1000:.0f}')} ms "
             f"peak {join('mem-max-allocated-bytes', _mb)} MB"
         )
+        if f"stage{stages[0]}/chunk0/idle-fraction" in r:  # --vpp > 1: each stage's chunks, joined by '+'
+            parts[-1] += f" chunks idle {chunk_idle(r, stages)}%"
     elif stages:
         parts.append(f"stages peak {join('mem-max-allocated-bytes', _mb)} MB")
     if eta_s is not None:

@@ -17,6 +17,12 @@ The idle fraction of a stage is p2p / (compute + p2p): the share of the pipeline
 stage spends waiting on its neighbours. With equal stages it is the bubble (pp-1)/(gas+pp-1), at --vpp v
 (pp-1)/(v gas+pp-1); more means imbalance or slow transfers. Only `train_batch` is timed: `eval_batch` runs the
 same handlers and is not counted.
+
+At --vpp v > 1 each rank runs v chunks, and the interleaved engine's instructions name theirs (`chunk`): the
+compute and the waits of each chunk are also counted apart (`chunk<c>/` keys). A chunk's idle fraction is the wait
+for its inputs (RecvActivation / RecvGrad of the chunk) over the rank's compute + p2p, so a rank's chunks add up
+to its idle fraction but for the posting of each tick's messages (Exchange, which serves every chunk at once): it
+shows which chunk's inputs the rank waits for (the first chunk's at the start of the step, the last's at the end).
 """
 
 from __future__ import annotations
@@ -33,8 +39,10 @@ from threed.parallel.interleaved import Exchange
 from threed.parallel.zero_bubble import WeightPass
 
 BUCKETS = ("iteration", "compute", "p2p", "dp-reduce", "optimizer", "loss-sync")
-# One row per rank in the all-gather: stage, steps in the window, the buckets (seconds), memory now and peak.
+# One row per rank in the all-gather: stage, steps in the window, the buckets (seconds), memory now and peak; then,
+# at vpp > 1, CHUNK_BUCKETS of each chunk (every rank of a run has the same vpp, so the rows have one length).
 ROW = ("stage", "steps", *BUCKETS, "mem-allocated-bytes", "mem-max-allocated-bytes")
+CHUNK_BUCKETS = ("compute", "p2p")
 
 
 def _instruction_buckets() -> dict[type, str]:
@@ -149,9 +157,13 @@ class StageTimer:
         self.clock = clock if clock is not None else clock_for(device)
         self.instructions = instructions
         self.totals = dict.fromkeys(BUCKETS, 0.0)
+        # at vpp > 1 (a chunked StagedPipelineModule), each chunk's CHUNK_BUCKETS; none at vpp 1
+        chunks = int(getattr(engine.module, "vpp", 1)) if hasattr(engine, "module") else 1
+        self.chunk_totals = [dict.fromkeys(CHUNK_BUCKETS, 0.0) for _ in range(chunks if chunks > 1 else 0)]
         self.steps = 0
         self.last_iteration = 0.0  # seconds of the latest train_batch (the step's iteration-time)
-        self._spans: list[tuple[str, Any, Any]] = []  # (bucket, start mark, end mark) of this step
+        # (bucket, the instruction's chunk or None, start mark, end mark) of this step
+        self._spans: list[tuple[str, Optional[int], Any, Any]] = []
         self._active = False
         self._installed = False
 
@@ -165,7 +177,7 @@ class StageTimer:
             try:
                 return fn(engine, *args, **kwargs)
             finally:
-                spans.append((bucket, start, clock.mark()))
+                spans.append((bucket, kwargs.get("chunk"), start, clock.mark()))
 
         return run
 
@@ -199,8 +211,11 @@ class StageTimer:
         """The step's marks -> seconds per bucket (after the one wait for the step's last mark)."""
         end = self.clock.mark()
         self.clock.settle(end)
-        for bucket, a, b in self._spans:
-            self.totals[bucket] += self.clock.seconds(a, b)
+        for bucket, chunk, a, b in self._spans:
+            seconds = self.clock.seconds(a, b)
+            self.totals[bucket] += seconds
+            if chunk is not None and self.chunk_totals and bucket in CHUNK_BUCKETS:
+                self.chunk_totals[chunk][bucket] += seconds
         self._spans.clear()
         self.last_iteration = self.clock.seconds(start, end)
         self.totals["iteration"] += self.last_iteration
@@ -214,11 +229,21 @@ class StageTimer:
             self._installed = False
 
     def row(self) -> list[float]:
-        return [float(self.stage), float(self.steps), *(self.totals[b] for b in BUCKETS), *memory_bytes(self.device)]
+        chunks = [c[b] for c in self.chunk_totals for b in CHUNK_BUCKETS]
+        return [
+            float(self.stage),
+            float(self.steps),
+            *(self.totals[b] for b in BUCKETS),
+            *memory_bytes(self.device),
+            *chunks,
+        ]
 
     def reset(self) -> None:
         for b in BUCKETS:
             self.totals[b] = 0.0
+        for c in self.chunk_totals:
+            for b in CHUNK_BUCKETS:
+                c[b] = 0.0
         self.steps = 0
 
 
@@ -263,6 +288,21 @@ def per_stage(rows: torch.Tensor, pp: int, timed: bool = True) -> dict[str, floa
         out[p + "loss-sync-time"] = mean["loss-sync"]
         out[p + "iteration-time"] = mean["iteration"]
         out[p + "idle-fraction"] = mean["p2p"] / busy if busy > 0 else 0.0
+        out.update(per_chunk(mine[:, len(ROW) :] / steps[:, None], busy, p))
+    return out
+
+
+def per_chunk(columns: torch.Tensor, busy: float, prefix: str) -> dict[str, float]:
+    """The chunk keys of one stage (vpp > 1; none at vpp 1, whose rows have no chunk columns): per-step CHUNK_BUCKETS
+    of each chunk (`columns`: the stage's ranks' rows, chunk columns only), means over the ranks, and the chunk's
+    idle fraction, its wait over the rank's compute + p2p (`busy`)."""
+    out: dict[str, float] = {}
+    for c in range(columns.shape[1] // len(CHUNK_BUCKETS)):
+        mean = {b: float(columns[:, c * len(CHUNK_BUCKETS) + i].mean()) for i, b in enumerate(CHUNK_BUCKETS)}
+        q = f"{prefix}chunk{c}/"
+        out[q + "compute-time"] = mean["compute"]
+        out[q + "p2p-wait-time"] = mean["p2p"]
+        out[q + "idle-fraction"] = mean["p2p"] / busy if busy > 0 else 0.0
     return out
 
 

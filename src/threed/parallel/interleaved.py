@@ -18,6 +18,12 @@ backward, loss, data loading and gradient reductions, and replaces the instructi
   batch from its receiver has come in (`_let_go_of_sends`): the receiver has posted its receive by then.
 - Buffers are per (micro-batch, chunk) slot, gas x V of them, each freed when its pass is done; the last virtual
   stage keeps each micro-batch's loss until its backward (its F and B need not be adjacent).
+- The batches go over the rank's pipeline group (DeepSpeed's `grid.get_pipe_parallel_group()`: the ranks of one
+  pipeline, in stage order), as megatron-core's p2p goes over its pp group. A batch involves a rank and its
+  neighbours, never the whole group, and under NCCL torch leaves a batch_isend_irecv undefined when it is the first
+  collective on its group and not every rank of the group takes part (that first call makes the group's
+  communicator). So the first schedule an engine runs opens the group with an all-reduce of all its ranks
+  (`_open_pipe_group`).
 - The tensor meta (shapes, dtypes) of the activations into each chunk comes once, in the first message's tick
   (DeepSpeed's own `_send_tensor_meta` / `_recv_tensor_meta` are blocking and fill one shared buffer, which the
   many receives in flight here cannot share); gradients take their outputs' shapes.
@@ -232,11 +238,27 @@ class InterleavedEngine(LeanPipelineEngine):
 
     def _exec_schedule(self, pipe_schedule):
         assert not self.dynamic_shape and not self.is_pipe_partitioned, "interleaving sends whole, fixed shapes"
+        self._open_pipe_group()
         flight = self._flight()
         flight.clear_step()  # nothing left over from a step that raised
         super()._exec_schedule(pipe_schedule)
         self._wait_for_sends()
         assert not (flight.recvd or flight.grads or flight.losses), "a message or a loss was never used"
+
+    def _p2p(self, op, tensor: torch.Tensor, stage: int) -> dist.P2POp:
+        """A send or receive (`op`) of `tensor` with pipeline stage `stage` of this rank's pipeline, on its pipeline
+        group: torch takes the peer's global rank and finds its rank in the group (as megatron-core passes it)."""
+        return dist.P2POp(op, tensor, self.grid.stage_to_global(stage), group=self.grid.get_pipe_parallel_group())
+
+    def _open_pipe_group(self) -> None:
+        """Once per engine, before its first batch of sends and receives: an all-reduce over the whole pipeline group,
+        so that the group's first collective has every rank of it (NCCL makes the group's communicator there; a
+        batch_isend_irecv of some of its ranks first is undefined behaviour in torch). Every rank of the pipeline
+        runs each train_batch / eval_batch, so each reaches this call. The value is unused: no number changes."""
+        if self.__dict__.get("_threed_pipe_open"):
+            return
+        dist.all_reduce(torch.zeros(1, device=self.device), group=self.grid.get_pipe_parallel_group())
+        self._threed_pipe_open = True
 
     def _wait_for_sends(self) -> None:
         flight = self._flight()
@@ -314,11 +336,11 @@ class InterleavedEngine(LeanPipelineEngine):
         for kind, j, chunk, peer in sends:
             tensors = self._outgoing(kind, j * vpp + chunk)
             sent += tensors
-            ops += [dist.P2POp(dist.isend, t, self.grid.stage_to_global(peer)) for t in tensors]
+            ops += [self._p2p(dist.isend, t, peer) for t in tensors]
         for kind, j, chunk, peer in recvs:
             tensors, is_tensor = self._incoming(kind, j * vpp + chunk, chunk)
             posted.append(((kind, j * vpp + chunk), tensors, is_tensor))
-            ops += [dist.P2POp(dist.irecv, t, self.grid.stage_to_global(peer)) for t in tensors]
+            ops += [self._p2p(dist.irecv, t, peer) for t in tensors]
         batch = Batch(ops, tick)
         for key, tensors, is_tensor in posted:
             flight.recvd[key] = (batch, tensors, is_tensor)
@@ -352,12 +374,12 @@ class InterleavedEngine(LeanPipelineEngine):
             if kind == "act" and chunk not in flight.meta_sent:
                 flight.meta_sent.add(chunk)
                 meta = self._meta(self.pipe_buffers["outputs"][j * self.module.vpp + chunk])
-                ops.append(dist.P2POp(dist.isend, meta, self.grid.stage_to_global(peer)))
+                ops.append(self._p2p(dist.isend, meta, peer))
         for kind, j, chunk, peer in recvs:
             if kind == "act" and chunk not in flight.specs:
                 buf = torch.zeros(META_SIZE, dtype=torch.int64, device=self.device)
                 incoming.append((chunk, buf))
-                ops.append(dist.P2POp(dist.irecv, buf, self.grid.stage_to_global(peer)))
+                ops.append(self._p2p(dist.irecv, buf, peer))
         if ops:
             Batch(ops).wait()
         for chunk, buf in incoming:
