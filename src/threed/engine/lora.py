@@ -72,7 +72,7 @@ def check_lora_start(cfg: RunConfig, decision: StartDecision) -> None:
     if (recorded.get("lora") or {}).get("lora_rank") and not cfg.lora.lora_rank:
         raise ConfigError(
             f"{source} is a LoRA run's checkpoint: starting from it without its adapters is not in this build; "
-            f"resume it with its own --lora-* flags, or export the adapters with `threed export --lora`"
+            f"resume it with its own --lora-* flags, run it with `--lora`, or export it with `threed export --merge`"
         )
     if cfg.lora.lora_rank and decision.mode == "resume" and (decision.universal or decision.other_layout):
         raise ConfigError(
