@@ -1,4 +1,4 @@
-"""Fixtures for serving LoRA adapters (tests/cli/test_lora_serve.py, tests/ranks/test_lora_serve.py): a tiny HF
+"""Fixtures for serving LoRA adapters (tests/cli/test_lora_serve.py, tests/ranks/test_lora_serving.py): a tiny HF
 Llama with a tokenizer converted to a threed checkpoint (the base), an HF PEFT adapter on it whose A and B are both
 random (B = 0 would hide a wrong B path), and a threed LoRA run's checkpoint holding those adapters, as a LoRA run
 saves one: the frozen base's layer files with each TP rank's adapter shards beside them, the run's `lora` section

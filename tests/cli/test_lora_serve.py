@@ -2,7 +2,7 @@
 export --merge` gives HF + PEFT's logits (merge_and_unload, and the unmerged adapter); a LoRA checkpoint names its
 base by a fingerprint that is the same at any layout and differs for another base; a resume against another base,
 and `threed generate / eval-harness --lora` with a bad pairing, are refused in one line before any engine. The
-greedy tokens of base + adapter on the engine are tests/ranks/test_lora_serve.py's.
+greedy tokens of base + adapter on the engine are tests/ranks/test_lora_serving.py's.
 
     .venv/bin/python -m pytest -q tests/cli/test_lora_serve.py
 """

@@ -1,4 +1,4 @@
-"""`threed generate / eval-harness --lora` on 4 ranks for tests/ranks/test_lora_serve.py: each case is a command
+"""`threed generate / eval-harness --lora` on 4 ranks for tests/ranks/test_lora_serving.py: each case is a command
 line of one of them, checked by the command's own `prepare` and run by its ranks' function (`run_generate`,
 `run_harness`: the engine built from the base with the adapters put on it at the case's tp / pp); rank 0 writes the
 case's --output.

@@ -4,7 +4,7 @@ own layout (tp2 pp1 dp2: DeepSpeed's load of the layer files, adapters included)
 slices of the base and cuts its shards of the adapters). One 4-rank run per test (lora_serve_worker.py); the
 fixtures are tests/lora_fixtures.py's.
 
-    .venv/bin/python -m pytest -q tests/ranks/test_lora_serve.py
+    .venv/bin/python -m pytest -q tests/ranks/test_lora_serving.py
 """
 
 from __future__ import annotations
