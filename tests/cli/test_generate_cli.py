@@ -19,6 +19,7 @@ import torch
 
 from convert_fixtures import GQA4, save_hf
 from helpers import SRC_ENV, own_world_env
+from lora_fixtures import greedy_rows
 from threed.cli.main import main
 
 CONFIG = dict(GQA4, vocab_size=320)  # room for the 300-piece test tokenizer
@@ -46,20 +47,7 @@ def hf_reference(exported, texts: list[str]) -> list[list[int]]:
 
     tok = AutoTokenizer.from_pretrained(str(exported))
     model = AutoModelForCausalLM.from_pretrained(str(exported), dtype=torch.float32).eval()
-    out = []
-    for text in texts:
-        ids = torch.tensor([tok.encode(text)])
-        with torch.no_grad():
-            seq = model.generate(  # the mask given: HF would infer one from pad_token_id, which these prompts hold
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=MAX_NEW,
-                eos_token_id=tok.eos_token_id,
-                pad_token_id=0,
-            )
-        out.append(seq[0, ids.shape[1] :].tolist())
-    return out
+    return greedy_rows(model, tok, texts, MAX_NEW)
 
 
 # the checkpoint's own layout, and another one (its shards' slices read by each rank: threed.convert.into_stage)

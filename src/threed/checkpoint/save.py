@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from threed.atomic import fsync_dir, fsync_file, write_atomic
 from threed.checkpoint.format import LATEST, RUN_JSON, free_bytes, read_latest
+from threed.checkpoint.lora_base import LORA_BASE, MODULE_ATTR
 from threed.checkpoint.manifest import prune, remove_checkpoint, write_manifest
 from threed.config import RunConfig
 from threed.errors import torch_write_failed, write_failure
@@ -256,6 +257,9 @@ def describe(engine, cfg: RunConfig, client_state: Optional[dict]) -> dict:
         # which layers each stage held: a resume with another --partition-method goes through universal
         "stages": stage_bounds(engine),
         "client_state": _jsonable(client_state or {}),
+        # a LoRA run: the base its adapters belong to (threed.checkpoint.lora_base; set on the module by
+        # threed.engine.lora), so that the adapters are never put on another base
+        **({LORA_BASE: getattr(getattr(engine, "module", None), MODULE_ATTR, None)} if cfg.lora.lora_rank else {}),
     }
 
 

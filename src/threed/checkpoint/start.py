@@ -57,6 +57,7 @@ from threed.checkpoint.format import (
     read_run_json,
 )
 from threed.checkpoint.lock import SaveLock
+from threed.checkpoint.lora_base import base_of, check_base, recorded_base
 from threed.checkpoint.manifest import Found, clear_run, find_resumable, read_manifest, save_dir_contents
 from threed.config import CheckpointConfig, ModelConfig, RunConfig
 from threed.parallel.dims import RunDims
@@ -80,6 +81,7 @@ class StartDecision:
     clear_save: bool = False  # --overwrite: delete the run in --save before starting
     notes: list[str] = field(default_factory=list)  # log lines for rank 0
     finished: Optional[str] = None  # a resume with nothing left to train: the line that says so
+    lora_base: Optional[dict] = None  # a LoRA run: the base its adapters belong to (threed.checkpoint.lora_base)
 
     def describe(self) -> str:
         if self.finished:
@@ -149,7 +151,26 @@ def decide_start(cfg: RunConfig, dims: RunDims) -> StartDecision:
         _plan_weights(cfg, found, decision)
     else:
         _plan_resume(cfg, found, dims, decision)
+    if cfg.lora.lora_rank and not decision.finished:
+        decision.lora_base = _lora_base(cfg, found, decision)
     return decision
+
+
+def _lora_base(cfg: RunConfig, found: Found, decision: StartDecision) -> Optional[dict]:
+    """A LoRA run's base: a start from weights names them (from a LoRA run's checkpoint, the base that one names);
+    a resume keeps the one its checkpoint names and refuses an --init-from that is another base (the checkpoint
+    holds its own frozen base, so the resume would not train on the one given: said, not ignored)."""
+    if decision.mode != "resume":
+        return base_of(found.path, found.tag)
+    recorded = recorded_base(found.manifest)
+    given = cfg.checkpoint.init_from
+    if given and os.path.abspath(given) != os.path.abspath(found.path):
+        fix = (
+            f"resume without --init-from (the checkpoint holds its own base), or train adapters for {given} "
+            f"in a new --save"
+        )
+        check_base(recorded, given, f"{found.path}/{found.tag}", fix)
+    return recorded
 
 
 def _run_in_save(ck: CheckpointConfig, decision: StartDecision) -> Optional[Found]:

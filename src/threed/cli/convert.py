@@ -3,6 +3,7 @@
     threed convert --hf Meta-Llama-3-8B --tp 2 --pp 2 --out ckpt/l3-8b      # HF -> DeepSpeed pipeline ckpt
     threed train --model ckpt/l3-8b --init-from ckpt/l3-8b --tp 2 --pp 2 --data tokens.bin --save run
     threed export --ckpt run --out run-hf                                   # any ckpt -> HF directory
+    threed export --merge --ckpt lora-run --out run-hf                      # LoRA adapters merged into the base
     threed reshard --ckpt ckpt/l3-8b --tp 4 --pp 1 --out ckpt/l3-8b-tp4      # change tp / pp
     threed verify --hf Meta-Llama-3-8B --ckpt ckpt/l3-8b                    # logits parity, exit 1 if off
 
@@ -54,7 +55,7 @@ def _convert(ns: argparse.Namespace) -> int:
 
 
 def _export(ns: argparse.Namespace) -> int:
-    if ns.lora:
+    if ns.lora and not ns.merge:
         from threed.convert.lora import export_lora  # torch (and peft): heavy, only when it runs
 
         export_lora(ns.ckpt, ns.out, force=ns.force)
@@ -71,6 +72,7 @@ def _export(ns: argparse.Namespace) -> int:
         tokenizer=ns.tokenizer,
         force=ns.force,
         show_progress=not ns.quiet,
+        merge=ns.merge,
     )
     return 0
 
@@ -142,6 +144,12 @@ def shard_size(text: str) -> str:
     return text
 
 
+def add_lora_flags(p: argparse.ArgumentParser) -> None:
+    """`threed export`'s two forms of a LoRA run's checkpoint: its adapters alone, or merged into its weights."""
+    p.add_argument("--lora", action="store_true", help="a LoRA run's adapters as an HF PEFT folder (not the weights)")
+    p.add_argument("--merge", action="store_true", help="a LoRA run's weights with its adapters merged in (HF Llama)")
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     def common(p: argparse.ArgumentParser, dtype_help: str) -> None:
         p.add_argument("--force", action="store_true", help="replace --out if it exists")
@@ -172,7 +180,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="HF tokenizer dir, tokenizer.json or sentencepiece .model (default: the run's, or the converted source's)",
     )
-    p.add_argument("--lora", action="store_true", help="a LoRA run's adapters as an HF PEFT folder (not the weights)")
+    add_lora_flags(p)
     common(p, "dtype of the safetensors (default: the checkpoint's)")
     p.set_defaults(run=_guard("export", _export))
 

@@ -3,6 +3,7 @@ pp (no export, no second stack).
 
     threed eval-harness --load CKPT --tasks hellaswag,arc_easy --limit 100 --nproc-per-node 4 --tp 2 --pp 2
     threed eval-harness --load CKPT --tasks my_task --include-path tasks/ --output scores.json
+    threed eval-harness --lora LORA_RUN --tasks arc_easy      # or --load BASE --lora PEFT_DIR: base + adapters
 
 Checked here, in one line, before a rank builds an engine: lm-eval installed (the `threed[eval]` extra), the
 checkpoint, the tokenizer (an HF one: lm-eval's requests are HF tokenizer calls), every task known and its data
@@ -18,7 +19,8 @@ import os
 from pathlib import Path
 from typing import Callable, Optional
 
-from threed.cli.generate import add_layout_arguments, check_world, checkpoint_parser, request_fields, run_command
+from threed.cli.generate import add_layout_arguments, check_world, checkpoint_parser, request_fields, resolve_lora
+from threed.cli.generate import run_command
 from threed.errors import ThreedError, guarded
 
 
@@ -26,13 +28,16 @@ def prepare(ns: argparse.Namespace):
     """The request and its HF tokenizer, or one ThreedError line; no engine is built."""
     # lm-eval (the optional extra), torch, transformers: only when the command runs, not for `threed --help`
     from threed.harness.tasks import default_output, load_tasks, require_lm_eval, split_tasks, task_manager
-    from threed.generate.prompts import check_output, check_tokenizer, hf_tokenizer, pinned_checkpoint, tokenizer_path
+    from threed.generate.prompts import check_adapters, check_output, check_tokenizer, hf_tokenizer, pinned_checkpoint
+    from threed.generate.prompts import tokenizer_path
 
     require_lm_eval()
     names = split_tasks(ns.tasks)
     docs, shots = limit(ns.limit), num_fewshot(ns.num_fewshot)
+    resolve_lora(ns)
     model, tp, pp, tag = pinned_checkpoint(ns.load, ns.tp, ns.pp)
     check_world(ns.nproc_per_node, model, tp, pp)
+    check_adapters(ns.adapters, model, tp, pp)
     output = ns.output or str(default_output(ns.load, tag))
     try:
         check_output(output, "--output" if ns.output else "the results' default place", makes_parent=not ns.output)

@@ -3,6 +3,8 @@
     threed generate --load CKPT --prompt "The capital of France is" --max-new-tokens 16
     threed generate --load CKPT --prompts prompts.jsonl --max-new-tokens 64 --temperature 0.7 --top-p 0.9 --seed 1 \
         --output out.jsonl --nproc-per-node 4 --tp 2 --pp 2
+    threed generate --lora LORA_RUN --prompt "..." --max-new-tokens 16     # base + adapters, at any tp / pp
+    threed generate --load BASE --lora PEFT_DIR --prompt "..." --max-new-tokens 16
 
 Everything the command can refuse (checkpoint, prompts, tokenizer, lengths, sampling flags) is checked here, in one
 line, before a rank builds an engine. `--nproc-per-node N` starts N local ranks of this same command under torchrun
@@ -31,11 +33,12 @@ def prepare(ns: argparse.Namespace) -> "tuple[GenerateRequest, Tokenizer]":
     """The request and its tokenizer, or one ThreedError line; nothing heavy is built."""
     # the checks and the tokenizer (transformers) load only when the command runs, not for `threed --help`
     from threed.generate.prompts import GenerateRequest, Tokenizer, check_lengths, check_output, check_tokenizer
-    from threed.generate.prompts import pinned_checkpoint, read_prompts, sampling_of, tokenizer_path
+    from threed.generate.prompts import check_adapters, pinned_checkpoint, read_prompts, sampling_of, tokenizer_path
 
     sampling = sampling_of(ns.greedy, ns.temperature, ns.top_p, ns.seed)
     texts = read_prompts(ns.prompt, ns.prompts)
     check_output(ns.output, "--output")
+    resolve_lora(ns)
     model, tp, pp, tag = pinned_checkpoint(ns.load, ns.tp, ns.pp)
     tok_path = tokenizer_path(ns.load, ns.tokenizer, "an HF directory or .model file")
     if not os.path.exists(tok_path):
@@ -45,6 +48,7 @@ def prepare(ns: argparse.Namespace) -> "tuple[GenerateRequest, Tokenizer]":
     ids = [tokenizer.encode(t) for t in texts]
     check_lengths(ids, ns.max_new_tokens, model)
     check_world(ns.nproc_per_node, model, tp, pp)
+    check_adapters(ns.adapters, model, tp, pp)
     request = GenerateRequest(
         **request_fields(ns, model, tp, pp, tag),
         texts=texts,
@@ -56,10 +60,19 @@ def prepare(ns: argparse.Namespace) -> "tuple[GenerateRequest, Tokenizer]":
     return request, tokenizer
 
 
+def resolve_lora(ns: argparse.Namespace) -> None:
+    """--load and --lora (threed.generate.prompts.lora_request): `ns.load` becomes the checkpoint whose base the
+    engine loads (a LoRA run's checkpoint holds its own), `ns.adapters` the adapters put on it (None without
+    --lora); every later check reads the base there."""
+    from threed.generate.prompts import lora_request  # its tokenizer needs transformers: only when the command runs
+
+    ns.load, ns.adapters = lora_request(ns.load, ns.lora)
+
+
 def request_fields(ns: argparse.Namespace, model: ModelConfig, tp: int, pp: int, tag: str) -> dict[str, Any]:
     """What every request to the ranks carries (GenerateRequest, threed.harness.run.HarnessRequest): the
-    checkpoint, its tag pinned at the start, its model, the layout it runs at, where the output goes, the batch size
-    and the compute dtype."""
+    checkpoint, its tag pinned at the start, its model, the layout it runs at, where the output goes, the batch size,
+    the compute dtype and --lora's adapters."""
     return {
         "load": ns.load,
         "tag": tag,
@@ -69,6 +82,7 @@ def request_fields(ns: argparse.Namespace, model: ModelConfig, tp: int, pp: int,
         "output": ns.output,
         "batch_size": ns.batch_size,
         "dtype": ns.dtype,
+        "lora": ns.adapters,
     }
 
 
@@ -118,7 +132,13 @@ def checkpoint_parser(
     """The parser of a command that runs a checkpoint on the engine (generate, eval-harness), with the flags they
     share first: --load, and --tokenizer with the `tokenizer` kinds the command reads."""
     p = sub.add_parser(name, help=about, allow_abbrev=False)
-    p.add_argument("--load", required=True, help="checkpoint directory (threed train --save, or threed convert)")
+    p.add_argument("--load", default=None, help="checkpoint directory (threed train --save, or threed convert)")
+    p.add_argument(
+        "--lora",
+        default=None,
+        metavar="DIR",
+        help="LoRA adapters: a LoRA run's checkpoint, or a PEFT folder (+ --load)",
+    )
     p.add_argument("--tokenizer", default=None, help=f"{tokenizer} (default: the ckpt's)")
     p.add_argument(
         "--allow-other-tokenizer", action="store_true", help="a --tokenizer that is not the checkpoint's is intended"

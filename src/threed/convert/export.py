@@ -27,13 +27,14 @@ import torch
 
 from threed.checkpoint.format import HF_EXTRA_DIR, Checkpoint, open_checkpoint, read_run_json
 from threed.convert.ds_checkpoint import shard_reader
-from threed.convert.lora import refuse_adapters
+from threed.convert.lora import merge_deltas, refuse_adapters
 from threed.convert.io_utils import ConvertError, atomic_output_dir, check_free_space, progress, refuse_existing
 from threed.convert.slices import Piece
 from threed.hf.config import write_config
 from threed.hf.format import TOKENIZER_FILES
 from threed.hf.names import hf_names, hf_shapes
 from threed.hf.write import Planned, ShardedSafetensorsWriter, copy_files, plan_shards, write_sentencepiece_tokenizer
+from threed.model.spec import PipelineLayer
 from threed.units import human_bytes
 
 
@@ -126,6 +127,30 @@ def _has_protobuf() -> bool:
         return False
 
 
+def _write_layer(
+    ck: Checkpoint, layer: PipelineLayer, writer: ShardedSafetensorsWriter, buffers: dict, deltas: dict
+) -> None:
+    """One layer's HF tensors into the writer, each read from the TP shards' slices; a tensor in `deltas` (--merge)
+    is written with its delta added (in fp32, then the tensor's dtype)."""
+    reader = shard_reader(ck, layer)
+    for name, shape in hf_shapes(ck.model, layer).items():
+        dim = reader.split_dim(name)
+        if name in deltas:
+            whole = torch.empty(shape, dtype=reader.dtype(name))
+            reader.read_into(Piece(name, dim, 0, shape[dim]), whole)
+            writer.write(name, (whole.float() + deltas[name]).to(whole.dtype))
+        elif dim == 0:  # rows: each shard's slice goes straight to the file
+            for part, _ in reader.parts(name, 0, 0, shape[0]):
+                writer.write_part(name, part)
+        else:  # columns (o_proj, down_proj): interleave the shards' blocks in one buffer
+            key = (shape, reader.dtype(name))
+            if key not in buffers:
+                buffers[key] = torch.empty(shape, dtype=key[1])
+            reader.read_into(Piece(name, 1, 0, shape[1]), buffers[key])
+            writer.write(name, buffers[key])
+    del reader  # unmaps this layer's files
+
+
 def export(
     ckpt: str | os.PathLike,
     out: str | os.PathLike,
@@ -134,11 +159,15 @@ def export(
     tokenizer: Optional[str] = None,
     force: bool = False,
     show_progress: bool = True,
+    merge: bool = False,
 ) -> dict[str, Any]:
+    """`threed export`; `merge` (--merge): a LoRA run's checkpoint, its adapters merged into the weights."""
     t0 = time.time()
     refuse_existing(out, force)
     ck = open_checkpoint(ckpt)
-    refuse_adapters(ck, "export")  # a LoRA run's: its adapters would be dropped
+    deltas = merge_deltas(ck) if merge else None  # --merge: a LoRA run's adapters merged into its base
+    if deltas is None:
+        refuse_adapters(ck, "export")  # a LoRA run's: its adapters would be dropped
     planned = _plan(ck, dtype)
     total = sum(t.nbytes for t in planned)
     check_free_space(out, total)
@@ -148,18 +177,7 @@ def export(
         layers = ck.layers
         with progress(sum(ck.nbytes(ly.index) for ly in layers), "export", show_progress) as bar:
             for layer in layers:
-                reader = shard_reader(ck, layer)
-                for name, shape in hf_shapes(ck.model, layer).items():
-                    if reader.split_dim(name) == 0:  # rows: each shard's slice goes straight to the file
-                        for part, _ in reader.parts(name, 0, 0, shape[0]):
-                            writer.write_part(name, part)
-                    else:  # columns (o_proj, down_proj): interleave the shards' blocks in one buffer
-                        key = (shape, reader.dtype(name))
-                        if key not in buffers:
-                            buffers[key] = torch.empty(shape, dtype=key[1])
-                        reader.read_into(Piece(name, 1, 0, shape[1]), buffers[key])
-                        writer.write(name, buffers[key])
-                del reader  # unmaps this layer's files
+                _write_layer(ck, layer, writer, buffers, deltas(layer) if deltas else {})
                 bar.update(ck.nbytes(layer.index))
         writer.close()
         out_dtype = planned[0].dtype if len({t.dtype for t in planned}) == 1 else torch.float32

@@ -14,7 +14,9 @@ drift from it:
     target_slices(cfg, layer, lora, tp, rank)   what one rank holds of one block (names, shapes, PEFT slices)
     read_peft(folder) / write_peft(...)          the HF PEFT folder (adapter_config.json, adapter_model.safetensors)
     gather_adapters(...)                         TP shards -> PEFT tensors
+    read_adapters(source, ...)                   the adapters of an HF PEFT folder or of a threed LoRA checkpoint
     export_lora(ckpt, out)                       `threed export --lora`: a LoRA run's checkpoint -> HF PEFT folder
+    merge_deltas(ck)                             `threed export --merge`: alpha/r * B A per HF base weight
 
 PEFT itself (a heavy optional dependency, the `peft` extra) is imported only where its config class is wanted, in
 `write_peft`; reading a folder needs only json and safetensors.
@@ -27,12 +29,12 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from threed.checkpoint.format import RUN_JSON, Checkpoint, open_checkpoint
+from threed.checkpoint.format import LATEST, RUN_JSON, Checkpoint, check_model, open_checkpoint
 from threed.config import LORA_TARGETS, ConfigError, LoraConfig, ModelConfig
 from threed.convert.io_utils import ConvertError, atomic_output_dir, refuse_existing
 from threed.convert.slices import DictReader, Piece, ShardSpec, materialize, rank_slices
@@ -164,13 +166,30 @@ def gather_adapters(
     return out
 
 
-def read_peft(folder: str | Path, model: ModelConfig, lora: LoraConfig) -> dict[str, torch.Tensor]:
+def refuse_unsupported(config: dict, folder: Path, flag: str) -> None:
+    """PEFT options threed's adapters do not implement, refused in one line: run as plain LoRA they would give other
+    outputs without a word (rsLoRA scales by alpha/sqrt(r), DoRA rescales the weight, per-module ranks or alphas,
+    modules saved whole, trained biases)."""
+    options = ("use_rslora", "use_dora", "rank_pattern", "alpha_pattern", "modules_to_save", "lora_bias")
+    unsupported = [k for k in options if config.get(k)]
+    unsupported += [f"bias={config['bias']}"] if config.get("bias", "none") != "none" else []
+    if unsupported:
+        raise ConfigError(
+            f"{flag} {folder}: {', '.join(unsupported)} in its {CONFIG_FILE} is not supported by threed's LoRA "
+            f"(plain LoRA: y = W x + alpha/r B A x); merge it with PEFT and convert the merged model instead"
+        )
+
+
+def read_peft(
+    folder: str | Path, model: ModelConfig, lora: LoraConfig, flag: str = "--lora-init-from"
+) -> dict[str, torch.Tensor]:
     """An HF PEFT LoRA folder's tensors, checked against the run: rank, alpha and targets as --lora-* say, every
-    tensor present with the shape this base needs (one ConfigError line otherwise)."""
+    tensor present with the shape this base needs (one ConfigError line otherwise, naming the folder as `flag`)."""
     folder = Path(folder)
     if not (folder / CONFIG_FILE).is_file() or not (folder / WEIGHTS_FILE).is_file():
-        raise ConfigError(f"--lora-init-from {folder}: needs {CONFIG_FILE} and {WEIGHTS_FILE} (an HF PEFT LoRA folder)")
+        raise ConfigError(f"{flag} {folder}: needs {CONFIG_FILE} and {WEIGHTS_FILE} (an HF PEFT LoRA folder)")
     config = json.loads((folder / CONFIG_FILE).read_text())
+    refuse_unsupported(config, folder, flag)
     theirs = sorted(t for t, m in PEFT_MODULES.items() if m in (config.get("target_modules") or []))
     checks = (
         ("peft_type", config.get("peft_type"), "LORA"),
@@ -180,14 +199,14 @@ def read_peft(folder: str | Path, model: ModelConfig, lora: LoraConfig) -> dict[
     )
     for what, got, want in checks:
         if got != want:
-            raise ConfigError(f"--lora-init-from {folder}: its {what} is {got}, this run's is {want}; make them agree")
+            raise ConfigError(f"{flag} {folder}: its {what} is {got}, this run's is {want}; make them agree")
     tensors = load_file(str(folder / WEIGHTS_FILE))
     for layer in (ly for ly in pipeline_layers(model) if ly.kind == "block"):
         for name, shape in full_shapes(model, layer, lora).items():
             got = tuple(tensors[name].shape) if name in tensors else None
             if got != shape:
                 raise ConfigError(
-                    f"--lora-init-from {folder}: {name} is {got or 'missing'}, this base needs {shape}: the adapter "
+                    f"{flag} {folder}: {name} is {got or 'missing'}, this base needs {shape}: the adapter "
                     f"was made for another base model"
                 )
     return {k: v.float() for k, v in tensors.items()}
@@ -220,8 +239,86 @@ def refuse_adapters(ck: Checkpoint, command: str) -> None:
     if (ck.run.get("lora") or {}).get("lora_rank"):
         raise ConvertError(
             f"{ck.path} is a LoRA run's checkpoint: `threed {command}` reads only the base weights and would drop its "
-            f"adapters; export them with `threed export --lora` (merged weights are not in this build)"
+            f"adapters; export them with `threed export --lora`, or merged into the weights with `--merge`"
         )
+
+
+def checkpoint_lora(ck: Checkpoint, flag: str) -> LoraConfig:
+    """The LoRA settings of the run that wrote `ck` (its threed_run.json), or one line: it trained no adapters."""
+    section = dict(ck.run.get("lora") or {})
+    if not section.get("lora_rank"):
+        raise ConvertError(
+            f"{ck.path}: its run trained no LoRA adapters (no lora_rank in its {RUN_JSON}); {flag} needs a LoRA "
+            f"run's checkpoint"
+        )
+    return LoraConfig(**{**section, "lora_targets": tuple(section["lora_targets"])})
+
+
+def checkpoint_adapters(ck: Checkpoint, lora: LoraConfig) -> dict[str, torch.Tensor]:
+    """Every block's adapters of a LoRA run's checkpoint, as PEFT tensors."""
+    tensors: dict[str, torch.Tensor] = {}
+    for layer in (ly for ly in ck.layers if ly.kind == "block"):
+        tensors.update(gather_adapters(ck.model, layer, lora, ck.load_layer(layer)))
+    return tensors
+
+
+def peft_settings(folder: str | Path) -> LoraConfig:
+    """The LoRA settings an HF PEFT folder's adapter_config.json holds (rank, alpha, targets), for running it as it
+    is (`threed generate / eval-harness --lora`); one line for a folder threed cannot run."""
+    folder = Path(folder)
+    config = json.loads((folder / CONFIG_FILE).read_text())
+    modules = config.get("target_modules") or []
+    modules = [modules] if isinstance(modules, str) else list(modules)
+    unknown = sorted(set(modules) - set(PEFT_MODULES.values()))
+    if config.get("peft_type") != "LORA" or not config.get("r"):
+        raise ConfigError(f"--lora {folder}: not a LoRA adapter (peft_type {config.get('peft_type')})")
+    if unknown or not modules:
+        raise ConfigError(
+            f"--lora {folder}: target modules {' '.join(unknown) or '(none)'}; threed runs LoRA adapters on "
+            f"{' '.join(PEFT_MODULES.values())}"
+        )
+    refuse_unsupported(config, folder, "--lora")
+    targets = tuple(t for t, m in PEFT_MODULES.items() if m in modules)
+    return LoraConfig(lora_rank=int(config["r"]), lora_alpha=float(config.get("lora_alpha", 8)), lora_targets=targets)
+
+
+def read_adapters(
+    source: str | Path, model: ModelConfig, lora: LoraConfig, flag: str = "--lora-init-from"
+) -> dict[str, torch.Tensor]:
+    """The unsharded adapters to start from: an HF PEFT folder's (`read_peft`), or a threed LoRA run's checkpoint's
+    (`threed generate / eval-harness --lora CKPT`), checked against the model and the LoRA settings."""
+    if not (Path(source) / LATEST).is_file():
+        return read_peft(source, model, lora, flag)
+    ck = open_checkpoint(source)
+    check_model(source, ck.model, model)
+    theirs = checkpoint_lora(ck, "--lora")
+    settings = (lora.lora_rank, lora.lora_alpha, sorted(lora.lora_targets))
+    if (theirs.lora_rank, theirs.lora_alpha, sorted(theirs.lora_targets)) != settings:
+        raise ConfigError(
+            f"{source}: its adapters are rank {theirs.lora_rank}, alpha {theirs.lora_alpha} on "
+            f"{' '.join(theirs.lora_targets)}; this run's are {settings}: make them agree"
+        )
+    return checkpoint_adapters(ck, theirs)
+
+
+def merge_deltas(ck: Checkpoint) -> Callable[[PipelineLayer], dict[str, torch.Tensor]]:
+    """`threed export --merge`: for one layer, what each adapted HF base weight gains when its adapter is merged
+    in, alpha/r * B @ A in fp32 (PEFT's merge_and_unload). q/k/v and gate/up are separate HF tensors, so each gets
+    its own adapter's product; the export reads the fused base through the converter's slices as always."""
+    lora = checkpoint_lora(ck, "--merge")
+    scale = lora.lora_alpha / lora.lora_rank
+
+    def deltas(layer: PipelineLayer) -> dict[str, torch.Tensor]:
+        if layer.kind != "block":
+            return {}
+        adapters = gather_adapters(ck.model, layer, lora, ck.load_layer(layer))
+        out = {}
+        for target in (t for t in LORA_TARGETS if t in lora.lora_targets):
+            _, hf = _base_of(layer, target)
+            out[hf] = (adapters[peft_name(hf, "lora_B")] @ adapters[peft_name(hf, "lora_A")]) * scale
+        return out
+
+    return deltas
 
 
 def export_lora(ckpt: str | os.PathLike, out: str | os.PathLike, force: bool = False) -> dict[str, Any]:
@@ -229,15 +326,8 @@ def export_lora(ckpt: str | os.PathLike, out: str | os.PathLike, force: bool = F
     written: it is the base the run started from, which its threed_run.json names)."""
     refuse_existing(out, force)
     ck = open_checkpoint(ckpt)
-    section = dict(ck.run.get("lora") or {})
-    if not section.get("lora_rank"):
-        raise ConvertError(
-            f"{ckpt}: its run trained no LoRA adapters (no lora_rank in its {RUN_JSON}); export it without --lora"
-        )
-    lora = LoraConfig(**{**section, "lora_targets": tuple(section["lora_targets"])})
-    tensors: dict[str, torch.Tensor] = {}
-    for layer in (ly for ly in ck.layers if ly.kind == "block"):
-        tensors.update(gather_adapters(ck.model, layer, lora, ck.load_layer(layer)))
+    lora = checkpoint_lora(ck, "--lora")
+    tensors = checkpoint_adapters(ck, lora)
     base = (ck.run.get("checkpoint") or {}).get("init_from")
     with atomic_output_dir(out, force) as tmp:
         write_peft(tmp, tensors, lora, base=base)

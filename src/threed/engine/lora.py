@@ -3,8 +3,9 @@ engine and optimizer are made, so that ZeRO-1 holds only the adapters (no fp32 m
 a base weight: threed.engine.optimizer hands DeepSpeed the trainable parameters only).
 
 The adapters start from PEFT's default init (B = 0: the base's outputs), or from an HF PEFT folder
-(`--lora-init-from`); either way each rank cuts its shards out of the unsharded tensors
-(threed.convert.lora), so any layout starts from the same adapter.
+(`--lora-init-from`; for `threed generate / eval-harness --lora` also a threed LoRA run's checkpoint); either way
+each rank cuts its shards out of the unsharded tensors (threed.convert.lora), so any layout starts from the same
+adapter. Each save's manifest names the base the adapters belong to (threed.checkpoint.lora_base).
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from pathlib import Path
 import torch
 
 from threed.checkpoint.format import read_run_json
+from threed.checkpoint.lora_base import MODULE_ATTR
 from threed.checkpoint.start import StartDecision
 from threed.config import ConfigError, RunConfig
-from threed.convert.lora import fresh_adapters, read_peft, shard, target_slices
+from threed.convert.lora import fresh_adapters, read_adapters, shard, target_slices
 from threed.model.layers import EmbeddingPipe
 from threed.model.lora import LoraAdapter, TargetShape, attach, freeze_base, input_requires_grad
 from threed.parallel.pipeline import local_modules
@@ -29,10 +31,12 @@ def attach_lora(module: torch.nn.Module, cfg: RunConfig, decision: StartDecision
     check_lora_start(cfg, decision)
     if not lora.lora_rank:
         return 0
+    setattr(module, MODULE_ATTR, decision.lora_base)  # what each save's manifest names as the adapters' base
     tp, tp_rank = cfg.parallel.tp, module._grid.get_slice_parallel_rank()
-    # A resume loads the adapters from its checkpoint: the PEFT folder it started from is not read again.
+    # A resume loads the adapters from its checkpoint: the PEFT folder it started from is not read again. A threed
+    # LoRA run's checkpoint is read as well as a PEFT folder (`threed generate / eval-harness --lora`).
     imported = lora.lora_init_from and decision.mode != "resume"
-    peft = read_peft(lora.lora_init_from, cfg.model, lora) if imported else None
+    peft = read_adapters(lora.lora_init_from, cfg.model, lora) if imported else None
     for layer, fn in local_modules(module, cfg.model):
         if isinstance(fn, EmbeddingPipe):
             fn.register_forward_hook(input_requires_grad)
@@ -68,7 +72,7 @@ def check_lora_start(cfg: RunConfig, decision: StartDecision) -> None:
     if (recorded.get("lora") or {}).get("lora_rank") and not cfg.lora.lora_rank:
         raise ConfigError(
             f"{source} is a LoRA run's checkpoint: starting from it without its adapters is not in this build; "
-            f"resume it with its own --lora-* flags, or export the adapters with `threed export --lora`"
+            f"resume it with its own --lora-* flags, run it with `--lora`, or export it with `threed export --merge`"
         )
     if cfg.lora.lora_rank and decision.mode == "resume" and (decision.universal or decision.other_layout):
         raise ConfigError(

@@ -1,13 +1,15 @@
 """What `threed generate` is asked, checked before any rank builds an engine: the checkpoint and its model, the
 prompts (`--prompt TEXT` or a JSONL file of `{"prompt": ...}` lines), the tokenizer (`--tokenizer`, else the one the
-checkpoint holds), the lengths against the model's context, and the sampling settings. Each problem is one line
-(`ThreedError`). No torch here: the refusals cost no engine.
+checkpoint holds), the lengths against the model's context, the sampling settings, and `--lora`'s adapters
+(`lora_request`, `check_adapters`). Each problem is one line (`ThreedError`). No torch here but in the adapters'
+checks, which read tensors (imported there): the refusals cost no engine.
 
     threed generate --load CKPT --prompts prompts.jsonl --max-new-tokens 32 --output out.jsonl
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -16,12 +18,15 @@ from pathlib import Path
 from typing import Any, Optional
 
 from threed.atomic import temp_name, unwritable, write_atomic
-from threed.checkpoint.format import has_checkpoint, open_checkpoint, read_run_json
-from threed.config import ModelConfig
+from threed.checkpoint.format import has_checkpoint, open_checkpoint, read_latest, read_run_json
+from threed.checkpoint.lora_base import check_base, is_lora_checkpoint, recorded_base
+from threed.checkpoint.manifest import read_manifest
+from threed.config import LoraConfig, ModelConfig, ParallelConfig, TrainConfig
 from threed.errors import ThreedError
 
 HF_SIDE_DIR = "hf"  # where `threed convert` keeps the HF source's tokenizer files (threed.checkpoint.format)
 ALLOW_OTHER_TOKENIZER = "--allow-other-tokenizer"  # the flag that says a tokenizer not the checkpoint's is intended
+PEFT_CONFIG = "adapter_config.json"  # what makes a folder an HF PEFT adapter (threed.convert.lora.CONFIG_FILE)
 
 
 @dataclass(frozen=True)
@@ -169,6 +174,7 @@ class GenerateRequest:
     no_kv_cache: bool = False
     dtype: str = "fp32"
     tag: Optional[str] = None  # the checkpoint's tag, pinned when the command started (`pinned_checkpoint`)
+    lora: Optional[LoraConfig] = None  # --lora: the adapters put on the base (`lora_request`)
 
 
 def check_checkpoint(load: str, tp: Optional[int], pp: Optional[int]) -> tuple[ModelConfig, int, int]:
@@ -185,6 +191,56 @@ def pinned_checkpoint(load: str, tp: Optional[int], pp: Optional[int]) -> tuple[
         raise ThreedError(f"--load {load}: holds no checkpoint (no `latest` file); give a checkpoint directory")
     ck = open_checkpoint(load)
     return ck.model, tp or ck.tp, pp or ck.pp, ck.tag
+
+
+def lora_request(load: Optional[str], lora: Optional[str]) -> tuple[str, Optional[LoraConfig]]:
+    """--load and --lora: the checkpoint whose base weights the engine loads, and the adapters put on it at any
+    tp / pp (a LoraConfig whose lora_init_from is the --lora directory: threed.engine.lora reads an HF PEFT folder or
+    a threed LoRA run's checkpoint), or one line. A LoRA checkpoint holds its frozen base: --load may be left out,
+    and a --load given must be the base its adapters name (threed.checkpoint.lora_base)."""
+    if lora is None:
+        if load is None:
+            raise ThreedError("give --load CKPT (or --lora DIR: a LoRA run's checkpoint, or a PEFT folder with --load)")
+        if is_lora_checkpoint(load):
+            raise ThreedError(
+                f"--load {load} is a LoRA run's checkpoint: pass --lora {load} to run it with its adapters"
+            )
+        return load, None
+    folder = Path(lora)
+    if has_checkpoint(lora):
+        if not is_lora_checkpoint(lora):
+            raise ThreedError(f"--lora {lora} is the checkpoint of a run without LoRA adapters; pass it as --load")
+        run = read_run_json(folder) or {}
+        settings = {**run["lora"], "lora_targets": tuple(run["lora"]["lora_targets"]), "lora_dropout": 0.0}
+        if load is not None and os.path.realpath(load) != os.path.realpath(lora):
+            fix = "leave --load out (the checkpoint holds its base), or give the base it names"
+            tag_dir = folder / (read_latest(folder) or "")
+            check_base(recorded_base(read_manifest(tag_dir)), load, lora, fix)
+        return load or lora, LoraConfig(**{**settings, "lora_init_from": lora})
+    if (folder / PEFT_CONFIG).is_file():
+        if load is None:
+            raise ThreedError(f"--lora {lora} is an HF PEFT folder: give the base it was trained on with --load BASE")
+        from threed.convert.lora import peft_settings  # torch, safetensors (threed.convert): only with --lora
+
+        return load, dataclasses.replace(peft_settings(folder), lora_init_from=lora)
+    raise ThreedError(
+        f"--lora {lora}: neither a threed LoRA run's checkpoint (no `latest` file) nor an HF PEFT folder (no "
+        f"{PEFT_CONFIG}); give one of those"
+    )
+
+
+def check_adapters(lora: Optional[LoraConfig], model: ModelConfig, tp: int, pp: int) -> None:
+    """The adapters against the base model (every tensor's shape) and the layout (a rank tp divides), before any
+    engine is built."""
+    if lora is None:
+        return
+    from threed.convert.lora import read_adapters  # torch, safetensors: only with --lora
+
+    try:
+        lora.validate(ParallelConfig(tp=tp, pp=pp), TrainConfig())
+    except ThreedError as e:
+        raise ThreedError(f"--lora {lora.lora_init_from}: {e}") from None
+    read_adapters(lora.lora_init_from, model, lora, flag="--lora")
 
 
 def check_lengths(prompt_ids: list[list[int]], max_new_tokens: int, model: ModelConfig) -> None:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from threed.checkpoint.start import start
-from threed.config import CheckpointConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
+from threed.config import CheckpointConfig, LoraConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from threed.errors import ThreedError
 from threed.parallel.distributed import Runtime  # before megatron-core (decode's): the device policy's setup
 from threed.generate.decode import generate_all
@@ -26,20 +26,25 @@ from threed.engine.build import build_engine
 from threed.engine.resolved import resolve
 
 
-def engine_config(load: str, model: ModelConfig, tp: int, pp: int, dtype: str = "fp32") -> RunConfig:
-    """The RunConfig whose engine holds the checkpoint's weights at tp x pp (no data, no optimizer steps)."""
+def engine_config(
+    load: str, model: ModelConfig, tp: int, pp: int, dtype: str = "fp32", lora: Optional[LoraConfig] = None
+) -> RunConfig:
+    """The RunConfig whose engine holds the checkpoint's weights at tp x pp (no data, no optimizer steps), with
+    `lora`'s adapters on them (--lora: read from its lora_init_from at this layout, threed.engine.lora)."""
     return RunConfig(
         model=model,
         parallel=ParallelConfig(tp=tp, pp=pp),
         train=TrainConfig(dtype=dtype, seq_length=min(64, model.max_position_embeddings), micro_batch_size=1, steps=1),
         checkpoint=CheckpointConfig(init_from=load),
+        lora=lora or LoraConfig(),
     )
 
 
 def pinned_engine(request: Any, rt: Runtime) -> Any:
     """The engine holding the weights of `request.tag`, the tag the command read when it started: a training run
     that saves meanwhile moves `latest`, not what this command loads (every rank loads that one tag)."""
-    run = resolve(engine_config(request.load, request.model, request.tp, request.pp, request.dtype), rt.world_size)
+    cfg = engine_config(request.load, request.model, request.tp, request.pp, request.dtype, request.lora)
+    run = resolve(cfg, rt.world_size)
     decision = start(run.cfg, run.dims, rt.rank)
     if request.tag:
         decision.tag = request.tag

@@ -18,7 +18,7 @@ from lm_eval import evaluator
 from lm_eval.utils import handle_non_serializable
 
 from threed.checkpoint.format import read_latest, step_of
-from threed.config import ModelConfig
+from threed.config import LoraConfig, ModelConfig
 from threed.generate.prompts import keep_output
 from threed.generate.run import end_on_rank0, pinned_engine
 from threed.harness.lm import ThreedLM
@@ -42,6 +42,7 @@ class HarnessRequest:
     log_samples: bool = False
     dtype: str = "fp32"
     tag: Optional[str] = None  # the checkpoint's tag, pinned when the command started
+    lora: Optional[LoraConfig] = None  # --lora: the adapters put on the base (threed.generate.prompts.lora_request)
 
 
 def evaluate(lm: ThreedLM, request: HarnessRequest, manager: Any) -> dict:
@@ -70,9 +71,12 @@ def scores_line(results: dict) -> str:
 
 
 def scored(request: HarnessRequest) -> dict:
-    """What the scores are of, kept in the results: the checkpoint's path, its tag and step (pinned at the start)."""
+    """What the scores are of, kept in the results: the checkpoint's path, its tag and step (pinned at the start),
+    and --lora's adapters."""
     tag = request.tag or read_latest(request.load)
-    return {"checkpoint": str(Path(request.load).resolve()), "tag": tag, "step": step_of(tag) if tag else None}
+    what = {"checkpoint": str(Path(request.load).resolve()), "tag": tag, "step": step_of(tag) if tag else None}
+    lora = request.lora.lora_init_from if request.lora else None
+    return {**what, "lora": str(Path(lora).resolve())} if lora else what
 
 
 def run_harness(request: HarnessRequest, tokenizer: Any, rt: Runtime) -> int:
