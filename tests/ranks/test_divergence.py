@@ -15,7 +15,7 @@ import json
 import pytest
 import torch
 
-from test_checkpoint_faults import RUN, worker
+from test_checkpoint_faults import RUN, WORKER, worker
 from threed.train import guard
 from threed.checkpoint import save as ckpt
 from threed.config import CheckpointConfig, RunConfig, RunControlConfig
@@ -431,30 +431,31 @@ def test_finite_blow_up_at_pp2_after_saves_names_the_last_sane_checkpoint(tmp_pa
     assert checked > 100_000  # the model's weights (~180k), not a stray tensor
 
 
-def grad_norm_run(tmp_path, zero: int, clip: str) -> list[dict]:
-    """A 3-step pp2 fp32 run; its per-step {"step", "loss", "norm"}. It must finish without a guard line."""
+def grad_norm_run(rank_pool, tmp_path, zero: int, clip: str) -> list[dict]:
+    """A 3-step pp2 fp32 run on the session's 2-rank launch (it raises unless every rank ends well); its per-step
+    {"step", "loss", "norm"}. It must finish without a guard line."""
     out = tmp_path / f"z{zero}c{clip}"
-    p = worker(2, out, "--pp", "2", "--steps", "3", "--zero-stage", str(zero), "--grad-clip", clip)
-    assert p.returncode == 0, p.stdout[-3000:]
+    args = ["--out", str(out), "--pp", "2", "--steps", "3", "--zero-stage", str(zero), "--grad-clip", clip]
+    p = rank_pool.run(2, WORKER, args, timeout=240)
     assert "threed: error" not in p.stdout and "reports no gradient norm" not in p.stdout, p.stdout[-3000:]
     return [json.loads(line) for line in (out / "losses.jsonl").read_text().splitlines()]
 
 
-def test_fp32_zero0_without_clipping_reports_the_model_global_grad_norm(tmp_path):
+def test_fp32_zero0_without_clipping_reports_the_model_global_grad_norm(rank_pool, tmp_path):
     """Issue 29: fp32 without ZeRO reported no gradient norm and the guard read it as NaN (exit 3 at step 1). The
     guard's own norm must equal the one ZeRO 1 reports (before clipping, over both pipeline stages) at step 1,
     where both start from the same weights, and the run must finish."""
-    zero1, zero0 = grad_norm_run(tmp_path, 1, "1.0"), grad_norm_run(tmp_path, 0, "0")
+    zero1, zero0 = grad_norm_run(rank_pool, tmp_path, 1, "1.0"), grad_norm_run(rank_pool, tmp_path, 0, "0")
     assert len(zero0) == 3 and all(r["norm"] > 0.1 for r in zero0), zero0
     assert zero0[0]["loss"] == zero1[0]["loss"]
     assert zero0[0]["norm"] == pytest.approx(zero1[0]["norm"], rel=1e-4)
 
 
 @pytest.mark.slow
-def test_fp32_zero0_with_clipping_reports_the_same_norms_as_zero1(tmp_path):
+def test_fp32_zero0_with_clipping_reports_the_same_norms_as_zero1(rank_pool, tmp_path):
     """DeepSpeed's fp32 clipping without ZeRO computes the norm and drops it: every step's norm and loss must match
     ZeRO 1's (the same clipped updates)."""
-    zero1, zero0 = grad_norm_run(tmp_path, 1, "1.0"), grad_norm_run(tmp_path, 0, "1.0")
+    zero1, zero0 = grad_norm_run(rank_pool, tmp_path, 1, "1.0"), grad_norm_run(rank_pool, tmp_path, 0, "1.0")
     for a, b in zip(zero1, zero0, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["norm"] == pytest.approx(a["norm"], rel=1e-4)
 
