@@ -1,8 +1,8 @@
 #!/bin/bash
 # Llama 3.1 70B (recipes/llama31_70b.sh) at TP=8 x PP=4 on 4 nodes x 8 GPUs (80 GB): one model replica per
 # 32 GPUs, so DP = nodes / 4 (--nodes=8: DP=2, GAS halves, the global batch stays 512).
-# Sequence parallel without recompute (`threed plan`'s choice: ~66 GB/GPU, 199 s/step predicted against
-# 261 s recomputing every block; the recipe's header has the commands).
+# Sequence parallel without recompute (`threed plan`'s choice at this layout: ~66 GB/GPU, 146 s/step predicted
+# against 191 s recomputing every block; the recipe's header has the command).
 #
 #   sbatch slurm/llama70b_tp8_pp4.sh [extra threed train flags]
 #   sbatch --nodes=8 slurm/llama70b_tp8_pp4.sh
