@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 
+import pytest
 
-from helpers import tiny_train
+from helpers import tiny_train, tiny_train_argv
 
 
 def test_divergence_exits_3_and_keeps_the_last_good_checkpoint(tiny_corpus, tmp_path):
@@ -71,3 +73,27 @@ def test_async_save_logs_blocked_and_published_times_and_resumes(tiny_corpus, tm
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     assert f"resumed from {save} at step 4" in p.stdout
     assert (save / "latest").read_text() == "global_step5"
+
+
+def test_a_resume_trains_at_the_lr_its_command_names(tiny_corpus, tmp_path, capsys, own_process_group):
+    """The divergence guard says "resume with a lower --lr": the resumed steps must use it (DeepSpeed's load restores
+    the checkpoint's learning rate; threed.engine.optimizer.apply_schedule puts the command's back). Two resumes of
+    one checkpoint at --lr 1e-3 and 1e-4 (min-lr a tenth of each: the same schedule factor) log lrs ten times apart
+    and train to different weights; the run that wrote the checkpoint used neither (3e-3)."""
+    from threed.cli.main import main
+
+    first = tmp_path / "first"
+    assert main(tiny_train_argv(tiny_corpus, first, "--steps", "2", "--lr", "3e-3", "--min-lr", "3e-4")) == 0
+    got = {}
+    for lr in ("1e-3", "1e-4"):
+        save = tmp_path / lr
+        shutil.copytree(first, save)
+        capsys.readouterr()
+        flags = ["--steps", "4", "--lr", lr, "--min-lr", f"{float(lr) / 10:g}", "--log-interval", "1"]
+        assert main(tiny_train_argv(tiny_corpus, save, "--load", str(save), *flags)) == 0
+        steps = re.findall(r"^step (\d)/4 \| loss ([0-9.]+) \| lr ([0-9.e+-]+)", capsys.readouterr().out, re.M)
+        got[lr] = {int(s): (float(loss), float(rate)) for s, loss, rate in steps}
+    assert sorted(got["1e-3"]) == [3, 4], got
+    assert got["1e-3"][3][1] == pytest.approx(10 * got["1e-4"][3][1], rel=1e-3), got
+    assert got["1e-3"][3][0] == got["1e-4"][3][0]  # the same weights at step 3's forward: the checkpoint's
+    assert got["1e-3"][4][0] != got["1e-4"][4][0], got  # step 3's update differed

@@ -87,7 +87,7 @@ def build_engine(
         # (every engine's last stage lets go of its logits after the loss: threed.parallel.lean_engine).
         use_schedule(engine, dims.schedule, dims.vpp)
     # 7. What the run starts from: a full resume, weights (at this layout or sliced from another), or nothing.
-    client_state = load_start(engine, cfg.model, dims.tp, decision)
+    client_state = load_start(engine, cfg.model, dims.tp, decision, schedule=cfg.train if train else None)
     # Every rank's peak memory from here on: the training steps' (BF16_Optimizer reset rank 0's alone at its init).
     reset_peak_memory(rt.device)
     return Built(

@@ -16,9 +16,9 @@ import torch.distributed as dist
 
 from threed.checkpoint.format import CheckpointError, layer_file, open_checkpoint
 from threed.checkpoint.start import StartDecision
-from threed.config import ModelConfig
+from threed.config import ModelConfig, TrainConfig
 from threed.convert.into_stage import load_into_stage
-from threed.engine.optimizer import place_optimizer_state
+from threed.engine.optimizer import apply_schedule, place_optimizer_state
 from threed.parallel.distributed import is_multi_rank, library_prints
 from threed.parallel.pipeline import local_modules
 
@@ -34,9 +34,12 @@ def load_weights_sliced(engine, model: ModelConfig, tp: int, decision: StartDeci
         engine.optimizer.refresh_fp32_params()
 
 
-def load_start(engine, model: ModelConfig, tp: int, decision: StartDecision) -> dict:
+def load_start(
+    engine, model: ModelConfig, tp: int, decision: StartDecision, schedule: Optional[TrainConfig] = None
+) -> dict:
     """Loads what `decision` names into `engine` (nothing for a fresh start); returns the caller's client state of
-    a full resume (what it passed to threed.checkpoint.save.save, e.g. {"consumed_samples": n}), else {}."""
+    a full resume (what it passed to threed.checkpoint.save.save, e.g. {"consumed_samples": n}), else {}. A resume
+    of a training engine (`schedule`: this command's) trains at this command's --lr (`apply_schedule`)."""
     client_state: dict = {}
     if decision.mode == "resume":
         with library_prints():  # BF16_Optimizer prints a line per rank on load
@@ -44,6 +47,8 @@ def load_start(engine, model: ModelConfig, tp: int, decision: StartDecision) -> 
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint {decision.load_dir}/{decision.tag}")
         place_optimizer_state(engine.optimizer)
+        if schedule is not None:
+            apply_schedule(engine.lr_scheduler, schedule)
     elif decision.mode == "weights" and decision.other_layout:
         load_weights_sliced(engine, model, tp, decision)
     elif decision.mode == "weights":

@@ -46,6 +46,21 @@ def make_optimizer(
     return optimizer, scheduler
 
 
+def apply_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, t: TrainConfig) -> None:
+    """After a full resume, this command's --lr at the step the checkpoint reached. DeepSpeed's load restores the
+    scheduler's base_lrs and each group's lr from the checkpoint, so a resume with a lower --lr (what the divergence
+    guard's line asks for) trained on at the old one. The schedule's shape (warm-up, --min-lr, --steps) is already
+    this command's (`lr_lambda(t)`). Megatron-LM refuses such a change unless told (--override-opt_param-scheduler);
+    here the command line wins, as the guard's line "the resume changed the learning-rate schedule (--lr A -> B)"
+    says. The same command gives the same floats (base x factor, as LambdaLR computes them): an exact resume stays
+    bit for bit."""
+    scheduler.base_lrs = [t.lr for _ in scheduler.base_lrs]
+    for group, factor in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas):
+        group["initial_lr"] = t.lr
+        group["lr"] = t.lr * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+
+
 def _torch_optimizer(optimizer) -> torch.optim.Optimizer:
     """The torch optimizer inside DeepSpeed's wrappers (BF16_Optimizer, ZeRO's stage-1/2 optimizer keep it as
     `.optimizer`); the optimizer itself when it is not wrapped."""
