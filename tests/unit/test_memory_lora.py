@@ -116,3 +116,26 @@ def test_memory_and_check_config_count_lora(capsys) -> None:
     assert "M LoRA" in out.splitlines()[-1], out
     assert main(["memory", *flags, "--dp", "8", "--grad-accum-steps", "8", "--lora-rank", "16", "--cp", "2"]) == 2
     assert "context-parallel-size > 1" in capsys.readouterr().err
+
+
+def test_plan_command_prints_the_lora_recipe_lines(capsys) -> None:
+    """`threed plan ... --lora-rank 16` (tp and micro given: a second): the 70B LoRA recipe's layout and variables,
+    and the schedule line says why 1F1B."""
+    from threed.cli.main import main  # the whole command line (argparse): the flags as a user types them
+
+    hw = ["--nodes", "4", "--gpus-per-node", "8", "--gpu-memory", "80", "--seq-length", "8192"]
+    args = ["plan", "--model", "llama3.1-70b", *hw, "--global-batch-size", "64", "--tp", "8", "--micro-batch-size", "1"]
+    assert main([*args, "--lora-rank", "16"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for line in (
+        "TP=${TP-8}",
+        "PP=${PP-1}",
+        "SEQUENCE_PARALLEL=${SEQUENCE_PARALLEL-true}",
+        "LORA_RANK=${LORA_RANK-16}",
+    ):
+        assert line in lines, lines
+    assert "pipeline schedule: 1f1b: one stage, no bubble" in lines and not any(" zb-h1 " in x for x in lines)
+    assert any("LoRA rank 16 on q k v o gate up down" in line for line in lines)
+    assert main([*args, "--lora-rank", "16", "--pp", "2"]) == 0  # a pipeline: 1F1B, and why not ZB-H1
+    lines = capsys.readouterr().out.splitlines()
+    assert "pipeline schedule: 1f1b: LoRA's frozen base has no weight gradient for zb-h1 to defer" in lines
