@@ -48,7 +48,7 @@ SLURM_SCRIPTS = {
     "llama8b_128k_tp4_cp2.sh": ("llama31_8b_128k", 1),
     "llama70b_64k_tp8_pp2_cp4.sh": ("llama31_70b_64k", 8),
     "llama8b_lora_sft_tp1_pp1.sh": ("llama31_8b_lora_sft", 1),
-    "llama70b_lora_sft_tp8_pp1.sh": ("llama31_70b_lora_sft", 4),
+    "llama70b_lora_sft_tp4_pp1.sh": ("llama31_70b_lora_sft", 4),
 }
 
 

@@ -60,41 +60,53 @@ def test_70b_lora_terms_frozen_base_and_adapter_states() -> None:
 
 
 def test_no_base_weight_gradient_under_lora() -> None:
-    """The step-time model's W is the adapters' alone (<1% of a full fine-tune's); F grows by the adapters' matmuls
-    (<1% at one flat rate, no per-micro-batch cost); B loses the TP collectives megatron hid behind the base's
-    weight-gradient GEMMs. A 70B micro-batch at tp8 pp4 then costs ~0.8 of a full fine-tune's."""
+    """The step-time model's W is the adapters' alone (<1% of a full fine-tune's); at tp 1 F and B grow by the
+    adapters' matmuls only (<1% at one flat rate, no per-micro-batch cost): a 70B micro-batch costs ~0.73 of a full
+    fine-tune's. At tp 8 the adapters' own TP collectives ([s, b, h] gathered and reduced besides the base's) and the
+    collectives megatron hid behind the base's weight-gradient GEMMs take back what W saved."""
     flat = Hardware(nodes=4, gpus_per_node=8, gpu_memory_gb=80, rates=Rates.flat(400))
-    full = pass_times(M70, flat, 8, 4, 1, 1, 8192, False, True)
-    lora = pass_times(M70, flat, 8, 4, 1, 1, 8192, False, True, lora=R16)
+    full = pass_times(M70, flat, 1, 8, 4, 1, 8192, False)
+    lora = pass_times(M70, flat, 1, 8, 4, 1, 8192, False, lora=R16)
     assert lora[2] < 0.01 * full[2]
-    assert full[0] < lora[0] < 1.01 * full[0] and lora[1] > full[1]
+    assert full[0] < lora[0] < 1.01 * full[0] and full[1] < lora[1] < 1.01 * full[1]
+    assert 0.7 < sum(lora) / sum(full) < 0.75
     full, lora = (pass_times(M70, HW70, 8, 4, 1, 1, 8192, False, True, lora=x) for x in (None, R16))
-    print(f"F B W full {full}, LoRA {lora}: {sum(lora) / sum(full):.3f}")
-    assert 0.75 < sum(lora) / sum(full) < 0.9
+    print(f"tp8 pp4 SP: F B W full {full}, LoRA {lora}: {sum(lora) / sum(full):.3f}")
+    assert lora[2] < 0.01 * full[2] and lora[0] > 1.1 * full[0]
+    assert 0.95 < sum(lora) / sum(full) < 1.1
 
 
-def check_70b_lora_plan(**only) -> None:
-    """`threed plan --lora-rank 16` for 70B on 4 x 8 x 80 GB: a layout that fits without recompute, only 1F1B searched
-    (ZB-H1 has nothing to defer and training refuses it), cp 1, a tp the rank divides, faster than the full fine-tune's
-    best (tests/ranks/test_memory.py: tp8 pp4 for it); and the recipe lines say LORA_RANK."""
-    best, every = plan(M70, HW70, 8192, 64, R16, **only)
+# recipes/llama31_70b_lora_sft.sh's plan: --reserve 8 keeps it at <= 72 GB like every recipe, --vpp 1 (LoRA not run
+# interleaved yet); tp and micro given in make test (the search over every tp takes ~50 s)
+RECIPE_HW = Hardware(nodes=4, gpus_per_node=8, gpu_memory_gb=80, reserve_gb=8)
+
+
+def check_70b_lora_plan(**only):
+    """`threed plan --lora-rank 16` for 70B on 4 x 8 x 80 GB: a layout that fits, only 1F1B searched (ZB-H1 has
+    nothing to defer and training refuses it), cp 1, a tp the rank divides, under 1% of the parameters trained; and
+    the recipe lines say LORA_RANK. Returns the best layout."""
+    best, every = plan(M70, RECIPE_HW, 8192, 64, R16, vpp=1, **only)
     print(f"best: {best.name()} {best.step_s:.1f} s, {best.memory.peak / GB:.1f} GB")
-    assert best.fits and best.memory.peak <= HW70.budget and best.recomputed == 0
+    assert best.fits and best.memory.peak <= RECIPE_HW.budget
     assert {la.schedule for la in every} == {"1f1b"} and {la.cp for la in every} == {1}
     assert any(la.pp > 1 and la.fits for la in every), "pipelined layouts were searched (1F1B only)"
-    assert best.memory.adapters > 0 and 16 % best.tp == 0
+    assert best.memory.adapters > 0 and 16 % best.tp == 0 and best.memory.trainable < best.memory.params / 100
     assert "LORA_RANK=${LORA_RANK-16}" in recipe_lines("llama3.1-70b", best, 64, 8192, R16)
-    full, _ = plan(M70, HW70, 8192, 64, **only)
-    assert best.step_s < full.step_s and best.memory.trainable < best.memory.params / 100
+    return best
 
 
-def test_plan_70b_lora_on_4_nodes_at_tp8() -> None:
-    check_70b_lora_plan(tp=8, micro=1)  # the recipe's tp and micro: a second of search
+def test_plan_70b_lora_on_4_nodes_is_the_recipe() -> None:
+    best = check_70b_lora_plan(tp=4, micro=1)
+    assert (best.tp, best.pp, best.dp, best.gas, best.sp, best.recomputed) == (4, 1, 8, 8, True, 43)
 
 
 @pytest.mark.slow
 def test_plan_70b_lora_on_4_nodes_whole_search() -> None:
-    check_70b_lora_plan()  # every tp, pp, micro, vpp and recompute: ~50 s on a loaded CPU
+    """Every tp, pp, micro and recompute: the recipe's layout, faster than the full fine-tune's best."""
+    best = check_70b_lora_plan()
+    assert (best.tp, best.pp, best.recomputed) == (4, 1, 43)
+    full, _ = plan(M70, RECIPE_HW, 8192, 64)
+    assert best.step_s < full.step_s
 
 
 def test_plan_refuses_what_training_refuses_with_lora() -> None:
@@ -120,22 +132,22 @@ def test_memory_and_check_config_count_lora(capsys) -> None:
 
 def test_plan_command_prints_the_lora_recipe_lines(capsys) -> None:
     """`threed plan ... --lora-rank 16` (tp and micro given: a second): the 70B LoRA recipe's layout and variables,
-    and the schedule line says why 1F1B."""
+    and at pp 2 the schedule line says why 1F1B."""
     from threed.cli.main import main  # the whole command line (argparse): the flags as a user types them
 
-    hw = ["--nodes", "4", "--gpus-per-node", "8", "--gpu-memory", "80", "--seq-length", "8192"]
-    args = ["plan", "--model", "llama3.1-70b", *hw, "--global-batch-size", "64", "--tp", "8", "--micro-batch-size", "1"]
-    assert main([*args, "--lora-rank", "16"]) == 0
+    hw = ["--nodes", "4", "--gpus-per-node", "8", "--gpu-memory", "80", "--reserve", "8", "--seq-length", "8192"]
+    args = ["plan", "--model", "llama3.1-70b", *hw, "--global-batch-size", "64", "--micro-batch-size", "1"]
+    assert main([*args, "--tp", "4", "--vpp", "1", "--lora-rank", "16"]) == 0
     lines = capsys.readouterr().out.splitlines()
     for line in (
-        "TP=${TP-8}",
+        "TP=${TP-4}",
         "PP=${PP-1}",
-        "SEQUENCE_PARALLEL=${SEQUENCE_PARALLEL-true}",
+        "RECOMPUTE_NUM_LAYERS=${RECOMPUTE_NUM_LAYERS-43}",
         "LORA_RANK=${LORA_RANK-16}",
     ):
         assert line in lines, lines
     assert "pipeline schedule: 1f1b: one stage, no bubble" in lines and not any(" zb-h1 " in x for x in lines)
     assert any("LoRA rank 16 on q k v o gate up down" in line for line in lines)
-    assert main([*args, "--lora-rank", "16", "--pp", "2"]) == 0  # a pipeline: 1F1B, and why not ZB-H1
+    assert main([*args, "--tp", "8", "--pp", "2", "--lora-rank", "16"]) == 0  # a pipeline: 1F1B, and why not ZB-H1
     lines = capsys.readouterr().out.splitlines()
     assert "pipeline schedule: 1f1b: LoRA's frozen base has no weight gradient for zb-h1 to defer" in lines

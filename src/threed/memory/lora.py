@@ -80,3 +80,20 @@ def activation_bytes_per_token(model: ModelConfig, lora: Optional[LoraConfig], t
         column = {("qkv" if t in ("q", "k", "v") else "fc1") for t in lora.lora_targets if t in LORA_COLUMN_TARGETS}
         kept += BF16 * model.hidden_size * len(column)
     return kept
+
+
+def collectives_per_block(lora: Optional[LoraConfig], sp: bool) -> tuple[float, float]:
+    """(forward, backward) TP collectives of [s, b, h] a block's adapters add, in all-reduces (an all-gather or a
+    reduce-scatter is half of one), as threed.model.lora runs them; the [s, b, r] ones are left out.
+      column-parallel base with adapters (linear_qkv, linear_fc1): the adapters' input gradient, partial per rank,
+          all-reduced in backward; under SP the input all-gathered in forward and its gradient reduce-scattered
+      each row-parallel target (o, down): its output all-gathered over TP in forward; under SP cut to this rank's
+          sequence part, whose backward all-gathers again"""
+    if not active(lora):
+        return 0.0, 0.0
+    assert lora is not None
+    column = len({("qkv" if t in ("q", "k", "v") else "fc1") for t in lora.lora_targets if t in LORA_COLUMN_TARGETS})
+    row = sum(t not in LORA_COLUMN_TARGETS for t in lora.lora_targets)
+    if sp:
+        return column / 2 + row / 2, column / 2 + row / 2
+    return row / 2, float(column)

@@ -52,8 +52,10 @@ compute/communication overlap the engine has (below: megatron's linear backward 
   Gradients reduce and ZeRO-1 shards over dp x cp (t_dp, t_optimizer with dp x cp).
   LoRA (--lora-rank; `threed.memory.lora` counts the adapters, a_block elements per block): the base is frozen, so
   there is no weight gradient of it: W is the adapters' alone (2 a_block per token of each block), F and B add the
-  adapters' forward and input gradient (2 a_block each); megatron's frozen linear keeps no input, so SP re-gathers
-  nothing for W and no collective hides behind a weight-gradient GEMM; t_dp and t_optimizer count the adapters only,
+  adapters' forward and input gradient (2 a_block each) and their own TP collectives of [s, b, h]
+  (`threed.memory.lora.collectives_per_block`: the input gradient of each column-parallel base's adapters, the output
+  of each row-parallel one's, gathered); megatron's frozen linear keeps no input, so SP re-gathers nothing for W and no
+  collective hides behind a weight-gradient GEMM; t_dp and t_optimizer count the adapters only,
   and a frozen tied embedding is all-reduced by nobody. With W next to nothing ZB-H1 has nothing to defer, and
   training refuses it (threed.config.LoraConfig): the planner searches 1F1B.
   Bandwidths: NVLink (--nvlink-gbps) inside a node, the per-GPU network share (--network-gbps) across nodes; the
@@ -66,7 +68,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from threed.config import LoraConfig, ModelConfig
-from threed.memory.lora import block_elements
+from threed.memory.lora import block_elements, collectives_per_block
 from threed.memory.model import GB, kv_row_bytes, stages
 from threed.memory.recompute import Recompute
 from threed.model.spec import (
@@ -157,6 +159,7 @@ def pass_times(
     rc = Recompute.of(recompute)
     adapters = block_elements(model, lora)  # per block, all TP ranks; 0: a full fine-tune
     sp = sequence_parallel and tp > 1
+    lora_f, lora_b = collectives_per_block(lora, sp)  # the adapters' own TP collectives, per block
     h = model.hidden_size
     tokens = seq * micro // cp  # this rank's share of each row; FLOPs per token stay those of the whole row
     kv_exchange = cp_collective_s(model, hw, tp, cp, seq, micro)
@@ -168,8 +171,9 @@ def pass_times(
     slowest = (0.0, 0.0, 0.0)
     for st in stages(model, pp, tp, seq, None, vpp):
         recomputed = sum(rc.recomputed(c.blocks) for c in st.parts)  # Megatron's recompute counts per chunk
-        f_tp = 2 * st.blocks + st.first  # attention and MLP outputs; the embedding's
-        b_tp = 2 * st.blocks + 2 * recomputed + st.last  # their inputs' gradients, the recompute's; LM head's
+        f_tp = (2 + lora_f) * st.blocks + st.first  # attention and MLP outputs (LoRA: the adapters'); the embedding's
+        # their inputs' gradients, the recompute's (LoRA: the adapters' forward collectives again); the LM head's
+        b_tp = (2 + lora_b) * st.blocks + (2 + lora_f) * recomputed + st.last
         # megatron's re-gather of the column-parallel inputs; a deferred W (threed.model.wgrad) also re-gathers
         # the row-parallel output gradients it kept as sequence parts (two all-gathers: one all-reduce's worth)
         w_tp = sp * (st.blocks + st.last / 2 + deferred * st.blocks) * (not adapters)  # LoRA: nothing re-gathered
