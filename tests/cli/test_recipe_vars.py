@@ -43,6 +43,9 @@ GROUPS = [
     {**COMMON, "ACT_CKPT": "false", "RECOMPUTE_GRANULARITY": "full", "RECOMPUTE_METHOD": "block",
      "RECOMPUTE_NUM_LAYERS": "1", "LOAD": "/ckpt/load", "PACK": "true", "ASYNC_SAVE": "1",
      "PIPELINE_SCHEDULE": "1f1b", "VPP": "2"},
+    # LoRA: 1F1B and cp 1 (training refuses zb-h1 and CP with it); DP = 8 / (2 x 2) = 2, GAS 16 / (2 x 2) = 4
+    {**COMMON, "CP": "1", "PIPELINE_SCHEDULE": "1f1b", "GLOBAL": "16", "INIT_FROM": "/ckpt/init", "LORA_RANK": "4",
+     "LORA_ALPHA": "8", "LORA_TARGETS": "q v down"},
 ]  # fmt: skip
 
 
@@ -84,7 +87,7 @@ def _field_value(cfg: RunConfig, field: str):
 
 def _expected(var: str, value: str):
     """What `threed train` makes of the value: the blend's words, the derived GAS, a bool or a number, else text."""
-    if var == "DATA":
+    if by_name(var).form == "words":  # DATA's blend, LORA_TARGETS' targets
         return tuple(value.split())
     if var == "GAS":  # empty: derived from GLOBAL, 8 = micro 2 x gas 4 x dp 1 (dp = 8 / (tp 2 x pp 2 x cp 2))
         return 4

@@ -4,6 +4,7 @@ the command the launcher builds. Dry runs only (THREED_DRY_RUN=1): nothing is st
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shlex
@@ -34,7 +35,9 @@ LAUNCH_TEXT = LAUNCH.read_text()
 # VAR=${VAR-default} lines).
 RECIPE_VARS = [v.name for v in RECIPE_TABLE if v.form != "env"]
 DEFAULTS = {m[1]: m[3] for m in re.finditer(r"^([A-Z_]+)=\$\{(\w+)-([^}]*)\}$", LAUNCH_TEXT, re.M)}
-SFT_RECIPES = ["llama31_8b_sft", "llama31_70b_sft", "llama32_3b_sft"]
+# Supervised fine-tuning: full (every weight trained) and LoRA (issue 38: adapters on a frozen base, the layouts
+# `threed plan --lora-rank 16` picks).
+SFT_RECIPES = ["llama31_8b_sft", "llama31_70b_sft", "llama32_3b_sft", "llama31_8b_lora_sft", "llama31_70b_lora_sft"]
 # Long context with context parallelism (CP > 1; issue 27).
 CP_RECIPES = ["llama31_8b_128k", "llama31_70b_64k"]
 SLURM_SCRIPTS = {
@@ -44,6 +47,8 @@ SLURM_SCRIPTS = {
     "llama405b_tp8_pp16.sh": ("llama31_405b", 32),
     "llama8b_128k_tp4_cp2.sh": ("llama31_8b_128k", 1),
     "llama70b_64k_tp8_pp2_cp4.sh": ("llama31_70b_64k", 8),
+    "llama8b_lora_sft_tp1_pp1.sh": ("llama31_8b_lora_sft", 1),
+    "llama70b_lora_sft_tp4_pp1.sh": ("llama31_70b_lora_sft", 4),
 }
 
 
@@ -60,6 +65,12 @@ def launch(recipe: str, env: dict[str, str], *args: str, dry: bool = True) -> su
         timeout=60,
         cwd=REPO,
     )
+
+
+@functools.cache
+def dry_run_at(recipe: str, nodes: int) -> subprocess.CompletedProcess[str]:
+    """The dry run of `recipe` at `nodes` x 8 GPUs, made once per process: the header and SFT checks read the same."""
+    return launch(recipe, {"NNODES": str(nodes), "GPUS_PER_NODE": "8"})
 
 
 def dry_numbers(out: str) -> dict[str, int]:
@@ -267,7 +278,7 @@ def test_recipe_header_matches_launcher_and_python(name: str) -> None:
     text = (REPO / "recipes" / f"{name}.sh").read_text()
     nodes, world, dp, gas, batch = _header_layout(text)
     assert world == nodes * 8
-    out = launch(name, {"NNODES": str(nodes), "GPUS_PER_NODE": "8"})
+    out = dry_run_at(name, nodes)
     assert out.returncode == 0, out.stderr
     assert dry_numbers(out.stdout) == {"DP": dp, "GAS": gas, "TRAIN_BATCH_SIZE": batch}
     assert python_train_batch(out.stdout, world) == batch  # heads divide TP, seq fits, batch agrees
@@ -286,13 +297,16 @@ def test_sft_recipes_fine_tune_packed_from_converted_weights(name: str) -> None:
     """Weights from a converted HF checkpoint (not random), packing on, a fine-tuning learning rate that decays,
     and validation on a held-out split."""
     nodes = _header_layout((REPO / "recipes" / f"{name}.sh").read_text())[0]
-    out = launch(name, {"NNODES": str(nodes), "GPUS_PER_NODE": "8"})
+    out = dry_run_at(name, nodes)
     assert out.returncode == 0, out.stderr
     argv = train_argv(out.stdout)
     assert argv[argv.index("--pack") + 1] == "true" and argv[argv.index("--init-from") + 1]
     cfg = parse_run_config(argv)
     assert cfg.data.pack and cfg.checkpoint.init_from and not cfg.checkpoint.load
-    assert 0 < cfg.train.lr <= 5e-5 and cfg.train.min_lr < cfg.train.lr and 0 < cfg.train.warmup_steps < cfg.train.steps
+    # LoRA's adapters take a learning rate about ten times a full fine-tune's
+    top = 5e-4 if name.endswith("_lora_sft") else 5e-5
+    assert 0 < cfg.train.lr <= top and cfg.train.min_lr < cfg.train.lr and 0 < cfg.train.warmup_steps < cfg.train.steps
+    assert (cfg.lora.lora_rank > 0) == name.endswith("_lora_sft")
     assert cfg.train.eval_interval and cfg.data.split.split(",")[1] != "0"
 
 

@@ -53,9 +53,11 @@ def test_check_config_answers_without_the_heavy_libraries(model: str) -> None:
     # The launcher runs it before every start and every dry run (recipes/launch.sh): its answer, the memory
     # model's line included, needs no torch.
     argv = ["check-config", "--world", "8", "--model", model, "--tp", "2", "--pp", "2", "--seq-length", "64"]
+    argv += ["--lora-rank", "2"] if model == "tiny" else []  # LoRA's memory terms (threed.memory.lora) too
     env = {"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin"}
     out = subprocess.run([sys.executable, "-c", PROBE, *argv], capture_output=True, text=True, env=env, timeout=60)
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["rc"] == 0, out.stdout + out.stderr
     assert "config ok:" in out.stdout and "\nmemory: ~" in out.stdout, out.stdout
+    assert ("M LoRA params" in out.stdout) == (model == "tiny"), out.stdout
     assert report["heavy"] == [], f"check-config imported {report['heavy']}"

@@ -10,8 +10,9 @@ tokens, then add up the storages of the module's parameters and grads and of BF1
 groups, fp32 master partitions, fp32 gradient buffers, AdamW state), and separately the RoPE caches and the
 pipeline's receive/gradient buffers. Also every tensor the garbage collector can see, as a cross-check that
 nothing else (e.g. the fp32 parameters DeepSpeed cast to bf16) stays alive: every tensor but those that were alive
-before the first engine was built (what earlier requests of the launch left, tests/ranks/dispatch_worker.py). One
-JSON per rank and layout.
+before the engine was built (what earlier requests of the launch left, tests/ranks/dispatch_worker.py, and the engines
+before it). One JSON per rank and layout.
+--lora-layouts: the same for TPxPP engines with --lora-rank LORA_RANK on every target (after --layouts' engines).
 
 --activations (one process): the CPU allocator's peak during the forward and backward of one micro-batch through
 a whole one-stage model (the profiler's memory events), with and without activation checkpointing, next to
@@ -42,7 +43,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from threed.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
+from threed.config import LoraConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
+from threed.model.spec import is_adapter_key
 from threed.model import context
 from threed.parallel.distributed import Runtime, context_rank, init_megatron_parallel_state
 from worker_setup import build_engine
@@ -53,6 +55,7 @@ from worker_setup import rank_json, reads_data, run_worker, synthetic_batches, w
 from helpers import pipeline_module
 
 STATIC = dict(model="tiny", micro=2, gas=2, seq=32)
+LORA_RANK = 4  # --lora-layouts: a multiple of tp 2 (the column targets' A shard their rank over TP)
 # Wide enough that activations dwarf everything else allocated during a step.
 ACT_MODEL = ModelConfig(
     name="act",
@@ -156,67 +159,88 @@ def measure_static(engine, before: list[weakref.ref]) -> dict[str, int]:
 
 
 def static(args: argparse.Namespace, rt: Runtime) -> None:
-    mc = model_config(args.model)
-    gc.collect()
-    before = [weakref.ref(t) for t in live_tensors()]  # what the launch's earlier requests left: not this engine's
     for layout in args.layouts:
-        tp, pp = (int(x) for x in layout.split("x"))
-        dp = rt.world_size // (tp * pp)
-        cfg = RunConfig(
-            model=mc,
-            parallel=ParallelConfig(
-                tp=tp, pp=pp, sequence_parallel=args.sequence_parallel, pipeline_schedule=args.pipeline_schedule
-            ),
-            train=TrainConfig(
-                dtype="bf16", micro_batch_size=STATIC["micro"], grad_accum_steps=STATIC["gas"], seq_length=STATIC["seq"]
-            ),
-        )
-        engine = build_engine(cfg, rt).engine
-        data = synthetic_batches(
-            mc.vocab_size, STATIC["micro"], STATIC["seq"], seed=engine.grid.get_data_parallel_rank(), n=STATIC["gas"]
-        )
-        loss = engine.train_batch(data_iter=data if reads_data(engine) else None).item()
-        gc.collect()
-        stage = stages(mc, pp, tp, STATIC["seq"])[engine.stage_id]
-        mem = stage_memory(
-            mc,
-            tp,
-            pp,
-            dp,
-            STATIC["micro"],
-            STATIC["gas"],
-            STATIC["seq"],
-            False,
-            stage,
-            "cpu",
-            sequence_parallel=args.sequence_parallel,
-            schedule=args.pipeline_schedule,
-        )
-        result = {
-            "model": mc.name,
-            "layout": [tp, pp, dp],
-            "rank": rt.rank,
-            "stage": engine.stage_id,
-            "loss": loss,
-            "parts": [int(b) for b in engine.module.parts],
-            "predicted_parts": list(stage_bounds(mc, pp, tp, STATIC["seq"])),
-            "optimizer": type(engine.optimizer).__name__,
-            "engine": type(engine).__name__,
-            "measured": measure_static(engine, before),
-            "predicted": {
-                "weights": mem.weights,
-                "grads": mem.grads,
-                "optimizer": mem.optimizer,
-                "model_states": mem.model_states,
-                "buffers": mem.buffers,
-                "static": mem.static,
-                "params": mem.params,
-            },
-        }
-        rank_json(args.out, f"static_{tp}x{pp}x{dp}", result)
-        del engine
-        gc.collect()
-        dist.barrier()
+        static_layout(args, rt, layout)
+    for layout in args.lora_layouts:
+        static_layout(args, rt, layout, LoraConfig(lora_rank=LORA_RANK))
+
+
+def trainable_counts(engine) -> dict[str, int]:
+    """Elements by who holds them, to show that under LoRA only the adapters have a gradient and optimizer state:
+    the adapters, the other parameters with requires_grad or a .grad, BF16_Optimizer's fp32 gradient buffers, its
+    fp32 master partitions and AdamW's state."""
+    opt = engine.optimizer
+    named = list(engine.module.named_parameters())
+    return {
+        "adapters": sum(p.numel() for n, p in named if is_adapter_key(n)),
+        "base_trainable": sum(p.numel() for n, p in named if not is_adapter_key(n) and p.requires_grad),
+        "base_grads": sum(p.grad.numel() for n, p in named if not is_adapter_key(n) and p.grad is not None),
+        "fp32_grads": sum(t.numel() for t in opt.fp32_groups_gradients_flat),
+        "master": sum(t.numel() for t in opt.fp32_groups_flat_partition),
+        "adam": sum(v.numel() for st in opt.optimizer.state.values() for k, v in st.items() if k != "step"),
+    }
+
+
+def static_layout(args: argparse.Namespace, rt: Runtime, layout: str, lora: LoraConfig | None = None) -> None:
+    """One TPxPP layout's engine (`lora`: with --lora-rank's adapters), one bf16 step, its tensors and the model's."""
+    gc.collect()
+    # what the launch's earlier requests and engines left (DeepSpeed's caches of the one before): not this engine's
+    before = [weakref.ref(t) for t in live_tensors()]
+    mc = model_config(args.model)
+    tp, pp = (int(x) for x in layout.split("x"))
+    dp = rt.world_size // (tp * pp)
+    cfg = RunConfig(
+        model=mc,
+        parallel=ParallelConfig(
+            tp=tp, pp=pp, sequence_parallel=args.sequence_parallel, pipeline_schedule=args.pipeline_schedule
+        ),
+        train=TrainConfig(
+            dtype="bf16", micro_batch_size=STATIC["micro"], grad_accum_steps=STATIC["gas"], seq_length=STATIC["seq"]
+        ),
+        lora=lora or LoraConfig(),
+    )
+    engine = build_engine(cfg, rt).engine
+    data = synthetic_batches(
+        mc.vocab_size, STATIC["micro"], STATIC["seq"], seed=engine.grid.get_data_parallel_rank(), n=STATIC["gas"]
+    )
+    loss = engine.train_batch(data_iter=data if reads_data(engine) else None).item()
+    gc.collect()
+    stage = stages(mc, pp, tp, STATIC["seq"])[engine.stage_id]
+    micro, gas, seq, sp, schedule = (
+        STATIC["micro"],
+        STATIC["gas"],
+        STATIC["seq"],
+        args.sequence_parallel,
+        args.pipeline_schedule,
+    )
+    mem = stage_memory(mc, tp, pp, dp, micro, gas, seq, False, stage, "cpu", sp, schedule, lora=lora)
+    result = {
+        "model": mc.name,
+        "layout": [tp, pp, dp],
+        "rank": rt.rank,
+        "stage": engine.stage_id,
+        "loss": loss,
+        "parts": [int(b) for b in engine.module.parts],
+        "predicted_parts": list(stage_bounds(mc, pp, tp, STATIC["seq"])),
+        "optimizer": type(engine.optimizer).__name__,
+        "engine": type(engine).__name__,
+        "measured": measure_static(engine, before),
+        "predicted": {
+            "weights": mem.weights,
+            "grads": mem.grads,
+            "optimizer": mem.optimizer,
+            "model_states": mem.model_states,
+            "buffers": mem.buffers,
+            "static": mem.static,
+            "params": mem.params,
+            "adapters": mem.adapters,
+        },
+        "counts": trainable_counts(engine),
+    }
+    rank_json(args.out, f"static_{'lora_' if lora else ''}{tp}x{pp}x{dp}", result)
+    del engine
+    gc.collect()
+    dist.barrier()
 
 
 def cpu_peak(fn) -> int:
@@ -406,6 +430,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--head-chunks", action="store_true", help="the CPU activation peak with and without --lm-head-chunks"
+    )
+    p.add_argument(
+        "--lora-layouts", nargs="*", default=[], help=f"TPxPP engines with --lora-rank {LORA_RANK} (static terms)"
     )
     p.add_argument("--sequence-parallel", action="store_true", help="the --layouts engines with SP")
     p.add_argument("--pipeline-schedule", default="1f1b", help="the --layouts engines' schedule")

@@ -84,6 +84,7 @@ def memory(cfg: RunConfig, dp: int, micro: int, gas: int) -> str:
         cp=p.cp,
         head_chunks=t.lm_head_chunks,
         vpp=p.vpp,
+        lora=cfg.lora,
     )
     line = heaviest(mems).line(p.pp)
     return line if t.dtype == "bf16" else f"{line} (the model is of a bf16 run; this one is {t.dtype})"

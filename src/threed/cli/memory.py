@@ -6,7 +6,7 @@ line saying which compute rates it rests on (`threed.plan.calibration`).
     threed memory --model llama3.1-70b --tp 8 --pp 4 --dp 16 --micro-batch-size 1 --grad-accum-steps 32 \
         --seq-length 8192 --sequence-parallel [--pipeline-schedule zb-h1 | --vpp 2] [--cp 2] [--lm-head-chunks 8] \
         [--all-stages] [--calibrate benchmarks/measured/2026-11-28-h200.json | gpu_check.json | --tflops 400] \
-        [--gpus-per-node 8] [--async-save]
+        [--gpus-per-node 8] [--async-save] [--lora-rank 16 [--lora-targets q k v o gate up down]]
 
 The flags are training's (`threed.cli.flags`: the same names, Megatron aliases and checks as `threed train`); the
 earlier short names (--micro, --gas, --seq, --act-ckpt) stay as aliases. `--dp` is the one flag training does not
@@ -14,6 +14,8 @@ have: a training run derives it from its world size. The step-time flags (--cali
 --nvlink-gbps, --network-gbps, --hbm-gbps) are `threed plan`'s, with its defaults and refusals: by default the rates
 fitted to the committed H200 runs (the line says so). `threed check-config` prints the same memory estimate for a run.
 `--async-save` adds a line: the host memory its checkpoint copies take per node of --gpus-per-node ranks.
+The --lora-* flags (training's): a LoRA fine-tune, the base frozen (`threed.memory.lora`), checked as training checks
+them against the layout.
 """
 
 from __future__ import annotations
@@ -22,14 +24,21 @@ import argparse
 import sys
 
 from threed.cli.flags import add_command, add_field_flag, add_model_flag, field_value, standalone
-from threed.config import ConfigError, TrainConfig, check_lm_head_chunks, check_sequence_parallel, check_virtual_stages
+from threed.config import (
+    ConfigError,
+    ParallelConfig,
+    TrainConfig,
+    check_lm_head_chunks,
+    check_sequence_parallel,
+    check_virtual_stages,
+)
 from threed.errors import guarded
 from threed.memory import model as memory_model
 from threed.memory.model import estimate, heaviest, host_copy_line
 from threed.memory.recompute import Recompute
 from threed.convert.resolve import model_config
 from threed.plan.planner import build_layout, check_cp
-from threed.cli.plan import add_step_time_flags, step_hardware
+from threed.cli.plan import add_lora_flags, add_step_time_flags, lora_config, step_hardware
 
 # (section, field, earlier names): the training fields the memory model reads.
 REQUIRED = (
@@ -68,6 +77,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         add_field_flag(p, section, name, old=old)
     p.add_argument("--all-stages", action="store_true", help="one line per pipeline stage")
     add_step_time_flags(p)  # threed plan's: the step's cluster and compute rates
+    add_lora_flags(p)
 
 
 def lines(ns: argparse.Namespace) -> list[str]:
@@ -88,18 +98,21 @@ def lines(ns: argparse.Namespace) -> list[str]:
     check_lm_head_chunks(chunks, seq, tp, cp, sp, schedule)
     model = model_config(ns.model)
     check_virtual_stages(pp, vpp, model.num_layers, schedule, gas)  # training's rules for --vpp, in its words
-    rc = recompute(ns, model)
+    train = recompute_flags(ns, model)
+    rc = Recompute.from_train(train)
+    lora = lora_config(ns)
+    lora.validate(ParallelConfig(tp=tp, cp=cp, pipeline_schedule=schedule), train)  # training's rules, its words
     world = tp * pp * cp * ns.dp
     # the step's cluster: just the layout's GPUs (memory is not weighed against a GPU's size here: no fit verdict)
     hw, rates = step_hardware(ns, -(-world // max(ns.gpus_per_node, 1)), gpu_memory=0.0, reserve=0.0)
     mems = estimate(
         model, tp, pp, ns.dp, micro, gas, seq, rc, sequence_parallel=sp, schedule=schedule, cp=cp, head_chunks=chunks,
-        vpp=vpp,
+        vpp=vpp, lora=lora,
     )  # fmt: skip
     out = [m.line(pp) for m in (mems if ns.all_stages else [heaviest(mems)])]
     if field_value(ns, "checkpoint", "async_save"):
         out.append(host_copy_line(model, tp, pp, ns.dp, seq, ns.gpus_per_node, cp, vpp=vpp))
-    step = build_layout(model, hw, seq, tp, pp, ns.dp, micro, gas, rc, sp, schedule, cp, vpp=vpp)  # threed plan's own
+    step = build_layout(model, hw, seq, tp, pp, ns.dp, micro, gas, rc, sp, schedule, cp, vpp=vpp, lora=lora)
     tokens = seq * micro * gas * ns.dp
     out.append(
         f"predicted: {step.step_s:.2f} s/step ({tokens / step.step_s:,.0f} tokens/s, {tokens:,} tokens per step), "
@@ -108,7 +121,7 @@ def lines(ns: argparse.Namespace) -> list[str]:
     return out + rates
 
 
-def recompute(ns: argparse.Namespace, model) -> Recompute:
+def recompute_flags(ns: argparse.Namespace, model) -> TrainConfig:
     """The recompute flags as training reads them, with training's checks."""
     train = TrainConfig(
         seq_length=1,
@@ -118,7 +131,7 @@ def recompute(ns: argparse.Namespace, model) -> Recompute:
         recompute_num_layers=field_value(ns, "train", "recompute_num_layers"),
     )
     train.validate(model)  # the recompute flags' checks (seq_length 1 passes the others), as training's
-    return Recompute.from_train(train)
+    return train
 
 
 def run(ns: argparse.Namespace) -> int:

@@ -3,13 +3,16 @@ what it searches and how).
 
     threed plan --model llama3.1-70b --nodes 4 --gpus-per-node 8 --gpu-memory 80 --seq-length 8192 \
         --global-batch-size 512 [--tp 8] [--pp 4] [--cp 2] [--micro-batch-size 1] [--sequence-parallel true] \
-        [--vpp 2] [--calibrate benchmarks/measured/2026-11-28-h200.json | gpu_check.json]
+        [--vpp 2] [--calibrate benchmarks/measured/2026-11-28-h200.json | gpu_check.json] \
+        [--lora-rank 16 [--lora-targets q k v o gate up down] [--lora-dropout 0.05]]
 
 The step time's compute rates are fitted to measured GPU runs (`threed.plan.calibration`): by default to the
 committed H200 runs (the first line printed says so), with --calibrate FILE to the runs of FILE.
 
 Training's flag names (`threed.cli.flags`), with the earlier short ones (--seq, --global-batch, --micro,
---act-ckpt) kept as aliases; the hardware flags (--nodes, --gpu-memory, ...) are the planner's own.
+--act-ckpt) kept as aliases; the hardware flags (--nodes, --gpu-memory, ...) are the planner's own. The --lora-*
+flags are training's too: a LoRA fine-tune's memory and step (`threed.memory.lora`), and only the layouts training
+takes with it.
 """
 
 from __future__ import annotations
@@ -17,11 +20,12 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
 from threed.cli.flags import add_command, add_field_flag, add_model_flag, field_value, standalone
-from threed.config import ConfigError
+from threed.config import ConfigError, LoraConfig, check_ranges
 from threed.errors import guarded
 from threed.convert.resolve import model_config
 from threed.plan.layout import (
@@ -60,6 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--reserve", type=float, default=Hardware.reserve_gb, help="GB kept free per GPU (CUDA, NCCL)")
     add_step_time_flags(p)
+    add_lora_flags(p)
     # The search's filters: training's flags, each restricting the search to one value (none given: all searched).
     for key, (old, what) in FILTERS.items():
         add_field_flag(p, *FILTER_FIELDS[key], default=None, old=old, help=f"only {what}")
@@ -83,6 +88,25 @@ def add_step_time_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nvlink-gbps", type=float, default=Hardware.nvlink_gbps, help="intra-node GB/s")
     p.add_argument("--network-gbps", type=float, default=Hardware.network_gbps, help="inter-node GB/s per GPU")
     p.add_argument("--hbm-gbps", type=float, default=Hardware.hbm_gbps, help="GPU memory bandwidth, GB/s")
+
+
+# LoRA's fields that change memory or the step (and alpha, so that a training command line's flags paste as they are);
+# --lora-init-from names a file and changes neither.
+LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets")
+
+
+def add_lora_flags(p: argparse.ArgumentParser) -> None:
+    """Training's --lora-* flags (`threed plan`'s and `threed memory`'s): the run is a LoRA fine-tune."""
+    for name in LORA_FIELDS:
+        add_field_flag(p, "lora", name)
+
+
+def lora_config(ns: argparse.Namespace) -> LoraConfig:
+    """The --lora-* flags as training reads them, each field's range checked (rank 0: off, a full fine-tune)."""
+    values = {name: field_value(ns, "lora", name) for name in LORA_FIELDS}
+    lora = LoraConfig(**{**values, "lora_targets": tuple(values["lora_targets"])})
+    check_ranges("lora", lora)
+    return lora
 
 
 def check_finite(ns: argparse.Namespace, *flags: str) -> None:
@@ -112,16 +136,18 @@ def run(ns: argparse.Namespace) -> int:
     hw, fitted = step_hardware(ns, ns.nodes, ns.gpu_memory, ns.reserve)
     seq, global_batch = field_value(ns, "train", "seq_length"), field_value(ns, "train", "global_batch_size")
     only = {key: field_value(ns, *FILTER_FIELDS[key]) for key in FILTERS}
+    lora = lora_config(ns)
     try:
-        best, every = plan(model, hw, seq, global_batch, **only)
+        best, every = plan(model, hw, seq, global_batch, lora, **only)
     except ConfigError as e:
         if str(e).startswith("no valid layout"):  # the planner's numbers checks come first and stand as they are
-            refuse_empty_filters(model, hw, seq, global_batch, only)
+            refuse_empty_filters(model, hw, seq, global_batch, only, lora)
         raise
     tokens = seq * global_batch
     fitting = [la for la in every if la.fits]
+    lora_words = f", LoRA rank {lora.lora_rank} on {' '.join(lora.lora_targets)}" if lora.lora_rank else ""
     print(
-        f"{model.name} on {hw.nodes} x {hw.gpus_per_node} GPUs ({hw.gpu_memory_gb:g} GB, {hw.reserve_gb:g} "
+        f"{model.name}{lora_words} on {hw.nodes} x {hw.gpus_per_node} GPUs ({hw.gpu_memory_gb:g} GB, {hw.reserve_gb:g} "
         f"reserved), seq {seq}, global batch {global_batch} ({tokens / 1e6:.2f}M tokens): "
         f"{len(fitting)} of {len(every)} layouts fit. Fastest first, with up to 5 faster ones that do not fit:"
     )
@@ -130,7 +156,10 @@ def run(ns: argparse.Namespace) -> int:
     if len(fitting) > ns.top:
         print(f"({len(fitting) - ns.top} slower layouts that fit not shown; --top N lists more)")
     print(full_recompute_verdict(every))
-    print(f"pipeline schedule: {schedule_verdict(best, every)}")
+    schedule = schedule_verdict(best, every)
+    if lora.lora_rank and best.pp > 1:  # zb-h1 is not searched under LoRA: say why, not "the only one searched"
+        schedule = "1f1b: LoRA's frozen base has no weight gradient for zb-h1 to defer"
+    print(f"pipeline schedule: {schedule}")
     print(f"interleaving: {interleave_verdict(best, every)}")
     print(context_parallel_verdict(best, every))
     print("\n".join(fitted))
@@ -139,7 +168,7 @@ def run(ns: argparse.Namespace) -> int:
         f"bubble {best.bubble:.1%}, {best.memory.line(best.pp)}"
     )
     print("recipe lines (recipes/<model>.sh):")
-    print("\n".join(recipe_lines(ns.model, best, global_batch, seq)))
+    print("\n".join(recipe_lines(ns.model, best, global_batch, seq, lora)))
     print(
         f"launch: NNODES={hw.nodes} GPUS_PER_NODE={hw.gpus_per_node} recipes/launch.sh RECIPE "
         f"(or sbatch --nodes={hw.nodes} slurm/train.sh RECIPE)"
@@ -147,15 +176,18 @@ def run(ns: argparse.Namespace) -> int:
     return 0
 
 
-def refuse_empty_filters(model, hw: Hardware, seq: int, global_batch: int, only: dict) -> None:
+def refuse_empty_filters(
+    model, hw: Hardware, seq: int, global_batch: int, only: dict, lora: Optional[LoraConfig] = None
+) -> None:
     """Filters that leave no valid layout, when the search without them finds some: name the filters to drop or
     change (by their flags), not the global batch, which is not the cause."""
     given = {k: v for k, v in only.items() if v is not None}
     if not given:
         return
-    if candidates(model, hw, seq, global_batch, **only) or not candidates(model, hw, seq, global_batch):
+    search = partial(candidates, model, hw, seq, global_batch, lora=lora)
+    if search(**only) or not search():
         return
-    alone = [k for k in given if not candidates(model, hw, seq, global_batch, **{k: given[k]})]
+    alone = [k for k in given if not search(**{k: given[k]})]
 
     def shown(keys: list[str]) -> str:
         return " ".join(f"{FILTER_FLAGS[k]} {str(given[k]).lower()}" for k in keys)

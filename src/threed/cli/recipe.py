@@ -12,7 +12,8 @@ FORM says how the launcher passes it:
               (DP = WORLD / (TP x PP x CP), GAS from GLOBAL: train_batch_size = MICRO x GAS x DP)
     value     `FLAG VALUE` when set and not empty; empty: no flag, training's default
     bare      Megatron's store_true flags: the bare flag when true (or 1), nothing when false (or 0)
-    words     `FLAG W1 W2 ...`: the value split into words (DATA: a prefix, or a blend "WEIGHT PREFIX ...")
+    words     `FLAG W1 W2 ...`: the value split into words (DATA: a prefix, or a blend "WEIGHT PREFIX ...";
+              LORA_TARGETS: "q k v o gate up down")
     env       not a recipe's: set by the environment (slurm/common.sh), passed as `FLAG VALUE`
     job       not training's: the slurm job's (slurm/common.sh), which after training submits `threed eval-harness
               --load SAVE FLAG VALUE ...` as a job of its own (HARNESS_TASKS -> --tasks); the launcher's dry run
@@ -90,6 +91,10 @@ RECIPE_VARS: tuple[RecipeVar, ...] = (
     RecipeVar("KEEP_LAST", "checkpoint.keep_last"),
     RecipeVar("ASYNC_SAVE", "checkpoint.async_save", "bare"),
     RecipeVar("SKIP_NONFINITE", "control.skip_nonfinite"),
+    # LoRA fine-tuning (recipes/*_lora_sft.sh): the base frozen, adapters of this rank on LORA_TARGETS' linears
+    RecipeVar("LORA_RANK", "lora.lora_rank"),
+    RecipeVar("LORA_ALPHA", "lora.lora_alpha"),
+    RecipeVar("LORA_TARGETS", "lora.lora_targets", "words"),
     RecipeVar("HARNESS_TASKS", "train.harness_tasks", "job", "--tasks"),
     RecipeVar("HARNESS_LIMIT", "train.harness_limit", "job", "--limit"),
     RecipeVar("EXIT_DURATION", "control.exit_duration_in_mins", "env"),
@@ -126,7 +131,7 @@ def value_error(var: RecipeVar, value: str) -> Optional[str]:
     """One line naming the variable when `value` is not one its flag takes, else None (empty: no flag)."""
     if not value or var.field == "model" or var.form == "bare":  # bare: the launcher's own true/false check
         return None
-    if var.form == "words":
+    if var.form == "words" and var.name == "DATA":  # LORA_TARGETS' words: its field's own check below
         if data_words(value) is None:
             return (
                 f"{var.name}={value!r} holds a path with spaces inside a blend: {var.name} is split at spaces into "

@@ -78,6 +78,13 @@ Host memory (per node, not per GPU): --async-save keeps a copy of what each rank
 CUDA (`host_copy_bytes`, `host_copy_line`: threed.checkpoint.format.node_checkpoint_bytes, the figure the run's
 refusal of a node that cannot hold it uses).
 
+LoRA (--lora-rank, `threed.memory.lora`): the base is frozen before the optimizer is made, so its weights are bf16
+tensors of their own (2 B/param, unpadded) with no gradient, master or AdamW state; the adapters (r (out + in) per
+target per block, 1/tp per rank) are BF16_Optimizer's one group and take every term above (weights, fp32 grads,
+ZeRO-1's 12 B/param / dp, the temporaries); buffers add their int64 row indices. A block keeps its adapters' inputs
+besides (`threed.memory.lora`), and the one-parameter bf16 .grad is the largest adapter's. tests/ranks/test_memory.py
+checks the static terms against a LoRA engine's tensors.
+
 Not included: CUDA context, NCCL/gloo buffers, allocator fragmentation (budget several GB). fp32 runs use
 DeepSpeed's ZeRO optimizer instead of BF16_Optimizer and are not modelled.
 """
@@ -92,10 +99,11 @@ from dataclasses import dataclass
 from typing import Literal, Sequence
 
 from threed.checkpoint.format import node_checkpoint_bytes
-from threed.config import ModelConfig, ParallelConfig
+from threed.config import LoraConfig, ModelConfig, ParallelConfig
 from threed.convert.resolve import model_config
 from threed.model.spec import LayerKind, largest_parameter, stage_parameters
 from threed.memory.deferred import awaiting_w_bytes, deferred_bytes_per_token
+from threed.memory import lora as lora_terms
 from threed.memory.recompute import Recompute
 from threed.parallel.device_policy import CudaOnly, cuda_only
 from threed.parallel.partition import resolve_partition
@@ -175,6 +183,12 @@ class Memory:
     activations: float  # the peak of the forward/backward phase, its transients included
     reduce_temp: float  # DP all-reduce flatten copy
     step_temp: float  # AdamW temporaries
+    adapters: int = 0  # --lora-rank: the adapters' elements, the only trainable ones (`params` is then the frozen base)
+
+    @property
+    def trainable(self) -> int:
+        """Elements with a gradient and optimizer state: the adapters under LoRA, else every parameter."""
+        return self.adapters or self.params
 
     @property
     def model_states(self) -> float:
@@ -214,6 +228,8 @@ class Memory:
             )
         )
         params = f"{self.params / 1e9:.2f}B" if self.params >= 1e8 else f"{self.params / 1e6:.2f}M"
+        if self.adapters:  # --lora-rank
+            params += f" frozen + {self.adapters / 1e6:.2f}M LoRA"
         chunks = f", {len(self.stage.chunks)} chunks" if self.stage.chunks else ""  # --vpp
         return (
             f"~{self.peak / scale:.0f} {unit}/GPU = {parts} (stage {self.stage.index} of {pp}{chunks}, {params} "
@@ -382,10 +398,12 @@ def stage_activations(
     schedule: str = "1f1b",
     cp: int = 1,
     head_chunks: int = 1,
+    lora: LoraConfig | None = None,
 ) -> float:
     """Peak bytes of the forward/backward phase on one rank of `stage`, beyond the static terms. `act_ckpt`: True
     (every block recomputed), False, or a `Recompute` (Megatron's flags); `schedule`: `threed.parallel.schedule`'s;
-    `cp`: context parallelism, each rank holding seq / cp tokens of every row; `head_chunks`: `--lm-head-chunks`.
+    `cp`: context parallelism, each rank holding seq / cp tokens of every row; `head_chunks`: `--lm-head-chunks`;
+    `lora`: --lora-rank's adapters, what they keep added to each block (`threed.memory.lora`).
     A stage with chunks (--vpp > 1) weighs each chunk's micro-batches in flight by what one keeps in that chunk
     (`threed.parallel.schedule.held_per_chunk`), and its peak is the largest over the B of each chunk."""
     rc = Recompute.of(act_ckpt)
@@ -393,6 +411,7 @@ def stage_activations(
     h, f, v = model.hidden_size, model.ffn_hidden_size, model.padded_vocab_size(tp) // tp
     tokens = seq * micro // cp  # this rank's tokens: everything per token below is per local token
     full_block = _full_block_bytes(model, tp, device, sp, rc, cp, seq, micro, tokens)
+    full_block += lora_terms.activation_bytes_per_token(model, lora, tp, sp) * tokens
     kept = [_kept_per_micro(model, tp, c, tokens, full_block, rc, sp, device, head_chunks) for c in stage.parts]
     _, loss_backward = logits_bytes(v, tokens, head_chunks)
     grad = BF16 * max_param  # one parameter's bf16 .grad before the hook adds it to the fp32 buffer
@@ -450,11 +469,19 @@ def stage_memory(
     schedule: str = "1f1b",
     cp: int = 1,
     head_chunks: int = 1,
+    lora: LoraConfig | None = None,
 ) -> Memory:
     h, d = model.hidden_size, model.head_dim
     tokens = seq * micro // cp  # this rank's tokens (seq / cp of each row)
     sp = sequence_parallel and tp > 1
     groups = [n for n in stage_params(model, tp, stage) if n]  # make_optimizer drops empty groups
+    base, frozen = sum(groups), 0
+    max_param = largest_parameter(model, tp, stage_kinds(stage))
+    if lora_terms.active(lora):  # --lora-rank: the base frozen (bf16 tensors of its own), the adapters the one group
+        assert lora is not None
+        adapters = lora_terms.block_elements(model, lora, tp) * stage.blocks
+        groups, frozen = [adapters] if adapters else [], base
+        max_param = lora_terms.largest_adapter(model, lora, tp) if adapters else 0
     # CP ranks hold the same weights and reduce gradients with the DP ranks: ZeRO-1 shards over dp x cp.
     shards = dp * cp
     align = 2 * shards  # BF16_Optimizer aligns each flat group to nccl_start_alignment_factor (2) x dp
@@ -465,20 +492,21 @@ def stage_memory(
         buffers += len(stage.parts) * (BF16 * tokens * h if tp == 1 else BF16 * tokens * (h // tp) + (0 if sp else 72))
     if sp and (stage.blocks or stage.last):  # megatron's all-gather buffer of the column-parallel linears' input
         buffers += BF16 * tokens * h
-    max_param = largest_parameter(model, tp, stage_kinds(stage))
+    buffers += lora_terms.index_bytes(model, lora, tp) * stage.blocks  # --lora-rank: the adapters' row indices
     adamw_temps = 0 if _switches(device).fused_adamw else 2 if device == "cpu" else 1
     return Memory(
         stage=stage,
-        params=sum(groups),
-        weights=float(BF16 * sum(padded)),
+        params=base,
+        weights=float(BF16 * (sum(padded) + frozen)),
         grads=float(4 * sum(padded)),
         optimizer=float(12 * sum(padded) // shards + 4 * len(groups)),  # + AdamW's fp32 `step` per group
         buffers=float(buffers),
         activations=stage_activations(
-            model, tp, pp, stage, micro, gas, seq, act_ckpt, device, max_param, sp, schedule, cp, head_chunks
+            model, tp, pp, stage, micro, gas, seq, act_ckpt, device, max_param, sp, schedule, cp, head_chunks, lora
         ),
         reduce_temp=float(reduce_copy_bytes(padded)),
-        step_temp=float(4 * max(p // shards for p in padded) * adamw_temps),
+        step_temp=float(4 * max((p // shards for p in padded), default=0) * adamw_temps),
+        adapters=sum(groups) if frozen else 0,
     )
 
 
@@ -498,14 +526,16 @@ def estimate(
     cp: int = 1,
     head_chunks: int = 1,
     vpp: int = 1,
+    lora: LoraConfig | None = None,
 ) -> list[Memory]:
     """Memory of every stage (one rank each; the TP and CP ranks of a stage hold equal shards) under `schedule`;
-    `dp` excludes `cp` (world = tp x pp x cp x dp); `head_chunks`: `--lm-head-chunks`; `vpp`: chunks per rank."""
+    `dp` excludes `cp` (world = tp x pp x cp x dp); `head_chunks`: `--lm-head-chunks`; `vpp`: chunks per rank;
+    `lora`: --lora-rank's (None or rank 0: a full fine-tune)."""
     if isinstance(model, str):
         model = model_config(model)
     return [
         stage_memory(
-            model, tp, pp, dp, micro, gas, seq, act_ckpt, s, device, sequence_parallel, schedule, cp, head_chunks
+            model, tp, pp, dp, micro, gas, seq, act_ckpt, s, device, sequence_parallel, schedule, cp, head_chunks, lora
         )
         for s in stages(model, pp, tp, seq, partition_method, vpp)
     ]

@@ -16,6 +16,9 @@ pp + (pp - 1) / v micro-batches); and recompute: none,
 every block, and the fewest recomputed blocks per stage that fit (Megatron's full recompute, method block: the
 first N blocks of every stage), found by bisection over N = 0..the largest stage's blocks (memory falls and step
 time grows with N, so no other N can win).
+Under LoRA (--lora-rank: the base frozen, `threed.memory.lora`) the layouts training takes with it
+(`threed.config.LoraConfig.validate`, the same rules): a rank tp divides, cp 1, 1F1B (ZB-H1 has no weight gradient to
+defer), no recompute with --lora-dropout > 0.
 Selective recompute is not searched: threed's SDPA keeps no s x s scores, so it saves next to nothing
 (`threed.memory.recompute`). A layout fits when its heaviest stage's peak (threed.memory, CUDA kernels) is at most
 --gpu-memory - --reserve.
@@ -27,7 +30,18 @@ import dataclasses
 from functools import partial
 from typing import Optional
 
-from threed.config import SECTIONS, ConfigError, ModelConfig, check_sequence_parallel, check_virtual_stages, flag_name
+from threed.config import (
+    SECTIONS,
+    ConfigError,
+    LoraConfig,
+    ModelConfig,
+    ParallelConfig,
+    TrainConfig,
+    check_sequence_parallel,
+    check_virtual_stages,
+    flag_name,
+)
+from threed.memory.lora import active
 from threed.memory.model import GB, estimate, heaviest, stages
 from threed.memory.recompute import Recompute
 
@@ -82,12 +96,16 @@ def candidates(
     schedule: Optional[str] = None,
     cp: Optional[int] = None,
     vpp: Optional[int] = None,
+    lora: Optional[LoraConfig] = None,
 ) -> list[Layout]:
     """Every valid layout (optionally restricted), fitting or not, fastest first. `act_ckpt`: only every block
     recomputed (True) or none (False); None: none, every block and the fewest that fit. Each schedule is searched
     on its own (ZB-H1 may need more recompute to fit), 1F1B also interleaved (`VPP_CHOICES`, where the blocks and the
-    micro-batches divide as Megatron asks); at pp 1 they are one."""
+    micro-batches divide as Megatron asks); at pp 1 they are one. `lora`: --lora-rank's, only what training takes
+    with it (`lora_allows`)."""
     out: list[Layout] = []
+    if not lora_allows(lora, 1, 1, "1f1b", True):  # --lora-dropout: no recompute
+        act_ckpt = False
     only = dict(micro=micro, act_ckpt=act_ckpt, sequence_parallel=sequence_parallel, schedule=schedule, vpp=vpp)
     for t in _divisors(hw.gpus_per_node):
         if model.num_heads % t or model.num_kv_heads % t or (tp and t != tp):
@@ -95,11 +113,31 @@ def candidates(
         for c in _divisors(hw.world // t):
             if c > MAX_CP or (cp and c != cp) or (not cp and c > 1 and seq // c < MIN_CP_TOKENS):
                 continue
+            if not lora_allows(lora, t, c):  # a rank tp does not divide, cp > 1
+                continue
             for p in _divisors(hw.world // (t * c)):
                 if p > model.num_layers or (pp and p != pp):
                     continue
-                out += _shapes(model, hw, seq, global_batch, t, p, c, **only)
+                out += _shapes(model, hw, seq, global_batch, t, p, c, **only, lora=lora)
     return sorted(out, key=lambda la: la.step_s)
+
+
+def lora_allows(
+    lora: Optional[LoraConfig], tp: int, cp: int = 1, schedule: str = "1f1b", recompute: bool = False
+) -> bool:
+    """Whether training takes `lora` at this tp, cp, schedule and recompute (its own check,
+    `threed.config.LoraConfig.validate`); always without LoRA."""
+    if not active(lora):
+        return True
+    assert lora is not None
+    try:
+        lora.validate(
+            ParallelConfig(tp=tp, cp=cp, pipeline_schedule=schedule),
+            TrainConfig(seq_length=1, activation_checkpointing=recompute),
+        )
+    except ConfigError:
+        return False
+    return True
 
 
 def _shapes(
@@ -115,9 +153,10 @@ def _shapes(
     sequence_parallel: Optional[bool],
     schedule: Optional[str],
     vpp: Optional[int] = None,
+    lora: Optional[LoraConfig] = None,
 ) -> list[Layout]:
     """The layouts of one (tp, pp, cp): every micro-batch size, sequence parallelism, schedule (interleaved or
-    not) and recompute."""
+    not) and recompute; `lora`: --lora-rank's."""
     out = []
     dp = hw.world // (t * p * c)
     for m in [micro] if micro else [1, 2, 4, 8, 16]:
@@ -128,11 +167,11 @@ def _shapes(
             if (sp and (t == 1 or seq % t)) or sequence_parallel not in (None, sp) or not cp_divides(seq, c, t, sp):
                 continue
             for sched in SCHEDULES:
-                if (p == 1 and sched != "1f1b") or schedule not in (None, sched):
+                if (p == 1 and sched != "1f1b") or schedule not in (None, sched) or not lora_allows(lora, t, c, sched):
                     continue
                 for v in vpp_choices(model, p, gas, sched, vpp):
                     most = largest_chunk(model, p, t, seq, v)
-                    layout = partial(_recomputing, (model, hw, seq, t, p, dp, m, gas, sp, sched, c), most, v)
+                    layout = partial(_recomputing, (model, hw, seq, t, p, dp, m, gas, sp, sched, c), most, v, lora)
                     none, every = layout(0), layout(most)
                     out += {False: [none], True: [every]}.get(act_ckpt, [none, every])  # type: ignore[arg-type]
                     if act_ckpt is None and every.fits and not none.fits and most > 1:
@@ -177,12 +216,12 @@ def check_cp(seq: int, cp: int, tp: int, sp: bool) -> None:
     check_divisible(seq, cp, tp, sp)
 
 
-def _recomputing(shape: tuple, most: int, vpp: int, n: int) -> Layout:
+def _recomputing(shape: tuple, most: int, vpp: int, lora: Optional[LoraConfig], n: int) -> Layout:
     """The layout of `shape` (`build_layout`'s arguments before and after its recompute: model, hw, seq, tp, pp, dp,
-    micro, gas; sp, schedule, cp) at `vpp` recomputing the first N blocks of each stage, or chunk (N = `most`: every
-    block)."""
+    micro, gas; sp, schedule, cp) at `vpp` (and `lora`) recomputing the first N blocks of each stage, or chunk
+    (N = `most`: every block)."""
     rc = Recompute.of(True) if n >= most else Recompute.first_blocks(n)
-    return build_layout(*shape[:8], rc, *shape[8:], most, vpp)
+    return build_layout(*shape[:8], rc, *shape[8:], most, vpp, lora)
 
 
 def build_layout(
@@ -200,16 +239,18 @@ def build_layout(
     cp: int = 1,
     most: Optional[int] = None,
     vpp: int = 1,
+    lora: Optional[LoraConfig] = None,
 ) -> Layout:
     """One layout, its memory and its predicted step (`threed.plan.steptime`): what the search ranks, and what
     `threed memory` prints for the one layout it is given. `most`: the largest stage's (chunk's) blocks, when known;
-    `vpp`: interleaved chunks per rank."""
+    `vpp`: interleaved chunks per rank; `lora`: --lora-rank's (the base frozen)."""
     most = most if most is not None else largest_chunk(model, pp, tp, seq, vpp)
-    mems = estimate(model, tp, pp, dp, micro, gas, seq, rc, sequence_parallel=sp, schedule=schedule, cp=cp, vpp=vpp)
-    passes = pass_times(model, hw, tp, pp, dp, micro, seq, rc, sp, schedule, cp, vpp)
-    seconds = step_time(
-        model, hw, tp, pp, dp, micro, gas, seq, rc, max(x.params for x in mems), sp, schedule, passes, cp, vpp
+    mems = estimate(
+        model, tp, pp, dp, micro, gas, seq, rc, sequence_parallel=sp, schedule=schedule, cp=cp, vpp=vpp, lora=lora
     )
+    passes = pass_times(model, hw, tp, pp, dp, micro, seq, rc, sp, schedule, cp, vpp, lora)
+    trainable = max(x.trainable for x in mems)  # what the DP all-reduce and AdamW touch
+    seconds = step_time(model, hw, tp, pp, dp, micro, gas, seq, rc, trainable, sp, schedule, passes, cp, vpp, lora)
     fits = heaviest(mems).peak <= hw.budget
     return Layout(tp, pp, dp, micro, gas, rc, heaviest(mems), seconds, fits, sp, most, schedule, passes, cp, vpp)
 
@@ -223,9 +264,13 @@ def _fewest_fitting(layout, most: int) -> Layout:
     return layout(hi)
 
 
-def _nodes_needed(model: ModelConfig, hw: Hardware, seq: int) -> Optional[int]:
+def _nodes_needed(model: ModelConfig, hw: Hardware, seq: int, lora: Optional[LoraConfig] = None) -> Optional[int]:
     """The fewest nodes (doubling) on which the leanest layout fits: largest tp, all GPUs in the pipeline."""
-    tp = max(t for t in _divisors(hw.gpus_per_node) if model.num_heads % t == 0 and model.num_kv_heads % t == 0)
+    tp = max(
+        t
+        for t in _divisors(hw.gpus_per_node)
+        if model.num_heads % t == 0 and model.num_kv_heads % t == 0 and lora_allows(lora, t)
+    )
     nodes = hw.nodes
     while nodes < 4096:
         nodes *= 2
@@ -233,7 +278,9 @@ def _nodes_needed(model: ModelConfig, hw: Hardware, seq: int) -> Optional[int]:
         while (nodes * hw.gpus_per_node) % (tp * pp):
             pp -= 1
         dp = nodes * hw.gpus_per_node // (tp * pp)
-        if heaviest(estimate(model, tp, pp, dp, 1, pp, seq, True, sequence_parallel=tp > 1)).peak <= hw.budget:
+        recompute = lora_allows(lora, tp, recompute=True)  # not with --lora-dropout
+        mems = estimate(model, tp, pp, dp, 1, pp, seq, recompute, sequence_parallel=tp > 1, lora=lora)
+        if heaviest(mems).peak <= hw.budget:
             return nodes
     return None
 
@@ -257,9 +304,19 @@ def check_positive(*numbers: tuple[str, float]) -> None:
             raise ConfigError(f"{what} must be a positive number, got {value:g}")
 
 
-def plan(model: ModelConfig, hw: Hardware, seq: int, global_batch: int, **only) -> tuple[Layout, list[Layout]]:
-    """(best, every candidate fastest first); ConfigError when nothing is valid or nothing fits."""
+def plan(
+    model: ModelConfig, hw: Hardware, seq: int, global_batch: int, lora: Optional[LoraConfig] = None, **only
+) -> tuple[Layout, list[Layout]]:
+    """(best, every candidate fastest first); ConfigError when nothing is valid or nothing fits. `lora`:
+    --lora-rank's (a filter given that training refuses with it: its one line)."""
     restricted = {k: v for k, v in only.items() if v is not None}
+    if active(lora):
+        assert lora is not None
+        parallel = dict(tp="tp", cp="cp", pipeline_schedule="schedule")
+        lora.validate(
+            ParallelConfig(**{f: restricted[k] for f, k in parallel.items() if k in restricted}),
+            TrainConfig(seq_length=1, activation_checkpointing=bool(restricted.get("act_ckpt"))),
+        )
     check_positive(
         ("--nodes", hw.nodes),
         ("--seq-length", seq),
@@ -285,7 +342,7 @@ def plan(model: ModelConfig, hw: Hardware, seq: int, global_batch: int, **only) 
                 f"{hw.gpus_per_node}; world = tp x pp x cp x dp): use a cp that divides {hw.world}"
             )
         check_cp(seq, cp, restricted.get("tp", 1), bool(restricted.get("sequence_parallel")))
-    every = candidates(model, hw, seq, global_batch, **only)
+    every = candidates(model, hw, seq, global_batch, **only, lora=lora)
     where = f"{hw.nodes} node(s) x {hw.gpus_per_node} GPUs"
     given = "".join(f" {FILTER_FLAGS[k]} {str(v).lower()}" for k, v in restricted.items())
     if not every:
@@ -300,7 +357,7 @@ def plan(model: ModelConfig, hw: Hardware, seq: int, global_batch: int, **only) 
     fitting = [la for la in every if la.fits]
     if not fitting:
         leanest = min(every, key=lambda la: la.memory.peak)
-        more = "" if restricted else _more_nodes(model, hw, seq)
+        more = "" if restricted else _more_nodes(model, hw, seq, lora)
         raise ConfigError(
             f"nothing fits: {model.name} at seq {seq} on {where} with {hw.gpu_memory_gb:g} GB needs "
             f"at least {leanest.memory.peak / GB:.0f} GB per GPU ({leanest.name()}; "
@@ -309,15 +366,15 @@ def plan(model: ModelConfig, hw: Hardware, seq: int, global_batch: int, **only) 
     return fitting[0], every
 
 
-def _more_nodes(model: ModelConfig, hw: Hardware, seq: int) -> str:
-    nodes = _nodes_needed(model, hw, seq)
+def _more_nodes(model: ModelConfig, hw: Hardware, seq: int, lora: Optional[LoraConfig] = None) -> str:
+    nodes = _nodes_needed(model, hw, seq, lora)
     return f"by this model it needs >= {nodes} nodes; " if nodes else ""
 
 
-def recipe_lines(model: str, best: Layout, global_batch: int, seq: int) -> list[str]:
+def recipe_lines(model: str, best: Layout, global_batch: int, seq: int, lora: Optional[LoraConfig] = None) -> list[str]:
     """What to paste into a recipe (recipes/launch.sh's variables; GAS empty so GLOBAL decides it). Partial
     recompute goes as Megatron's flags (RECOMPUTE_*), every block as ACT_CKPT; a schedule other than 1f1b as
-    PIPELINE_SCHEDULE, interleaving as VPP."""
+    PIPELINE_SCHEDULE, interleaving as VPP; LoRA as LORA_RANK (and LORA_TARGETS when not every target)."""
     values = {
         "MODEL": model,
         "TP": best.tp,
@@ -336,4 +393,9 @@ def recipe_lines(model: str, best: Layout, global_batch: int, seq: int) -> list[
         values.update(PIPELINE_SCHEDULE=best.schedule)
     if best.vpp > 1:  # --vpp
         values.update(VPP=best.vpp)
+    if active(lora):  # --lora-rank (its alpha and dropout change no memory: the recipe's own)
+        assert lora is not None
+        values.update(LORA_RANK=lora.lora_rank)
+        if set(lora.lora_targets) != set(LoraConfig().lora_targets):
+            values.update(LORA_TARGETS=" ".join(lora.lora_targets))
     return [f"{k}=${{{k}-{v}}}" for k, v in values.items()]

@@ -50,6 +50,14 @@ compute/communication overlap the engine has (below: megatron's linear backward 
   kv_heads d / tp bytes (`cp_collective_s`), in no overlap (the attention waits for its keys). The CP group's
   ranks are tp apart (megatron-core's order tp-cp-dp-pp): NVLink when tp cp fits in a node, else the network.
   Gradients reduce and ZeRO-1 shards over dp x cp (t_dp, t_optimizer with dp x cp).
+  LoRA (--lora-rank; `threed.memory.lora` counts the adapters, a_block elements per block): the base is frozen, so
+  there is no weight gradient of it: W is the adapters' alone (2 a_block per token of each block), F and B add the
+  adapters' forward and input gradient (2 a_block each) and their own TP collectives of [s, b, h]
+  (`threed.memory.lora.collectives_per_block`: the input gradient of each column-parallel base's adapters, the output
+  of each row-parallel one's, gathered); megatron's frozen linear keeps no input, so SP re-gathers nothing for W and no
+  collective hides behind a weight-gradient GEMM; t_dp and t_optimizer count the adapters only,
+  and a frozen tied embedding is all-reduced by nobody. With W next to nothing ZB-H1 has nothing to defer, and
+  training refuses it (threed.config.LoraConfig): the planner searches 1F1B.
   Bandwidths: NVLink (--nvlink-gbps) inside a node, the per-GPU network share (--network-gbps) across nodes; the
   DP and PP groups cross nodes when their rank stride (tp, tp cp dp) reaches a node.
 """
@@ -59,7 +67,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from threed.config import ModelConfig
+from threed.config import LoraConfig, ModelConfig
+from threed.memory.lora import block_elements, collectives_per_block
 from threed.memory.model import GB, kv_row_bytes, stages
 from threed.memory.recompute import Recompute
 from threed.model.spec import (
@@ -142,12 +151,15 @@ def pass_times(
     schedule: str = "1f1b",
     cp: int = 1,
     vpp: int = 1,
+    lora: Optional[LoraConfig] = None,
 ) -> tuple[float, float, float]:
     """Seconds of one micro-batch's F, B and W passes on the slowest stage (the model in the module docstring);
     `recompute`: True (every block), False, or Megatron's flags; `cp`: context parallelism (dp excludes it); `vpp`:
-    chunks per rank (the passes of all its chunks together, each chunk's sends counted)."""
+    chunks per rank (the passes of all its chunks together, each chunk's sends counted); `lora`: --lora-rank's."""
     rc = Recompute.of(recompute)
+    adapters = block_elements(model, lora)  # per block, all TP ranks; 0: a full fine-tune
     sp = sequence_parallel and tp > 1
+    lora_f, lora_b = collectives_per_block(lora, sp)  # the adapters' own TP collectives, per block
     h = model.hidden_size
     tokens = seq * micro // cp  # this rank's share of each row; FLOPs per token stay those of the whole row
     kv_exchange = cp_collective_s(model, hw, tp, cp, seq, micro)
@@ -159,18 +171,20 @@ def pass_times(
     slowest = (0.0, 0.0, 0.0)
     for st in stages(model, pp, tp, seq, None, vpp):
         recomputed = sum(rc.recomputed(c.blocks) for c in st.parts)  # Megatron's recompute counts per chunk
-        f_tp = 2 * st.blocks + st.first  # attention and MLP outputs; the embedding's
-        b_tp = 2 * st.blocks + 2 * recomputed + st.last  # their inputs' gradients, the recompute's; LM head's
+        f_tp = (2 + lora_f) * st.blocks + st.first  # attention and MLP outputs (LoRA: the adapters'); the embedding's
+        # their inputs' gradients, the recompute's (LoRA: the adapters' forward collectives again); the LM head's
+        b_tp = (2 + lora_b) * st.blocks + (2 + lora_f) * recomputed + st.last
         # megatron's re-gather of the column-parallel inputs; a deferred W (threed.model.wgrad) also re-gathers
         # the row-parallel output gradients it kept as sequence parts (two all-gathers: one all-reduce's worth)
-        w_tp = sp * (st.blocks + st.last / 2 + deferred * st.blocks)
-        flops = stage_flops(model, tp, seq, tokens, st.blocks, st.last, recomputed)
+        w_tp = sp * (st.blocks + st.last / 2 + deferred * st.blocks) * (not adapters)  # LoRA: nothing re-gathered
+        flops = stage_flops(model, tp, seq, tokens, st.blocks, st.last, recomputed, adapters)
         compute = [mm / rate + attn / (hw.rates.attn_tflops * 1e12) for mm, attn in flops]
         stretch = 1 + hw.rates.micro_s / sum(compute) if sum(compute) else 1.0  # c spread over the passes' compute
         f, b, w = (t * stretch + n * allreduce for t, n in zip(compute, (f_tp, b_tp, w_tp)))
         # CP: K/V all-gathered in each block's forward (again in a recomputed block's), dK/dV reduce-scattered in B
         f, b = f + st.blocks * kv_exchange, b + (st.blocks + recomputed) * kv_exchange
-        if not deferred and tp > 1:  # ZB-H1's B and W run their collectives alone (threed.model.wgrad)
+        # ZB-H1's B and W run their collectives alone (threed.model.wgrad); so do LoRA's frozen linears (no wgrad GEMM)
+        if not deferred and tp > 1 and not adapters:
             hidden_b, hidden_w = hidden_behind_gemms(model, tp, tokens, rate, allreduce, sp, st.blocks, st.last)
             b, w = b - hidden_b, w - hidden_w
         if pp > 1:  # activations forward (F), gradients backward (B): 1/tp of them each
@@ -185,20 +199,23 @@ def pass_times(
 
 
 def stage_flops(
-    model: ModelConfig, tp: int, seq: int, tokens: int, blocks: int, last: int, recomputed: int
+    model: ModelConfig, tp: int, seq: int, tokens: int, blocks: int, last: int, recomputed: int, adapters: int = 0
 ) -> tuple[tuple[float, float], ...]:
     """(matmul, causal attention) FLOPs on one TP rank of a stage's F, B and W passes for `tokens` tokens of rows of
     `seq`: F a third of the training FLOPs; W the matmuls' forward again (2 x matmul parameters per token, dgrad =
     wgrad = forward); B the rest, plus the recomputed blocks' forward. What `pass_times` divides by the rates and
-    `threed.plan.calibration` fits them on."""
+    `threed.plan.calibration` fits them on. `adapters`: LoRA's elements per block (all TP ranks): their matmuls join
+    F and B, and W is theirs alone (the base is frozen)."""
     m_block, m_head = (2.0 * matmul_parameters(model, kind, tp) for kind in ("block", "lm_head"))  # forward
+    m_block += 2.0 * adapters
     attn = attention_training_flops(model, seq, "causal") / 3  # forward
     mm_fwd, attn_fwd = blocks * m_block + last * m_head, blocks * attn
     scale = tokens / tp
+    wgrad = blocks * 2.0 * adapters if adapters else mm_fwd
     return (
         (scale * mm_fwd, scale * attn_fwd),
         (scale * (mm_fwd + recomputed * m_block), scale * (2 * attn_fwd + recomputed * attn)),
-        (scale * mm_fwd, 0.0),
+        (scale * wgrad, 0.0),
     )
 
 
@@ -266,22 +283,29 @@ def step_time(
     passes: Optional[tuple[float, float, float]] = None,
     cp: int = 1,
     vpp: int = 1,
+    lora: Optional[LoraConfig] = None,
 ) -> float:
     """Predicted seconds per optimizer step (the model in the module docstring); `params`: the largest stage's
-    parameters per GPU; `recompute`: True (every block), False, or Megatron's flags; `schedule`:
-    `threed.parallel.schedule`'s; `passes`: `pass_times` of the same arguments, when the caller has them already;
-    `cp`: context parallelism (gradients reduce and ZeRO-1 shards over dp x cp); `vpp`: interleaved chunks per rank."""
-    passes = passes or pass_times(model, hw, tp, pp, dp, micro, seq, recompute, sequence_parallel, schedule, cp, vpp)
+    trainable parameters per GPU (under LoRA its adapters); `recompute`: True (every block), False, or Megatron's
+    flags; `schedule`: `threed.parallel.schedule`'s; `passes`: `pass_times` of the same arguments, when the caller
+    has them already; `cp`: context parallelism (gradients reduce and ZeRO-1 shards over dp x cp); `vpp`:
+    interleaved chunks per rank; `lora`: --lora-rank's (the base frozen)."""
+    passes = passes or pass_times(
+        model, hw, tp, pp, dp, micro, seq, recompute, sequence_parallel, schedule, cp, vpp, lora
+    )
     pipeline, _ = simulate(schedule, pp, gas, *passes, vpp)
-    return pipeline + once_per_step_s(model, hw, tp, pp, dp * cp, params)
+    return pipeline + once_per_step_s(model, hw, tp, pp, dp * cp, params, frozen=block_elements(model, lora) > 0)
 
 
-def once_per_step_s(model: ModelConfig, hw: Hardware, tp: int, pp: int, shards: int, params: int) -> float:
+def once_per_step_s(
+    model: ModelConfig, hw: Hardware, tp: int, pp: int, shards: int, params: int, frozen: bool = False
+) -> float:
     """What a step costs besides its micro-batches: t_dp + t_tied + t_optimizer (the module docstring); `shards`:
-    dp x cp (CP ranks hold the same weights: they reduce gradients with the DP ranks)."""
+    dp x cp (CP ranks hold the same weights: they reduce gradients with the DP ranks); `frozen`: LoRA's base, whose
+    tied embedding has no gradient to all-reduce."""
     t_dp = (2 * 4 * params + 2 * params) * (shards - 1) / shards / link_bytes_per_s(hw, tp)  # ranks tp apart
     t_opt = (36 * params / shards + 12 * params) / (hw.hbm_gbps * 1e9)
-    return t_dp + tied_allreduce_s(model, hw, tp, pp, shards) + t_opt
+    return t_dp + (0.0 if frozen else tied_allreduce_s(model, hw, tp, pp, shards)) + t_opt
 
 
 def tied_allreduce_s(model: ModelConfig, hw: Hardware, tp: int, pp: int, dp: int) -> float:
