@@ -200,7 +200,7 @@ def inference(args: argparse.Namespace, rt: Runtime) -> None:
     optimizer, vpp 1, this launch's tp x pp), its weights' checksums, and greedy generation on PROMPTS with each
     step's top-1 / top-2 margin."""
     model = model_config("gqa31")
-    request = SimpleNamespace(load=args.load, model=model, tp=args.tp, pp=args.pp, dtype="fp32", tag=None)
+    request = SimpleNamespace(load=args.load, model=model, tp=args.tp, pp=args.pp, dtype="fp32", tag=None, lora=None)
     engine = pinned_engine(request, rt)
     out = generate_all(engine, model, PROMPTS, NEW_TOKENS, Sampling(), batch_size=len(PROMPTS))
     result = {
