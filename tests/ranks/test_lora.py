@@ -18,7 +18,12 @@ from safetensors.torch import load_file
 
 from helpers import RANKS, hf_model, model_config, write_dataset
 from reference import GLOBAL_BATCH, PARITY, gpt_reference
-from threed.config import LORA_TARGETS, LoraConfig, TrainConfig
+from threed.checkpoint.format import RUN_JSON, CheckpointLayout
+from threed.checkpoint.manifest import Found
+from threed.checkpoint.start import StartDecision
+from threed.checkpoint.universal import check_convertible
+from threed.config import LORA_TARGETS, ConfigError, LoraConfig, ParallelConfig, RunConfig, TrainConfig
+from threed.engine.lora import check_lora_start
 from threed.convert.lora import PEFT_MODULES, full_shapes, gather_adapters, shard, split_dims, target_slices
 from threed.model.spec import adapter_universal_patterns, is_adapter_pattern, pipeline_layers
 from tied_worker import tied_hf_model, tied_model_config
@@ -225,3 +230,30 @@ def test_universal_resume_at_another_layout_continues_the_lora_run(run, rank_poo
     adapters = put_together([torch.load(out / f"universal_{layout}_rank{r}.pt") for r in range(4)])
     assert set(adapters) == set(whole) and worst(whole, run["start_adapters"]) > 1e-3
     assert worst(adapters, whole) <= FP32_TOL, (layout, worst(adapters, whole))
+
+
+def test_what_a_lora_universal_resume_cannot_do_is_one_line(tmp_path):
+    """A LoRA checkpoint whose universal patterns name the frozen base (saved before they named its adapters: the
+    conversion would fail on patterns that match nothing), and a universal LoRA resume with --vpp > 1 on either side
+    (untested), are refused in one line; a checkpoint naming only adapters converts."""
+    step = tmp_path / "global_step2"
+    step.mkdir()
+    (tmp_path / RUN_JSON).write_text(json.dumps({"lora": {"lora_rank": RANK}, "parallel": {"vpp": 2}}))
+    found = Found(str(tmp_path), step.name, 2, CheckpointLayout(step.name, 2, 4, 4), True)
+    old = [r"\d+\.input_layernorm\.weight$", r"\d+\.self_attention\.linear_proj\.weight$"]
+    for patterns, refused in ((old, True), (adapter_universal_patterns([("mlp.linear_fc2.lora.A.down", 1)]), False)):
+        rows = patterns if isinstance(patterns, list) else patterns["PARAMETER_WITH_ROW_PARALLELISM_PATTERNS"]
+        info = {"universal_checkpoint_version": 0.2, "parameter_with_row_parallelism_patterns": rows}
+        torch.save({"universal_checkpoint_info": info}, step / "mp_rank_00_model_states.pt")
+        if refused:
+            with pytest.raises(ConfigError, match="LoRA run's checkpoint saved by an older threed") as e:
+                check_convertible(found)
+            assert "\n" not in str(e.value)
+        else:
+            check_convertible(found)
+    lora = LoraConfig(lora_rank=RANK, lora_alpha=ALPHA)
+    for vpp in (1, 2):  # the checkpoint's vpp is 2 (its threed_run.json); this run's either
+        cfg = RunConfig(model=model_config("gqa31"), parallel=ParallelConfig(vpp=vpp), lora=lora)
+        with pytest.raises(ConfigError, match=r"with --vpp > 1 \(this run's or the checkpoint's\) is not supported"):
+            check_lora_start(cfg, StartDecision(mode="resume", source=found, universal=True))
+    check_lora_start(cfg, StartDecision(mode="resume", source=found, universal=False))  # its own layout: natively
