@@ -7,7 +7,8 @@ in one process (tests/reference.py's optimizer and data).
 
 parity: every rank writes OUT/lora_rank<R>.json (losses, gradient norms, what the optimizer holds) and
 OUT/adapters_rank<R>.pt (its blocks' adapter shards, for the pytest side to put together with
-threed.convert.lora.gather_adapters); the last stage's TP rank 0 OUT/start_logits.pt. recompute:
+threed.convert.lora.gather_adapters); the last stage's TP rank 0 OUT/start_logits.pt; the checkpoint after step 2 in
+OUT/save. universal: that checkpoint resumed at other layouts (`universal`'s docstring). recompute:
 OUT/recompute_rank<R>.pt, each adapter's first-step gradient with and without full recompute, at pp2 and pp1. tied:
 OUT/tied_rank<R>.json, a tied model's runs at tp1 pp2 dp2 (fp32, bf16) and the untied model's in bf16.
 """
@@ -24,13 +25,14 @@ from worker_setup import build_engine, keeps_logits, load_hf_weights, local_modu
 from dist_worker import run_steps, train_dataset
 from helpers import hf_model, model_config
 from reference import PARITY
-from threed.config import DataConfig, LoraConfig, ParallelConfig, RunConfig, TrainConfig
+from threed.checkpoint.save import save
+from threed.config import CheckpointConfig, DataConfig, LoraConfig, ParallelConfig, RunConfig, TrainConfig
 from threed.model.spec import is_adapter_key
 from threed.parallel.distributed import Runtime
 from threed.verify.logits import pipeline_logits
 from tied_worker import tied_hf_model, tied_model_config
 
-STEPS, RANK, ALPHA = 5, 4, 8.0
+STEPS, RANK, ALPHA, SAVED = 5, 4, 8.0, 2
 
 
 def lora_config(data: str, peft: str, steps: int = STEPS, **train) -> RunConfig:
@@ -63,21 +65,31 @@ def start_logits(cfg: RunConfig, rt: Runtime, out) -> None:
         torch.save({"tokens": tokens, "logits": logits}, out / "start_logits.pt")
 
 
-def parity(args: argparse.Namespace, rt: Runtime) -> None:
-    cfg = lora_config(args.data, args.peft)
-    start_logits(cfg, rt, args.out)
-    engine = build_engine(cfg, rt).engine
-    load_hf_weights(engine, cfg, hf_model("gqa31").state_dict())
-    params = dict(engine.module.named_parameters())
-    adapters = {k: p for k, p in params.items() if is_adapter_key(k)}
-    losses, norms = run_steps(engine, cfg, train_dataset(cfg, rt.world_size), 0, STEPS)
+def save_adapters(engine, cfg: RunConfig, path) -> None:
+    """This rank's blocks' adapter shards and its TP rank, for the pytest side to put together."""
     blocks = {
         layer.block: {k: v.detach().clone() for k, v in m.state_dict().items() if ".lora." in k}
         for layer, m in local_modules(engine.module, cfg.model)
         if layer.kind == "block"
     }
-    tp_rank = engine.grid.get_slice_parallel_rank()
-    torch.save({"tp_rank": tp_rank, "blocks": blocks}, args.out / f"adapters_rank{rt.rank}.pt")
+    torch.save({"tp_rank": engine.grid.get_slice_parallel_rank(), "blocks": blocks}, path)
+
+
+def parity(args: argparse.Namespace, rt: Runtime) -> None:
+    """Also saves a checkpoint after step SAVED into OUT/save (what `universal` resumes at other layouts)."""
+    cfg = lora_config(args.data, args.peft)
+    start_logits(cfg, rt, args.out)
+    cfg = dataclasses.replace(cfg, checkpoint=CheckpointConfig(save=str(args.out / "save")))
+    engine = build_engine(cfg, rt).engine
+    load_hf_weights(engine, cfg, hf_model("gqa31").state_dict())
+    params = dict(engine.module.named_parameters())
+    adapters = {k: p for k, p in params.items() if is_adapter_key(k)}
+    ds = train_dataset(cfg, rt.world_size)
+    losses, norms = run_steps(engine, cfg, ds, 0, SAVED)
+    save(engine, cfg, rt.rank, {"consumed_samples": SAVED * cfg.train.global_batch_size})
+    more = run_steps(engine, cfg, ds, SAVED, STEPS)
+    losses, norms = losses + more[0], norms + more[1]
+    save_adapters(engine, cfg, args.out / f"adapters_rank{rt.rank}.pt")
     rank_json(
         args.out,
         "lora",
@@ -92,6 +104,33 @@ def parity(args: argparse.Namespace, rt: Runtime) -> None:
             "adapters_without_grad": [k for k, p in adapters.items() if not p.requires_grad],
         },
     )
+
+
+def universal(args: argparse.Namespace, rt: Runtime) -> None:
+    """parity's checkpoint after step SAVED (tp2 pp2 dp1) resumed at each --layouts TPxPP (dp = 4 / tp / pp) by the
+    same command, through DeepSpeed's universal checkpoint (converted once, into OUT/save/universal), trained on to
+    step STEPS: its losses and the start it got in OUT/universal_rank<R>.json, its adapters in
+    OUT/universal_<layout>_rank<R>.pt."""
+    out = {}
+    for layout in args.layouts:
+        tp, pp = (int(n) for n in layout.split("x"))
+        cfg = lora_config(args.data, args.peft)
+        cfg = dataclasses.replace(
+            cfg,
+            parallel=ParallelConfig(tp=tp, pp=pp, sequence_parallel=tp > 1),
+            checkpoint=CheckpointConfig(save=str(args.out / "save")),
+        )
+        built = build_engine(cfg, rt)
+        engine, start = built.engine, built.engine.global_steps
+        losses, _ = run_steps(engine, cfg, train_dataset(cfg, rt.world_size), start, STEPS)
+        save_adapters(engine, cfg, args.out / f"universal_{layout}_rank{rt.rank}.pt")
+        out[layout] = {
+            "start": start,
+            "losses": losses,
+            "universal": bool(built.decision and built.decision.universal),
+            "client_state": built.client_state,
+        }
+    rank_json(args.out, "universal", out)
 
 
 def adapter_grads(engine, cfg: RunConfig, rt: Runtime) -> dict[str, torch.Tensor]:
@@ -159,7 +198,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", required=True)
     p.add_argument("--peft", required=True)
     p.add_argument("--untied-peft")
+    p.add_argument("--layouts", nargs="*", default=["1x2"], help="universal: TPxPP layouts to resume at")
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_worker({"parity": parity, "recompute": recompute, "tied": tied}, add_arguments))
+    raise SystemExit(
+        run_worker({"parity": parity, "universal": universal, "recompute": recompute, "tied": tied}, add_arguments)
+    )

@@ -2,12 +2,14 @@
 whose A and B are both random (B = 0 would hide a wrong B path), brought in with --lora-init-from, trained 5 fp32
 steps at tp2 pp2 dp1 with sequence parallelism (tests/ranks/lora_worker.py); the same steps in one process with PEFT
 (tests/reference.py). Losses and gradient norms within 1e-5 relative at every step, the trained adapters within
-1e-5, and only the adapters in DeepSpeed's optimizer."""
+1e-5, and only the adapters in DeepSpeed's optimizer. The run's checkpoint after step 2, resumed at tp1 pp2 and tp2
+pp1 (slow) through DeepSpeed's universal checkpoint, continues its losses and ends at its adapters."""
 
 from __future__ import annotations
 
 import copy
 import json
+import re
 
 import numpy as np
 import pytest
@@ -16,9 +18,14 @@ from safetensors.torch import load_file
 
 from helpers import RANKS, hf_model, model_config, write_dataset
 from reference import GLOBAL_BATCH, PARITY, gpt_reference
-from threed.config import LORA_TARGETS, LoraConfig, TrainConfig
-from threed.convert.lora import PEFT_MODULES, gather_adapters
-from threed.model.spec import pipeline_layers
+from threed.checkpoint.format import RUN_JSON, CheckpointLayout
+from threed.checkpoint.manifest import Found
+from threed.checkpoint.start import StartDecision
+from threed.checkpoint.universal import check_convertible
+from threed.config import LORA_TARGETS, ConfigError, LoraConfig, ParallelConfig, RunConfig, TrainConfig
+from threed.engine.lora import check_lora_start
+from threed.convert.lora import PEFT_MODULES, full_shapes, gather_adapters, shard, split_dims, target_slices
+from threed.model.spec import adapter_universal_patterns, is_adapter_pattern, pipeline_layers
 from tied_worker import tied_hf_model, tied_model_config
 
 FP32_TOL = 1e-5
@@ -79,11 +86,16 @@ def run(tmp_path_factory, rank_pool):
 
 def trained_adapters(run) -> dict[str, torch.Tensor]:
     """The 3D run's adapters as PEFT tensors: each block's TP shards put together (threed.convert.lora)."""
+    return put_together(run["shards"])
+
+
+def put_together(shards: list[dict]) -> dict[str, torch.Tensor]:
+    """PEFT tensors from every rank's lora_worker.save_adapters file (a block's TP shards, once per dp rank)."""
     mc, lora = model_config("gqa31"), LoraConfig(lora_rank=RANK, lora_alpha=ALPHA)
     out = {}
     for layer in (ly for ly in pipeline_layers(mc) if ly.kind == "block"):
-        held = sorted((s["tp_rank"], s["blocks"][layer.block]) for s in run["shards"] if layer.block in s["blocks"])
-        out.update(gather_adapters(mc, layer, lora, [state for _, state in held]))
+        held = {s["tp_rank"]: s["blocks"][layer.block] for s in shards if layer.block in s["blocks"]}
+        out.update(gather_adapters(mc, layer, lora, [held[r] for r in sorted(held)]))
     return out
 
 
@@ -173,3 +185,75 @@ def test_tied_model_lora_matches_hf_peft_and_bf16_trains(run, rank_pool):
             assert got[name]["optimizer"] == "BF16_Optimizer"
             for a, b in zip(got[name]["losses"], fp32):
                 assert abs(a - b) <= 0.05 * b, (name, got[name]["losses"], fp32)
+
+
+def test_adapter_shards_are_even_ranges_of_their_split_dim():
+    """What a LoRA run's universal checkpoint tells DeepSpeed (threed.convert.lora.split_dims): each adapter's TP
+    shards, concatenated in rank order on its dim, are the PEFT tensor (a column base's B too: whole KV groups, the
+    gate / up halves), and only a row-parallel base's A is named, on dim 1 (DeepSpeed's default is dim 0)."""
+    mc, lora = model_config("gqa31"), LoraConfig(lora_rank=RANK, lora_alpha=ALPHA)
+    block = next(ly for ly in pipeline_layers(mc) if ly.kind == "block")
+    full = {name: torch.randn(shape) for name, shape in full_shapes(mc, block, lora).items()}
+    dims, tp = dict(split_dims(mc, lora)), 2
+    ranks = [target_slices(mc, block, lora, tp, r) for r in range(tp)]
+    for i, t in enumerate(ranks[0]):
+        for which in ("A", "B"):
+            specs = [getattr(held[i], which.lower()) for held in ranks]
+            cat = torch.cat([shard(full, spec) for spec in specs], dim=dims[t.key(which)])
+            assert torch.equal(cat, full[specs[0].source]), t.key(which)
+    rows = adapter_universal_patterns(split_dims(mc, lora))["PARAMETER_WITH_ROW_PARALLELISM_PATTERNS"]
+    named = [
+        n
+        for n in ("3.self_attention.linear_proj.lora.A.o", "2.mlp.linear_fc2.lora.A.down")
+        if any(re.match(p, n) for p in rows)
+    ]
+    assert len(rows) == 2 and len(named) == 2 and all(is_adapter_pattern(p) for p in rows)
+    assert not any(re.match(p, "3.self_attention.linear_proj.lora.B.o") for p in rows)
+
+
+@pytest.mark.parametrize("layout", ["1x2", pytest.param("2x1", marks=pytest.mark.slow)])  # ~5 s each
+def test_universal_resume_at_another_layout_continues_the_lora_run(run, rank_pool, layout):
+    """The parity run's checkpoint after step 2 (tp2 pp2 dp1) resumed at tp1 pp2 dp2 (and, slow, tp2 pp1 dp2) through
+    DeepSpeed's universal checkpoint (the adapters' fp32 master and Adam moments; the frozen base from the layer
+    files): steps 3 to 5 give the uninterrupted run's losses, and its trained adapters, within 1e-5."""
+    out = run["out"]
+    argv = ["universal", "--out", str(out), "--data", run["data"], "--peft", str(out / "peft")]
+    rank_pool.run(4, str(RANKS / "lora_worker.py"), [*argv, "--layouts", layout], timeout=900)
+    want, whole = run["ranks"][0]["losses"], trained_adapters(run)
+    for rank in range(4):
+        got = json.loads((out / f"universal_rank{rank}.json").read_text())[layout]
+        assert got["start"] == 2 and got["universal"] and got["client_state"] == {"consumed_samples": 16}
+        print(layout, "resumed", got["losses"], "\nuninterrupted", want[2:])
+        for step, (a, b) in enumerate(zip(got["losses"], want[2:]), start=3):
+            assert abs(a - b) <= FP32_TOL * abs(b), f"{layout} rank {rank} step {step}: {a} vs {b}"
+        assert len(got["losses"]) == STEPS - 2
+    adapters = put_together([torch.load(out / f"universal_{layout}_rank{r}.pt") for r in range(4)])
+    assert set(adapters) == set(whole) and worst(whole, run["start_adapters"]) > 1e-3
+    assert worst(adapters, whole) <= FP32_TOL, (layout, worst(adapters, whole))
+
+
+def test_what_a_lora_universal_resume_cannot_do_is_one_line(tmp_path):
+    """A LoRA checkpoint whose universal patterns name the frozen base (saved before they named its adapters: the
+    conversion would fail on patterns that match nothing), and a universal LoRA resume with --vpp > 1 on either side
+    (untested), are refused in one line; a checkpoint naming only adapters converts."""
+    step = tmp_path / "global_step2"
+    step.mkdir()
+    (tmp_path / RUN_JSON).write_text(json.dumps({"lora": {"lora_rank": RANK}, "parallel": {"vpp": 2}}))
+    found = Found(str(tmp_path), step.name, 2, CheckpointLayout(step.name, 2, 4, 4), True)
+    old = [r"\d+\.input_layernorm\.weight$", r"\d+\.self_attention\.linear_proj\.weight$"]
+    for patterns, refused in ((old, True), (adapter_universal_patterns([("mlp.linear_fc2.lora.A.down", 1)]), False)):
+        rows = patterns if isinstance(patterns, list) else patterns["PARAMETER_WITH_ROW_PARALLELISM_PATTERNS"]
+        info = {"universal_checkpoint_version": 0.2, "parameter_with_row_parallelism_patterns": rows}
+        torch.save({"universal_checkpoint_info": info}, step / "mp_rank_00_model_states.pt")
+        if refused:
+            with pytest.raises(ConfigError, match="LoRA run's checkpoint saved by an older threed") as e:
+                check_convertible(found)
+            assert "\n" not in str(e.value)
+        else:
+            check_convertible(found)
+    lora = LoraConfig(lora_rank=RANK, lora_alpha=ALPHA)
+    for vpp in (1, 2):  # the checkpoint's vpp is 2 (its threed_run.json); this run's either
+        cfg = RunConfig(model=model_config("gqa31"), parallel=ParallelConfig(vpp=vpp), lora=lora)
+        with pytest.raises(ConfigError, match=r"with --vpp > 1 \(this run's or the checkpoint's\) is not supported"):
+            check_lora_start(cfg, StartDecision(mode="resume", source=found, universal=True))
+    check_lora_start(cfg, StartDecision(mode="resume", source=found, universal=False))  # its own layout: natively

@@ -4,6 +4,8 @@ How each of our parameters is split over TP is `threed.model.spec.universal_chec
 the parameter table (the PipelineModule carries it as `universal_checkpoint_info`; DeepSpeed stores it in every
 mp_rank file, and `ds_to_universal` reads it from there): norms replicated, row-parallel weights on dim 1, SwiGLU's
 [gate_r; up_r] as two sub-parameters, the vocabulary padding cut to the true size and re-added for the new tp.
+A LoRA run's names only its adapters (the frozen base has no optimizer state: threed.engine.lora reads it from the
+layer files on resume).
 
 `convert` runs once per (checkpoint, old layout) on rank 0 and writes `<save>/universal/<tag>-from-<layout>/`,
 which DeepSpeed loads with `"checkpoint": {"load_universal": true}`; it is deleted once a newer checkpoint exists.
@@ -27,9 +29,10 @@ from typing import Callable, Optional
 import torch
 
 from threed.atomic import atomic_dir, write_atomic
-from threed.checkpoint.format import MP_RE, UNIVERSAL_DIR
+from threed.checkpoint.format import MP_RE, UNIVERSAL_DIR, read_run_json
 from threed.checkpoint.manifest import Found
 from threed.errors import ConfigError
+from threed.model.spec import is_adapter_pattern
 
 DONE = "threed_universal.json"  # written last: a conversion cut short is redone, a finished one reused
 
@@ -88,7 +91,8 @@ def clean_partial(out: Path) -> list[str]:
 
 def check_convertible(found: Found) -> None:
     """ds_to_universal needs `universal_checkpoint_info` in the mp_rank files (checkpoints saved before threed
-    declared it lack it) and the optimizer shards."""
+    declared it lack it; a LoRA run's must name its adapters only, threed.model.spec.adapter_universal_patterns)
+    and the optimizer shards."""
     step_dir = Path(found.path) / found.tag
     if not found.has_optimizer:
         raise ConfigError(
@@ -97,11 +101,20 @@ def check_convertible(found: Found) -> None:
         )
     mp = sorted(f for f in step_dir.iterdir() if MP_RE.match(f.name))
     state = torch.load(mp[0], map_location="cpu", weights_only=False)
-    if not state.get("universal_checkpoint_info"):
+    info = state.get("universal_checkpoint_info")
+    if not info:
         raise ConfigError(
             f"{step_dir} was saved without universal_checkpoint_info (by an older threed), so it can "
             f"only be resumed at its own layout ({found.layout.describe()}); or start from its weights "
             f"with --init-from {found.path}"
+        )
+    patterns = [p for v in info.values() if isinstance(v, list) for p in v if isinstance(p, str)]
+    lora = ((read_run_json(Path(found.path)) or {}).get("lora") or {}).get("lora_rank")
+    if lora and not all(is_adapter_pattern(p) for p in patterns):
+        raise ConfigError(
+            f"{step_dir} is a LoRA run's checkpoint saved by an older threed (its universal patterns name the "
+            f"frozen base, which has no optimizer state, not the adapters), so it can only be resumed at its own "
+            f"layout ({found.layout.describe()}); resume it there once and save again to move it"
         )
 
 

@@ -12,6 +12,7 @@ drift from it:
     row-parallel base (o down):            A columns = the base shard's input columns; B rows cut evenly over TP
 
     target_slices(cfg, layer, lora, tp, rank)   what one rank holds of one block (names, shapes, PEFT slices)
+    split_dims(cfg, lora)                        the dim TP splits each adapter on (universal checkpoints)
     read_peft(folder) / write_peft(...)          the HF PEFT folder (adapter_config.json, adapter_model.safetensors)
     gather_adapters(...)                         TP shards -> PEFT tensors
     read_adapters(source, ...)                   the adapters of an HF PEFT folder or of a threed LoRA checkpoint
@@ -116,6 +117,20 @@ def target_slices(cfg: ModelConfig, layer: PipelineLayer, lora: LoraConfig, tp: 
             placement = tuple(places)
         out.append(TargetSlices(target, ours.rsplit(".", 1)[0], row_parallel, a, b, placement))
     return out
+
+
+def split_dims(cfg: ModelConfig, lora: LoraConfig) -> list[tuple[str, int]]:
+    """(adapter parameter's name in a block, the dim TP splits it on) for every chosen target: what a LoRA run's
+    universal checkpoint patterns say (threed.model.spec.adapter_universal_patterns). A row-parallel base's A is
+    split on its input columns; every other adapter tensor on dim 0 (A's rank rows, B's output rows). Each rank's
+    shard is an even range of the unsharded tensor in rank order, also a column base's B (a rank's base shard holds
+    whole KV groups, or its gate / up halves' rows in order): DeepSpeed concatenates and re-splits them as such."""
+    block = next(ly for ly in pipeline_layers(cfg) if ly.kind == "block")
+    return [
+        (t.key(which), 1 if t.row_parallel and which == "A" else 0)
+        for t in target_slices(cfg, block, lora, 1, 0)
+        for which in ("A", "B")
+    ]
 
 
 def full_shapes(cfg: ModelConfig, layer: PipelineLayer, lora: LoraConfig) -> dict[str, tuple[int, int]]:

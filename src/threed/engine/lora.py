@@ -6,6 +6,10 @@ The adapters start from PEFT's default init (B = 0: the base's outputs), or from
 (`--lora-init-from`; for `threed generate / eval-harness --lora` also a threed LoRA run's checkpoint); either way
 each rank cuts its shards out of the unsharded tensors (threed.convert.lora), so any layout starts from the same
 adapter. Each save's manifest names the base the adapters belong to (threed.checkpoint.lora_base).
+
+A resume at another tp / pp / dp goes through DeepSpeed's universal checkpoint as a full run's does, for the
+adapters (their fp32 master and Adam moments: the only optimizer state there is); the frozen base is read from the
+checkpoint's layer files, sliced for the new layout (`load_frozen_base`).
 """
 
 from __future__ import annotations
@@ -14,13 +18,15 @@ from pathlib import Path
 
 import torch
 
-from threed.checkpoint.format import read_run_json
+from threed.checkpoint.format import open_checkpoint, read_run_json
 from threed.checkpoint.lora_base import MODULE_ATTR
 from threed.checkpoint.start import StartDecision
 from threed.config import ConfigError, RunConfig
-from threed.convert.lora import fresh_adapters, read_adapters, shard, target_slices
+from threed.convert.into_stage import load_into_stage
+from threed.convert.lora import fresh_adapters, read_adapters, shard, split_dims, target_slices
 from threed.model.layers import EmbeddingPipe
 from threed.model.lora import LoraAdapter, TargetShape, attach, freeze_base, input_requires_grad
+from threed.model.spec import adapter_universal_patterns, universal_checkpoint_info
 from threed.parallel.pipeline import local_modules
 
 
@@ -60,13 +66,35 @@ def attach_lora(module: torch.nn.Module, cfg: RunConfig, decision: StartDecision
                     adapter.A[t.target].copy_(shard(full, t.a))
                     adapter.B[t.target].copy_(shard(full, t.b))
             attach(linear, adapter)
-    return freeze_base(module)
+    # Each save's mp_rank files name how TP splits each adapter (only the adapters: the optimizer holds nothing else),
+    # which is what ds_to_universal needs to resume this run at another tp / pp.
+    module.universal_checkpoint_info = universal_checkpoint_info(
+        cfg.model, adapter_universal_patterns(split_dims(cfg.model, lora))
+    )
+    trainable = freeze_base(module)
+    if decision.mode == "resume" and decision.universal:
+        load_frozen_base(module, cfg, decision, tp, tp_rank)
+    return trainable
+
+
+def load_frozen_base(module: torch.nn.Module, cfg: RunConfig, decision: StartDecision, tp: int, tp_rank: int) -> None:
+    """A universal resume restores the parameters from the optimizer's fp32 state (DeepSpeed loads no layer file
+    then): the adapters' and their Adam moments come from the universal checkpoint, but the frozen base has no
+    optimizer state. It is read here from the checkpoint's own layer files, sliced for this rank's new layout
+    (threed.convert.into_stage, as --init-from at another layout), before DeepSpeed's engine is made; the adapters'
+    keys are not in what is loaded, so they keep their values (threed.model.lora: `_keep_if_absent`) until the
+    universal load sets them."""
+    src = decision.source
+    assert src is not None
+    ck = open_checkpoint(src.path, model=cfg.model, tag=src.tag)
+    with torch.no_grad():
+        load_into_stage(ck, local_modules(module, cfg.model), tp, tp_rank)
 
 
 def check_lora_start(cfg: RunConfig, decision: StartDecision) -> None:
     """What a LoRA checkpoint can start, in one line each: a run without --lora-rank would load its base and drop its
-    adapters (threed generate, eval-harness, a full fine-tune from it); a LoRA run resumes only at the layout it was
-    saved at (the universal checkpoint's patterns name no adapter: DeepSpeed would concatenate their shards)."""
+    adapters (threed generate, eval-harness, a full fine-tune from it); a LoRA run resumes at another tp / pp / dp
+    through the universal checkpoint, but not with interleaved stages on either side (untested there)."""
     source = decision.source.path if decision.source is not None else None
     recorded = (read_run_json(Path(source)) or {}) if source else {}
     if (recorded.get("lora") or {}).get("lora_rank") and not cfg.lora.lora_rank:
@@ -74,7 +102,9 @@ def check_lora_start(cfg: RunConfig, decision: StartDecision) -> None:
             f"{source} is a LoRA run's checkpoint: starting from it without its adapters is not in this build; "
             f"resume it with its own --lora-* flags, run it with `--lora`, or export it with `threed export --merge`"
         )
-    if cfg.lora.lora_rank and decision.mode == "resume" and (decision.universal or decision.other_layout):
+    vpp = max(cfg.parallel.vpp, int((recorded.get("parallel") or {}).get("vpp") or 1))
+    if cfg.lora.lora_rank and decision.mode == "resume" and decision.universal and vpp > 1:
         raise ConfigError(
-            "resuming a LoRA run at another tp/pp is not supported in this build; resume at the layout it was saved at"
+            "resuming a LoRA run at another layout with --vpp > 1 (this run's or the checkpoint's) is not supported "
+            "in this build; resume at the layout it was saved at, or at --vpp 1 on both sides"
         )

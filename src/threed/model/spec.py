@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cache
-from typing import Literal, Optional
+from typing import Iterable, Literal, Optional
 
 from threed.config import ModelConfig
 
@@ -385,9 +385,26 @@ def universal_patterns(model: ModelConfig) -> dict[str, list[str]]:
     return out
 
 
-def universal_checkpoint_info(model: ModelConfig) -> dict[str, object]:
+def adapter_universal_patterns(adapters: Iterable[tuple[str, int]]) -> dict[str, list[str]]:
+    """The patterns of a LoRA run, whose optimizer holds only the adapters: ds_to_universal sees no base parameter
+    (the frozen base has no optimizer state; a resume reads it from the layer files, threed.engine.lora), and a
+    pattern naming one would match nothing. `adapters`: each adapter parameter's name in a block
+    (`self_attention.linear_proj.lora.A.o`) and the dim TP splits it on. No adapter is replicated over TP
+    (Megatron-Bridge's layout) and every shard is an even range of the unsharded tensor: dim 0, DeepSpeed's default
+    (named nowhere), or dim 1 (a row-parallel base's A)."""
+    rows = [r"\d+\." + name.replace(".", r"\.") + "$" for name, dim in adapters if dim == 1]
+    return {"PARAMETER_WITH_ROW_PARALLELISM_PATTERNS": rows} if rows else {}
+
+
+def is_adapter_pattern(pattern: str) -> bool:
+    """Whether a universal pattern names a LoRA adapter's parameter (`adapter_universal_patterns`)."""
+    return rf"\.{LORA_ADAPTER}\." in pattern
+
+
+def universal_checkpoint_info(model: ModelConfig, patterns: Optional[dict[str, list[str]]] = None) -> dict[str, object]:
     """What `deepspeed.checkpoint.ds_to_universal` needs to know about our parameters (the PipelineModule carries
-    it as `universal_checkpoint_info`; DeepSpeed saves it in every mp_rank file)."""
+    it as `universal_checkpoint_info`; DeepSpeed saves it in every mp_rank file). `patterns`: a LoRA run's
+    (`adapter_universal_patterns`); by default the whole model's (`universal_patterns`)."""
     # deepspeed: heavy (imported where a model is built anyway); its constants are the keys it reads.
     from deepspeed.checkpoint import constants
 
@@ -397,6 +414,6 @@ def universal_checkpoint_info(model: ModelConfig) -> dict[str, object]:
         # Padding rows of the vocabulary are cut to the true size and re-added for the new tp on load.
         "original_vocab_size": model.vocab_size,
     }
-    for name, patterns in universal_patterns(model).items():
-        info[getattr(constants, name)] = patterns
+    for name, named in (universal_patterns(model) if patterns is None else patterns).items():
+        info[getattr(constants, name)] = named
     return info
