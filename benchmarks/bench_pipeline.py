@@ -41,11 +41,11 @@ MODEL = dict(
 )
 
 
-def bench_model(layers: int):
-    """The benchmark's ModelConfig at `--layers` blocks."""
+def bench_model(layers: int, vocab: int = MODEL["vocab_size"]):
+    """The benchmark's ModelConfig at `--layers` blocks and a `--vocab` vocabulary."""
     from threed.config import ModelConfig
 
-    return ModelConfig(name="bench", **{**MODEL, "num_layers": layers})
+    return ModelConfig(name="bench", **{**MODEL, "num_layers": layers, "vocab_size": vocab})
 
 
 def measured_partition(a: argparse.Namespace) -> str:
@@ -55,7 +55,7 @@ def measured_partition(a: argparse.Namespace) -> str:
     from threed.plan.profile import profile_layers, report
 
     cfg = RunConfig(
-        model=bench_model(a.layers),
+        model=bench_model(a.layers, a.vocab),
         parallel=ParallelConfig(tp=1, pp=2),
         train=TrainConfig(dtype="fp32", micro_batch_size=a.micro, seq_length=a.seq),
     )
@@ -80,7 +80,7 @@ def worker(a: argparse.Namespace) -> None:
     rt = init_distributed()
     steps = 2 + a.repeats * a.steps
     cfg = RunConfig(
-        model=bench_model(a.layers),
+        model=bench_model(a.layers, a.vocab),
         parallel=ParallelConfig(
             tp=1,
             pp=a.pp,
@@ -106,7 +106,7 @@ def worker(a: argparse.Namespace) -> None:
 
     def batches():
         while True:
-            tokens = torch.randint(0, MODEL["vocab_size"], (a.micro, a.seq + 1), generator=gen)
+            tokens = torch.randint(0, a.vocab, (a.micro, a.seq + 1), generator=gen)
             yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
     it = batches() if reads else None
@@ -201,6 +201,8 @@ def launch(a: argparse.Namespace, pp: int, out: str) -> list[dict]:
         a.partition,
         "--layers",
         str(a.layers),
+        "--vocab",
+        str(a.vocab),
         "--schedule",
         a.schedule,
         "--vpp",
@@ -228,6 +230,7 @@ def main() -> int:
         help="--partition-method for both runs, or `measured`: threed profile-layers' costs:... method",
     )
     p.add_argument("--layers", type=int, default=MODEL["num_layers"], help="transformer blocks (default: %(default)s)")
+    p.add_argument("--vocab", type=int, default=MODEL["vocab_size"], help="vocabulary (default: %(default)s)")
     p.add_argument("--schedule", default="1f1b", choices=("1f1b", "zb-h1"), help="--pipeline-schedule of the pp2 run")
     p.add_argument("--vpp", type=int, default=1, help="--vpp of the pp2 run (interleaved stages)")
     p.add_argument(
@@ -271,7 +274,7 @@ def main() -> int:
 
     idle, idle1 = stage_means(writer, clean2), stage_means(one[0], clean1)
     print(
-        f"model hidden {MODEL['hidden_size']}, {a.layers} layers, vocab {MODEL['vocab_size']}, seq "
+        f"model hidden {MODEL['hidden_size']}, {a.layers} layers, vocab {a.vocab}, seq "
         f"{a.seq}, fp32, micro {a.micro} x gas {a.gas}, 1 thread per rank, partition {a.partition}, "
         f"pp2 schedule {a.schedule}"
     )
