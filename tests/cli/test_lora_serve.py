@@ -22,10 +22,11 @@ import torch
 from convert_fixtures import hf_model
 from helpers import decide, own_world_env, tiny_train
 from lora_fixtures import CONFIG, LORA, adapter_only, convert, make_served, peft_model
-from threed.checkpoint.format import open_checkpoint, read_model_config
+from threed.checkpoint.format import ADAPTERS_ONLY, open_checkpoint, read_model_config
 from threed.checkpoint.manifest import read_manifest
 from threed.checkpoint.lora_base import fingerprint, identity
 from threed.cli.main import main
+from threed.convert.lora import checkpoint_adapters
 from threed.config import CheckpointConfig, ParallelConfig, RunConfig, TrainConfig
 from threed.errors import ConfigError, ThreedError
 from threed.generate.prompts import lora_request
@@ -163,8 +164,9 @@ def test_each_save_names_the_base_the_engine_was_given():
 
 @pytest.mark.slow  # four runs of threed train and a generate (~100 s)
 def test_a_lora_run_names_its_base_and_refuses_another(tiny_corpus, tok_dirs, tmp_path):
-    """`threed train --lora-rank --init-from BASE`: its manifest names BASE; resumed with --init-from OTHER it is
-    refused in one line; `threed generate --lora RUN` runs it, and with `--load OTHER` is refused."""
+    """`threed train --lora-rank --init-from BASE`: its manifest names BASE, its layer files hold only the adapters;
+    resumed with --init-from OTHER it is refused in one line; `threed generate --lora RUN` runs it (on BASE), and with
+    `--load OTHER` is refused."""
     for name, seed in (("base", "1"), ("other", "2")):
         p = tiny_train(tiny_corpus, tmp_path / name, "--steps", "1", "--seed", seed)
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -172,7 +174,9 @@ def test_a_lora_run_names_its_base_and_refuses_another(tiny_corpus, tok_dirs, tm
     p = tiny_train(tiny_corpus, tmp_path / "run", "--init-from", str(tmp_path / "base"), *lora)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     manifest = read_manifest(tmp_path / "run" / "global_step1")
-    assert manifest["lora_base"] == identity(tmp_path / "base", "global_step1")
+    assert manifest["lora_base"] == identity(tmp_path / "base", "global_step1") and manifest[ADAPTERS_ONLY]
+    run = open_checkpoint(tmp_path / "run")
+    assert all(is_adapter_key(k) for layer in run.layers for sd in run.load_layer(layer) for k in sd)
     p = tiny_train(tiny_corpus, tmp_path / "run", "--init-from", str(tmp_path / "other"), *lora)
     errors = [line for line in p.stderr.splitlines() if "error" in line]
     assert p.returncode != 0 and len(errors) == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
@@ -197,12 +201,17 @@ def test_an_adapter_only_checkpoint_reads_as_the_whole_one(served):
     only = open_checkpoint(served / "only")
     assert only.adapters_only and not open_checkpoint(served / "lora").adapters_only
     assert all(is_adapter_key(k) for layer in only.layers for sd in only.load_layer(layer) for k in sd)
-    for flag in ("--lora", "--merge"):
-        outs = [served / f"export{flag}-{name}" for name in ("lora", "only")]
-        for name, out in zip(("lora", "only"), outs):
-            assert main(["export", flag, "--ckpt", str(served / name), "--out", str(out), "--quiet"]) == 0
-        whole, adapters = (safetensors_of(out) for out in outs)
-        assert whole.keys() == adapters.keys() and all(torch.equal(whole[k], adapters[k]) for k in whole), flag
+    assert (
+        main(["export", "--lora", "--ckpt", str(served / "only"), "--out", str(served / "only_peft"), "--quiet"]) == 0
+    )
+    exported = safetensors_of(served / "only_peft")  # what the whole checkpoint's export writes: its adapters
+    whole = checkpoint_adapters(open_checkpoint(served / "lora"), LORA)
+    assert exported.keys() == whole.keys() and all(torch.equal(exported[k], whole[k]) for k in whole)
+    outs = [served / f"merged_{name}" for name in ("lora", "only")]
+    for name, out in zip(("lora", "only"), outs):
+        assert main(["export", "--merge", "--ckpt", str(served / name), "--out", str(out), "--quiet"]) == 0
+    whole, merged = (safetensors_of(out) for out in outs)
+    assert whole.keys() == merged.keys() and all(torch.equal(whole[k], merged[k]) for k in whole)
 
 
 def one_line(call) -> str:
