@@ -5,6 +5,7 @@ saves one: the frozen base's layer files with each TP rank's adapter shards besi
 and a manifest naming its base (threed.checkpoint.lora_base).
 
     root = make_served(tmp, tok_dir)   # root/hf, root/base (tp2 pp1), root/peft, root/lora, root/other (seed 1)
+    adapter_only(root / "lora", root / "only", root / "base")   # the same, as an adapter-only checkpoint
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ import torch
 from safetensors.torch import load_file
 
 from convert_fixtures import GQA4, hf_model, save_hf
-from threed.checkpoint.format import LATEST, RUN_JSON, CONVERT_MANIFEST, open_checkpoint
+from threed.checkpoint.format import ADAPTERS_ONLY, LATEST, MANIFEST_NAME, RUN_JSON, CONVERT_MANIFEST, open_checkpoint
 from threed.checkpoint.lora_base import LORA_BASE, identity
 from threed.checkpoint.manifest import write_manifest
 from threed.config import LoraConfig
 from threed.convert.from_hf import convert_hf_checkpoint
 from threed.convert.lora import PEFT_MODULES, shard, target_slices
+from threed.model.spec import is_adapter_key
 
 CONFIG = dict(GQA4, vocab_size=320)  # room for the 300-piece test tokenizer
 LORA = LoraConfig(lora_rank=4, lora_alpha=8.0)
@@ -79,6 +81,20 @@ def lora_checkpoint(base: Path, peft_dir: Path, out: Path) -> Path:
     return out
 
 
+def adapter_only(lora: Path, out: Path, base: Path) -> Path:
+    """`lora_checkpoint`'s checkpoint as a LoRA run from a base now saves it: its layer files stripped to the adapters
+    (DeepSpeed's exclude_frozen_parameters), its manifest saying so and naming `base`."""
+    shutil.copytree(lora, out)
+    step_dir = out / "global_step1"
+    for path in step_dir.glob("layer_*-model_states.pt"):
+        state = torch.load(path, weights_only=True)
+        torch.save({k: v for k, v in state.items() if is_adapter_key(k)}, path)
+    files = {f.name: f.stat().st_size for f in step_dir.iterdir() if f.name != MANIFEST_NAME}
+    meta = {"step": 1, "dtype": "fp32", LORA_BASE: identity(base), ADAPTERS_ONLY: True}
+    write_manifest(step_dir, files, meta)
+    return out
+
+
 def greedy_rows(model, tok, texts: list[str], max_new: int) -> list[list[int]]:
     """HF's greedy continuation of each prompt alone (`model`: a transformers or PEFT model), stopping at the
     tokenizer's EOS (included)."""
@@ -99,7 +115,8 @@ def greedy_rows(model, tok, texts: list[str], max_new: int) -> list[list[int]]:
 
 
 def make_served(root: Path, tok_dir: str) -> Path:
-    """The base (tp2 pp1), the PEFT adapter, the LoRA checkpoint and another base (seed 1), under `root`."""
+    """The base (tp2 pp1), the PEFT adapter, the LoRA checkpoint (whole, and adapter-only) and another base (seed 1),
+    under `root`."""
     for name, seed in (("hf", 0), ("hf_other", 1)):
         save_hf(root / name, CONFIG, seed=seed)
         for f in Path(tok_dir).iterdir():  # the HF source's tokenizer files: they travel into the checkpoint
@@ -108,4 +125,5 @@ def make_served(root: Path, tok_dir: str) -> Path:
     convert(root / "hf_other", root / "other", TP, 1)
     peft_model().save_pretrained(str(root / "peft"))
     lora_checkpoint(root / "base", root / "peft", root / "lora")
+    adapter_only(root / "lora", root / "only", root / "base")
     return root

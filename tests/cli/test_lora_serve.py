@@ -21,13 +21,16 @@ import torch
 
 from convert_fixtures import hf_model
 from helpers import decide, own_world_env, tiny_train
-from lora_fixtures import CONFIG, LORA, convert, make_served, peft_model
-from threed.checkpoint.format import open_checkpoint, read_model_config
+from lora_fixtures import CONFIG, LORA, adapter_only, convert, make_served, peft_model
+from threed.checkpoint.format import ADAPTERS_ONLY, open_checkpoint, read_model_config
 from threed.checkpoint.manifest import read_manifest
 from threed.checkpoint.lora_base import fingerprint, identity
 from threed.cli.main import main
+from threed.convert.lora import checkpoint_adapters
 from threed.config import CheckpointConfig, ParallelConfig, RunConfig, TrainConfig
-from threed.errors import ConfigError
+from threed.errors import ConfigError, ThreedError
+from threed.generate.prompts import lora_request
+from threed.model.spec import is_adapter_key
 from threed.model.presets import PRESETS
 
 
@@ -72,13 +75,13 @@ def test_fingerprint_names_the_base_at_any_layout(served):
     assert identity(served / "other")["fingerprint"] != base["fingerprint"]
 
 
-def resume_config(served, init_from) -> RunConfig:
+def resume_config(served, init_from, load: str = "lora", lora=LORA) -> RunConfig:
     return RunConfig(
         model=read_model_config(served / "base"),
         parallel=ParallelConfig(tp=2),
         train=TrainConfig(micro_batch_size=1, seq_length=32, steps=4),
-        checkpoint=CheckpointConfig(load=str(served / "lora"), init_from=init_from),
-        lora=LORA,
+        checkpoint=CheckpointConfig(load=str(served / load), init_from=init_from),
+        lora=lora,
     )
 
 
@@ -161,8 +164,9 @@ def test_each_save_names_the_base_the_engine_was_given():
 
 @pytest.mark.slow  # four runs of threed train and a generate (~100 s)
 def test_a_lora_run_names_its_base_and_refuses_another(tiny_corpus, tok_dirs, tmp_path):
-    """`threed train --lora-rank --init-from BASE`: its manifest names BASE; resumed with --init-from OTHER it is
-    refused in one line; `threed generate --lora RUN` runs it, and with `--load OTHER` is refused."""
+    """`threed train --lora-rank --init-from BASE`: its manifest names BASE, its layer files hold only the adapters;
+    resumed with --init-from OTHER it is refused in one line; `threed generate --lora RUN` runs it (on BASE), and with
+    `--load OTHER` is refused."""
     for name, seed in (("base", "1"), ("other", "2")):
         p = tiny_train(tiny_corpus, tmp_path / name, "--steps", "1", "--seed", seed)
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -170,7 +174,9 @@ def test_a_lora_run_names_its_base_and_refuses_another(tiny_corpus, tok_dirs, tm
     p = tiny_train(tiny_corpus, tmp_path / "run", "--init-from", str(tmp_path / "base"), *lora)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     manifest = read_manifest(tmp_path / "run" / "global_step1")
-    assert manifest["lora_base"] == identity(tmp_path / "base", "global_step1")
+    assert manifest["lora_base"] == identity(tmp_path / "base", "global_step1") and manifest[ADAPTERS_ONLY]
+    run = open_checkpoint(tmp_path / "run")
+    assert all(is_adapter_key(k) for layer in run.layers for sd in run.load_layer(layer) for k in sd)
     p = tiny_train(tiny_corpus, tmp_path / "run", "--init-from", str(tmp_path / "other"), *lora)
     errors = [line for line in p.stderr.splitlines() if "error" in line]
     assert p.returncode != 0 and len(errors) == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
@@ -180,3 +186,64 @@ def test_a_lora_run_names_its_base_and_refuses_another(tiny_corpus, tok_dirs, tm
     p = subprocess.run([sys.executable, "-m", "threed.cli", *argv], env=own_world_env(), capture_output=True, text=True)
     assert p.returncode == 0 and len(json.loads(p.stdout.splitlines()[-1])["tokens"]) == 3, p.stderr[-3000:]
     assert main([*argv, "--load", str(tmp_path / "other")]) == 2
+
+
+def safetensors_of(folder) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+
+def test_an_adapter_only_checkpoint_reads_as_the_whole_one(served):
+    """The adapter-only form of the LoRA checkpoint (layer files holding the adapters alone, the base named): its
+    files hold no base tensor; `threed export --lora` and `--merge` (the base read from the one it names) write what
+    they write from the whole checkpoint, bit for bit."""
+    only = open_checkpoint(served / "only")
+    assert only.adapters_only and not open_checkpoint(served / "lora").adapters_only
+    assert all(is_adapter_key(k) for layer in only.layers for sd in only.load_layer(layer) for k in sd)
+    assert (
+        main(["export", "--lora", "--ckpt", str(served / "only"), "--out", str(served / "only_peft"), "--quiet"]) == 0
+    )
+    exported = safetensors_of(served / "only_peft")  # what the whole checkpoint's export writes: its adapters
+    whole = checkpoint_adapters(open_checkpoint(served / "lora"), LORA)
+    assert exported.keys() == whole.keys() and all(torch.equal(exported[k], whole[k]) for k in whole)
+    outs = [served / f"merged_{name}" for name in ("lora", "only")]
+    for name, out in zip(("lora", "only"), outs):
+        assert main(["export", "--merge", "--ckpt", str(served / name), "--out", str(out), "--quiet"]) == 0
+    whole, merged = (safetensors_of(out) for out in outs)
+    assert whole.keys() == merged.keys() and all(torch.equal(whole[k], merged[k]) for k in whole)
+
+
+def one_line(call) -> str:
+    with pytest.raises(ConfigError) as e:
+        call()
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_an_adapter_only_resume_reads_the_base_it_names_or_says_why_not(served, tmp_path):
+    """A resume of the adapter-only checkpoint reads the base its manifest names (fingerprint checked on rank 0,
+    before any build); a base gone or changed is one line naming it and the fix, a base that moved is given with
+    --init-from; other adapters than it holds, or --init-from of it, one line each. `threed generate --lora ONLY`
+    runs on the named base (one line when it is gone)."""
+    decision = decide(resume_config(served, None, "only"), 2)
+    assert decision.adapters_only and decision.lora_base == identity(served / "base")
+    moved = shutil.copytree(served / "base", tmp_path / "base")
+    adapter_only(served / "lora", tmp_path / "only", moved)
+    shutil.rmtree(moved)
+    cfg = resume_config(served, None, str(tmp_path / "only"))
+    line = one_line(lambda: decide(cfg, 2))
+    assert f"only/global_step1 holds only LoRA adapters, and its base {moved} (global_step0, fingerprint" in line
+    assert "put the base back there, or give where it is now with --init-from BASE" in line
+    given = decide(resume_config(served, str(served / "base"), str(tmp_path / "only")), 2)
+    assert given.adapters_only and given.lora_base == identity(served / "base")
+    with pytest.raises(ThreedError, match=f"holds only LoRA adapters, and its base {moved} .* put the base back at"):
+        lora_request(None, str(tmp_path / "only"))
+    assert lora_request(None, str(served / "only"))[0] == str(served / "base")
+    shutil.copytree(served / "other", moved)  # another model's weights where the base was
+    assert f"{moved} is not the base the LoRA adapters of" in one_line(lambda: decide(cfg, 2))
+    other = dataclasses.replace(LORA, lora_targets=("q", "v"))
+    line = one_line(lambda: decide(resume_config(served, None, "only", other), 2))
+    assert "with other LoRA adapters than it holds (--lora-targets" in line
+    weights = dataclasses.replace(cfg, checkpoint=CheckpointConfig(init_from=str(served / "only")))
+    assert "holds only LoRA adapters (its base is elsewhere); export them" in one_line(lambda: decide(weights, 2))

@@ -3,14 +3,15 @@ an HF PEFT adapter brought in with --lora-init-from and trained 5 steps with seq
 in one process (tests/reference.py's optimizer and data).
 
     python -m torch.distributed.run --nproc-per-node 4 tests/ranks/lora_worker.py parity --out /tmp/l --data PREFIX \\
-        --peft PEFT_DIR
+        --peft PEFT_DIR --base BASE_CKPT
 
 parity: every rank writes OUT/lora_rank<R>.json (losses, gradient norms, what the optimizer holds) and
 OUT/adapters_rank<R>.pt (its blocks' adapter shards, for the pytest side to put together with
 threed.convert.lora.gather_adapters); the last stage's TP rank 0 OUT/start_logits.pt; the checkpoint after step 2 in
-OUT/save. universal: that checkpoint resumed at other layouts (`universal`'s docstring). recompute:
-OUT/recompute_rank<R>.pt, each adapter's first-step gradient with and without full recompute, at pp2 and pp1. tied:
-OUT/tied_rank<R>.json, a tied model's runs at tp1 pp2 dp2 (fp32, bf16) and the untied model's in bf16.
+OUT/save (adapter-only: the run starts from --base, a tp1 pp1 conversion of the HF model) and OUT/async_save.
+universal: that checkpoint resumed at other layouts (`universal`'s docstring). recompute: OUT/recompute_rank<R>.pt,
+each adapter's first-step gradient with and without full recompute, at pp2 and pp1. tied: OUT/tied_rank<R>.json, a
+tied model's runs at tp1 pp2 dp2 (fp32, bf16) and the untied model's in bf16.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from worker_setup import build_engine, keeps_logits, load_hf_weights, local_modu
 from dist_worker import run_steps, train_dataset
 from helpers import hf_model, model_config
 from reference import PARITY
+from threed.checkpoint.async_save import AsyncSaver
 from threed.checkpoint.save import save
 from threed.config import CheckpointConfig, DataConfig, LoraConfig, ParallelConfig, RunConfig, TrainConfig
 from threed.model.spec import is_adapter_key
@@ -76,17 +78,25 @@ def save_adapters(engine, cfg: RunConfig, path) -> None:
 
 
 def parity(args: argparse.Namespace, rt: Runtime) -> None:
-    """Also saves a checkpoint after step SAVED into OUT/save (what `universal` resumes at other layouts)."""
+    """Started from --base (the HF model converted at tp1 pp1: its weights read slice by slice), it saves an
+    adapter-only checkpoint naming that base after step SAVED into OUT/save (what `universal` resumes at other
+    layouts), and the same state through --async-save into OUT/async_save."""
     cfg = lora_config(args.data, args.peft)
     start_logits(cfg, rt, args.out)
-    cfg = dataclasses.replace(cfg, checkpoint=CheckpointConfig(save=str(args.out / "save")))
+    cfg = dataclasses.replace(cfg, checkpoint=CheckpointConfig(save=str(args.out / "save"), init_from=args.base))
     engine = build_engine(cfg, rt).engine
-    load_hf_weights(engine, cfg, hf_model("gqa31").state_dict())
     params = dict(engine.module.named_parameters())
     adapters = {k: p for k, p in params.items() if is_adapter_key(k)}
     ds = train_dataset(cfg, rt.world_size)
     losses, norms = run_steps(engine, cfg, ds, 0, SAVED)
-    save(engine, cfg, rt.rank, {"consumed_samples": SAVED * cfg.train.global_batch_size})
+    client = {"consumed_samples": SAVED * cfg.train.global_batch_size}
+    save(engine, cfg, rt.rank, client)
+    async_cfg = dataclasses.replace(
+        cfg, checkpoint=dataclasses.replace(cfg.checkpoint, save=str(args.out / "async_save"), async_save=True)
+    )
+    saver = AsyncSaver(async_cfg, rt.rank, rt.device, print)
+    saver.save(engine, client)
+    saver.finish("the parity run goes on")
     more = run_steps(engine, cfg, ds, SAVED, STEPS)
     losses, norms = losses + more[0], norms + more[1]
     save_adapters(engine, cfg, args.out / f"adapters_rank{rt.rank}.pt")
@@ -108,7 +118,8 @@ def parity(args: argparse.Namespace, rt: Runtime) -> None:
 
 def universal(args: argparse.Namespace, rt: Runtime) -> None:
     """parity's checkpoint after step SAVED (tp2 pp2 dp1) resumed at each --layouts TPxPP (dp = 4 / tp / pp) by the
-    same command, through DeepSpeed's universal checkpoint (converted once, into OUT/save/universal), trained on to
+    same command, through DeepSpeed's universal checkpoint (converted once, into OUT/save/universal; at 2x2, its own
+    layout: natively), the frozen base read from the base the checkpoint names, trained on to
     step STEPS: its losses and the start it got in OUT/universal_rank<R>.json, its adapters in
     OUT/universal_<layout>_rank<R>.pt."""
     out = {}
@@ -197,6 +208,7 @@ def tied(args: argparse.Namespace, rt: Runtime) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", required=True)
     p.add_argument("--peft", required=True)
+    p.add_argument("--base", help="parity: the base checkpoint the run starts from (--init-from)")
     p.add_argument("--untied-peft")
     p.add_argument("--layouts", nargs="*", default=["1x2"], help="universal: TPxPP layouts to resume at")
 

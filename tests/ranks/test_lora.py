@@ -18,14 +18,23 @@ from safetensors.torch import load_file
 
 from helpers import RANKS, hf_model, model_config, write_dataset
 from reference import GLOBAL_BATCH, PARITY, gpt_reference
-from threed.checkpoint.format import RUN_JSON, CheckpointLayout
-from threed.checkpoint.manifest import Found
+from threed.checkpoint.format import ADAPTERS_ONLY, RUN_JSON, CheckpointLayout
+from threed.checkpoint.lora_base import LORA_BASE, identity
+from threed.checkpoint.manifest import Found, read_manifest
 from threed.checkpoint.start import StartDecision
 from threed.checkpoint.universal import check_convertible
+from threed.convert.from_hf import convert_hf_checkpoint
 from threed.config import LORA_TARGETS, ConfigError, LoraConfig, ParallelConfig, RunConfig, TrainConfig
 from threed.engine.lora import check_lora_start
 from threed.convert.lora import PEFT_MODULES, full_shapes, gather_adapters, shard, split_dims, target_slices
-from threed.model.spec import adapter_universal_patterns, is_adapter_pattern, pipeline_layers
+from threed.model.spec import (
+    adapter_universal_patterns,
+    is_adapter_key,
+    is_adapter_pattern,
+    parameter_count,
+    pipeline_layers,
+    stored_layers,
+)
 from tied_worker import tied_hf_model, tied_model_config
 
 FP32_TOL = 1e-5
@@ -54,7 +63,9 @@ def run_parity(out, rank_pool) -> dict:
     rng = np.random.default_rng(0)
     data = write_dataset(out / "random", rng.integers(0, 200, 5000), 200)
     model = peft_start(out / "peft")
-    argv = ["parity", "--out", str(out), "--data", data, "--peft", str(out / "peft")]
+    hf_model("gqa31").save_pretrained(str(out / "hf"))  # the base the run starts from, at another layout (tp1 pp1)
+    convert_hf_checkpoint(out / "hf", out / "base", 1, 1, make_vocab_size_divisible_by=16, show_progress=False)
+    argv = ["parity", "--out", str(out), "--data", data, "--peft", str(out / "peft"), "--base", str(out / "base")]
     rank_pool.run(4, str(RANKS / "lora_worker.py"), argv, timeout=900)
     train = TrainConfig(**PARITY, micro_batch_size=2, global_batch_size=GLOBAL_BATCH, seq_length=32, steps=STEPS)
     exact = copy.deepcopy(model).double()  # before the fp32 reference trains `model`
@@ -213,9 +224,10 @@ def test_adapter_shards_are_even_ranges_of_their_split_dim():
 
 @pytest.mark.parametrize("layout", ["1x2", pytest.param("2x1", marks=pytest.mark.slow)])  # ~5 s each
 def test_universal_resume_at_another_layout_continues_the_lora_run(run, rank_pool, layout):
-    """The parity run's checkpoint after step 2 (tp2 pp2 dp1) resumed at tp1 pp2 dp2 (and, slow, tp2 pp1 dp2) through
-    DeepSpeed's universal checkpoint (the adapters' fp32 master and Adam moments; the frozen base from the layer
-    files): steps 3 to 5 give the uninterrupted run's losses, and its trained adapters, within 1e-5."""
+    """The parity run's adapter-only checkpoint after step 2 (tp2 pp2 dp1) resumed at tp1 pp2 dp2 (and, slow, tp2 pp1
+    dp2) through DeepSpeed's universal checkpoint (the adapters' fp32 master and Adam moments; the frozen base from
+    the tp1 pp1 base the checkpoint names): steps 3 to 5 give the uninterrupted run's losses, and its trained
+    adapters, within 1e-5."""
     out = run["out"]
     argv = ["universal", "--out", str(out), "--data", run["data"], "--peft", str(out / "peft")]
     rank_pool.run(4, str(RANKS / "lora_worker.py"), [*argv, "--layouts", layout], timeout=900)
@@ -257,3 +269,60 @@ def test_what_a_lora_universal_resume_cannot_do_is_one_line(tmp_path):
         with pytest.raises(ConfigError, match=r"with --vpp > 1 \(this run's or the checkpoint's\) is not supported"):
             check_lora_start(cfg, StartDecision(mode="resume", source=found, universal=True))
     check_lora_start(cfg, StartDecision(mode="resume", source=found, universal=False))  # its own layout: natively
+
+
+def tensors_of(path) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in torch.load(path, map_location="cpu", weights_only=False).items() if torch.is_tensor(v)}
+
+
+def elements(state) -> int:
+    """Elements of every tensor (not scalars: Adam's step) anywhere in a loaded checkpoint file."""
+    if torch.is_tensor(state):
+        return state.numel() if state.dim() else 0
+    if isinstance(state, dict):
+        return sum(elements(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(elements(v) for v in state)
+    return 0
+
+
+def test_the_checkpoint_holds_only_the_adapters(run):
+    """The parity run's checkpoint (a LoRA run from a base) is adapter-only: its manifest names the base and says so,
+    its layer files hold the adapters' elements and nothing else (not a byte of the frozen base), its optimizer
+    shards 12 B per adapter element (fp32 master, Adam's two moments), and --async-save writes the same tensors."""
+    out = run["out"]
+    step = out / "save" / "global_step2"
+    manifest = read_manifest(step)
+    assert manifest[ADAPTERS_ONLY] is True and manifest[LORA_BASE] == identity(out / "base")
+    adapters = sum(r["adapter_elements"] for r in run["ranks"])  # dp1: each rank's stage shards, once
+    layers = {f.name: tensors_of(f) for f in sorted(step.glob("layer_*-model_states.pt"))}
+    assert len(layers) == 2 * len(stored_layers(model_config("gqa31")))  # a file per layer and TP rank, as before
+    assert all(is_adapter_key(k) for sd in layers.values() for k in sd)
+    held = sum(t.numel() for sd in layers.values() for t in sd.values())
+    nbytes = sum(t.numel() * t.element_size() for sd in layers.values() for t in sd.values())
+    assert held == adapters and nbytes == 4 * adapters, (held, adapters)
+    base = parameter_count(model_config("gqa31"), 2)
+    assert adapters < base / 10  # the frozen base, which the files no longer hold, is 11x their size here
+    optimizer = sum(elements(torch.load(f, map_location="cpu", weights_only=False)) for f in step.glob("*optim_st*"))
+    assert optimizer == 3 * adapters, (optimizer, adapters)
+    async_step = out / "async_save" / "global_step2"
+    assert read_manifest(async_step)[ADAPTERS_ONLY] is True
+    for name, sd in layers.items():
+        copied = tensors_of(async_step / name)
+        assert copied.keys() == sd.keys() and all(torch.equal(copied[k], sd[k]) for k in sd), name
+
+
+def test_a_native_resume_of_the_adapter_only_checkpoint_is_exact(run, rank_pool):
+    """The adapter-only checkpoint resumed at its own layout (tp2 pp2 dp1: natively, the base read from the tp1 pp1
+    base it names, the adapters and their Adam state from the checkpoint): steps 3 to 5 give the uninterrupted
+    run's losses and adapters bit for bit."""
+    out = run["out"]
+    argv = ["universal", "--out", str(out), "--data", run["data"], "--peft", str(out / "peft")]
+    rank_pool.run(4, str(RANKS / "lora_worker.py"), [*argv, "--layouts", "2x2"], timeout=900)
+    for rank in range(4):
+        got = json.loads((out / f"universal_rank{rank}.json").read_text())["2x2"]
+        assert got["start"] == 2 and not got["universal"] and got["client_state"] == {"consumed_samples": 16}
+        assert got["losses"] == run["ranks"][0]["losses"][2:], (got["losses"], run["ranks"][0]["losses"])
+    adapters = put_together([torch.load(out / f"universal_2x2_rank{r}.pt") for r in range(4)])
+    whole = trained_adapters(run)
+    assert set(adapters) == set(whole) and all(torch.equal(adapters[k], whole[k]) for k in whole)

@@ -52,13 +52,14 @@ def served_tokens(served, rank_pool, cases: dict[str, list[str]]) -> dict[str, l
 
 def test_generate_lora_equals_hf_peft(served, reference, rank_pool):
     """A PEFT folder on the base at tp2 pp2 (the base sliced from its tp2 pp1 files), and the LoRA checkpoint alone at
-    its own layout."""
+    its own layout, whole and adapter-only."""
     got = served_tokens(
         served,
         rank_pool,
         {
             "peft_tp2_pp2": ["--load", str(served / "base"), "--lora", str(served / "peft"), "--tp", "2", "--pp", "2"],
             "lora_tp2_pp1": ["--lora", str(served / "lora")],
+            "adapter_only_tp2_pp1": ["--lora", str(served / "only")],  # the base read from the one it names
         },
     )
     assert reference != [[]] * len(PROMPTS) and any(len(r) > 1 for r in reference)

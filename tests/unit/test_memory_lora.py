@@ -151,3 +151,29 @@ def test_plan_command_prints_the_lora_recipe_lines(capsys) -> None:
     assert main([*args, "--tp", "8", "--pp", "2", "--lora-rank", "16"]) == 0  # a pipeline: 1F1B, and why not ZB-H1
     lines = capsys.readouterr().out.splitlines()
     assert "pipeline schedule: 1f1b: LoRA's frozen base has no weight gradient for zb-h1 to defer" in lines
+
+
+def test_a_lora_checkpoint_is_counted_as_its_adapters() -> None:
+    """70B LoRA r16 from a base at tp8 pp4 dp2: a checkpoint is the adapters' bf16 weights and their fp32 master and
+    AdamW moments (14 B per adapter element, ~2.9 GB) instead of ~140 GB more of frozen bf16 base; what each rank writes
+    (--async-save's host copy) is its stage's adapters, ZeRO-1 sharded over dp, weights from dp rank 0 only. A LoRA
+    run from random init (no base to name) saves its frozen weights too."""
+    from threed.checkpoint.format import checkpoint_bytes, node_checkpoint_bytes
+    from threed.config import CheckpointConfig, ParallelConfig, RunConfig, TrainConfig
+    from threed.memory.model import host_copy_bytes
+
+    adapters = block_elements(M70, R16) * M70.num_layers
+    parallel, train = ParallelConfig(tp=8, pp=4), TrainConfig(dtype="bf16")
+    cfg = RunConfig(model=M70, parallel=parallel, train=train, checkpoint=CheckpointConfig(init_from="b"), lora=R16)
+    assert checkpoint_bytes(cfg) == 14 * adapters and 2.5e9 < 14 * adapters < 3e9
+    random_init = RunConfig(model=M70, parallel=parallel, train=train, lora=R16)
+    assert checkpoint_bytes(random_init) > 140e9
+    kinds = [["block"] * 20] * 4
+    per_rank = block_elements(M70, R16, 8) * 20
+    first, second = (node_checkpoint_bytes(M70, "bf16", (8, 2, 1), kinds, [r], R16) for r in (0, 8))
+    assert first == 12 * -(-per_rank // 2) + 2 * per_rank and second == 12 * -(-per_rank // 2)
+    world = range(8 * 4 * 2)
+    assert sum(node_checkpoint_bytes(M70, "bf16", (8, 2, 1), kinds, [r], R16) for r in world) == pytest.approx(
+        14 * adapters, rel=1e-6
+    )
+    assert host_copy_bytes(M70, 8, 4, 2, 8192, range(8), lora=R16) < host_copy_bytes(M70, 8, 4, 2, 8192, range(8)) / 50

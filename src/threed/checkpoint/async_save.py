@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from threed.atomic import fsync_file
-from threed.checkpoint.format import node_checkpoint_bytes
+from threed.checkpoint.format import adapter_only_lora, node_checkpoint_bytes
 from threed.checkpoint.save import (
     begin_save,
     describe,
@@ -300,7 +300,7 @@ def copy_bytes(cfg: RunConfig, world: int, ranks: range) -> int:
     d = resolve_dims(cfg, max(world, p.tp * p.pp * p.cp))  # a process standing in for a whole layout: one replica
     layers = pipeline_layers(cfg.model)
     kinds = [[layers[i].kind for lo, hi in d.chunks(s) for i in range(lo, hi)] for s in range(d.pp)]
-    return node_checkpoint_bytes(cfg.model, cfg.train.dtype, (d.tp, d.dp, d.cp), kinds, ranks)
+    return node_checkpoint_bytes(cfg.model, cfg.train.dtype, (d.tp, d.dp, d.cp), kinds, ranks, adapter_only_lora(cfg))
 
 
 def host_memory_problem(cfg: RunConfig, world: int, node: range, available: Optional[int]) -> Optional[str]:

@@ -12,6 +12,11 @@ verify`) both read and write this layout, so every name and every check of it li
     <dir>/<tag>/*zero_pp_rank_D_mp_rank_MM_optim_states.pt   ZeRO-1 optimizer shards (dp x pp x tp)
     <dir>/<tag>/threed_manifest.json                  `threed train` only: every file above with its size
 
+A LoRA run started from a base (`--lora-rank --init-from BASE`) writes adapter-only checkpoints: its layer files
+hold only the adapters (the frozen base's tensors left out: DeepSpeed's `exclude_frozen_parameters`), and its
+manifest says so (`ADAPTERS_ONLY`) and names the base (threed.checkpoint.lora_base), whence every reader takes the
+base. `Checkpoint.adapters_only` tells a reader which form it holds.
+
 The tag is `global_step<N>` (`global_step0` for converted checkpoints). Layer file indices are positions in the
 pipeline's layer list (embedding, the blocks, final norm, LM head), so they do not depend on pp or the partition
 method; mp_rank and optimizer files do. Only the layers that hold parameters of their own have files
@@ -35,8 +40,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Optional, Protocol, Sequence
 
-from threed.config import ModelConfig, RunConfig
+from threed.config import LoraConfig, ModelConfig, RunConfig
 from threed.errors import ConfigError
+from threed.hf.names import lora_block_elements
 from threed.model.spec import (
     PipelineLayer,
     is_adapter_key,
@@ -58,6 +64,7 @@ MANIFEST_NAME = "threed_manifest.json"  # inside a tag directory: written last b
 UNIVERSAL_DIR = "universal"  # <save>/universal/<tag>-from-<layout>: universal conversions
 HF_EXTRA_DIR = "hf"  # tokenizer / generation config files carried over from the HF source, for export
 CONVERT_TAG = "global_step0"  # the tag `threed convert` and `threed reshard` write
+ADAPTERS_ONLY = "lora_adapters_only"  # the manifest's key: a LoRA checkpoint whose layer files hold only adapters
 
 TAG_RE = re.compile(r"^global_step(\d+)$")
 LAYER_RE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
@@ -95,13 +102,31 @@ def mp_rank_file(stage: int, tp_rank: int, tp: int) -> str:
 def checkpoint_bytes(cfg: RunConfig) -> int:
     """Bytes of one checkpoint of this run: the weights in the training dtype (vocabulary padded for its tp; a tied
     weight saved once) plus ZeRO's fp32 master copy and AdamW's two moments (12 B/param, in total over the dp
-    shards; a tied weight's at pp > 1 twice: each stage's optimizer holds its copy)."""
-    weights = parameter_count(cfg.model, cfg.parallel.tp) * (2 if cfg.train.dtype == "bf16" else 4)
+    shards; a tied weight's at pp > 1 twice: each stage's optimizer holds its copy). A LoRA run's holds only its
+    adapters' weights and optimizer state when it starts from a base (--init-from: an adapter-only checkpoint),
+    else the frozen base's weights too (a LoRA run from random init has no base to read them from)."""
+    width = 2 if cfg.train.dtype == "bf16" else 4
+    if cfg.lora.lora_rank:
+        adapters = lora_block_elements(cfg.model, cfg.lora) * cfg.model.num_layers
+        base = 0 if adapter_only_lora(cfg) else parameter_count(cfg.model, cfg.parallel.tp) * width
+        return base + (width + 12) * adapters
+    weights = parameter_count(cfg.model, cfg.parallel.tp) * width
     return weights + 12 * optimizer_parameters(cfg.model, cfg.parallel.tp, cfg.parallel.pp)
 
 
+def adapter_only_lora(cfg: RunConfig) -> Optional[LoraConfig]:
+    """The LoRA settings of a run whose checkpoints will be adapter-only (LoRA from a base: --init-from; a requeued
+    job gives the same flags), else None: what the size estimates count."""
+    return cfg.lora if cfg.lora.lora_rank and cfg.checkpoint.init_from else None
+
+
 def node_checkpoint_bytes(
-    model: ModelConfig, dtype: str, layout: tuple[int, int, int], stage_kinds: Sequence[list], ranks: Iterable[int]
+    model: ModelConfig,
+    dtype: str,
+    layout: tuple[int, int, int],
+    stage_kinds: Sequence[list],
+    ranks: Iterable[int],
+    lora: Optional[LoraConfig] = None,
 ) -> int:
     """Bytes the ranks `ranks` (one node's, or one rank) write of a checkpoint: what --async-save copies into their
     host memory (threed.checkpoint.async_save refuses a node that cannot hold it; `threed memory` and `threed
@@ -109,13 +134,19 @@ def node_checkpoint_bytes(
     cp); `stage_kinds[s]` the layer kinds pipeline rank s holds (threed.memory.model.stage_kinds: one entry per
     layer). Each rank writes its ZeRO-1 shard of the fp32 master weights and AdamW's two moments (12 B per
     parameter of its stage over the dp x cp ranks that share it); the first of those ranks also the stage's weights
-    in the training dtype (DeepSpeed writes a stage's layer files from data-parallel rank 0 only). Rank order:
+    in the training dtype (DeepSpeed writes a stage's layer files from data-parallel rank 0 only). Under LoRA
+    (`lora` with a rank) both count the adapters only: an adapter-only checkpoint. Rank order:
     threed.parallel.distributed.grid_coordinates (tp fastest, then cp, dp, pp)."""
     tp, dp, cp = layout
     shards, width = dp * cp, 4 if dtype == "fp32" else 2
+    per_block = lora_block_elements(model, lora, tp) if lora is not None and lora.lora_rank else None
     total = 0
     for rank in ranks:
-        groups = [n for n in stage_parameters(model, tp, stage_kinds[rank // (tp * shards)]) if n]
+        kinds = stage_kinds[rank // (tp * shards)]
+        if per_block is None:
+            groups = [n for n in stage_parameters(model, tp, kinds) if n]
+        else:
+            groups = [per_block * sum(kind == "block" for kind in kinds)]
         writes_layers = rank // tp % shards == 0
         total += 12 * sum(-(-n // shards) for n in groups) + (width * sum(groups) if writes_layers else 0)
     return total
@@ -302,6 +333,8 @@ class Checkpoint:
     tp: int
     pp: int  # the pp it was written at (mp_rank files); layer files themselves do not depend on it
     run: dict[str, Any] = field(default_factory=dict)
+    # a LoRA checkpoint whose layer files hold only the adapters: the base is the one its manifest names
+    adapters_only: bool = False
 
     @property
     def step_dir(self) -> Path:
@@ -339,6 +372,11 @@ class Checkpoint:
             msg = f"{e.__class__.__name__}: {str(e).split('. ')[0][:300]}"
             raise CheckpointError(f"cannot read {path}: {msg} (truncated or corrupt)") from None
         tensors = {k: v for k, v in sd.items() if not k.endswith("._extra_state")}
+        if self.adapters_only:  # the adapters alone (threed.convert.lora reads them); the base is elsewhere
+            base = sorted(k for k in tensors if not is_adapter_key(k))
+            if base:
+                raise CheckpointError(f"{path} holds base weights {base[:3]}, but its manifest says adapters only")
+            return tensors
         # A LoRA run's files also hold its adapters (threed.convert.lora reads them); the base is checked as always.
         if {k for k in tensors if not is_adapter_key(k)} != set(expected):
             raise CheckpointError(
@@ -393,7 +431,15 @@ def open_checkpoint(
     pp = int(recorded.get("pp", 0)) or max(1, mp_files // tp)
     if int(recorded.get("tp", tp)) != tp:
         raise CheckpointError(f"{p}: {RUN_JSON} says tp={run['parallel']['tp']}, the layer files are for tp={tp}")
-    return Checkpoint(path=p, tag=tag, model=model, tp=tp, pp=pp, run=run)
+    return Checkpoint(path=p, tag=tag, model=model, tp=tp, pp=pp, run=run, adapters_only=holds_adapters_only(step_dir))
+
+
+def holds_adapters_only(step_dir: Path) -> bool:
+    """Whether the checkpoint in `step_dir` is a LoRA run's adapter-only one (its manifest says so)."""
+    try:
+        return bool(json.loads((step_dir / MANIFEST_NAME).read_text()).get(ADAPTERS_ONLY))
+    except (OSError, ValueError):
+        return False
 
 
 # ------------------------------------------------------------------------------------------- can this run load it

@@ -6,12 +6,14 @@ with a BASE that is not the one the adapters were trained on, are refused in one
     identity(path, tag)          {"path", "tag", "fingerprint"} of a checkpoint used as a base
     recorded_base(manifest)      what a LoRA checkpoint's manifest names (None: saved before bases were named)
     check_base(recorded, given)  one ConfigError line when `given` is not that base
+    open_base(recorded, ...)     the base an adapter-only checkpoint names, opened; one line if gone or changed
 
-Why the checkpoint files are still whole (the frozen base saved beside the adapters): DeepSpeed's pipeline save and
-load, the manifest's completeness checks, `threed export`'s layer reader and the weights-at-any-layout reader all
-work on whole layer files, and a resume that reads the base from the very checkpoint cannot pick up another base.
-An adapter-only checkpoint (the issue's smaller form) would need all of those taught to read the base from
-elsewhere; the name and fingerprint here are what that form needs too.
+A LoRA run started from a base saves adapter-only checkpoints (threed.checkpoint.save: the layer files hold the
+adapters, the optimizer shards their state: ~2.9 GB for 70B at rank 16, not ~140 GB more of frozen bf16), so every
+reader takes the base from the one named here: a resume (threed.checkpoint.start checks the fingerprint on rank 0
+before anything is built; threed.engine.lora loads it), `threed export --merge`, `threed generate / eval-harness
+--lora`. A base that moved is given again with --init-from (a resume) or --load (generate, eval-harness): its
+fingerprint must match. A LoRA run from random init names no base and saves its frozen weights with the adapters.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
-from threed.checkpoint.format import Checkpoint, open_checkpoint, read_run_json
+from threed.checkpoint.format import Checkpoint, CheckpointError, open_checkpoint, read_run_json
 from threed.checkpoint.manifest import read_manifest
 from threed.config import ModelConfig
 from threed.errors import ConfigError
@@ -64,9 +66,10 @@ def fingerprint(ck: Checkpoint) -> str:
 
 
 def identity(path: str | os.PathLike, tag: Optional[str] = None) -> dict[str, Any]:
-    """How a checkpoint used as a LoRA base is named: its path as given, its tag, its fingerprint."""
+    """How a checkpoint used as a LoRA base is named: its absolute path, its tag, its fingerprint."""
     ck = open_checkpoint(path, tag=tag)
-    return {"path": str(path), "tag": ck.tag, "fingerprint": fingerprint(ck)}
+    # absolute: an adapter-only checkpoint's resume reads the base from here, from whatever directory it runs in
+    return {"path": os.path.abspath(path), "tag": ck.tag, "fingerprint": fingerprint(ck)}
 
 
 def is_lora_checkpoint(path: str | os.PathLike) -> bool:
@@ -103,3 +106,25 @@ def check_base(recorded: Optional[dict], given: str, adapters: str, fix: str) ->
         f"({recorded['tag']}, fingerprint {recorded['fingerprint'][:12]}), {given} has fingerprint "
         f"{theirs['fingerprint'][:12]}; {fix}"
     )
+
+
+def open_base(recorded: dict, adapters: str, fix: str, path: Optional[str] = None) -> Checkpoint:
+    """The base an adapter-only LoRA checkpoint (`adapters`) names, at its recorded tag, read from `path` (where it
+    is now; default: where it was recorded), its fingerprint checked: one ConfigError line naming the base and `fix`
+    (what to do) when it is missing, unreadable or not the same weights. Cheap: a few KB per layer file."""
+    where = path or recorded["path"]
+    named = f"{recorded['path']} ({recorded['tag']}, fingerprint {recorded['fingerprint'][:12]})"
+    try:
+        ck = open_checkpoint(where, tag=recorded["tag"])
+        theirs = fingerprint(ck)
+    except (CheckpointError, ConfigError, OSError) as e:
+        raise ConfigError(
+            f"{adapters} holds only LoRA adapters, and its base {named} cannot be read from {where}: "
+            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}; {fix}"
+        ) from None
+    if theirs != recorded["fingerprint"]:
+        raise ConfigError(
+            f"{where} is not the base the LoRA adapters of {adapters} were trained on (they hold only adapters): "
+            f"they name {named}, {where} ({recorded['tag']}) has fingerprint {theirs[:12]}; {fix}"
+        )
+    return ck

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from threed.atomic import fsync_dir, fsync_file, write_atomic
-from threed.checkpoint.format import LATEST, RUN_JSON, free_bytes, read_latest
+from threed.checkpoint.format import ADAPTERS_ONLY, LATEST, RUN_JSON, free_bytes, read_latest
 from threed.checkpoint.lora_base import LORA_BASE, MODULE_ATTR
 from threed.checkpoint.manifest import prune, remove_checkpoint, write_manifest
 from threed.config import RunConfig
@@ -164,6 +164,7 @@ def write_files(engine, cfg: RunConfig, rank: int, step_dir: Path, client_state:
                 tag=step_dir.name,
                 save_latest=False,
                 client_state={"threed_run": cfg.to_dict(), "threed_client": dict(client_state or {})},
+                exclude_frozen_parameters=adapters_only(engine, cfg),
             )
     except (OSError, RuntimeError) as e:  # a full disk, a quota, a vanished mount: said once, by rank 0, in settle
         if isinstance(e, RuntimeError) and not torch_write_failed(e):
@@ -172,6 +173,13 @@ def write_files(engine, cfg: RunConfig, rank: int, step_dir: Path, client_state:
         if is_multi_rank():
             dist.barrier()  # DeepSpeed's save ends in a barrier, where the ranks that wrote their files now wait
     return taken, failed
+
+
+def adapters_only(engine, cfg: RunConfig) -> bool:
+    """Whether this save leaves the frozen base out of the layer files (an adapter-only LoRA checkpoint): a LoRA run
+    whose base is named (threed.engine.lora put it on the module), so that a resume can read the base from there. A
+    LoRA run from random init has no base to read: it saves the frozen weights with the adapters."""
+    return bool(cfg.lora.lora_rank and getattr(getattr(engine, "module", None), MODULE_ATTR, None))
 
 
 def written_sizes(written: list[str], step_dir: Path) -> dict[str, int]:
@@ -260,6 +268,8 @@ def describe(engine, cfg: RunConfig, client_state: Optional[dict]) -> dict:
         # a LoRA run: the base its adapters belong to (threed.checkpoint.lora_base; set on the module by
         # threed.engine.lora), so that the adapters are never put on another base
         **({LORA_BASE: getattr(getattr(engine, "module", None), MODULE_ATTR, None)} if cfg.lora.lora_rank else {}),
+        # its layer files hold only the adapters: every reader takes the base from the one named above
+        **({ADAPTERS_ONLY: True} if adapters_only(engine, cfg) else {}),
     }
 
 

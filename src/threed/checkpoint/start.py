@@ -51,13 +51,14 @@ from threed.checkpoint.format import (
     checkpoint_bytes,
     empty_latest,
     free_bytes,
+    holds_adapters_only,
     list_tags,
     read_latest,
     read_model_config,
     read_run_json,
 )
 from threed.checkpoint.lock import SaveLock
-from threed.checkpoint.lora_base import base_of, check_base, recorded_base
+from threed.checkpoint.lora_base import base_of, check_base, open_base, recorded_base
 from threed.checkpoint.manifest import Found, clear_run, find_resumable, read_manifest, save_dir_contents
 from threed.config import CheckpointConfig, ModelConfig, RunConfig
 from threed.parallel.dims import RunDims
@@ -82,6 +83,8 @@ class StartDecision:
     notes: list[str] = field(default_factory=list)  # log lines for rank 0
     finished: Optional[str] = None  # a resume with nothing left to train: the line that says so
     lora_base: Optional[dict] = None  # a LoRA run: the base its adapters belong to (threed.checkpoint.lora_base)
+    # a resume of an adapter-only LoRA checkpoint: the frozen base is read from lora_base's path and tag
+    adapters_only: bool = False
 
     def describe(self) -> str:
         if self.finished:
@@ -158,19 +161,57 @@ def decide_start(cfg: RunConfig, dims: RunDims) -> StartDecision:
 
 def _lora_base(cfg: RunConfig, found: Found, decision: StartDecision) -> Optional[dict]:
     """A LoRA run's base: a start from weights names them (from a LoRA run's checkpoint, the base that one names);
-    a resume keeps the one its checkpoint names and refuses an --init-from that is another base (the checkpoint
-    holds its own frozen base, so the resume would not train on the one given: said, not ignored)."""
+    a resume keeps the one its checkpoint names and refuses an --init-from that is another base (said, not
+    ignored). An adapter-only checkpoint (threed.checkpoint.format.ADAPTERS_ONLY) is resumed on the base it names,
+    read from --init-from when given (a base that moved), else from where it was recorded: checked here, before
+    anything is built."""
+    where = f"{found.path}/{found.tag}"
     if decision.mode != "resume":
+        if holds_adapters_only(Path(found.path) / found.tag):
+            raise ConfigError(
+                f"--init-from {found.path}: {where} holds only LoRA adapters (its base is elsewhere); export them "
+                f"(`threed export --lora --ckpt {found.path} --out PEFT`) and start from its base with --init-from "
+                f"BASE --lora-init-from PEFT"
+            )
         return base_of(found.path, found.tag)
     recorded = recorded_base(found.manifest)
     given = cfg.checkpoint.init_from
-    if given and os.path.abspath(given) != os.path.abspath(found.path):
+    other = given and os.path.abspath(given) != os.path.abspath(found.path)
+    if recorded is not None and holds_adapters_only(Path(found.path) / found.tag):
+        check_same_adapters(cfg, found)
+        fix = (
+            "put the base back there, or give where it is now with --init-from BASE"
+            if not other
+            else f"give the base those adapters were trained on with --init-from (or drop it to use {recorded['path']})"
+        )
+        base = open_base(recorded, where, fix, path=given if other else None)
+        decision.adapters_only = True
+        return {**recorded, "path": str(base.path.absolute())}
+    if other:
         fix = (
             f"resume without --init-from (the checkpoint holds its own base), or train adapters for {given} "
             f"in a new --save"
         )
-        check_base(recorded, given, f"{found.path}/{found.tag}", fix)
+        check_base(recorded, given, where, fix)
     return recorded
+
+
+def check_same_adapters(cfg: RunConfig, found: Found) -> None:
+    """A resume of an adapter-only checkpoint loads its layer files not strictly (the base is absent from them):
+    adapters of another rank, alpha or targets than the run recorded are refused here, in one line, instead."""
+    theirs = (read_run_json(Path(found.path)) or {}).get("lora") or {}
+    mine = cfg.lora
+    pairs = (
+        ("--lora-rank", theirs.get("lora_rank"), mine.lora_rank),
+        ("--lora-alpha", float(theirs.get("lora_alpha") or 0), float(mine.lora_alpha)),
+        ("--lora-targets", sorted(theirs.get("lora_targets") or ()), sorted(mine.lora_targets)),
+    )
+    diffs = [f"{flag} {a} (the checkpoint's) != {b}" for flag, a, b in pairs if a != b]
+    if diffs:
+        raise ConfigError(
+            f"resuming {found.path}/{found.tag} with other LoRA adapters than it holds ({'; '.join(diffs)}); resume "
+            f"with its own --lora-* flags"
+        )
 
 
 def _run_in_save(ck: CheckpointConfig, decision: StartDecision) -> Optional[Found]:

@@ -4,8 +4,8 @@ How each of our parameters is split over TP is `threed.model.spec.universal_chec
 the parameter table (the PipelineModule carries it as `universal_checkpoint_info`; DeepSpeed stores it in every
 mp_rank file, and `ds_to_universal` reads it from there): norms replicated, row-parallel weights on dim 1, SwiGLU's
 [gate_r; up_r] as two sub-parameters, the vocabulary padding cut to the true size and re-added for the new tp.
-A LoRA run's names only its adapters (the frozen base has no optimizer state: threed.engine.lora reads it from the
-layer files on resume).
+A LoRA run's names only its adapters (the frozen base has no optimizer state: threed.engine.lora reads it, on
+resume, from the base an adapter-only checkpoint names, or from an older checkpoint's own layer files).
 
 `convert` runs once per (checkpoint, old layout) on rank 0 and writes `<save>/universal/<tag>-from-<layout>/`,
 which DeepSpeed loads with `"checkpoint": {"load_universal": true}`; it is deleted once a newer checkpoint exists.

@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from threed.checkpoint.format import checkpoint_bytes
+from threed.checkpoint.format import adapter_only_lora, checkpoint_bytes
 from threed.config import ConfigError, RunConfig
 from threed.errors import guarded
 from threed.memory.model import estimate, heaviest, host_copy_line
@@ -61,7 +61,7 @@ def check(ns: argparse.Namespace) -> str:
         p = cfg.parallel
         host = "\n" + host_copy_line(
             cfg.model, p.tp, p.pp, dp, cfg.train.seq_length, ns.ranks_per_node, p.cp, vpp=p.vpp,
-            partition_method=p.partition_method, dtype=cfg.train.dtype,
+            partition_method=p.partition_method, dtype=cfg.train.dtype, lora=adapter_only_lora(cfg),
         )  # fmt: skip
     return f"{summary}\nmemory: {memory(cfg, dp, micro, gas)}{host}"
 

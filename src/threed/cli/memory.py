@@ -111,7 +111,8 @@ def lines(ns: argparse.Namespace) -> list[str]:
     )  # fmt: skip
     out = [m.line(pp) for m in (mems if ns.all_stages else [heaviest(mems)])]
     if field_value(ns, "checkpoint", "async_save"):
-        out.append(host_copy_line(model, tp, pp, ns.dp, seq, ns.gpus_per_node, cp, vpp=vpp))
+        # under --lora-rank: the adapter-only checkpoint of a LoRA run from a base
+        out.append(host_copy_line(model, tp, pp, ns.dp, seq, ns.gpus_per_node, cp, vpp=vpp, lora=lora))
     step = build_layout(model, hw, seq, tp, pp, ns.dp, micro, gas, rc, sp, schedule, cp, vpp=vpp, lora=lora)
     tokens = seq * micro * gas * ns.dp
     out.append(

@@ -27,8 +27,8 @@ import torch
 
 from threed.checkpoint.format import HF_EXTRA_DIR, Checkpoint, open_checkpoint, read_run_json
 from threed.convert.ds_checkpoint import shard_reader
-from threed.convert.lora import merge_deltas, refuse_adapters
-from threed.convert.io_utils import ConvertError, atomic_output_dir, check_free_space, progress, refuse_existing
+from threed.convert.lora import merge_base, merge_deltas, refuse_adapters
+from threed.convert.io_utils import DTYPES, ConvertError, atomic_output_dir, check_free_space, progress, refuse_existing
 from threed.convert.slices import Piece
 from threed.hf.config import write_config
 from threed.hf.format import TOKENIZER_FILES
@@ -128,16 +128,22 @@ def _has_protobuf() -> bool:
 
 
 def _write_layer(
-    ck: Checkpoint, layer: PipelineLayer, writer: ShardedSafetensorsWriter, buffers: dict, deltas: dict
+    ck: Checkpoint,
+    layer: PipelineLayer,
+    writer: ShardedSafetensorsWriter,
+    buffers: dict,
+    deltas: dict,
+    trained: Optional[torch.dtype] = None,
 ) -> None:
     """One layer's HF tensors into the writer, each read from the TP shards' slices; a tensor in `deltas` (--merge)
-    is written with its delta added (in fp32, then the tensor's dtype)."""
+    is written with its delta added (in fp32, then the tensor's dtype: `trained`, the LoRA run's, when given)."""
     reader = shard_reader(ck, layer)
     for name, shape in hf_shapes(ck.model, layer).items():
         dim = reader.split_dim(name)
         if name in deltas:
             whole = torch.empty(shape, dtype=reader.dtype(name))
             reader.read_into(Piece(name, dim, 0, shape[dim]), whole)
+            whole = whole.to(trained or whole.dtype)  # the base as the run held it (an adapter-only one's: named)
             writer.write(name, (whole.float() + deltas[name]).to(whole.dtype))
         elif dim == 0:  # rows: each shard's slice goes straight to the file
             for part, _ in reader.parts(name, 0, 0, shape[0]):
@@ -164,11 +170,15 @@ def export(
     """`threed export`; `merge` (--merge): a LoRA run's checkpoint, its adapters merged into the weights."""
     t0 = time.time()
     refuse_existing(out, force)
-    ck = open_checkpoint(ckpt)
-    deltas = merge_deltas(ck) if merge else None  # --merge: a LoRA run's adapters merged into its base
+    source = open_checkpoint(ckpt)
+    deltas = merge_deltas(source) if merge else None  # --merge: a LoRA run's adapters merged into its base
     if deltas is None:
-        refuse_adapters(ck, "export")  # a LoRA run's: its adapters would be dropped
-    planned = _plan(ck, dtype)
+        refuse_adapters(source, "export")  # a LoRA run's: its adapters would be dropped
+    # The weights: an adapter-only LoRA checkpoint's base is the one it names, held in the run's dtype (what a
+    # checkpoint saving its frozen base wrote).
+    ck = merge_base(source) if merge else source
+    trained = DTYPES.get((source.run.get("train") or {}).get("dtype", "")) if ck is not source else None
+    planned = _plan(ck, dtype or trained)
     total = sum(t.nbytes for t in planned)
     check_free_space(out, total)
     with atomic_output_dir(out, force) as tmp:
@@ -177,12 +187,12 @@ def export(
         layers = ck.layers
         with progress(sum(ck.nbytes(ly.index) for ly in layers), "export", show_progress) as bar:
             for layer in layers:
-                _write_layer(ck, layer, writer, buffers, deltas(layer) if deltas else {})
+                _write_layer(ck, layer, writer, buffers, deltas(layer) if deltas else {}, trained)
                 bar.update(ck.nbytes(layer.index))
         writer.close()
         out_dtype = planned[0].dtype if len({t.dtype for t in planned}) == 1 else torch.float32
-        write_config(tmp, ck.model, out_dtype, source_config(ck))
-        tok_files = write_side_files(ck, tmp, tokenizer)
+        write_config(tmp, ck.model, out_dtype, source_config(source))
+        tok_files = write_side_files(source, tmp, tokenizer)
     if show_progress:
         print(
             f"threed export: {ckpt} (tp={ck.tp}, {ck.tag}) -> {out}: {len(writer.file_names)} safetensors "

@@ -18,6 +18,7 @@ drift from it:
     read_adapters(source, ...)                   the adapters of an HF PEFT folder or of a threed LoRA checkpoint
     export_lora(ckpt, out)                       `threed export --lora`: a LoRA run's checkpoint -> HF PEFT folder
     merge_deltas(ck)                             `threed export --merge`: alpha/r * B A per HF base weight
+    merge_base(ck)                               ... and the base they go into (an adapter-only one's: the named base)
 
 PEFT itself (a heavy optional dependency, the `peft` extra) is imported only where its config class is wanted, in
 `write_peft`; reading a folder needs only json and safetensors.
@@ -36,6 +37,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from threed.checkpoint.format import LATEST, RUN_JSON, Checkpoint, check_model, open_checkpoint
+from threed.checkpoint.lora_base import open_base, recorded_base
+from threed.checkpoint.manifest import read_manifest
 from threed.config import LORA_TARGETS, ConfigError, LoraConfig, ModelConfig
 from threed.convert.io_utils import ConvertError, atomic_output_dir, refuse_existing
 from threed.convert.slices import DictReader, Piece, ShardSpec, materialize, rank_slices
@@ -334,6 +337,18 @@ def merge_deltas(ck: Checkpoint) -> Callable[[PipelineLayer], dict[str, torch.Te
         return out
 
     return deltas
+
+
+def merge_base(ck: Checkpoint) -> Checkpoint:
+    """The base `threed export --merge` merges `ck`'s adapters into: an adapter-only checkpoint's is the base its
+    manifest names (fingerprint checked: one line when it is missing or changed), a whole one holds its own."""
+    if not ck.adapters_only:
+        return ck
+    recorded = recorded_base(read_manifest(ck.step_dir))
+    if recorded is None:
+        raise ConvertError(f"{ck.step_dir} holds only LoRA adapters but names no base: nothing to merge them into")
+    fix = f"put it back at {recorded['path']} to merge the adapters into it, or export them alone with --lora"
+    return open_base(recorded, str(ck.step_dir), fix)
 
 
 def export_lora(ckpt: str | os.PathLike, out: str | os.PathLike, force: bool = False) -> dict[str, Any]:

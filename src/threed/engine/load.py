@@ -43,7 +43,11 @@ def load_start(
     client_state: dict = {}
     if decision.mode == "resume":
         with library_prints():  # BF16_Optimizer prints a line per rank on load
-            path, client_state = engine.load_checkpoint(decision.load_dir, tag=decision.tag)
+            # An adapter-only LoRA checkpoint's layer files lack the frozen base (threed.engine.lora loaded it from
+            # the base it names): not strictly, or DeepSpeed refuses every absent base key.
+            path, client_state = engine.load_checkpoint(
+                decision.load_dir, tag=decision.tag, load_module_strict=not decision.adapters_only
+            )
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint {decision.load_dir}/{decision.tag}")
         place_optimizer_state(engine.optimizer)

@@ -8,8 +8,11 @@ each rank cuts its shards out of the unsharded tensors (threed.convert.lora), so
 adapter. Each save's manifest names the base the adapters belong to (threed.checkpoint.lora_base).
 
 A resume at another tp / pp / dp goes through DeepSpeed's universal checkpoint as a full run's does, for the
-adapters (their fp32 master and Adam moments: the only optimizer state there is); the frozen base is read from the
-checkpoint's layer files, sliced for the new layout (`load_frozen_base`).
+adapters (their fp32 master and Adam moments: the only optimizer state there is). The frozen base has no optimizer
+state: it is read, sliced for this layout, from the base an adapter-only checkpoint names (its layer files hold only
+the adapters: threed.checkpoint.save), or from the checkpoint's own layer files (a LoRA run from random init, or one
+saved before checkpoints were adapter-only), before the engine is made (`load_frozen_base`). A resume at the same
+layout reads the adapters, natively, from the layer files (threed.engine.load: not strictly, the base being absent).
 """
 
 from __future__ import annotations
@@ -72,21 +75,24 @@ def attach_lora(module: torch.nn.Module, cfg: RunConfig, decision: StartDecision
         cfg.model, adapter_universal_patterns(split_dims(cfg.model, lora))
     )
     trainable = freeze_base(module)
-    if decision.mode == "resume" and decision.universal:
+    if decision.mode == "resume" and (decision.universal or decision.adapters_only):
         load_frozen_base(module, cfg, decision, tp, tp_rank)
     return trainable
 
 
 def load_frozen_base(module: torch.nn.Module, cfg: RunConfig, decision: StartDecision, tp: int, tp_rank: int) -> None:
-    """A universal resume restores the parameters from the optimizer's fp32 state (DeepSpeed loads no layer file
-    then): the adapters' and their Adam moments come from the universal checkpoint, but the frozen base has no
-    optimizer state. It is read here from the checkpoint's own layer files, sliced for this rank's new layout
-    (threed.convert.into_stage, as --init-from at another layout), before DeepSpeed's engine is made; the adapters'
-    keys are not in what is loaded, so they keep their values (threed.model.lora: `_keep_if_absent`) until the
-    universal load sets them."""
+    """The frozen base of a resume that does not read it with the adapters: a universal resume (the parameters come
+    from the optimizer's fp32 state, which holds only the adapters, and DeepSpeed loads no layer file then) or an
+    adapter-only checkpoint. Read from the base the decision names (adapter-only: checked by threed.checkpoint.start)
+    or the checkpoint's own layer files, sliced for this rank's layout (threed.convert.into_stage, as --init-from at
+    another layout), before DeepSpeed's engine is made; the adapters' keys are not in what is loaded, so they keep
+    their values (threed.model.lora: `_keep_if_absent`) until the checkpoint's load sets them."""
     src = decision.source
     assert src is not None
-    ck = open_checkpoint(src.path, model=cfg.model, tag=src.tag)
+    path, tag = (
+        (decision.lora_base["path"], decision.lora_base["tag"]) if decision.adapters_only else (src.path, src.tag)
+    )
+    ck = open_checkpoint(path, model=cfg.model, tag=tag)
     with torch.no_grad():
         load_into_stage(ck, local_modules(module, cfg.model), tp, tp_rank)
 

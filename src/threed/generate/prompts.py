@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from threed.atomic import temp_name, unwritable, write_atomic
-from threed.checkpoint.format import has_checkpoint, open_checkpoint, read_latest, read_run_json
-from threed.checkpoint.lora_base import check_base, is_lora_checkpoint, recorded_base
+from threed.checkpoint.format import has_checkpoint, holds_adapters_only, open_checkpoint, read_latest, read_run_json
+from threed.checkpoint.lora_base import check_base, is_lora_checkpoint, open_base, recorded_base
 from threed.checkpoint.manifest import read_manifest
 from threed.config import LoraConfig, ModelConfig, ParallelConfig, TrainConfig
 from threed.errors import ThreedError
@@ -196,8 +196,9 @@ def pinned_checkpoint(load: str, tp: Optional[int], pp: Optional[int]) -> tuple[
 def lora_request(load: Optional[str], lora: Optional[str]) -> tuple[str, Optional[LoraConfig]]:
     """--load and --lora: the checkpoint whose base weights the engine loads, and the adapters put on it at any
     tp / pp (a LoraConfig whose lora_init_from is the --lora directory: threed.engine.lora reads an HF PEFT folder or
-    a threed LoRA run's checkpoint), or one line. A LoRA checkpoint holds its frozen base: --load may be left out,
-    and a --load given must be the base its adapters name (threed.checkpoint.lora_base)."""
+    a threed LoRA run's checkpoint), or one line. A LoRA checkpoint names its base: --load may be left out (an
+    adapter-only checkpoint's base is read from where it names, fingerprint checked; an older or random-init one
+    holds its frozen base), and a --load given must be the base its adapters name (threed.checkpoint.lora_base)."""
     if lora is None:
         if load is None:
             raise ThreedError("give --load CKPT (or --lora DIR: a LoRA run's checkpoint, or a PEFT folder with --load)")
@@ -212,10 +213,13 @@ def lora_request(load: Optional[str], lora: Optional[str]) -> tuple[str, Optiona
             raise ThreedError(f"--lora {lora} is the checkpoint of a run without LoRA adapters; pass it as --load")
         run = read_run_json(folder) or {}
         settings = {**run["lora"], "lora_targets": tuple(run["lora"]["lora_targets"]), "lora_dropout": 0.0}
+        tag_dir = folder / (read_latest(folder) or "")
+        recorded = recorded_base(read_manifest(tag_dir))
         if load is not None and os.path.realpath(load) != os.path.realpath(lora):
-            fix = "leave --load out (the checkpoint holds its base), or give the base it names"
-            tag_dir = folder / (read_latest(folder) or "")
-            check_base(recorded_base(read_manifest(tag_dir)), load, lora, fix)
+            fix = "leave --load out (the checkpoint names its base), or give the base it names"
+            check_base(recorded, load, lora, fix)
+        elif recorded is not None and holds_adapters_only(tag_dir):  # its base is the one it names: read there
+            return adapters_base(recorded, lora), LoraConfig(**{**settings, "lora_init_from": lora})
         return load or lora, LoraConfig(**{**settings, "lora_init_from": lora})
     if (folder / PEFT_CONFIG).is_file():
         if load is None:
@@ -227,6 +231,21 @@ def lora_request(load: Optional[str], lora: Optional[str]) -> tuple[str, Optiona
         f"--lora {lora}: neither a threed LoRA run's checkpoint (no `latest` file) nor an HF PEFT folder (no "
         f"{PEFT_CONFIG}); give one of those"
     )
+
+
+def adapters_base(recorded: dict, lora: str) -> str:
+    """Where the base an adapter-only LoRA checkpoint names is read: its recorded directory, holding those weights
+    (fingerprint) under the tag `latest` names there (the tag generation loads); else one line."""
+    fix = f"put the base back at {recorded['path']}, or give where it is now with --load BASE"
+    path = str(open_base(recorded, lora, fix).path)
+    latest = read_latest(path)
+    if latest != recorded["tag"]:
+        raise ThreedError(
+            f"--lora {lora}: its base {path} now names {latest} as latest, the adapters were trained on its "
+            f"{recorded['tag']}; write {recorded['tag']} into {path}/latest, or give a copy of that checkpoint alone "
+            f"as --load BASE"
+        )
+    return path
 
 
 def check_adapters(lora: Optional[LoraConfig], model: ModelConfig, tp: int, pp: int) -> None:

@@ -11,7 +11,7 @@ an HF checkpoint that are not weights (`IGNORED_SUFFIXES`) are `threed.hf.format
 
 from __future__ import annotations
 
-from threed.config import ModelConfig
+from threed.config import LoraConfig, ModelConfig
 from threed.model.spec import (
     PARAMETERS,
     LayerKind,
@@ -19,6 +19,7 @@ from threed.model.spec import (
     full_shape,
     held_parameters,
     layer_parameters,
+    pipeline_layers,
     tie_owners,
 )
 
@@ -69,6 +70,24 @@ def hf_shapes(cfg: ModelConfig, layer: PipelineLayer) -> dict[str, tuple[int, ..
         assert sum(parts) == rows and len(parts) == len(names), (p.name, parts, names)
         out.update({n: (r, *rest) for n, r in zip(names, parts)})
     return out
+
+
+def lora_target_shapes(model: ModelConfig, lora: LoraConfig) -> dict[str, tuple[int, int]]:
+    """Each chosen LoRA target's base weight, unsharded [out, in]: HF's `<target>_proj` of a block (PEFT's module
+    name), read off this table as threed.convert.lora reads it to cut PEFT tensors into TP shards."""
+    block = next(ly for ly in pipeline_layers(model) if ly.kind == "block")
+    shapes = hf_shapes(model, block)
+    out = {}
+    for target in lora.lora_targets:
+        (shape,) = [s for name, s in shapes.items() if name.endswith(f".{target}_proj.weight")]
+        out[target] = (shape[0], shape[1])
+    return out
+
+
+def lora_block_elements(model: ModelConfig, lora: LoraConfig, tp: int = 1) -> int:
+    """Adapter elements of one block on one TP rank: r (out + in) per target, / tp (every adapter element lives on
+    one TP rank). What the memory model counts and what a LoRA checkpoint holds (threed.checkpoint.format)."""
+    return sum(lora.lora_rank * (rows + cols) for rows, cols in lora_target_shapes(model, lora).values()) // tp
 
 
 def tied_hf_names(cfg: ModelConfig) -> dict[str, str]:

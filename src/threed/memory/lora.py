@@ -22,8 +22,9 @@ from __future__ import annotations
 from typing import Optional
 
 from threed.config import LORA_COLUMN_TARGETS, LoraConfig, ModelConfig
-from threed.hf.names import hf_shapes
-from threed.model.spec import pipeline_layers
+
+# Each chosen target's base weight [out, in] (HF's `<target>_proj`), read off the HF table.
+from threed.hf.names import lora_block_elements, lora_target_shapes as target_shapes
 
 BF16 = 2
 
@@ -33,23 +34,12 @@ def active(lora: Optional[LoraConfig]) -> bool:
     return lora is not None and lora.lora_rank > 0
 
 
-def target_shapes(model: ModelConfig, lora: LoraConfig) -> dict[str, tuple[int, int]]:
-    """Each chosen target's base weight, unsharded [out, in]: HF's `<target>_proj` of a block (PEFT's module name)."""
-    block = next(ly for ly in pipeline_layers(model) if ly.kind == "block")
-    shapes = hf_shapes(model, block)
-    out = {}
-    for target in lora.lora_targets:
-        (shape,) = [s for name, s in shapes.items() if name.endswith(f".{target}_proj.weight")]
-        out[target] = (shape[0], shape[1])
-    return out
-
-
 def block_elements(model: ModelConfig, lora: Optional[LoraConfig], tp: int = 1) -> int:
     """Adapter elements of one block on one TP rank (0 without LoRA): r (out + in) per target, / tp."""
     if not active(lora):
         return 0
     assert lora is not None
-    return sum(lora.lora_rank * (rows + cols) for rows, cols in target_shapes(model, lora).values()) // tp
+    return lora_block_elements(model, lora, tp)
 
 
 def largest_adapter(model: ModelConfig, lora: LoraConfig, tp: int) -> int:

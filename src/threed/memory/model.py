@@ -569,12 +569,13 @@ def host_copy_bytes(
     vpp: int = 1,
     partition_method: str | None = None,
     dtype: str = "bf16",
+    lora: LoraConfig | None = None,
 ) -> int:
     """Host memory (pinned on CUDA) that --async-save's copy of a checkpoint takes on the ranks `ranks`: what each
     of them writes (threed.checkpoint.format.node_checkpoint_bytes, the figure threed.checkpoint.async_save refuses
-    a node by). Not a GPU term: per node, in the host's RAM."""
+    a node by; `lora`: a LoRA run's adapter-only checkpoint). Not a GPU term: per node, in the host's RAM."""
     kinds = [stage_kinds(s) for s in stages(model, pp, tp, seq, partition_method, vpp)]
-    return node_checkpoint_bytes(model, dtype, (tp, dp, cp), kinds, ranks)
+    return node_checkpoint_bytes(model, dtype, (tp, dp, cp), kinds, ranks, lora)
 
 
 def host_copy_line(

@@ -387,7 +387,7 @@ def universal_patterns(model: ModelConfig) -> dict[str, list[str]]:
 
 def adapter_universal_patterns(adapters: Iterable[tuple[str, int]]) -> dict[str, list[str]]:
     """The patterns of a LoRA run, whose optimizer holds only the adapters: ds_to_universal sees no base parameter
-    (the frozen base has no optimizer state; a resume reads it from the layer files, threed.engine.lora), and a
+    (the frozen base has no optimizer state; a resume reads it from the base, threed.engine.lora), and a
     pattern naming one would match nothing. `adapters`: each adapter parameter's name in a block
     (`self_attention.linear_proj.lora.A.o`) and the dim TP splits it on. No adapter is replicated over TP
     (Megatron-Bridge's layout) and every shard is an even range of the unsharded tensor: dim 0, DeepSpeed's default
