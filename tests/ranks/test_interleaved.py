@@ -9,6 +9,9 @@ pp 4 vpp 1 (and back) and at tp 2, a rank killed mid-save, the memory model's ac
 `reshard` and `verify` of a vpp-2 checkpoint, the engine `threed generate` / `eval-harness` load from it (its weights,
 HF's greedy tokens), and packed SFT at vpp 2 against HF (sft_vpp_worker.py). The divergence guard at vpp 2:
 test_divergence.py.
+
+The `make test` runs also generate and score on the live engines (--generate-interval / --harness-interval's decode
+loop, over the chunks at vpp 2): before step 1 HF's greedy tokens and log-probabilities, after step 5 each other's.
 """
 
 from __future__ import annotations
@@ -191,6 +194,42 @@ def test_the_pipeline_group_opens_with_all_its_ranks_and_carries_every_message(p
         assert calls["first"][0] == "all_reduce" and "p2p" in calls["first"], (rank, calls)
         assert not calls["p2p_elsewhere"] and calls["p2p"] > 0, (rank, calls)
         assert r["vpp1_gas4"]["pipe_group"]["p2p"] == 0
+
+
+def hf_greedy_and_scores() -> tuple[list[list[int]], list[float]]:
+    """HF's gqa31 (the weights the runs start from): greedy generate's new tokens on PROMPTS, and each prompt's sum
+    of log-probabilities of its tokens after the first (float64)."""
+    hf = hf_model("gqa31")
+    tokens, scores = [], []
+    with torch.no_grad():
+        for p in PROMPTS:
+            ids = torch.tensor([p])
+            out = hf.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS, pad_token_id=0, eos_token_id=None)
+            tokens.append(out[0, len(p) :].tolist())
+            logprobs = torch.log_softmax(hf(ids).logits[0, :-1].double(), dim=-1)
+            scores.append(float(logprobs.gather(1, ids[0, 1:, None]).sum()))
+    return tokens, scores
+
+
+def test_generation_and_harness_scores_on_the_live_vpp2_engine(pp2) -> None:
+    """--generate-interval / --harness-interval's decode loop on the live interleaved engine (rank 0 chunk 0 -> rank 1
+    chunk 0 -> rank 0 chunk 1 -> rank 1 chunk 1, KV cache): before step 1 HF generate's greedy tokens and HF's
+    log-probabilities; after the 5 steps, vpp 1's greedy and sampled tokens and its scores within 1e-5 (every
+    step's top-1 / top-2 margin above 1e-5, so no near-tie decides a token)."""
+    want_tokens, want_scores = hf_greedy_and_scores()
+    for rank, r in enumerate(pp2):
+        inter, one = r["vpp2_gas4"]["decoded"], r["vpp1_gas4"]["decoded"]
+        assert inter["start"]["tokens"] == want_tokens, rank
+        assert inter["end"]["tokens"] == one["end"]["tokens"] and inter["end"]["tokens"] != want_tokens, rank
+        assert [inter[m]["sampled"] for m in ("start", "end")] == [one[m]["sampled"] for m in ("start", "end")], rank
+        assert inter["start"]["sampled"] != want_tokens, "sampled, not greedy"
+        margins = [m for moment in ("start", "end") for key in ("margins", "sampled_margins")
+                   for row in inter[moment][key] for m in row]  # fmt: skip
+        assert len(margins) == 4 * len(PROMPTS) * NEW_TOKENS and min(margins) > 1e-5, margins
+        for moment, want in (("start", want_scores), ("end", [s for s, _ in one["end"]["scores"] or []])):
+            got = [s for s, _ in inter[moment]["scores"] or []]
+            assert (got == []) == (rank == 0), "the scores come from the last stage"
+            assert got == pytest.approx(want if got else [], rel=1e-5), (rank, moment)
 
 
 @pytest.mark.slow
