@@ -13,6 +13,7 @@ optimizer holds against the adapters' and each adapter's checksum (by global par
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 # worker_setup first: it puts tests/ on sys.path (helpers, reference)
 from worker_setup import build_engine, load_hf_weights, rank_json, run_worker
@@ -52,13 +53,19 @@ def adapters(engine) -> dict[str, list[float]]:
     }
 
 
-def trained(args: argparse.Namespace, rt: Runtime, vpp: int, ds) -> dict:
-    """STEPS steps from HF's base and the PEFT adapter, a checkpoint after step SAVED."""
+def trained(args: argparse.Namespace, rt: Runtime, vpp: int, ds, clip: bool = True) -> dict:
+    """STEPS steps from HF's base and the PEFT adapter, a checkpoint after step SAVED; without `clip`, no gradient
+    clipping (and no checkpoint)."""
     cfg = config(args, vpp)
+    if not clip:
+        cfg = dataclasses.replace(
+            cfg, train=dataclasses.replace(cfg.train, grad_clip=0.0), checkpoint=CheckpointConfig()
+        )
     engine = build_engine(cfg, rt).engine
     load_hf_weights(engine, cfg, hf_model("gqa31").state_dict())
     losses, norms = run_steps(engine, cfg, ds, 0, SAVED)
-    save(engine, cfg, rt.rank, {"consumed_samples": SAVED * cfg.train.global_batch_size})
+    if clip:
+        save(engine, cfg, rt.rank, {"consumed_samples": SAVED * cfg.train.global_batch_size})
     more = run_steps(engine, cfg, ds, SAVED, STEPS)
     return {
         "losses": losses + more[0],
@@ -87,6 +94,7 @@ def resumed(args: argparse.Namespace, rt: Runtime, vpp: int, ds) -> dict:
 def main(args: argparse.Namespace, rt: Runtime) -> None:
     ds = train_dataset(config(args, 1), rt.world_size)
     out = {f"vpp{vpp}": trained(args, rt, vpp, ds) for vpp in (1, 2)}
+    out.update({f"vpp{vpp}_noclip": trained(args, rt, vpp, ds, clip=False) for vpp in (1, 2)})
     out["vpp2_resumed"] = resumed(args, rt, 2, ds)
     rank_json(args.out, "lora_vpp", out)
 
