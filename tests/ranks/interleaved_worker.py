@@ -2,7 +2,8 @@
 steps) at --vpp 1 and --vpp 2 on this launch's tp x pp (and at one rank, pp 1, for the single-process reference):
 losses, gradient norms, an evaluation loss and every parameter's final checksum; a checkpoint written at step 3
 under one vpp, resumed under the same and the other; the engine `threed generate` / `eval-harness` build from such
-a checkpoint, its weights and a greedy generation (`inference`).
+a checkpoint, its weights and a greedy generation (`inference`); greedy generation and the harness's log-probabilities
+on the live engine itself, before step 1 (HF's weights) and after the last (`decoded`: at vpp 2 over the chunks).
 
     python -m torch.distributed.run --nproc-per-node 2 tests/ranks/interleaved_worker.py main --out /tmp/x \
         --data PREFIX --tp 1 --pp 2 --gas 4 --vpps 1,2 --resume
@@ -32,6 +33,7 @@ from schedule_worker import VARIANTS, run
 from tied_worker import tied_hf_model, tied_model_config
 import threed.checkpoint.save as ckpt
 from threed.config import CheckpointConfig, DataConfig, ParallelConfig, RunConfig, TrainConfig
+from threed.generate import decode
 from threed.generate.decode import generate_all
 from threed.generate.prompts import Sampling
 from threed.generate.run import pinned_engine
@@ -42,6 +44,7 @@ STEPS = 5
 SAVE_AT = 3
 PROMPTS = [[5, 17, 9, 1, 32], [20, 3], [7, 7, 150, 61, 12, 99, 4]]  # token ids (gqa31's vocabulary of 200)
 NEW_TOKENS = 6
+SAMPLED = Sampling(temperature=0.8, top_p=0.9, seed=4)  # `decoded`'s sampled generation (noise keyed by prompt, step)
 
 
 def config(args: argparse.Namespace, vpp: int, gas: int, variant: str = "") -> RunConfig:
@@ -113,6 +116,28 @@ def pipe_group_calls(engine) -> Iterator[list[str]]:
         dist.batch_isend_irecv, dist.all_reduce = batch, all_reduce
 
 
+def decoded(engine, cfg: RunConfig) -> dict | None:
+    """On the live engine, as --generate-interval / --harness-interval run it: greedy and sampled (SAMPLED)
+    generation (KV cache) of PROMPTS with each step's top-1 / top-2 margin, and each prompt's (sum of
+    log-probabilities of its tokens after the first, all greedy) as the harness's loglikelihood requests ask
+    (`score_batch`: on the last stage, None elsewhere). None with packed rows (the run's activations carry document
+    ids)."""
+    if cfg.data.pack:
+        return None
+    out = generate_all(engine, cfg.model, PROMPTS, NEW_TOKENS, Sampling(), batch_size=len(PROMPTS))
+    sampled = generate_all(engine, cfg.model, PROMPTS, NEW_TOKENS, SAMPLED, batch_size=len(PROMPTS))
+    stage = decode.stage_of(engine, cfg.model)
+    with decode.evaluation(engine, stage):
+        scores = decode.score_batch(stage, PROMPTS, [len(p) - 1 for p in PROMPTS])
+    return {
+        "tokens": [r.tokens for r in out],
+        "margins": [r.margins for r in out],
+        "sampled": [r.tokens for r in sampled],
+        "sampled_margins": [r.margins for r in sampled],
+        "scores": scores,
+    }
+
+
 def trained(cfg: RunConfig, rt: Runtime, ds, hf_state: dict, save: str = "") -> dict:
     """STEPS steps from HF's weights; with `save`, a checkpoint there at step SAVE_AT."""
     if save:
@@ -120,6 +145,7 @@ def trained(cfg: RunConfig, rt: Runtime, ds, hf_state: dict, save: str = "") -> 
     engine = build_engine(cfg, rt).engine
     if cfg.model.num_layers == hf_model_layers():
         load_hf_weights(engine, cfg, hf_state)
+    at_start = decoded(engine, cfg)
     timer = StageTimer(engine, rt.device)  # the per-stage idle metric's timers (threed.metrics.stages)
     timer.install()
     with pipe_group_calls(engine) as calls:
@@ -132,6 +158,7 @@ def trained(cfg: RunConfig, rt: Runtime, ds, hf_state: dict, save: str = "") -> 
         more = run(cfg, engine, ds, SAVE_AT, STEPS)
         losses, norms = losses + more[0], norms + more[1]
     timer.uninstall()
+    at_end = decoded(engine, cfg)  # (and the evaluation loss below, on the engine after it)
     # the metrics writer's numbers of this run: every rank's row, gathered, per stage (and per chunk at vpp > 1)
     stages = per_stage(gather_rows(timer, rt.device), cfg.parallel.pp)
     return {
@@ -149,6 +176,7 @@ def trained(cfg: RunConfig, rt: Runtime, ds, hf_state: dict, save: str = "") -> 
         "dp_rank": engine.grid.get_data_parallel_rank(),
         "weights": checksums(engine, rt),
         "saved_weights": saved if save else None,  # at step SAVE_AT, what the checkpoint holds
+        "decoded": {"start": at_start, "end": at_end},
     }
 
 

@@ -1,6 +1,7 @@
 """`threed train` twice in one 2-rank launch (tp1 pp2: the metrics writer is rank 1, not rank 0): first with
---generate-interval 2 and --harness-interval 2 (local lm-eval tasks), then the same run without them. The pytest
-side (test_samples.py) checks the losses are bit-identical and the scores and generations were logged.
+--generate-interval 2 and --harness-interval 2 (local lm-eval tasks), then the same run without them; then both
+again at --vpp 2 (interleaved: two chunks per rank). The pytest side (test_samples.py) checks the losses are
+bit-identical, the scores and generations were logged, and vpp 2's equal vpp 1's.
 
     python -m torch.distributed.run --nproc-per-node 2 tests/ranks/samples_worker.py --out /tmp/s --spec spec.json
 """
@@ -27,7 +28,7 @@ from worker_setup import train
 STEPS, INTERVAL = 4, 2
 
 
-def run_config(spec: dict, save: Path, with_samples: bool) -> RunConfig:
+def run_config(spec: dict, save: Path, with_samples: bool, vpp: int = 1) -> RunConfig:
     model = dataclasses.replace(ModelConfig(**spec["model"]), make_vocab_size_divisible_by=16)
     samples = dict(
         generate_interval=INTERVAL,
@@ -40,7 +41,7 @@ def run_config(spec: dict, save: Path, with_samples: bool) -> RunConfig:
     )
     return RunConfig(
         model=model,
-        parallel=ParallelConfig(tp=1, pp=2),
+        parallel=ParallelConfig(tp=1, pp=2, vpp=vpp),
         train=TrainConfig(
             dtype="fp32",
             seq_length=32,
@@ -59,18 +60,15 @@ def run_config(spec: dict, save: Path, with_samples: bool) -> RunConfig:
 
 def samples(args: argparse.Namespace, rt: Runtime) -> None:
     spec = json.loads(args.spec.read_text())
-    seed_all()
-    with_them = train(run_config(spec, args.out / "with", True))
-    after_with = next_draws()
-    dist.barrier()
-    seed_all()
-    without = train(run_config(spec, args.out / "without", False))
-    after_without = next_draws()
+    results: dict[str, list] = {}
+    for vpp, suffix in ((1, ""), (2, "_vpp2")):
+        for name, with_samples in (("with", True), ("without", False)):
+            dist.barrier()
+            seed_all()
+            results[name + suffix] = train(run_config(spec, args.out / (name + suffix), with_samples, vpp)).losses
+            results["draws" + suffix] = results.get("draws" + suffix, []) + [next_draws()]
     if rt.rank == 1:  # the last stage holds the losses
-        write_json(
-            args.out / "losses.json",
-            {"with": with_them.losses, "without": without.losses, "draws": [after_with, after_without]},
-        )
+        write_json(args.out / "losses.json", results)
 
 
 def seed_all() -> None:

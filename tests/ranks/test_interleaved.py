@@ -9,6 +9,9 @@ pp 4 vpp 1 (and back) and at tp 2, a rank killed mid-save, the memory model's ac
 `reshard` and `verify` of a vpp-2 checkpoint, the engine `threed generate` / `eval-harness` load from it (its weights,
 HF's greedy tokens), and packed SFT at vpp 2 against HF (sft_vpp_worker.py). The divergence guard at vpp 2:
 test_divergence.py.
+
+The `make test` runs also generate and score on the live engines (--generate-interval / --harness-interval's decode
+loop, over the chunks at vpp 2): before step 1 HF's greedy tokens and log-probabilities, after step 5 each other's.
 """
 
 from __future__ import annotations
@@ -193,6 +196,49 @@ def test_the_pipeline_group_opens_with_all_its_ranks_and_carries_every_message(p
         assert r["vpp1_gas4"]["pipe_group"]["p2p"] == 0
 
 
+def hf_greedy_and_scores() -> tuple[list[list[int]], list[float]]:
+    """HF's gqa31 (the weights the runs start from): greedy generate's new tokens on PROMPTS, and each prompt's sum
+    of log-probabilities of its tokens after the first (float64)."""
+    hf = hf_model("gqa31")
+    tokens, scores = [], []
+    with torch.no_grad():
+        for p in PROMPTS:
+            ids = torch.tensor([p])
+            out = hf.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS, pad_token_id=0, eos_token_id=None)
+            tokens.append(out[0, len(p) :].tolist())
+            logprobs = torch.log_softmax(hf(ids).logits[0, :-1].double(), dim=-1)
+            scores.append(float(logprobs.gather(1, ids[0, 1:, None]).sum()))
+    return tokens, scores
+
+
+def assert_same_decoding(ranks: list[dict]) -> None:
+    """vpp 2's greedy and sampled tokens on the live engine are vpp 1's, before step 1 and after step 5, every step's
+    top-1 / top-2 margin above 1e-5 (no near-tie decides a token), and its scores within 1e-5 of vpp 1's."""
+    for rank, r in enumerate(ranks):
+        inter, one = r["vpp2_gas4"]["decoded"], r["vpp1_gas4"]["decoded"]
+        for m in ("start", "end"):
+            assert (inter[m]["tokens"], inter[m]["sampled"]) == (one[m]["tokens"], one[m]["sampled"]), (rank, m)
+            margins = [x for key in ("margins", "sampled_margins") for row in inter[m][key] for x in row]
+            assert len(margins) == 2 * len(PROMPTS) * NEW_TOKENS and min(margins) > 1e-5, (rank, m, margins)
+            got, want = ([s for s, _ in d[m]["scores"] or []] for d in (inter, one))
+            assert got == pytest.approx(want, rel=1e-5), (rank, m)
+
+
+def test_generation_and_harness_scores_on_the_live_vpp2_engine(pp2) -> None:
+    """--generate-interval / --harness-interval's decode loop on the live interleaved engine (rank 0 chunk 0 -> rank 1
+    chunk 0 -> rank 0 chunk 1 -> rank 1 chunk 1, KV cache): before step 1 HF generate's greedy tokens and HF's
+    log-probabilities; before and after the 5 steps, vpp 1's greedy and sampled tokens and its scores."""
+    assert_same_decoding(pp2)
+    want_tokens, want_scores = hf_greedy_and_scores()
+    for rank, r in enumerate(pp2):
+        inter = r["vpp2_gas4"]["decoded"]
+        assert inter["start"]["tokens"] == want_tokens and inter["end"]["tokens"] != want_tokens, rank
+        assert inter["start"]["sampled"] != want_tokens, "sampled, not greedy"
+        got = [s for s, _ in inter["start"]["scores"] or []]
+        assert (got == []) == (rank == 0), "the scores come from the last stage"
+        assert got == pytest.approx(want_scores if got else [], rel=1e-5), rank
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("gas", [4, 6])
 def test_pp2_vpp2_is_1f1b_and_a_single_process(pp2_more, single, gas) -> None:
@@ -215,11 +261,13 @@ def test_pp4_vpp2_is_1f1b(pp4, gas) -> None:
 @pytest.mark.slow
 def test_cp2_pp2_vpp2_is_cp2_pp2(cp2pp2) -> None:
     check_against_1f1b(cp2pp2, 4)
+    assert_same_decoding(cp2pp2)  # the CP ranks replicas of their own, each its share of the prompts
 
 
 @pytest.mark.slow
 def test_tp2_pp2_vpp2_dp2_with_sequence_parallel_and_tied_embedding(tp2pp2dp2) -> None:
     check_against_1f1b(tp2pp2dp2, 4)
+    assert_same_decoding(tp2pp2dp2)  # whole sequences over TP under SP, the tied head, two replicas
     names = weights(tp2pp2dp2, "vpp2_gas4")
     assert "tp0/tied_modules.embedding.word_embeddings.weight" in names, "the tied embedding, one weight"
 

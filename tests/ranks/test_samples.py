@@ -1,7 +1,9 @@
 """Generations and lm-eval harness scores during training (--generate-interval / --harness-interval, through the
 training engine itself): logged to metrics.jsonl and TensorBoard at the right steps, by the writer rank (rank 1 at
 tp1 pp2, while lm-eval hands its results to rank 0), and the training losses are bit-identical to the same run
-without them. One 2-rank run (samples_worker.py), offline, local tasks.
+without them; at --vpp 2 (interleaved chunks, the decode loop over them) the same, and the generations and scores
+those of --vpp 1 (tokens identical, scores within 1e-5, losses within 1e-6). One 2-rank run (samples_worker.py),
+offline, local tasks.
 
     .venv/bin/python -m pytest -q tests/ranks/test_samples.py
 """
@@ -18,10 +20,10 @@ from harness_fixtures import OFFLINE_ENV, write_tasks
 from helpers import RANKS, write_dataset
 
 STEPS, INTERVAL = 4, 2
-# Two trainings in a 2-rank run (~1.5 min on 2 busy cores): `make test-slow`; the refusals are in tests/unit.
+# Four trainings in a 2-rank run (minutes on 2 busy cores): `make test-slow`; the refusals are in tests/unit.
 pytestmark = pytest.mark.slow
 MODEL = dict(
-    name="samples", vocab_size=320, hidden_size=GQA4["hidden_size"], num_layers=2, num_heads=8, num_kv_heads=4,
+    name="samples", vocab_size=320, hidden_size=GQA4["hidden_size"], num_layers=4, num_heads=8, num_kv_heads=4,
     ffn_hidden_size=GQA4["intermediate_size"], max_position_embeddings=128,
 )  # fmt: skip
 
@@ -78,3 +80,33 @@ def test_scores_in_tensorboard(run):
     assert [e.step for e in acc.Scalars("harness/tiny_mc/acc")] == [2, 4]
     assert [e.step for e in acc.Scalars("harness/tiny_ppl/bits_per_byte")] == [2, 4]
     assert "generate/0/text_summary" in acc.Tags()["tensors"]  # the generations, as text
+
+
+def records(root, name: str) -> dict[int, dict]:
+    """metrics.jsonl of run `name`: iteration -> its generations and harness scores (merged)."""
+    out: dict[int, dict] = {}
+    for r in map(json.loads, (root / name / "metrics.jsonl").read_text().splitlines()):
+        picked = {k: v for k, v in r.items() if k.startswith(("generate/", "harness/"))}
+        if picked:
+            out.setdefault(r["iteration"], {}).update(picked)
+    return out
+
+
+def test_at_vpp2_the_same_generations_scores_and_losses_as_vpp1(run):
+    """--vpp 2 (two chunks per rank, the decode loop rank 0 chunk 0 -> rank 1 chunk 0 -> rank 0 chunk 1 -> rank 1
+    chunk 1): losses bit-identical with and without the samples, within 1e-6 of vpp 1's; the greedy generations
+    token for token vpp 1's, the harness scores within 1e-5."""
+    root, stdout = run
+    losses = json.loads((root / "losses.json").read_text())
+    assert losses["with_vpp2"] == losses["without_vpp2"] and len(losses["with_vpp2"]) == STEPS
+    assert losses["draws_vpp2"][0] == losses["draws_vpp2"][1]
+    assert losses["with_vpp2"] == pytest.approx(losses["with"], rel=1e-6)
+    one, inter = records(root, "with"), records(root, "with_vpp2")
+    assert sorted(inter) == [2, 4] and sorted(inter[2]) == sorted(one[2])
+    for step, values in one.items():
+        for key, want in values.items():
+            if key.startswith("generate/"):
+                assert inter[step][key] == want, (step, key)
+            else:
+                assert inter[step][key] == pytest.approx(want, rel=1e-5, abs=1e-5), (step, key)
+    assert "harness/" not in (root / "without_vpp2" / "metrics.jsonl").read_text()

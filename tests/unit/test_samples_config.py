@@ -6,6 +6,7 @@ ConfigError line (the flags' checks in config.py, the files' in threed.train.sam
 
 from __future__ import annotations
 
+import dataclasses
 
 import pytest
 
@@ -51,11 +52,14 @@ def test_a_missing_tokenizer_or_prompts_file_is_one_line(tmp_path):
         prepare(cfg)
 
 
-def test_samples_during_an_interleaved_run_are_refused(tmp_path):
-    """The decode loop runs whole pipeline stages (threed.generate.decode); --vpp 2's chunks are not."""
-    cfg = config(tmp_path, ParallelConfig(pp=2, vpp=2), generate_interval=2, generate_prompts="p.jsonl")
-    with pytest.raises(ConfigError, match=r"not on --vpp 2's interleaved chunks: drop them"):
-        prepare(cfg)
+def test_samples_during_an_interleaved_run_are_prepared(tmp_path, tok_dirs):
+    """--vpp 2 is no refusal: the decode loop runs each rank's chunks in virtual-stage order (threed.generate.decode;
+    the run: tests/ranks/test_samples.py), and the prompts are read and encoded as at vpp 1."""
+    (tmp_path / "p.jsonl").write_text('{"prompt": "hello world"}\n')
+    cfg = config(tmp_path, ParallelConfig(pp=2, vpp=2), generate_interval=2, generate_prompts=str(tmp_path / "p.jsonl"))
+    cfg = dataclasses.replace(cfg, data=DataConfig(tokenizer=tok_dirs["plain"]))
+    state = prepare(cfg)
+    assert state is not None and state.texts == ["hello world"] and len(state.prompt_ids[0]) > 1
 
 
 def test_harness_scores_are_named_task_and_metric():

@@ -2,6 +2,13 @@
 next stage by point-to-point sends, and the last stage picks the token (`threed.generate.sampling`) and
 broadcasts it over its pipeline, so the first stage embeds it next and every stage knows which rows are done.
 
+Interleaved stages (`--vpp V`, threed.parallel.interleaved) are the same loop over chunks: a rank holds V chunks,
+virtual stage k = chunk c x pp + rank r (`Chunk`), and one forward goes rank 0 chunk 0 -> rank 1 chunk 0 -> ...
+-> rank pp - 1 chunk 0 -> rank 0 chunk 1 -> ... -> rank pp - 1 chunk V - 1, each hop a blocking send and receive.
+Each rank runs its chunks in order, waiting for the previous virtual stage's hidden states before each: the
+virtual stages form one chain, so every send finds its receiver waiting (or on its way to it), and nothing
+deadlocks. V 1 is the one-chunk case of the same code.
+
 Not through DeepSpeed's `eval_batch`: it keeps only the last micro-batch's logits and runs whole sequences. Here
 each stage drives its modules itself:
 
@@ -42,48 +49,67 @@ from threed.model.spec import pipeline_layers
 
 
 @dataclass
-class Stage:
-    """This rank's part of the model, as generation drives it."""
+class Chunk:
+    """One chunk of this rank's layers (its whole stage at vpp 1): virtual stage k = chunk c x pp + rank r."""
 
-    funcs: list[tuple[str, Any]]  # (layer kind, the callable DeepSpeed's PipelineModule runs) of this stage
-    first: bool
-    last: bool
-    prev_rank: Optional[int]  # global ranks of the neighbouring stages (same data-parallel and TP coordinates)
+    funcs: list[tuple[str, Any]]  # (layer kind, the callable DeepSpeed's PipelineModule runs) of the chunk
+    first: bool  # virtual stage 0: it embeds the tokens
+    last: bool  # the last virtual stage: its head's logits pick the token
+    prev_rank: Optional[int]  # global ranks of the virtual stages either side (same data-parallel and TP coordinates)
     next_rank: Optional[int]
-    last_rank: int  # global rank of the last stage of this pipeline, which picks the tokens
+
+
+@dataclass
+class Stage:
+    """This rank's part of the model, as generation drives it: its chunks, in virtual-stage order."""
+
+    chunks: list[Chunk]
+    last: bool  # this rank holds the last virtual stage (it picks the tokens)
+    last_rank: int  # global rank of the last stage of this pipeline
     pipe_group: Any
     part: VocabSlice
     device: torch.device
     dtype: torch.dtype
     hidden_size: int
-    blocks: list[Any] = field(default_factory=list)
+    blocks: list[Any] = field(default_factory=list)  # every chunk's blocks
+
+    @property
+    def funcs(self) -> list[tuple[str, Any]]:
+        """(layer kind, callable) of every chunk, in order."""
+        return [pair for chunk in self.chunks for pair in chunk.funcs]
 
 
 def stage_of(engine, model: ModelConfig) -> Stage:
-    """The generation view of `engine`'s stage (a DeepSpeed PipelineEngine that threed built)."""
+    """The generation view of `engine`'s stage (a DeepSpeed PipelineEngine that threed built, at any vpp)."""
     module, grid = engine.module, engine.grid
-    assert module.vpp == 1, "generation runs whole stages (threed.train.samples refuses --vpp > 1)"
     layers = pipeline_layers(model)
-    funcs = [
-        (layers[i].kind, fn) for i, fn in zip(range(module._local_start, module._local_stop), module.forward_funcs)
-    ]
     stage, stages = grid.get_stage_id(), grid.get_pipe_parallel_world_size()
+    total = stages * module.vpp  # virtual stages
+    chunks = []
+    for c, ((start, stop), fns) in enumerate(zip(module.chunk_bounds, module.chunk_funcs)):
+        k = c * stages + stage
+        chunks.append(
+            Chunk(
+                funcs=[(layers[i].kind, fn) for i, fn in zip(range(start, stop), fns)],
+                first=k == 0,
+                last=k == total - 1,
+                prev_rank=grid.stage_to_global((k - 1) % stages) if k > 0 else None,
+                next_rank=grid.stage_to_global((k + 1) % stages) if k < total - 1 else None,
+            )
+        )
     tp, tp_rank = grid.get_slice_parallel_world_size(), grid.get_slice_parallel_rank()
     columns = model.padded_vocab_size(tp) // tp
     param = next(module.parameters())
     return Stage(
-        funcs=funcs,
-        first=stage == 0,
-        last=stage == stages - 1,
-        prev_rank=grid.stage_to_global(stage - 1) if stage > 0 else None,
-        next_rank=grid.stage_to_global(stage + 1) if stage < stages - 1 else None,
+        chunks=chunks,
+        last=chunks[-1].last,
         last_rank=grid.stage_to_global(stages - 1),
         pipe_group=grid.get_pipe_parallel_group(),
         part=VocabSlice(tp_rank * columns, columns, model.vocab_size, grid.get_slice_parallel_group(), tp),
         device=param.device,
         dtype=param.dtype,
         hidden_size=model.hidden_size,
-        blocks=[fn for kind, fn in funcs if kind == "block"],
+        blocks=[fn for chunk in chunks for kind, fn in chunk.funcs if kind == "block"],
     )
 
 
@@ -107,10 +133,10 @@ def visible(key_ok: torch.Tensor, begin: int, length: int) -> torch.Tensor:
     return ((k <= q)[None] & key_ok[:, None, :length] | (k == q)[None])[:, None]
 
 
-def run_stage(stage: Stage, x: torch.Tensor, mask, angles, ctx, last_only: bool = True) -> torch.Tensor:
-    """This stage's layers on `x` (tokens on the first stage, else hidden `[s, b, h]`); with `last_only` the final
-    norm and the head see only the last position (the one whose next token is picked)."""
-    for kind, fn in stage.funcs:
+def run_chunk(chunk: Chunk, x: torch.Tensor, mask, angles, ctx, last_only: bool = True) -> torch.Tensor:
+    """This chunk's layers on `x` (tokens on the first virtual stage, else hidden `[s, b, h]`); with `last_only` the
+    final norm and the head see only the last position (the one whose next token is picked)."""
+    for kind, fn in chunk.funcs:
         if kind == "block":
             # megatron's TransformerLayer itself: LlamaBlock.forward takes one tensor (the pipeline's convention)
             x, _ = TransformerLayer.forward(fn, x, attention_mask=mask, rotary_pos_emb=angles, inference_context=ctx)
@@ -119,6 +145,23 @@ def run_stage(stage: Stage, x: torch.Tensor, mask, angles, ctx, last_only: bool 
         else:
             x = fn(x[-1:] if kind == "final_norm" and last_only else x)
     return x
+
+
+def run_stage(stage: Stage, tokens: torch.Tensor, mask, angles, ctx, last_only: bool = True) -> Optional[torch.Tensor]:
+    """One forward through this rank's chunks, in order: each runs on the tokens `[b, s]` (virtual stage 0) or on
+    the hidden states `[s, b, h]` the previous virtual stage sends, and sends its output to the next. The last
+    virtual stage's output (the head's logits) on the rank that runs it, None elsewhere. Every rank of the pipeline
+    calls it with the same tokens."""
+    b, s = tokens.shape
+    out = None
+    for chunk in stage.chunks:
+        x = tokens if chunk.first else receive(stage, chunk.prev_rank, (s, b, stage.hidden_size))
+        x = run_chunk(chunk, x, mask, angles, ctx, last_only)
+        if chunk.last:
+            out = x
+        else:
+            dist.send(x.contiguous(), dst=chunk.next_rank)
+    return out
 
 
 def score_batch(stage: Stage, rows: Sequence[Sequence[int]], scored: Sequence[int]) -> Optional[list[tuple]]:
@@ -134,11 +177,9 @@ def score_batch(stage: Stage, rows: Sequence[Sequence[int]], scored: Sequence[in
     for i, r in enumerate(rows):
         tokens[i, : len(r) - 1] = torch.tensor(list(r[:-1]), dtype=torch.long)
         labels[i, : len(r) - 1] = torch.tensor(list(r[1:]), dtype=torch.long)
-    x = tokens if stage.first else receive(stage, (s, b, stage.hidden_size))
     angles = stage.blocks[0].rotary(s, stage.device) if stage.blocks else None
-    x = run_stage(stage, x, None, angles, None, last_only=False)
-    if not stage.last:
-        dist.send(x.contiguous(), dst=stage.next_rank)
+    x = run_stage(stage, tokens, None, angles, None, last_only=False)
+    if x is None:  # not the last stage
         return None
     logprobs = -token_losses(x, labels).double()  # [b, s]
     best, _ = parallel_top2(x.reshape(s * b, -1), stage.part)
@@ -150,10 +191,10 @@ def score_batch(stage: Stage, rows: Sequence[Sequence[int]], scored: Sequence[in
     return out
 
 
-def receive(stage: Stage, shape: tuple[int, ...]) -> torch.Tensor:
-    """This stage's input `shape` from the previous stage (every stage but the first)."""
+def receive(stage: Stage, src: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """A chunk's input `shape` from the previous virtual stage, on global rank `src` (every chunk but the first)."""
     buf = torch.empty(shape, dtype=stage.dtype, device=stage.device)
-    dist.recv(buf, src=stage.prev_rank)
+    dist.recv(buf, src=src)
     return buf
 
 
@@ -196,14 +237,11 @@ def generate_batch(
             ctx.sequence_len_offset = begin
             if step == 1:
                 ctx.enable_decode_mode()
-        x = tokens[:, begin:length] if stage.first else receive(stage, (length - begin, b, stage.hidden_size))
         step_angles = angles if ctx is not None or angles is None else angles[:length]
-        x = run_stage(stage, x, visible(key_ok, begin, length), step_angles, ctx)
+        x = run_stage(stage, tokens[:, begin:length], visible(key_ok, begin, length), step_angles, ctx)
         token = torch.empty(b, dtype=torch.long, device=stage.device)
         live = (~done).nonzero().flatten().tolist()
-        if not stage.last:
-            dist.send(x.contiguous(), dst=stage.next_rank)
-        else:
+        if stage.last:
             token, margin = pick(x[-1], stage.part, sampling, [(i, step) for i in indices])
             for r in live:
                 margins[r].append(float(margin[r]))

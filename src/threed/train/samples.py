@@ -6,7 +6,8 @@ beside the validation loss.
 It must not change the run: the losses with it are bit-identical to those without (tests/ranks/test_samples.py).
 So it draws no random number from the run's generators (lm-eval seeds Python's, NumPy's and torch's: their states
 are put back), reads no training or validation data, and does not go through DeepSpeed's pipeline schedule (whose
-buffers hold the training step's activations): it drives the stage modules itself (`threed.generate.decode`).
+buffers hold the training step's activations): it drives the stage modules itself (`threed.generate.decode`), and
+under --vpp V > 1 each rank's V interleaved chunks in virtual-stage order, on the live interleaved engine.
 Under --sequence-parallel and --context-parallel-size too: for the duration each rank runs whole sequences (no
 split over tp, the CP ranks as extra replicas), and every module's flags are put back after
 (tests/ranks/test_samples_split.py).
@@ -68,13 +69,7 @@ def prepare(cfg: RunConfig) -> Optional[DuringTraining]:
     t = cfg.train
     if not t.generate_interval and not t.harness_interval:
         return None
-    if cfg.parallel.vpp > 1:
-        # The decode loop hands hidden states from stage to stage (threed.generate.decode): an interleaved rank's
-        # chunks are not one contiguous stage.
-        raise ConfigError(
-            f"--generate-interval / --harness-interval run on whole pipeline stages, not on --vpp {cfg.parallel.vpp}'s "
-            f"interleaved chunks: drop them (threed generate / eval-harness load this run's checkpoints at any vpp)"
-        )
+    # Under --vpp V > 1 the decode loop runs the rank's chunks in virtual-stage order (threed.generate.decode).
     # Under --sequence-parallel and --context-parallel-size the decode loop runs whole sequences all the same: its
     # `evaluation` switches the split off for its duration (threed.generate.decode).
     with kept_rng():
