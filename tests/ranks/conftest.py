@@ -6,10 +6,14 @@ one worker, so that one pool serves them all (tests/xdist_scheduling.py)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 import threed.verify.parity
 from rank_pool import RankPool
+
+RANKS = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="session")
@@ -17,6 +21,18 @@ def rank_pool(tmp_path_factory):
     pool = RankPool(tmp_path_factory.mktemp("rank_pool"))
     yield pool
     pool.close()
+
+
+@pytest.fixture(scope="session")
+def memory_zb_run(tmp_path_factory, rank_pool) -> Path:
+    """tests/ranks/memory_zb_worker.py's one run on 2 ranks that test_memory_zb.py and test_interleaved.py's
+    activation peak both read: the ZB-H1 engine's static terms, the deferred weight-gradient bytes, and the CPU peak
+    of a train step under 1F1B, ZB-H1 and 1F1B at --vpp 2 (bf16 steps of seq 512: the 1F1B peak both compare with is
+    measured once). Its output folder."""
+    out = tmp_path_factory.mktemp("memory_zb")
+    argv = ["--out", str(out), "--layouts", "1x2", "--pipeline-schedule", "zb-h1", "--deferred", "--schedule-peaks"]
+    rank_pool.run(2, str(RANKS / "memory_zb_worker.py"), [*argv, "--schedules", "1f1b,zb-h1,1f1b-vpp2"], timeout=900)
+    return out
 
 
 @pytest.fixture

@@ -378,7 +378,9 @@ def context_parallel_cases(args: argparse.Namespace, rt: Runtime) -> None:
             module.loss_fn(logits, labels).backward()  # noqa: F821
             del logits
 
-        measured = min(cpu_peak(step) for _ in range(3))  # the least of three, as in `stage_activation_cases`
+        # One step: `stage_activation_cases` takes the least of three for its collectives' temporaries, and this one
+        # process has none, so its allocations repeat exactly (2026-11-29: three peaks of 28037128 B at 8 chunks)
+        measured = cpu_peak(step)
         max_param = max(p.numel() for p in module.parameters())
         results[f"cp{cp}"] = {"measured": measured, "max_param": max_param}
         del module
@@ -407,7 +409,9 @@ def head_chunk_cases(args: argparse.Namespace) -> None:
             # the output goes once the loss is made, as the engine lets it go
             module.loss_fn(module(tokens), labels).backward()  # noqa: F821 (bound in the loop; ruff sees its `del`)
 
-        measured = min(cpu_peak(step) for _ in range(3))  # the least of three, as in `stage_activation_cases`
+        # One step: `stage_activation_cases` takes the least of three for its collectives' temporaries, and this one
+        # process has none, so its allocations repeat exactly (2026-11-29: three peaks of 28037128 B at 8 chunks)
+        measured = cpu_peak(step)
         stage = Stage(index=0, blocks=HEAD_MODEL.num_layers, first=True, last=True)
         max_param = max(p.numel() for p in module.parameters())
         estimate = stage_activations(

@@ -6,9 +6,11 @@ background writer (after a file, and part way through one), a bug in the writer 
 the host memory its copies take against the memory model's figure.
 
 `make test` runs the reference (in the session's 2-rank launch, tests/ranks/rank_pool.py) and the checks on its
-checkpoint; the kill points, divergence, --skip-nonfinite and the watchdog are marked slow (`make test-slow`), each
-starting torchrun of its own, whose exit status and output it judges; tests/unit/test_checkpoint_guard.py checks the
-guard's skip / stop / time-budget logic without ranks."""
+checkpoint; the kill points, divergence, --skip-nonfinite and the watchdog are marked slow (`make test-slow`). A run
+whose kill or exit status is the point (the killed run, divergence, the watchdog) is a torchrun of its own, whose exit
+status and output the test judges; a run that must simply succeed (the resume after a kill, --skip-nonfinite) runs
+in the session's 2-rank launch (`pooled`), which spares each such run two ranks' start-up (~15 s each on 2 busy
+cores). tests/unit/test_checkpoint_guard.py checks the guard's skip / stop / time-budget logic without ranks."""
 
 from __future__ import annotations
 
@@ -38,6 +40,12 @@ def worker(nproc: int, out: Path, *args: str, timeout: float = 240) -> subproces
         stderr=subprocess.STDOUT,
         timeout=timeout,
     )
+
+
+def pooled(rank_pool, nproc: int, out: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """`worker`'s run in the session's launch of `nproc` ranks, for a run that must succeed: its stdout is what the
+    ranks printed, and a failure raises RanksFailed with the worker's traceback and the output's tail."""
+    return rank_pool.run(nproc, WORKER, ["--out", str(out), *args], timeout=timeout)
 
 
 def losses(out: Path) -> dict[int, float]:
@@ -91,7 +99,7 @@ KILLS = [
 
 @pytest.mark.slow  # fault injection (~30-90 s each): make test-slow
 @pytest.mark.parametrize("kill", KILLS)
-def test_kill_during_save_then_same_command_resumes_bit_identical(reference, kill, tmp_path):
+def test_kill_during_save_then_same_command_resumes_bit_identical(reference, kill, tmp_path, rank_pool):
     save, out = tmp_path / "save", tmp_path / "out"
     mode = ["--async-save"] if kill.startswith("async:") else []
     killed = worker(2, out, "--save", str(save), *RUN, *mode, "--kill", kill.removeprefix("async:"))
@@ -101,7 +109,8 @@ def test_kill_during_save_then_same_command_resumes_bit_identical(reference, kil
         assert torn and all(f.stat().st_size >= 16 * 1024 for f in torn), torn
         assert not any((save / "global_step4" / f.name).exists() for f in torn), torn
         assert (save / "latest").read_text() == "global_step2"
-    resumed = worker(2, out, "--save", str(save), *RUN, *mode)
+    # The same command, in the session's launch: what resumes is the checkpoint on disk, not the processes
+    resumed = pooled(rank_pool, 2, out, "--save", str(save), *RUN, *mode)
     assert resumed.returncode == 0, resumed.stdout[-4000:]
     start = json.loads((out / "result.json").read_text())["start"]
     expected_start = {
@@ -264,9 +273,9 @@ def test_divergence_stops_loudly_without_saving(tmp_path):
 
 
 @pytest.mark.slow
-def test_skip_nonfinite_skips_the_batch_and_goes_on(reference, tmp_path):
+def test_skip_nonfinite_skips_the_batch_and_goes_on(reference, tmp_path, rank_pool):
     out = tmp_path / "out"
-    p = worker(2, out, *RUN, "--poison-step", "3", "--skip-nonfinite", "1")
+    p = pooled(rank_pool, 2, out, *RUN, "--poison-step", "3", "--skip-nonfinite", "1")
     assert p.returncode == 0, p.stdout[-3000:]
     assert p.stdout.count("the optimizer step was skipped (weights unchanged); 1 of --skip-nonfinite 1") == 1
     got = losses(out)

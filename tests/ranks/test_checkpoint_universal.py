@@ -14,7 +14,7 @@ import shutil
 import pytest
 
 from helpers import RANKS
-from test_checkpoint_faults import losses, worker
+from test_checkpoint_faults import losses, pooled
 
 TOL = 1e-5
 RUN = ["--steps", "4", "--save-interval", "2", "--global-batch", "8"]
@@ -41,10 +41,13 @@ def reference(tmp_path_factory, rank_pool):
         pytest.param(2, 1, 2, marks=pytest.mark.slow),
     ],
 )
-def test_resume_at_another_layout_continues_the_loss_curve(reference, tp, pp, dp, tmp_path):
+def test_resume_at_another_layout_continues_the_loss_curve(reference, tp, pp, dp, tmp_path, rank_pool):
     save, out = tmp_path / "save", tmp_path / "out"
     shutil.copytree(reference["save"], save)
-    p = worker(tp * pp * dp, out, "--save", str(save), "--tp", str(tp), "--pp", str(pp), *RUN, timeout=400)
+    # In the session's launch of tp * pp * dp ranks (8: the reference's own): a resume needs the checkpoint on disk,
+    # not processes of its own, and an 8-rank torchrun costs ~2 min of CPU in start-up alone
+    argv = ["--save", str(save), "--tp", str(tp), "--pp", str(pp), *RUN]
+    p = pooled(rank_pool, tp * pp * dp, out, *argv, timeout=400)
     assert p.returncode == 0, p.stdout[-4000:]
     assert "was written at tp=2, pp=2, dp=2 fp32" in p.stdout and "resuming through a universal checkpoint" in p.stdout
     assert f"to a universal checkpoint in {save}/universal/global_step2-from-tp2pp2dp2fp32" in p.stdout

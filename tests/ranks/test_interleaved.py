@@ -29,7 +29,7 @@ from helpers import RANKS, hf_model, model_config, sft_examples, write_dataset, 
 from reference import sft_reference
 from sft_worker import sft_config
 from threed.cli.main import main
-from test_checkpoint_faults import RUN, losses, worker
+from test_checkpoint_faults import RUN, losses, pooled, worker
 from threed.parallel.interleaved import InterleavedEngine, InterleavedSchedule, ticks
 from threed.parallel.schedule import interleaved_order
 
@@ -320,16 +320,17 @@ def test_universal_resume_from_pp4_vpp1_at_pp2_vpp2(launch) -> None:
 
 
 @pytest.mark.slow
-def test_a_rank_killed_mid_save_at_vpp2_then_the_same_command_resumes_bit_identical(tmp_path) -> None:
+def test_a_rank_killed_mid_save_at_vpp2_then_the_same_command_resumes_bit_identical(tmp_path, rank_pool) -> None:
     """test_checkpoint_faults.py's kill -9 of rank 1 after its first file of step 4's save, at --vpp 2: the torn
     step 4 is skipped, the same command resumes from step 2 and ends on the uninterrupted run's losses, bit for
-    bit."""
-    reference = worker(2, tmp_path / "ref", "--save", str(tmp_path / "ref_save"), *RUN, "--vpp", "2")
+    bit. The killed run is a torchrun of its own (a real SIGKILL, judged by its exit); the uninterrupted run and the
+    resume must simply succeed, in the session's 2-rank launch (as test_checkpoint_faults.py's `pooled`)."""
+    reference = pooled(rank_pool, 2, tmp_path / "ref", "--save", str(tmp_path / "ref_save"), *RUN, "--vpp", "2")
     assert reference.returncode == 0, reference.stdout[-3000:]
     save, out = tmp_path / "save", tmp_path / "out"
     killed = worker(2, out, "--save", str(save), *RUN, "--vpp", "2", "--kill", "file1:4:1")
     assert killed.returncode != 0 and "SIGKILL" in killed.stdout, killed.stdout[-3000:]
-    resumed = worker(2, out, "--save", str(save), *RUN, "--vpp", "2")
+    resumed = pooled(rank_pool, 2, out, "--save", str(save), *RUN, "--vpp", "2")
     assert resumed.returncode == 0, resumed.stdout[-4000:]
     assert json.loads((out / "result.json").read_text())["start"] == 2
     assert "skipping checkpoint" in resumed.stdout and "global_step4" in resumed.stdout
@@ -337,18 +338,14 @@ def test_a_rank_killed_mid_save_at_vpp2_then_the_same_command_resumes_bit_identi
 
 
 @pytest.mark.slow
-def test_the_activation_peak_at_vpp2_is_the_memory_model_s(rank_pool, tmp_path) -> None:
+def test_the_activation_peak_at_vpp2_is_the_memory_model_s(memory_zb_run) -> None:
     """The CPU peak of a train step (tests/ranks/memory_zb_worker.py's: pp 2, gas 4, bf16) at --vpp 2 against
     threed.memory's estimate, which counts each chunk's micro-batches in flight: within 10% on both ranks (measured
     on 2026-11-29: rank 0 82.6 MB, predicted 84.8; rank 1 58.5 MB, predicted 57.6; at vpp 1 64.4 / 67.0 and
-    40.2 / 40.4 MB). Rank 1 measured 63.7 MB while the engine kept every gradient it sent until the step's end."""
-    rank_pool.run(
-        2,
-        str(RANKS / "memory_zb_worker.py"),
-        ["--out", str(tmp_path), "--layouts", "1x2", "--schedule-peaks", "--schedules", "1f1b,1f1b-vpp2"],
-        timeout=900,
-    )
-    peaks = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("schedule_peaks_rank*.json"))]
+    40.2 / 40.4 MB). Rank 1 measured 63.7 MB while the engine kept every gradient it sent until the step's end. The
+    peaks are those of the session's one memory_zb_worker.py run (tests/ranks/conftest.py), whose 1F1B peak
+    test_memory_zb.py compares with ZB-H1's."""
+    peaks = [json.loads(path.read_text()) for path in sorted(memory_zb_run.glob("schedule_peaks_rank*.json"))]
     assert [r["1f1b-vpp2"]["stage"] for r in peaks] == [0, 1]
     for one, inter in ((r["1f1b"], r["1f1b-vpp2"]) for r in peaks):
         print(f"rank {inter['stage']}, measured / estimated bytes: vpp 1", one["measured"], one["phase"], end="")

@@ -19,7 +19,7 @@ import pytest
 from helpers import RANKS
 from memory_worker import HEAD
 
-# One bf16 rank, four forward-backward passes through a 16384-word head at each setting (~40 s of one core): make
+# One bf16 rank, two forward-backward passes through a 16384-word head at each setting (~20 s of one core): make
 # test-slow. The model's arithmetic for the chunks stays in make test (tests/unit/test_lm_head_chunks.py).
 pytestmark = pytest.mark.slow
 

@@ -1,7 +1,8 @@
 """threed.memory under `--pipeline-schedule zb-h1` against what real CPU ranks hold (the engine: threed.model.wgrad,
 threed.parallel.zero_bubble).
 
-One run of tests/ranks/memory_zb_worker.py on 2 ranks, in a launch of its own: a tp1 pp2 ZB-H1 engine's static terms
+One run of tests/ranks/memory_zb_worker.py on 2 ranks (tests/ranks/conftest.py `memory_zb_run`, which
+test_interleaved.py's activation peak at --vpp 2 reads too): a tp1 pp2 ZB-H1 engine's static terms
 after a step (the same as 1F1B's: no W pass may be left queued, nothing kept beside the model states and buffers), and,
 on one stage of tp 2, the bytes one micro-batch's queued weight-gradient passes hold after its input-gradient backward,
 SP off and on, next to `threed.memory.deferred`'s count from the linears' widths; and the CPU peak of a whole train step
@@ -17,7 +18,6 @@ import json
 
 import pytest
 
-from helpers import RANKS
 from memory_worker import SP_MODEL
 from memory_zb_worker import PEAKS
 
@@ -28,14 +28,8 @@ STATIC_TOL = 0.02  # as tests/ranks/test_memory.py
 
 
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory, rank_pool):
-    out = tmp_path_factory.mktemp("memory_zb")
-    rank_pool.run(
-        2,
-        str(RANKS / "memory_zb_worker.py"),
-        ["--out", str(out), "--layouts", "1x2", "--pipeline-schedule", "zb-h1", "--deferred", "--schedule-peaks"],
-        timeout=900,
-    )
+def measured(memory_zb_run):
+    out = memory_zb_run  # the session's one run (tests/ranks/conftest.py), which test_interleaved.py reads too
     return {
         "static": [json.loads(p.read_text()) for p in sorted(out.glob("static_1x2x1_rank*.json"))],
         "deferred": [json.loads(p.read_text()) for p in sorted(out.glob("deferred_rank*.json"))],

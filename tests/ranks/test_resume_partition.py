@@ -1,8 +1,9 @@
 """A resume at the same tp and pp with another --partition-method (issue 29): DeepSpeed's optimizer shards are per
 pipeline stage, so a native load failed with a tensor-size traceback. threed sees the stages moved (the manifest
 records them) and resumes through a universal checkpoint, optimizer state kept: the loss curve continues as if
-the partition had never changed (2 gloo ranks, pp2, fp32; tests/ranks/ckpt_worker.py). Slow (`make test-slow`):
-tests/unit/test_save_faults.py checks the decision itself without ranks."""
+the partition had never changed (2 gloo ranks, pp2, fp32; tests/ranks/ckpt_worker.py, both runs in the session's
+2-rank launch: each must simply succeed). Slow (`make test-slow`): tests/unit/test_save_faults.py checks the decision
+itself without ranks."""
 
 from __future__ import annotations
 
@@ -11,16 +12,16 @@ import shutil
 
 import pytest
 
-from test_checkpoint_faults import losses, worker
+from test_checkpoint_faults import losses, pooled
 
 TOL = 1e-5
 RUN = ["--pp", "2", "--steps", "4", "--save-interval", "2"]
 
 
-@pytest.mark.slow  # two launches and a universal conversion: ~100 s on 2 busy cores
-def test_resume_with_another_partition_goes_through_universal_and_continues(tmp_path):
+@pytest.mark.slow  # two runs and a universal conversion
+def test_resume_with_another_partition_goes_through_universal_and_continues(tmp_path, rank_pool):
     ref_save, ref_out = tmp_path / "ref", tmp_path / "ref_out"
-    p = worker(2, ref_out, "--save", str(ref_save), *RUN, "--partition-method", "layers:1,3")
+    p = pooled(rank_pool, 2, ref_out, "--save", str(ref_save), *RUN, "--partition-method", "layers:1,3")
     assert p.returncode == 0, p.stdout[-4000:]
     manifest = json.loads((ref_save / "global_step2" / "threed_manifest.json").read_text())
     assert manifest["stages"] == [0, 2, 7]  # embedding + block 0 | blocks 1-3 + norm + head
@@ -29,7 +30,7 @@ def test_resume_with_another_partition_goes_through_universal_and_continues(tmp_
     shutil.rmtree(save / "global_step4")
     (save / "latest").write_text("global_step2")
     out = tmp_path / "out"
-    p = worker(2, out, "--save", str(save), *RUN, "--partition-method", "layers:3,1")
+    p = pooled(rank_pool, 2, out, "--save", str(save), *RUN, "--partition-method", "layers:3,1")
     assert p.returncode == 0, p.stdout[-4000:]
     assert "Traceback" not in p.stdout
     lines = [line for line in p.stdout.splitlines() if "resuming through a universal checkpoint" in line]
