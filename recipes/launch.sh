@@ -155,6 +155,10 @@ NNODES=${NNODES:-${SLURM_NNODES:-1}}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 NODE_RANK=${NODE_RANK:-${SLURM_PROCID:-0}}
 DEVICE=${DEVICE:-auto}
+case "$DEVICE" in  # before any Python check: a typo is one line at once, and the dry run refuses it too
+    auto | cuda | cpu) ;;
+    *) die "DEVICE must be auto, cuda or cpu, got '$DEVICE'" ;;
+esac
 
 for var in MODEL TP PP MICRO SEQ STEPS; do
     [ -n "${!var:-}" ] || die "$var is not set: the recipe $RECIPE (or the environment) must give it"
@@ -349,7 +353,6 @@ fi
 case "$DEVICE" in
     auto | cuda) export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1} ;;
     cpu) export CUDA_VISIBLE_DEVICES="" ;;
-    *) die "DEVICE must be auto, cuda or cpu, got '$DEVICE'" ;;
 esac
 export THREED_DEVICE=$DEVICE # threed.parallel.distributed.device_and_backend: cuda without a usable GPU is an error
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}

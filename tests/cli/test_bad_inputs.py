@@ -349,6 +349,7 @@ SHELL = [
     ("launch-lr", ("launch", "recipes/tiny.sh", {"LR": "-1"}, True), r"--lr must be >= 0"),
     ("launch-keep-last", ("launch", "recipes/tiny.sh", {"KEEP_LAST": "-1"}, True), r"--keep-last must be >= 0"),
     ("launch-device", ("launch", "recipes/tiny.sh", {"DEVICE": "tpu"}, False), r"DEVICE must be auto, cuda or cpu"),
+    ("launch-device-dry", ("launch", "recipes/tiny.sh", {"DEVICE": "gpu"}, True), r"DEVICE must be auto, cuda or cpu"),
     ("launch-data", ("launch", "recipes/tiny.sh", {"DATA": "{w}/nothing"}, False), r"DATA=.*nothing not found"),
     (
         "launch-overwrite",

@@ -107,6 +107,26 @@ def test_bad_input_is_one_line_before_any_engine(world, capsys, monkeypatch, fla
     assert not torch.distributed.is_initialized()  # refused before any process group or engine
 
 
+@pytest.mark.slow  # lm-eval's whole stock index (~18 s, ~40 s on 2 loaded cores) and a read of its task files
+def test_a_name_of_the_stock_index_is_never_refused_before_it():
+    """The refusal before the stock index (`unmentioned`: no stock file holds the name as text) refuses only what the
+    index does not know: every group, tag and Python task lm-eval indexes, and 300 of its YAML tasks (a seeded
+    sample: the read is per name), is found written in some file of its tasks folder."""
+    import random
+
+    from lm_eval.tasks import TaskManager
+
+    from threed.harness.tasks import quiet_lm_eval, stock_task_dir, unmentioned
+
+    with quiet_lm_eval():
+        index = TaskManager().task_index
+    tasks = sorted(n for n, e in index.items() if e.kind.name == "TASK")
+    names = sorted(n for n, e in index.items() if e.kind.name != "TASK") + random.Random(0).sample(tasks, 300)
+    assert len(names) > 1000, len(names)
+    assert unmentioned(names, stock_task_dir()) == []
+    assert unmentioned(["hellaswag", "no_such_task_x"], stock_task_dir()) == ["no_such_task_x"]
+
+
 def test_lm_eval_missing_names_the_extra(world, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # what an install without the extra has: ImportError
     assert main(["eval-harness", "--load", str(world / "ck"), "--tasks", "tiny_mc"]) == 2

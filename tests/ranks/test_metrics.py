@@ -186,7 +186,7 @@ def test_report_bad_input_is_one_line_and_exit_2(tmp_path, capsys, setup):
 def test_wandb_asked_for_but_missing_is_a_config_error():
     import importlib.util
 
-    from threed.metrics.writer import check_metrics_config
+    from threed.metrics.sinks import check_metrics_config
     from threed.convert.resolve import model_config
 
     if importlib.util.find_spec("wandb") is not None:

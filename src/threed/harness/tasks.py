@@ -3,7 +3,8 @@ is built: an unknown task or data that is not available offline is one line, not
 loaded.
 
 lm-eval indexes its ~14.7k stock tasks in ~18 s; with --include-path and only local tasks asked for, the index is
-built from that folder alone (`TaskManager(include_defaults=False)`, under a second). A local task is a YAML file
+built from that folder alone (`TaskManager(include_defaults=False)`, under a second), and a name that no stock file
+mentions is refused before the stock index (`unmentioned`, ~1 s). A local task is a YAML file
 whose data may be local JSONL (`dataset_path: json`, `dataset_kwargs.data_files`; relative paths are read from the
 working directory).
 
@@ -55,30 +56,68 @@ def split_tasks(text: str) -> list[str]:
 
 def task_manager(names: Sequence[str], include_path: Optional[str]) -> Any:
     """lm-eval's TaskManager that knows every name in `names`: the --include-path folder alone when it holds them
-    all (no stock index), else the stock index too. Unknown names: one line."""
+    all (no stock index), else the stock index too. Unknown names: one line, before the stock index (~18 s) when
+    no stock YAML file mentions them."""
     # lm-eval: the optional extra (threed[eval]); only the harness commands import it
     from lm_eval.tasks import TaskManager
 
     if include_path is not None and not os.path.isdir(include_path):
         raise ThreedError(f"--include-path {include_path}: no such directory; give the folder of your task YAML files")
     with quiet_lm_eval():
+        local_names: set = set()
         if include_path is not None:
             local = TaskManager(include_defaults=False, include_path=include_path)
             if all(n in local.all_tasks for n in names):
                 return local
-            for name in (n for n in names if n not in local.all_tasks):  # before the stock index (~18 s)
+            local_names = set(local.all_tasks)
+            for name in (n for n in names if n not in local_names):  # before the stock index (~18 s)
                 broken = broken_yaml(name, include_path, mentioned_only=True)
                 if broken:
                     raise ThreedError(broken)
+        nowhere = unmentioned([n for n in names if n not in local_names], stock_task_dir())
+        if nowhere:
+            raise ThreedError(unknown_task(nowhere[0], include_path))
         manager = TaskManager(include_path=include_path)
     unknown = [n for n in names if n not in manager.all_tasks]
-    broken = broken_yaml(unknown[0], include_path) if unknown and include_path is not None else None
-    if broken:
-        raise ThreedError(broken)
     if unknown:
-        where = f" or under --include-path {include_path}" if include_path else " (local tasks: --include-path DIR)"
-        raise ThreedError(f"unknown task {unknown[0]!r}: not an lm-eval task{where}; `lm-eval ls tasks` lists them")
+        raise ThreedError(unknown_task(unknown[0], include_path))
     return manager
+
+
+def stock_task_dir() -> Path:
+    """The folder of lm-eval's stock task YAML files (what `TaskManager()` indexes besides --include-path)."""
+    # lm-eval: the optional extra (threed[eval]); only the harness commands import it
+    import lm_eval.tasks
+
+    return Path(lm_eval.tasks.__file__).parent
+
+
+def unmentioned(names: Sequence[str], root: Path) -> list[str]:
+    """The names that no file under `root` holds anywhere in its text. lm-eval's index takes every name it knows
+    from a YAML file's `task:`, `group:` or `tag:` or from a file that one `include:`s (which may have any name:
+    `_arc_yaml`, `_default_template_yaml`; lm_eval.tasks._index.TaskIndex), so such a name is no stock task, group
+    or tag: reading the files as bytes takes ~1 s where the index parses them all (~18 s). A name found in some file
+    is left to the index (it may still be unknown)."""
+    left = {n: n.encode() for n in names}
+    for path in root.rglob("*"):
+        if not left:
+            break
+        if "__pycache__" in path.parts or not path.is_file():
+            continue
+        data = path.read_bytes()
+        for name in [n for n, b in left.items() if b in data]:
+            del left[name]
+    return [n for n in names if n in left]
+
+
+def unknown_task(name: str, include_path: Optional[str]) -> str:
+    """The line for a task name no index knows: a broken YAML file of --include-path first (lm-eval skips those
+    without a word), else where the name was looked for."""
+    broken = broken_yaml(name, include_path) if include_path is not None else None
+    if broken:
+        return broken
+    where = f" or under --include-path {include_path}" if include_path else " (local tasks: --include-path DIR)"
+    return f"unknown task {name!r}: not an lm-eval task{where}; `lm-eval ls tasks` lists them"
 
 
 def load_tasks(names: Sequence[str], manager: Any) -> dict:

@@ -1,15 +1,20 @@
 """Where a metrics record goes. A record is a flat dict: `iteration`, `samples`, `tokens`, `time` (unix seconds)
 and scalars under Megatron-LM's names (`lm loss`, `learning-rate`, ...). Every sink receives the same dict.
+
+Where the sinks write and the rules of their settings live here too, without torch or DeepSpeed: `threed
+check-config --paths` (every launch, on every node) checks them without importing the writer's stack.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from pathlib import Path
 from typing import Any, Optional
 
 from threed.atomic import write_atomic
+from threed.config import ConfigError, MetricsConfig
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "run_config.json"
@@ -17,6 +22,40 @@ META = ("iteration", "samples", "tokens", "time")
 # Megatron-LM also logs these against consumed samples ("X vs samples"); we add tokens, the axis that compares
 # runs of different sequence lengths and batch sizes.
 VS_SAMPLES_AND_TOKENS = ("lm loss", "learning-rate", "grad-norm", "batch-size")
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+def run_directory(m: MetricsConfig, save: Optional[str]) -> Optional[Path]:
+    """Where metrics.jsonl and run_config.json go: --save, else the parent of --tensorboard-dir, else nowhere."""
+    if save:
+        return Path(save)
+    if m.tensorboard_dir:
+        return Path(m.tensorboard_dir).resolve().parent
+    return None
+
+
+def tensorboard_directory(m: MetricsConfig, save: Optional[str]) -> Optional[Path]:
+    if not m.tensorboard:
+        return None
+    if m.tensorboard_dir:
+        return Path(m.tensorboard_dir)
+    run_dir = run_directory(m, save)
+    return run_dir / "tensorboard" if run_dir else None
+
+
+def check_metrics_config(m: MetricsConfig) -> None:
+    """Run on every rank before anything is logged, so a bad setting stops all ranks alike (never one rank
+    failing while the others wait in a collective)."""
+    if m.tensorboard_dir and not m.tensorboard:
+        raise ConfigError(f"tensorboard_dir={m.tensorboard_dir} is given but tensorboard is false; drop one")
+    if m.wandb_mode is not None and m.wandb_mode not in WANDB_MODES:
+        raise ConfigError(f"wandb_mode must be one of {', '.join(WANDB_MODES)}, got {m.wandb_mode!r}")
+    if m.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(
+            f"wandb_project={m.wandb_project} needs the wandb package, which is not installed. "
+            f"Install it (`pip install wandb`; use --wandb-mode offline without network), or drop "
+            f"--wandb-project: metrics.jsonl and TensorBoard need nothing extra"
+        )
 
 
 def scalars(record: dict[str, Any]) -> dict[str, float]:

@@ -16,58 +16,31 @@ per-stage numbers (means over the interval) and the stdout line is printed.
 from __future__ import annotations
 
 import atexit
-import importlib.util
 import json
 import math
 import platform
 import time
-from pathlib import Path
 from typing import Any, Optional
 
 import deepspeed
 import torch
 
-from threed.config import ConfigError, MetricsConfig, RunConfig
+from threed.config import RunConfig
 from threed.parallel.dims import RunDims
 from threed.parallel.distributed import loss_rank
 from threed.metrics.flops import flops_per_token, peak_tflops_per_device
-from threed.metrics.sinks import CONFIG_FILE, METRICS_FILE, JsonlSink, TensorBoardSink, WandbSink, stdout_line
+from threed.metrics.sinks import (
+    CONFIG_FILE,
+    METRICS_FILE,
+    JsonlSink,
+    TensorBoardSink,
+    WandbSink,
+    check_metrics_config,
+    run_directory,
+    stdout_line,
+    tensorboard_directory,
+)
 from threed.metrics.stages import StageTimer, gather_rows, ideal_bubble, memory_bytes, per_stage
-
-WANDB_MODES = ("online", "offline", "disabled")
-
-
-def run_directory(m: MetricsConfig, save: Optional[str]) -> Optional[Path]:
-    """Where metrics.jsonl and run_config.json go: --save, else the parent of --tensorboard-dir, else nowhere."""
-    if save:
-        return Path(save)
-    if m.tensorboard_dir:
-        return Path(m.tensorboard_dir).resolve().parent
-    return None
-
-
-def tensorboard_directory(m: MetricsConfig, save: Optional[str]) -> Optional[Path]:
-    if not m.tensorboard:
-        return None
-    if m.tensorboard_dir:
-        return Path(m.tensorboard_dir)
-    run_dir = run_directory(m, save)
-    return run_dir / "tensorboard" if run_dir else None
-
-
-def check_metrics_config(m: MetricsConfig) -> None:
-    """Run on every rank before anything is logged, so a bad setting stops all ranks alike (never one rank
-    failing while the others wait in a collective)."""
-    if m.tensorboard_dir and not m.tensorboard:
-        raise ConfigError(f"tensorboard_dir={m.tensorboard_dir} is given but tensorboard is false; drop one")
-    if m.wandb_mode is not None and m.wandb_mode not in WANDB_MODES:
-        raise ConfigError(f"wandb_mode must be one of {', '.join(WANDB_MODES)}, got {m.wandb_mode!r}")
-    if m.wandb_project and importlib.util.find_spec("wandb") is None:
-        raise ConfigError(
-            f"wandb_project={m.wandb_project} needs the wandb package, which is not installed. "
-            f"Install it (`pip install wandb`; use --wandb-mode offline without network), or drop "
-            f"--wandb-project: metrics.jsonl and TensorBoard need nothing extra"
-        )
 
 
 def run_summary(cfg: RunConfig, dims: RunDims, start_iteration: int, ds_config: dict[str, Any]) -> dict[str, Any]:

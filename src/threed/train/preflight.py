@@ -24,6 +24,7 @@ from threed.config import ConfigError, RunConfig, TrainConfig
 from threed.errors import ThreedError
 from threed.data.splits import DataSplits
 from threed.engine.resolved import ResolvedRun, resolve
+from threed.metrics.sinks import check_metrics_config, tensorboard_directory
 
 
 @dataclass
@@ -69,9 +70,6 @@ def check_run(run: ResolvedRun) -> RunCheck:
 def check_metrics_sinks(cfg: RunConfig) -> None:
     """wandb installed for --wandb-project, and a TensorBoard directory that can be made: before the engine, the
     lock or the save directory, so that a refusal leaves nothing behind."""
-    # deepspeed: threed.metrics.writer imports it (the run's metrics writer; these are its own rules)
-    from threed.metrics.writer import check_metrics_config, tensorboard_directory
-
     check_metrics_config(cfg.metrics)
     where = tensorboard_directory(cfg.metrics, cfg.checkpoint.save)
     if where is None:
