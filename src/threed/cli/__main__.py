@@ -2,6 +2,6 @@
 
 import sys
 
-from threed.cli.main import main
+from threed.cli.main import entry
 
-sys.exit(main())
+sys.exit(entry())

@@ -3,6 +3,6 @@
 
 import sys
 
-from threed.cli.memory import main
+from threed.cli.memory import entry
 
-sys.exit(main())
+sys.exit(entry())

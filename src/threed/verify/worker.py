@@ -20,6 +20,7 @@ from threed.parallel.distributed import init_distributed
 from threed.engine.build import build_engine
 from threed.engine.resolved import resolve
 from threed.verify.logits import pipeline_logits
+from threed.errors import finish
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -53,4 +54,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(finish(main()))
