@@ -8,8 +8,7 @@ threed.train`, `threed plan`, ...) runs through `guarded`, the one exit policy:
                        (another rank first waits for rank 0 to fail alike: `_after_rank_0`)
     KeyboardInterrupt  one line `<prog>: interrupted...`, exit 130 (the shell's code for SIGINT)
 
-Anything else is a bug and keeps its traceback. Every process entry ends through `finish` (its shutdown skips the
-collector's passes over torch's objects). This module imports nothing of threed: it is the floor.
+Anything else is a bug and keeps its traceback. This module imports nothing of threed: it is the floor.
 
 A write that failed (an OSError, or torch's file writer's RuntimeError, which carries no errno) is said by
 `write_failure` / `os_error_line`, the one place that tells a full disk (ENOSPC), a quota (EDQUOT) and a per-file
@@ -20,7 +19,6 @@ converters, preprocessing and the report all go through it.
 from __future__ import annotations
 
 import errno
-import gc
 import os
 import resource
 import signal
@@ -135,17 +133,3 @@ def os_error_line(e: BaseException) -> str:
     """`write_failure` as one clause: what failed, then its fix where there is one."""
     what, fix = write_failure(e)
     return f"{what}; {fix}" if fix else what
-
-
-def finish(code: int) -> int:
-    """The end of a `threed` process (the console script, `python -m threed.cli`, torchrun's ranks, the `python -m`
-    doors): its exit status, after one collection of what the command left, with every surviving object frozen.
-    The interpreter's shutdown runs the cyclic collector over every object of torch, DeepSpeed and megatron-core
-    (~1.4 CPU-s per process, each rank and each launch's checks: `import threed.train.loop` then exit, 1.75 s, with
-    this 0.6 s); frozen, they are skipped. Reference counts still free them at module teardown, atexit handlers and
-    the stdio flush still run; what a skipped pass could have finalized is what Python does not promise to finalize
-    at exit anyway ("It is not guaranteed that __del__() methods are called for objects that still exist when the
-    interpreter exits", the data model), and every file a command writes is closed before it returns."""
-    gc.collect()
-    gc.freeze()
-    return code

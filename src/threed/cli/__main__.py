@@ -2,6 +2,6 @@
 
 import sys
 
-from threed.cli.main import entry
+from threed.cli.main import main
 
-sys.exit(entry())
+sys.exit(main())

@@ -23,7 +23,7 @@ from threed.cli.convert import positive_int, register as register_convert
 from threed.cli.preprocess import register as register_preprocess
 from threed.data.tokenizer import train_tokenizer
 from threed.data.demo_text import write_demo_text
-from threed.errors import finish, guarded
+from threed.errors import guarded
 from threed.cli.flags import add_run_flags, dash_values, run_config_from_args, unknown_flags_line
 from threed.cli.generate import register as register_generate
 from threed.cli.eval_harness import register as register_eval_harness
@@ -134,11 +134,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return guarded("threed", lambda: _command(ns, args), prefix="configuration error: ")
 
 
-def entry(argv: Optional[Sequence[str]] = None) -> int:
-    """The `threed` console script (pyproject.toml), `python -m threed.cli` and the `python -m threed.train` door:
-    `main`, then `threed.errors.finish`."""
-    return finish(main(argv))
-
-
 if __name__ == "__main__":
-    sys.exit(entry())
+    sys.exit(main())

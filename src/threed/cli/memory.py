@@ -32,7 +32,7 @@ from threed.config import (
     check_sequence_parallel,
     check_virtual_stages,
 )
-from threed.errors import finish, guarded
+from threed.errors import guarded
 from threed.memory import model as memory_model
 from threed.memory.model import estimate, heaviest, host_copy_line
 from threed.memory.recompute import Recompute
@@ -149,10 +149,5 @@ def main(argv: list[str] | None = None) -> int:
     return run(standalone("threed memory", memory_model.__doc__, add_arguments).parse_args(argv))
 
 
-def entry() -> int:
-    """`python -m threed.memory` / `python -m threed.cli.memory`: `main`, then `threed.errors.finish`."""
-    return finish(main())
-
-
 if __name__ == "__main__":
-    sys.exit(entry())
+    sys.exit(main())

@@ -3,6 +3,6 @@
 
 import sys
 
-from threed.cli.memory import entry
+from threed.cli.memory import main
 
-sys.exit(entry())
+sys.exit(main())

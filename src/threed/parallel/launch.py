@@ -11,7 +11,7 @@ import subprocess
 import sys
 from typing import Optional, Sequence
 
-from threed.errors import ConfigError, finish
+from threed.errors import ConfigError
 
 NPROC_FLAG = "--nproc-per-node"
 
@@ -159,4 +159,4 @@ def torchrun_main(argv: Sequence[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(finish(torchrun_main(sys.argv[1:])))
+    sys.exit(torchrun_main(sys.argv[1:]))

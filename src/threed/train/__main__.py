@@ -7,7 +7,7 @@
 import sys
 from typing import Optional
 
-from threed.cli.main import entry, main as threed_main
+from threed.cli.main import main as threed_main
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -15,4 +15,4 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(entry(["train", *sys.argv[1:]]))
+    sys.exit(main())

@@ -20,7 +20,6 @@ from threed.parallel.distributed import init_distributed
 from threed.engine.build import build_engine
 from threed.engine.resolved import resolve
 from threed.verify.logits import pipeline_logits
-from threed.errors import finish
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -54,4 +53,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(finish(main()))
+    sys.exit(main())
