@@ -12,12 +12,17 @@ and the slowest tests.
 
 `--update` replaces the section "## Test suite times" of the page (or appends it). Only the standard library: it
 runs wherever the XML files are.
+
+Beside an XML file, `<name>.rank-pool.json` (tests/ranks/rank_pool.py) holds every request the session's rank pool
+served: its seconds and the CPU seconds of all its ranks. A module's pooled worker run counts in the XML towards its
+first test only, and on N ranks it spends N cores' CPU, so the costliest requests get a table of their own.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import sys
 import xml.etree.ElementTree as ET
 from collections import defaultdict
@@ -89,6 +94,31 @@ def read_runs(paths: Sequence[Path]) -> list[Run]:
     return [read_run(f) for f in files]
 
 
+def read_pool_requests(paths: Sequence[Path]) -> list[dict]:
+    """Every rank-pool request kept beside the XML files (`*.rank-pool.json`), each with the run it came from."""
+    files: list[Path] = []
+    for p in paths:
+        files.extend(sorted(p.glob("*.rank-pool.json")) if p.is_dir() else [])
+    return [{**r, "target": f.name.removesuffix(".rank-pool.json")} for f in files for r in json.loads(f.read_text())]
+
+
+def pool_table(requests: list[dict], top: int) -> list[str]:
+    """The `top` requests costing most CPU, and what all of them cost."""
+    if not requests:
+        return []
+    cpu, wall = sum(r["cpu_seconds"] for r in requests), sum(r["seconds"] for r in requests)
+    out = [
+        "",
+        f"Rank-pool requests: {len(requests)}, {wall:.0f} s, {cpu:.0f} CPU-s over their ranks; the {top} costliest:",
+    ]
+    rows = sorted(requests, key=lambda r: -r["cpu_seconds"])[:top]
+    cells = [
+        [f"{r['cpu_seconds']:.1f}", f"{r['seconds']:.1f}", str(r["world"]), r["target"], f"`{r['request']}`"]
+        for r in rows
+    ]
+    return out + [""] + _table(["CPU-s", "seconds", "ranks", "run", "request"], cells)
+
+
 def _table(header: Sequence[str], rows: list[Sequence[str]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     return lines + ["| " + " | ".join(r) + " |" for r in rows]
@@ -108,8 +138,8 @@ def _run_row(label: str, seconds: float, cases: list[Case]) -> list[str]:
     return [label, str(passed), f"{seconds:.0f}", f"{sum(c.seconds for c in cases):.0f}"]
 
 
-def markdown(runs: list[Run], slowest: int = 25, files: int = 20, note: str = "") -> str:
-    """The section: each run's total, the folders, the costliest files and the slowest tests."""
+def markdown(runs: list[Run], slowest: int = 25, files: int = 20, note: str = "", requests: Sequence[dict] = ()) -> str:
+    """The section: each run's total, the folders, the costliest files, the slowest tests and pool requests."""
     cases = [c for r in runs for c in r.cases]
     dates = sorted({r.stamp[:10] for r in runs if r.stamp}) or [datetime.date.today().isoformat()]
     out = [SECTION, "", f"Measured {', '.join(dates)}{f' ({note})' if note else ''}; `tools/test_durations.py`."]
@@ -128,6 +158,7 @@ def markdown(runs: list[Run], slowest: int = 25, files: int = 20, note: str = ""
     out += ["", f"The {slowest} slowest tests:", ""]
     top = sorted(cases, key=lambda c: -c.seconds)[:slowest]
     out += _table(["seconds", "run", "test"], [[f"{c.seconds:.1f}", c.target, f"`{c.file}::{c.name}`"] for c in top])
+    out += pool_table(list(requests), slowest)
     return "\n".join(out) + "\n"
 
 
@@ -149,7 +180,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--note", default="", help="the conditions, said after the date (cores, what else ran)")
     parser.add_argument("--slowest", type=int, default=25, help="how many of the slowest tests to list")
     args = parser.parse_args(argv)
-    section = markdown(read_runs(args.paths), slowest=args.slowest, note=args.note)
+    runs, requests = read_runs(args.paths), read_pool_requests(args.paths)
+    section = markdown(runs, slowest=args.slowest, note=args.note, requests=requests)
     if args.update is None:
         sys.stdout.write(section)
     else:

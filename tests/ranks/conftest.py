@@ -6,6 +6,7 @@ one worker, so that one pool serves them all (tests/xdist_scheduling.py)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -17,10 +18,15 @@ RANKS = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="session")
-def rank_pool(tmp_path_factory):
+def rank_pool(tmp_path_factory, pytestconfig):
     pool = RankPool(tmp_path_factory.mktemp("rank_pool"))
     yield pool
     pool.close()
+    xml = pytestconfig.getoption("xmlpath", None)
+    if xml:  # `make test DURATIONS_DIR=...`: each request's seconds and its ranks' CPU, for tools/test_durations.py
+        report = Path(xml).with_suffix(".rank-pool.json")
+        report.parent.mkdir(parents=True, exist_ok=True)  # before pytest's own XML writer makes it
+        report.write_text(json.dumps(pool.requests, indent=1))
 
 
 @pytest.fixture(scope="session")
@@ -39,6 +45,6 @@ def memory_zb_run(tmp_path_factory, rank_pool) -> Path:
 def verify_in_pool(rank_pool, monkeypatch):
     """`threed verify` with its tp x pp ranks served by the pool's launch of that size, not by a torchrun of its own
     (each of whose ranks would import torch, DeepSpeed and megatron-core anew: ~7 s of CPU). The ranks run the same
-    module, threed.verify.worker; test_convert_parity.py::test_deepspeed_load_checkpoint_matches_hf keeps verify's
+    module, threed.verify.worker; test_convert_parity.py::test_deepspeed_load_checkpoint_matches_hf[2-2] keeps verify's
     own launch."""
     monkeypatch.setattr(threed.verify.parity, "run_ranks", rank_pool.run_ranks)

@@ -2,7 +2,8 @@
 as OUT/probe_rank<R>.json, `raise` makes the last rank raise while the others wait for it in a barrier (a collective
 that will never complete), `sleep` outlives any short timeout, `exit3` exits 3 on every rank. `groups` (no
 misbehaviour: the launch's group sharing) makes megatron-core's groups and a pair group twice, named differently,
-and writes whether the second calls returned the first calls' groups, and the process's thread count.
+and writes whether the second calls returned the first calls' groups, and the process's thread count. `spin` keeps
+each rank's CPU busy for SPIN_CPU_SECONDS (what the pool's request timings must count on every rank).
 
     python -m torch.distributed.run --nproc-per-node 2 tests/ranks/probe_worker.py raise --out /tmp/p
 """
@@ -32,6 +33,15 @@ def raise_on_last(args: argparse.Namespace, rt: Runtime) -> None:
     dist.barrier()
 
 
+SPIN_CPU_SECONDS = 0.5
+
+
+def spin(args: argparse.Namespace, rt: Runtime) -> None:
+    end = time.process_time() + SPIN_CPU_SECONDS
+    while time.process_time() < end:
+        pass
+
+
 def sleep(args: argparse.Namespace, rt: Runtime) -> None:
     time.sleep(3600)
 
@@ -50,4 +60,6 @@ def exit3(args: argparse.Namespace, rt: Runtime) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_worker({"ok": ok, "raise": raise_on_last, "sleep": sleep, "exit3": exit3, "groups": groups}))
+    raise SystemExit(
+        run_worker({"ok": ok, "raise": raise_on_last, "sleep": sleep, "exit3": exit3, "groups": groups, "spin": spin})
+    )

@@ -8,7 +8,12 @@ traceback and the output tail.
 A failed run fails only its own caller: the launch it broke (a rank that raised ends its process, and the others
 may be stuck in a collective) is torn down, and the next run starts a fresh one. A run that outlives its timeout
 is killed the same way. `fresh=True` asks for a launch that has run nothing yet (what measures every live tensor
-of its process). The session fixture `rank_pool` (tests/ranks/conftest.py) makes one pool and closes it."""
+of its process). The session fixture `rank_pool` (tests/ranks/conftest.py) makes one pool and closes it.
+
+Every request's wall time and the CPU seconds its ranks spent on it (summed over the ranks) are kept in
+`RankPool.requests`; with `--junitxml` the fixture writes them beside the XML (`<name>.rank-pool.json`), and
+tools/test_durations.py lists the costliest. A module-scoped worker run counts in the JUnit file towards one test
+only, and its CPU on N ranks not at all: these are where the pooled half of the suite's CPU goes."""
 
 from __future__ import annotations
 
@@ -43,6 +48,17 @@ def _launch_env() -> dict[str, str]:
         **os.environ,
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         "CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "1"),
+    }
+
+
+def timing(nproc: int, worker: str, argv: list[str], done: list[dict]) -> dict:
+    """One request's time from its ranks' done files: the slowest rank's seconds, the ranks' CPU seconds summed.
+    The arguments without absolute paths (a test's temporary folders): what names the request across sessions."""
+    return {
+        "world": nproc,
+        "request": " ".join([worker, *(a for a in argv if not a.startswith("/"))]),
+        "seconds": max(d["seconds"] for d in done),
+        "cpu_seconds": round(sum(d["cpu_seconds"] for d in done), 3),
     }
 
 
@@ -93,8 +109,9 @@ class Launch:
             f.seek(start)
             return f.read().decode(errors="replace")
 
-    def run(self, worker: str, argv: list[str], env: dict[str, str], timeout: float) -> str:
-        """Run `worker argv` on every rank; what they printed meanwhile. Raises RanksFailed (the launch then ends)."""
+    def run(self, worker: str, argv: list[str], env: dict[str, str], timeout: float) -> tuple[str, dict]:
+        """Run `worker argv` on every rank: what they printed meanwhile, and the request's time (`timing`). Raises
+        RanksFailed (the launch then ends)."""
         wanted = {**_launch_env(), **env}
         request = {
             "worker": worker,
@@ -107,9 +124,10 @@ class Launch:
         what = f"{worker} {' '.join(argv)} (request {seq} of the {self.nproc}-rank launch, log {self.log})"
         deadline = time.monotonic() + timeout
         while True:
-            if all((self.inbox / f"{seq:04d}.rank{r}.done").exists() for r in range(self.nproc)):
+            done = [self.inbox / f"{seq:04d}.rank{r}.done" for r in range(self.nproc)]
+            if all(d.exists() for d in done):
                 self._signal_ranks(signal.SIGSTOP)
-                return self._output(start)
+                return self._output(start), timing(self.nproc, worker, argv, [json.loads(d.read_text()) for d in done])
             errors = sorted(self.inbox.glob(f"{seq:04d}.rank*.error"))
             if errors or not self.alive():
                 self.close(grace=STOP_GRACE if errors else 0)
@@ -160,6 +178,7 @@ class RankPool:
         self.current: dict[int, Launch] = {}
         self.used: dict[int, bool] = {}
         self.launches = 0
+        self.requests: list[dict] = []  # `timing` of every request served, in order
         self._ids = itertools.count()
         self.watchdog = subprocess.Popen(
             ["sh", "-c", WATCHDOG, "watchdog", str(os.getpid()), str(root)],
@@ -193,7 +212,8 @@ class RankPool:
             raise ValueError(f"{worker}: the pool runs the worker scripts of {DISPATCH.parent} only")
         launch = self._launch(nproc, fresh)
         argv = [str(a) for a in args]
-        stdout = launch.run(script.name, argv, env or {}, timeout or DEFAULT_TIMEOUT)
+        stdout, took = launch.run(script.name, argv, env or {}, timeout or DEFAULT_TIMEOUT)
+        self.requests.append(took)
         return subprocess.CompletedProcess([str(script), *argv], 0, stdout=stdout)
 
     def run_ranks(

@@ -3,7 +3,8 @@ rank while the others wait for it in a collective fails with its traceback and e
 starts a fresh one; a run that outlives its timeout is killed within it, ranks included; a worker's non-zero exit
 status fails its run; `fresh=True` gets a launch that has run nothing. A pool of its own on 2 ranks
 (tests/ranks/probe_worker.py), not the session's. And on the session's pool: a launch makes each group once, however
-many engines its requests build (dispatch_worker.share_groups_by_membership)."""
+many engines its requests build (dispatch_worker.share_groups_by_membership), and it times each request, CPU summed
+over its ranks."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from helpers import RANKS
+from probe_worker import SPIN_CPU_SECONDS
 from rank_pool import RankPool
 from threed.parallel.launch import RanksFailed
 
@@ -110,6 +112,16 @@ def test_a_launch_waits_stopped_between_requests(tmp_path, rank_pool):
     assert settle(pids, ["T", "T"], 10) == ["T", "T"]
     rank_pool.run(2, PROBE, ["ok", "--out", str(tmp_path / "b")], timeout=300)
     assert (tmp_path / "b").exists() and settle(pids, ["T", "T"], 10) == ["T", "T"]
+
+
+def test_each_request_is_timed_with_the_cpu_of_all_its_ranks(tmp_path, rank_pool):
+    """What `--junitxml` runs write as <name>.rank-pool.json: the request's arguments without its temporary paths,
+    the slowest rank's seconds, and every rank's CPU seconds added up (2 ranks each busy SPIN_CPU_SECONDS)."""
+    rank_pool.run(2, PROBE, ["spin", "--out", str(tmp_path)], timeout=300)
+    took = rank_pool.requests[-1]
+    assert took["world"] == 2 and took["request"] == "probe_worker.py spin --out", took
+    assert took["seconds"] >= SPIN_CPU_SECONDS, took
+    assert 2 * SPIN_CPU_SECONDS <= took["cpu_seconds"] < 2 * SPIN_CPU_SECONDS + 2, took
 
 
 @pytest.mark.slow  # a 2-rank launch of its own (~15 s of start-up on 2 busy cores)

@@ -1,6 +1,7 @@
 """tools/test_durations.py, which turns the JUnit XML files `.ci/run` keeps into docs/performance.md's "Test suite
 times": a test's time lands in its file and folder, the slowest come first, and the page's section is replaced
-(not appended twice) while the rest of the page stays.
+(not appended twice) while the rest of the page stays; the rank pool's requests kept beside the XML are listed by
+their CPU.
 
     .venv/bin/python -m pytest -q tests/unit/test_durations_tool.py
 """
@@ -8,6 +9,7 @@ times": a test's time lands in its file and folder, the slowest come first, and 
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -58,3 +60,22 @@ def test_the_section_is_replaced_and_the_page_kept(tmp_path) -> None:
     assert tool.replace_section(once, "## Test suite times\n\nnew table\n") == once
     appended = tool.replace_section("# Perf\n", "## Test suite times\n\nt\n")
     assert appended == "# Perf\n\n## Test suite times\n\nt\n"
+
+
+def test_rank_pool_requests_are_listed_by_their_cpu(tmp_path) -> None:
+    tool = _tool()
+    (tmp_path / "test.xml").write_text(XML)
+    requests = [
+        {"world": 2, "request": "bytes_worker.py compare --out", "seconds": 7.5, "cpu_seconds": 10.25},
+        {"world": 8, "request": "cp_worker.py --out --data", "seconds": 80.0, "cpu_seconds": 143.0},
+        {"world": 4, "request": "init_worker.py --out", "seconds": 12.5, "cpu_seconds": 16.0},
+    ]
+    (tmp_path / "test.rank-pool.json").write_text(json.dumps(requests))
+    found = tool.read_pool_requests([tmp_path])
+    assert [r["target"] for r in found] == ["test"] * 3
+    text = tool.markdown(tool.read_runs([tmp_path]), slowest=2, requests=found)
+    pool = text.split("Rank-pool requests:")[1]
+    assert pool.startswith(" 3, 100 s, 169 CPU-s over their ranks; the 2 costliest:"), pool
+    assert pool.index("| 143.0 | 80.0 | 8 | test | `cp_worker.py --out --data` |") < pool.index("init_worker.py")
+    assert "bytes_worker" not in pool  # only the 2 costliest
+    assert "Rank-pool" not in tool.markdown(tool.read_runs([tmp_path]))  # none kept: no table
