@@ -176,7 +176,6 @@ class RankPool:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.current: dict[int, Launch] = {}
-        self.used: dict[int, bool] = {}
         self.launches = 0
         self.requests: list[dict] = []  # `timing` of every request served, in order
         self._ids = itertools.count()
