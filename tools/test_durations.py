@@ -84,22 +84,26 @@ def read_run(path: Path) -> Run:
     return Run(path.stem, seconds, stamp, tuple(cases))
 
 
-def read_runs(paths: Sequence[Path]) -> list[Run]:
-    """Every `*.xml` of the given files and directories, in name order."""
+def _xml_files(paths: Sequence[Path]) -> list[Path]:
+    """The given XML files, and every `*.xml` of the given directories, in name order."""
     files: list[Path] = []
     for p in paths:
         files.extend(sorted(p.glob("*.xml")) if p.is_dir() else [p])
+    return files
+
+
+def read_runs(paths: Sequence[Path]) -> list[Run]:
+    """Every `*.xml` of the given files and directories, in name order."""
+    files = _xml_files(paths)
     if not files:
         raise SystemExit(f"test_durations: no JUnit XML files in {', '.join(map(str, paths))}; run `.ci/run` first")
     return [read_run(f) for f in files]
 
 
 def read_pool_requests(paths: Sequence[Path]) -> list[dict]:
-    """Every rank-pool request kept beside the XML files (`*.rank-pool.json`), each with the run it came from."""
-    files: list[Path] = []
-    for p in paths:
-        files.extend(sorted(p.glob("*.rank-pool.json")) if p.is_dir() else [])
-    return [{**r, "target": f.name.removesuffix(".rank-pool.json")} for f in files for r in json.loads(f.read_text())]
+    """Every rank-pool request kept beside the XML files (`<name>.rank-pool.json`), each with the run it came from."""
+    kept = [(x.stem, x.with_suffix(".rank-pool.json")) for x in _xml_files(paths)]
+    return [{**r, "target": name} for name, f in kept if f.exists() for r in json.loads(f.read_text())]
 
 
 def pool_table(requests: list[dict], top: int) -> list[str]:

@@ -73,6 +73,7 @@ def test_rank_pool_requests_are_listed_by_their_cpu(tmp_path) -> None:
     (tmp_path / "test.rank-pool.json").write_text(json.dumps(requests))
     found = tool.read_pool_requests([tmp_path])
     assert [r["target"] for r in found] == ["test"] * 3
+    assert tool.read_pool_requests([tmp_path / "test.xml"]) == found  # an XML file named: the file beside it
     text = tool.markdown(tool.read_runs([tmp_path]), slowest=2, requests=found)
     pool = text.split("Rank-pool requests:")[1]
     assert pool.startswith(" 3, 100 s, 169 CPU-s over their ranks; the 2 costliest:"), pool
