@@ -1,10 +1,11 @@
 """threed.memory with sequence parallelism and partial recompute (issue 18) against what real CPU ranks hold.
 
 Two runs of tests/ranks/memory_worker.py: 2 ranks (tp 2, one stage of four blocks) measure the activation peak of
-one micro-batch for each of its SP_CASES (the least of three peaks per rank, averaged over the TP ranks: a gloo
-collective's temporaries move single peaks by a few percent, differently on each rank); 4 ranks build a tp 2 pp 2
-engine with sequence parallelism and compare its tensors with the static terms (megatron's all-gather buffer, the
-unpartitioned p2p buffer).
+one micro-batch for each of its SP_CASES (the least of three peaks per rank, and the lesser of the two TP ranks:
+both allocate the same tensors, and a gloo collective's temporaries, freed earlier or later as the other rank arrives,
+only raise a peak, by up to 6% at full recompute on a quiet machine and more beside other work; the mean of the two
+ranks failed the 5% bound in a make test-slow run, 2026-11-30); 4 ranks build a tp 2 pp 2 engine with sequence
+parallelism and compare its tensors with the static terms (megatron's all-gather buffer, the unpartitioned p2p buffer).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def measured(tmp_path_factory, rank_pool):
     ranks = [json.loads(p.read_text()) for p in sorted(out.glob("stage_activations_rank*.json"))]
     cases = {
         case: {
-            "measured": sum(r[case]["measured"] for r in ranks) / len(ranks),
+            "measured": min(r[case]["measured"] for r in ranks),  # the least raised (the docstring)
             "per_rank": [r[case]["measured"] for r in ranks],
             "estimate": ranks[0][case]["estimate_cpu_kernels"],
         }
