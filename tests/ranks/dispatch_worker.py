@@ -52,6 +52,15 @@ HERE = Path(__file__).resolve().parent
 POLL_SECONDS = 0.2
 
 
+def publish(path: Path, text: str) -> None:
+    """`text` as `path`, whole or not at all. The pytest side polls for these names, reads the files at once and then
+    SIGSTOPs the ranks, so a name it sees must already hold its text: a rank stopped between `open` and `write` left
+    an empty done file (a JSONDecodeError in `make test`, 2026-11-30). The temporary name matches no poll's pattern."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
 def next_request(inbox: Path, seq: int, parent: int) -> Optional[dict]:
     """Request `seq` once the pytest side has written it; None for a stop, or when the pytest process is gone."""
     path = inbox / f"{seq:04d}.json"
@@ -154,7 +163,7 @@ def process_status() -> dict[str, int]:
 
 def serve(inbox: Path, parent: int) -> int:
     # Before joining: a rank that hangs in the rendezvous must be killable too.
-    (inbox / f"rank{os.environ['RANK']}.pid").write_text(str(os.getpid()))
+    publish(inbox / f"rank{os.environ['RANK']}.pid", str(os.getpid()))
     share_groups_by_membership()
     init_distributed(RunControlConfig().dist_timeout_minutes)
     # Everything alive now (torch's, DeepSpeed's, megatron-core's module objects: ~0.5M) into the collector's
@@ -175,7 +184,7 @@ def serve(inbox: Path, parent: int) -> int:
                 raise RuntimeError(f"{request['worker']} exited {rc}")
             tear_down()
         except BaseException:
-            (inbox / f"{seq:04d}.rank{rank}.error").write_text(traceback.format_exc())
+            publish(inbox / f"{seq:04d}.rank{rank}.error", traceback.format_exc())
             sys.stdout.flush()
             sys.stderr.flush()
             # A peer may be waiting for this rank in a collective: end the launch (torchrun stops the others).
@@ -184,7 +193,7 @@ def serve(inbox: Path, parent: int) -> int:
         sys.stderr.flush()
         taken = {"seconds": round(time.perf_counter() - started, 3), "cpu_seconds": round(time.process_time() - cpu, 3)}
         done = {**taken, **process_status()}
-        (inbox / f"{seq:04d}.rank{rank}.done").write_text(json.dumps(done))
+        publish(inbox / f"{seq:04d}.rank{rank}.done", json.dumps(done))
         seq += 1
     # Stopped: every request's files are written and closed. Skip the interpreter's shutdown, which in a process
     # holding torch, DeepSpeed and megatron-core costs ~1.7 s of CPU (0.04 s this way), paid by every rank of every

@@ -4,7 +4,7 @@ starts a fresh one; a run that outlives its timeout is killed within it, ranks i
 status fails its run; `fresh=True` gets a launch that has run nothing. A pool of its own on 2 ranks
 (tests/ranks/probe_worker.py), not the session's. And on the session's pool: a launch makes each group once, however
 many engines its requests build (dispatch_worker.share_groups_by_membership), and it times each request, CPU summed
-over its ranks."""
+over its ranks. A rank's pid, done and error files appear whole (dispatch_worker.publish)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+import dispatch_worker
 from helpers import RANKS
 from probe_worker import SPIN_CPU_SECONDS
 from rank_pool import RankPool
@@ -144,3 +145,23 @@ def test_stopped_ranks_exit_when_the_pytest_process_is_killed(tmp_path):
     owner.kill()
     owner.wait()
     assert settle(pids, ["gone", "gone"]) == ["gone", "gone"]
+
+
+def test_a_rank_file_appears_only_whole(tmp_path, monkeypatch):
+    """The pytest side reads a done file as soon as its name exists and then SIGSTOPs the ranks: the name must not
+    exist before its text is written (a rank stopped between open and write once left an empty done file)."""
+    target = tmp_path / "0007.rank1.done"
+    exists_around_writes = []
+    write_text = Path.write_text
+
+    def watched(self, text, *args, **kwargs):
+        exists_around_writes.append(target.exists())
+        written = write_text(self, text, *args, **kwargs)
+        exists_around_writes.append(target.exists())
+        return written
+
+    monkeypatch.setattr(Path, "write_text", watched)
+    dispatch_worker.publish(target, json.dumps({"seconds": 1.5, "cpu_seconds": 0.25}))
+    assert exists_around_writes == [False, False]
+    assert json.loads(target.read_text()) == {"seconds": 1.5, "cpu_seconds": 0.25}
+    assert [p.name for p in tmp_path.iterdir()] == [target.name]
