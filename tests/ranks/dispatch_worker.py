@@ -45,6 +45,7 @@ from torch.distributed import distributed_c10d
 
 # worker_setup first: it puts tests/ on sys.path, as for any worker
 import worker_setup  # noqa: F401
+from threed.atomic import write_atomic
 from threed.config import RunControlConfig
 from threed.parallel.distributed import init_distributed
 
@@ -53,12 +54,11 @@ POLL_SECONDS = 0.2
 
 
 def publish(path: Path, text: str) -> None:
-    """`text` as `path`, whole or not at all. The pytest side polls for these names, reads the files at once and then
-    SIGSTOPs the ranks, so a name it sees must already hold its text: a rank stopped between `open` and `write` left
-    an empty done file (a JSONDecodeError in `make test`, 2026-11-30). The temporary name matches no poll's pattern."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    """`text` as `path`, whole or not at all (threed.atomic, as every file threed publishes). The pytest side polls for
+    these names, reads the files at once and then SIGSTOPs the ranks, so a name it sees must already hold its text: a
+    rank stopped between `open` and `write` left an empty done file (a JSONDecodeError in `make test`, 2026-11-30).
+    The temporary name is hidden, so no poll's pattern matches it."""
+    write_atomic(path, text)
 
 
 def next_request(inbox: Path, seq: int, parent: int) -> Optional[dict]:

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from threed.atomic import write_atomic
 from threed.parallel.launch import RanksFailed, torchrun_command
 
 DISPATCH = Path(__file__).resolve().parent / "dispatch_worker.py"
@@ -99,9 +100,8 @@ class Launch:
     def _post(self, request: dict) -> int:
         self._signal_ranks(signal.SIGCONT)
         seq, self.seq = self.seq, self.seq + 1
-        tmp = self.inbox / f"{seq:04d}.json.tmp"
-        tmp.write_text(json.dumps(request))
-        tmp.replace(self.inbox / f"{seq:04d}.json")  # whole or absent: the ranks poll for this name
+        # Whole or absent: the ranks poll for this name.
+        write_atomic(self.inbox / f"{seq:04d}.json", json.dumps(request))
         return seq
 
     def _output(self, start: int) -> str:

@@ -9,6 +9,7 @@ over its ranks. A rank's pid, done and error files appear whole (dispatch_worker
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -148,20 +149,19 @@ def test_stopped_ranks_exit_when_the_pytest_process_is_killed(tmp_path):
 
 
 def test_a_rank_file_appears_only_whole(tmp_path, monkeypatch):
-    """The pytest side reads a done file as soon as its name exists and then SIGSTOPs the ranks: the name must not
-    exist before its text is written (a rank stopped between open and write once left an empty done file)."""
+    """The pytest side reads a done file as soon as its name exists and then SIGSTOPs the ranks: the name must appear
+    by a rename of a file that already holds the text (a rank stopped between open and write once left an empty done
+    file)."""
     target = tmp_path / "0007.rank1.done"
-    exists_around_writes = []
-    write_text = Path.write_text
+    text = json.dumps({"seconds": 1.5, "cpu_seconds": 0.25})
+    renames = []
+    rename = os.replace
 
-    def watched(self, text, *args, **kwargs):
-        exists_around_writes.append(target.exists())
-        written = write_text(self, text, *args, **kwargs)
-        exists_around_writes.append(target.exists())
-        return written
+    def watched(src, dst):
+        renames.append((target.exists(), Path(src).read_text(), Path(dst)))
+        return rename(src, dst)
 
-    monkeypatch.setattr(Path, "write_text", watched)
-    dispatch_worker.publish(target, json.dumps({"seconds": 1.5, "cpu_seconds": 0.25}))
-    assert exists_around_writes == [False, False]
-    assert json.loads(target.read_text()) == {"seconds": 1.5, "cpu_seconds": 0.25}
-    assert [p.name for p in tmp_path.iterdir()] == [target.name]
+    monkeypatch.setattr(os, "replace", watched)
+    dispatch_worker.publish(target, text)
+    assert renames == [(False, text, target)]
+    assert target.read_text() == text and [p.name for p in tmp_path.iterdir()] == [target.name]
